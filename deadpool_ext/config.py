@@ -1,0 +1,204 @@
+"""Typed configuration of the ``"deadpool"`` section of a DeepSpeed config.
+
+Every component has its own dataclass; every field has a docstring-style comment; unknown keys and bad values
+stop start-up with an error that names the full key path and what is allowed. This is deliberately strict:
+a misspelt ``"replication_factr"`` that is silently ignored leaves a job unprotected, and users only find out
+when a node dies.
+
+Example::
+
+    "deadpool": {
+        "enabled": true,
+        "snapshot": {"interval": 1},
+        "replication": {"factor": 1}
+    }
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+SECTION = "deadpool"
+
+
+class ConfigError(ValueError):
+    """A bad ``deadpool`` config: the message names the key and the allowed values."""
+
+
+def _fail(path: str, msg: str) -> typing.NoReturn:
+    raise ConfigError(f"deadpool config: {path}: {msg}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SnapshotConfig:
+    """In-memory snapshot of each rank's whole training state (tier 1)."""
+
+    interval: int = 1
+    """Take a snapshot every ``interval`` optimizer steps (1 = every iteration, as DeadPool does)."""
+    chunk_mb: int = 16
+    """Copy granularity of the background worker, in MiB: small enough to interleave with compute, large
+    enough that per-chunk overhead is negligible."""
+    verify_on_restore: bool = True
+    """Check every tensor's checksum before a snapshot is used. Turning this off is for benchmarks only."""
+    background: bool = True
+    """Copy in a background worker overlapped with the next iteration (the design). ``false`` copies inline
+    in ``after_step``: a debugging aid and the baseline the benchmark compares against."""
+
+    def __post_init__(self) -> None:
+        _positive("interval", self.interval)
+        _positive("chunk_mb", self.chunk_mb)
+
+
+@dataclass(kw_only=True, slots=True)
+class ReplicationConfig:
+    """Copies of each rank's snapshot in other nodes' memory (tier 2)."""
+
+    factor: int = 1
+    """Number of peer replicas per rank, each on a different node than the rank itself. 0 disables tier 2."""
+    timeout_s: float = 120.0
+    """Deadline for one replica transfer; a transfer that misses it is reported and the version is not
+    counted as replicated."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.factor, int) or self.factor < 0:
+            _fail("factor", f"must be an integer >= 0, got {self.factor!r}")
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class LocalConfig:
+    """Where tier-1 buffers live."""
+
+    shm_root: str = "/dev/shm"
+    """Directory of node-local shared memory (a tmpfs). Buffers are files here so they outlive a crashed
+    worker and are found again by its replacement."""
+
+    simulate_nodes: int = 0
+    """Split the processes of each host into this many simulated nodes (failure domains), so tier-2 replicas
+    and lost-node recovery can be exercised on one machine under torchrun. 0: one node per host. deadpool-run
+    names nodes itself and ignores this."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.simulate_nodes, bool) or not isinstance(self.simulate_nodes, int) or self.simulate_nodes < 0:
+            _fail("simulate_nodes", f"must be an integer >= 0, got {self.simulate_nodes!r}")
+        if not isinstance(self.shm_root, str) or not self.shm_root:
+            _fail("shm_root", f"must be a directory path, got {self.shm_root!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryConfig:
+    """What a (re)starting worker does with snapshots it finds."""
+
+    restore_on_start: bool = True
+    """On start-up, look for this job's snapshots in tier 1 / tier 2 and resume from the newest version that
+    every rank can restore."""
+    timeout_s: float = 120.0
+    """Deadline for the agreement and transfers of one restore."""
+
+    def __post_init__(self) -> None:
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class DeadpoolConfig:
+    """The whole ``"deadpool"`` section."""
+
+    enabled: bool = True
+    """Master switch; a present section with ``enabled: false`` leaves DeepSpeed exactly as it was."""
+    job_id: str | None = None
+    """Names this job's shared memory and store keys so that two jobs on a host never collide. Default: the
+    launcher's run id (``DEADPOOL_JOB_ID``, ``TORCHELASTIC_RUN_ID``) or a hash of the master address and port."""
+    log_level: str = "info"
+    """Log level of the ``deadpool_ext`` logger: one of debug, info, warning, error."""
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    local: LocalConfig = field(default_factory=LocalConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    def __post_init__(self) -> None:
+        if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.job_id)):
+            _fail("job_id", f"must be 1-64 characters of [A-Za-z0-9_-], got {self.job_id!r}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            _fail("log_level", f"must be one of debug, info, warning, error; got {self.log_level!r}")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> "DeadpoolConfig":
+        return _build(cls, data or {}, SECTION)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _positive(path: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        _fail(path, f"must be a positive number, got {value!r}")
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        _fail(path, f"must be a JSON object, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        _fail(f"{path}.{unknown[0]}", f"unknown key; allowed keys are {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        # __post_init__ names the bare field; prefix the section path so the user sees the full key.
+        raise ConfigError(str(exc).replace("deadpool config: ", f"deadpool config: {path}.", 1)) from None
+
+
+def _coerce(hint: Any, value: Any, path: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(inner, value, path)
+    if hint is bool:
+        if not isinstance(value, bool):
+            _fail(path, f"must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(path, f"must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            _fail(path, f"must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            _fail(path, f"must be a string, got {value!r}")
+        return value
+    return value
+
+
+def split_deepspeed_config(config: str | os.PathLike | dict[str, Any]) -> tuple[dict[str, Any], DeadpoolConfig | None]:
+    """Load a DeepSpeed config (path or dict) and split off the ``deadpool`` section.
+
+    Returns ``(deepspeed_config_without_section, DeadpoolConfig or None)``. The section is removed so that
+    DeepSpeed never sees a key it does not know.
+    """
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as fh:
+            config = json.load(fh)
+    if not isinstance(config, dict):
+        raise ConfigError(f"DeepSpeed config must be a JSON object, got {type(config).__name__}")
+    ds_config = dict(config)
+    section = ds_config.pop(SECTION, None)
+    if section is None:
+        return ds_config, None
+    return ds_config, DeadpoolConfig.from_dict(section)

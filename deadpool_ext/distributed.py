@@ -1,0 +1,69 @@
+"""Process-group start-up that survives launcher restarts.
+
+Why not plain ``init_process_group("env://")``: under torchrun (torch 2.13) workers share the launcher's
+rendezvous TCPStore, which is kept across restart attempts without a per-attempt prefix
+(pytorch/pytorch#135712). A relaunched gloo group can read the dead attempt's addresses and hang while
+connecting. We build the group on the same store, prefixed by ``TORCHELASTIC_RESTART_COUNT``, so each attempt
+has its own key space. Users run plain torchrun and need not set any variable.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("deadpool_ext")
+
+REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> None:
+    """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
+    deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
+    to MPI discovery as DeepSpeed does."""
+    if dist.is_initialized():
+        return
+    missing = [k for k in REQUIRED_ENV if k not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"deadpool_ext: cannot start torch.distributed: environment variables {missing} are not set. "
+            "Launch with torchrun, the deepspeed launcher or deadpool-run, e.g. "
+            "`torchrun --nproc-per-node 2 scripts/pretrain_gpt.py ...`"
+        )
+    backend = backend or default_backend()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                             is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"deadpool/attempt_{attempt}", base)
+        log.debug("process group on launcher store, prefix attempt_%s", attempt)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def default_job_id() -> str:
+    """A name shared by every rank of one job, stable across restarts of the job's workers."""
+    for key in ("DEADPOOL_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(key)
+        if value and value != "none":
+            return "".join(c if c.isalnum() or c in "_-" else "_" for c in value)[:64]
+    addr = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
+    return "j" + hashlib.sha1(addr.encode()).hexdigest()[:12]
+
+
+def node_name() -> str:
+    """Failure-domain name of this process: the launcher's simulated node, else the host name."""
+    return os.environ.get("DEADPOOL_NODE") or os.uname().nodename

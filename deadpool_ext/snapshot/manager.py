@@ -1,0 +1,327 @@
+"""Snapshots every iteration, off the critical path: tier 1 (local shared memory) and tier 2 (peer memory).
+
+Call order (every rank; the runtime does this):
+
+1. ``SnapshotManager(adapter, config)`` - collective: gathers every rank's node name, places replicas,
+   creates a gloo side group used only by snapshot traffic.
+2. ``restore_latest()`` - collective, main thread, before training: agree on a version, fetch what is
+   missing from peers, restore in place. Returns the version or ``None``.
+3. Per optimizer step: ``before_optimizer_step()`` then (after the step) ``after_step()``.
+4. ``close()``.
+
+The hazard and how it is avoided: the background worker copies *live* parameter, master-weight and optimizer
+tensors. Forward and backward only read them (ZeRO keeps gradients in separate buffers); the optimizer step
+overwrites them in place. ``before_optimizer_step`` therefore waits until the copy of the previous version is
+done - in steady state it already is, since the copy ran during forward and backward. Checksums, replication
+and the global commit happen after that point, on the copied bytes, and never block the step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..cluster.comm import allgather_json
+from ..config import DeadpoolConfig
+from ..distributed import default_job_id, node_name
+from ..memory.agent import claim_directory, ensure_agent
+from ..memory.shm import ShmSegment, segment_name
+from ..recovery.agree import RankReport, RecoveryError, choose_version
+from .peer import PeerReplicator
+from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, probe_slot, restore_from, slot_nbytes
+from .state import RankStateAdapter
+
+log = logging.getLogger("deadpool_ext")
+
+
+class SnapshotWorkerError(RuntimeError):
+    pass
+
+
+def job_shm_dir(root: str, job_id: str, node: str) -> str:
+    safe_node = "".join(c if c.isalnum() or c in "_-" else "_" for c in node)
+    return os.path.join(root, f"deadpool.{job_id}.{safe_node}")
+
+
+class _Job:
+    __slots__ = ("snap", "slot", "copied", "done", "event")
+
+    def __init__(self, snap: PreparedSnapshot, slot: int, event: Any) -> None:
+        self.snap, self.slot, self.event = snap, slot, event
+        self.copied = threading.Event()
+        self.done = threading.Event()
+
+
+class SnapshotManager:
+    def __init__(self, adapter: RankStateAdapter, config: DeadpoolConfig) -> None:
+        self.adapter = adapter
+        self.config = config
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.job_id = config.job_id or default_job_id()
+        self.node = _simulated_node(config) or node_name()
+        self.dir = job_shm_dir(config.local.shm_root, self.job_id, self.node)
+        os.makedirs(self.dir, exist_ok=True)
+        launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", os.getppid()))
+        if self._first_on_node():
+            claim_directory(self.dir, launcher)
+            ensure_agent(self.dir, launcher)
+        timeout = timedelta(seconds=max(config.replication.timeout_s, config.recovery.timeout_s))
+        # Snapshot traffic never shares a communicator with training collectives (which may be NCCL).
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
+                                    group=self.group, shm_dir=self.dir, job_id=self.job_id)
+        self.slots: list[ShmSegment | None] = [None, None]
+        self.header_reserved = 0
+        self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version
+        self.committed_version: int | None = None
+        self.chunk_bytes = config.snapshot.chunk_mb << 20
+        self._inflight: _Job | None = None
+        self._error: BaseException | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stats: dict[str, Any] = {"snapshots": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
+                                       "replicate_s": [], "commit_s": []}
+        self._thread: threading.Thread | None = None
+        if config.snapshot.background:
+            self._thread = threading.Thread(target=self._worker, name="deadpool-snapshot", daemon=True)
+            self._thread.start()
+
+    def _first_on_node(self) -> bool:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        n = self.config.local.simulate_nodes
+        if n and not os.environ.get("DEADPOOL_NODE"):
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            return local_rank % (local_world // n) == 0
+        return local_rank == 0
+
+    # -- hot path -------------------------------------------------------------------------------------
+    def before_optimizer_step(self) -> None:
+        job = self._inflight
+        if job is None:
+            return
+        if not job.copied.is_set():
+            t0 = time.perf_counter()
+            if not job.copied.wait(self.config.replication.timeout_s):
+                raise SnapshotWorkerError(
+                    f"snapshot copy of step {job.snap.version} did not finish within {self.config.replication.timeout_s}s")
+            self._stats["blocking_s"][-1] += time.perf_counter() - t0
+        self._raise_worker_error()
+
+    def after_step(self) -> None:
+        self._raise_worker_error()
+        version = self.adapter.step()
+        if version % self.config.snapshot.interval:
+            return
+        t0 = time.perf_counter()
+        if self._inflight is not None and not self._inflight.done.is_set():
+            # The previous version is still being sealed/replicated; its slot must not be the target.
+            self._inflight.done.wait(self.config.replication.timeout_s)
+            self._raise_worker_error()
+        obj = {"tensors": dict(self.adapter.tensors()), "state": self.adapter.meta()}
+        snap = prepare(version, obj, {"version": version, "rank": self.rank, "world_size": self.world,
+                                      "job_id": self.job_id, "node": self.node})
+        if self.slots[0] is None:
+            self._allocate(snap)
+        slot = 0 if self.latest is None else 1 - self.latest[1]
+        event = None
+        if self._stream is not None and any(t.is_cuda for t in snap.tensors):
+            event = torch.cuda.Event()
+            event.record()
+        job = _Job(snap, slot, event)
+        self._inflight = job
+        self._stats["blocking_s"].append(0.0)
+        if self._thread is not None:
+            self._queue.put(job)
+        else:
+            self._run(job)
+        self._stats["blocking_s"][-1] += time.perf_counter() - t0
+
+    # -- worker ----------------------------------------------------------------------------------------
+    def _worker(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except BaseException as exc:  # surfaced on the main thread at the next hook
+                self._error = exc
+                log.error("snapshot of step %d failed: %s", job.snap.version, exc)
+            finally:
+                job.copied.set()
+                job.done.set()
+
+    def _run(self, job: _Job) -> None:
+        seg = self.slots[job.slot]
+        assert seg is not None
+        writer = SlotWriter(seg.tensor(), self.header_reserved, self.chunk_bytes)
+        t0 = time.perf_counter()
+        writer.invalidate()
+        if self.latest is not None and self.latest[1] == job.slot:
+            self.latest = None
+        if job.event is not None:
+            self._stream.wait_event(job.event)
+            with torch.cuda.stream(self._stream):
+                writer.copy(job.snap, self._stream)
+        else:
+            writer.copy(job.snap)
+        job.copied.set()
+        t1 = time.perf_counter()
+        blob_len = writer.seal(job.snap)
+        self.latest = (job.snap.version, job.slot)
+        t2 = time.perf_counter()
+        self.peers.replicate(seg.tensor(), blob_len)
+        t3 = time.perf_counter()
+        flag = torch.tensor([job.snap.version], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        self.committed_version = int(flag.item())
+        t4 = time.perf_counter()
+        st = self._stats
+        st["snapshots"] += 1
+        st["copy_s"].append(t1 - t0)
+        st["seal_s"].append(t2 - t1)
+        st["replicate_s"].append(t3 - t2)
+        st["commit_s"].append(t4 - t3)
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            raise SnapshotWorkerError(f"background snapshot worker failed: {self._error}") from self._error
+
+    # -- memory -----------------------------------------------------------------------------------------
+    def _allocate(self, snap: PreparedSnapshot) -> None:
+        """First snapshot: size and pre-touch both slots, exchange sizes with peers, report memory."""
+        self.header_reserved = header_reserve(snap)
+        nbytes = slot_nbytes(self.header_reserved, snap.data_nbytes)
+        self._open_slots(nbytes)
+        self.peers.setup(nbytes)
+        state = snap.data_nbytes
+        total = 2 * nbytes + self.peers.held_nbytes()
+        log.info("snapshot memory: state %.1f MB; tier 1 = 2 slots x %.1f MB; tier 2 holds %d replica(s), %.1f MB; "
+                 "total %.1f MB = %.2f x state (bound: 2 + replication factor = %d)",
+                 state / 1e6, nbytes / 1e6, len(self.peers.sources), self.peers.held_nbytes() / 1e6, total / 1e6,
+                 total / max(state, 1), 2 + self.peers.factor)
+
+    def _open_slots(self, nbytes: int) -> None:
+        for i in (0, 1):
+            if self.slots[i] is None or self.slots[i].nbytes != nbytes:
+                if self.slots[i] is not None:
+                    self.slots[i].close()
+                self.slots[i] = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
+                                                  root=self.dir, touch=True)
+
+    def memory_bytes(self) -> int:
+        return sum(s.nbytes for s in self.slots if s is not None) + self.peers.held_nbytes()
+
+    # -- restore ----------------------------------------------------------------------------------------
+    def _scan(self) -> tuple[RankReport, dict[int, int]]:
+        verify = self.config.snapshot.verify_on_restore
+        report = RankReport(rank=self.rank)
+        slot_of: dict[int, int] = {}
+        for i in (0, 1):
+            path = os.path.join(self.dir, segment_name(self.job_id, "snap", self.rank, i))
+            if not os.path.exists(path):
+                continue
+            seg = ShmSegment.open(os.path.basename(path), root=self.dir)
+            meta, why = probe_slot(seg.buf, verify=verify)
+            if meta is None:
+                log.warning("tier 1: slot %d of rank %d unusable (%s); falling back to the next source", i, self.rank, why)
+            elif meta.get("world_size") != self.world or meta.get("rank") != self.rank:
+                log.warning("tier 1: slot %d was written by rank %s of a world of %s; ignored", i, meta.get("rank"),
+                            meta.get("world_size"))
+            else:
+                report.local[int(meta["version"])] = int(meta["blob_nbytes"])
+                slot_of[int(meta["version"])] = i
+            seg.close()
+        report.replicas = self.peers.scan(verify=verify, world=self.world)
+        return report, slot_of
+
+    def restore_latest(self) -> int | None:
+        t0 = time.perf_counter()
+        report, slot_of = self._scan()
+        reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
+        plan = choose_version(reports)
+        if plan is None:
+            log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
+            return None
+        if self.rank == 0:
+            log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s", plan.version,
+                     self.world - len(plan.fetch), len(plan.fetch),
+                     {r: h for r, (h, _) in sorted(plan.fetch.items())})
+        if self.rank in plan.fetch:
+            nbytes = plan.fetch[self.rank][1]
+            self._open_slots(nbytes)
+            slot = 0
+        else:
+            slot = slot_of[plan.version]
+            self._open_slots(self.slots_nbytes(slot))
+        self.peers.serve_fetches(plan.fetch, self.slots[slot].tensor() if self.rank in plan.fetch else None)
+        seg = self.slots[slot]
+        if self.rank in plan.fetch:
+            meta, why = probe_slot(seg.buf, verify=True)
+            if meta is None or int(meta["version"]) != plan.version:
+                raise RecoveryError(f"rank {self.rank}: replica of step {plan.version} fetched from rank "
+                                    f"{plan.fetch[self.rank][0]} is unusable ({why}); no other copy in memory")
+            log.info("tier 2: fetched and verified step %d from rank %d", plan.version, plan.fetch[self.rank][0])
+        tensors, state, _ = restore_from(seg.buf, verify=False)  # verified during the scan / fetch above
+        self.adapter.restore(tensors, state)
+        del tensors
+        self.latest = (plan.version, slot)
+        self.committed_version = plan.version
+        self.header_reserved = _header_len(seg)
+        self.peers.setup(seg.nbytes)
+        self._stats["restore_s"] = time.perf_counter() - t0
+        self._stats["restored_version"] = plan.version
+        self._stats["restored_from"] = "peer" if self.rank in plan.fetch else "local"
+        return plan.version
+
+    def slots_nbytes(self, slot: int) -> int:
+        path = os.path.join(self.dir, segment_name(self.job_id, "snap", self.rank, slot))
+        return os.path.getsize(path)
+
+    # -- misc -------------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        st = dict(self._stats)
+        for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s"):
+            vals = sorted(st.pop(key))
+            st[f"{key}_median"] = vals[len(vals) // 2] if vals else None
+            st[f"{key}_max"] = vals[-1] if vals else None
+        st["committed_version"] = self.committed_version
+        st["memory_bytes"] = self.memory_bytes()
+        return st
+
+    def wait_idle(self) -> None:
+        if self._inflight is not None:
+            self._inflight.done.wait(self.config.replication.timeout_s)
+        self._raise_worker_error()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(self.config.replication.timeout_s)
+        self._thread = None
+
+
+def _header_len(seg: ShmSegment) -> int:
+    import struct
+
+    return struct.unpack("<Q", bytes(seg.buf[8:16]))[0]
+
+
+def _simulated_node(config: DeadpoolConfig) -> str | None:
+    n = config.local.simulate_nodes
+    if not n or os.environ.get("DEADPOOL_NODE"):
+        return None
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if local_world % n:
+        raise ValueError(f"deadpool config: deadpool.local.simulate_nodes={n} must divide the {local_world} "
+                         "processes per host")
+    return f"{node_name()}-sim{local_rank // (local_world // n)}"

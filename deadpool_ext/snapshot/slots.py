@@ -1,0 +1,129 @@
+"""Ping-pong snapshot slots in node-local shared memory, written chunk by chunk.
+
+Each rank owns two slots (segments ``snap.r<rank>.0`` / ``.1``). A version is written into the slot that does
+*not* hold the newest complete version, so one complete, consistent version always exists while the next is
+written. The bytes of a slot are a blob of :mod:`deadpool_ext.snapshot.format` whose JSON header is padded to
+a fixed reserved size, which puts the data section at a fixed offset: tensor bytes can be copied before the
+checksums (which go in the header) are known.
+
+Write protocol (:class:`SlotWriter`), in this order:
+
+1. ``invalidate``: zero MAGIC, so a crash from here on leaves a slot that is recognised as torn;
+2. ``copy``: tensor bytes, in chunks (the only phase that must finish before the next optimizer step);
+3. ``seal``: checksums of the copied bytes, header, length, and MAGIC last.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from . import format as fmt
+
+_PREFIX = struct.Struct("<8sQ")
+
+
+def _align(n: int) -> int:
+    return (n + fmt.ALIGN - 1) // fmt.ALIGN * fmt.ALIGN
+
+
+@dataclass(kw_only=True, slots=True)
+class PreparedSnapshot:
+    """What the main thread hands to the copy worker: references to live tensors plus the layout."""
+
+    version: int
+    skeleton: Any
+    tensors: list[torch.Tensor]
+    entries: list[fmt.TensorEntry]
+    data_nbytes: int
+    meta: dict[str, Any]
+
+
+def prepare(version: int, obj: Any, meta: dict[str, Any]) -> PreparedSnapshot:
+    skeleton, tensors, names = fmt.flatten_state(obj)
+    entries, data_nbytes = fmt.plan_layout(tensors, names)
+    return PreparedSnapshot(version=version, skeleton=skeleton, tensors=tensors, entries=entries,
+                            data_nbytes=data_nbytes, meta=meta)
+
+
+def header_reserve(snap: PreparedSnapshot) -> int:
+    """Room for the header: twice today's size plus 64 KiB, because counters, learning rates and RNG states
+    change the header's length from one version to the next while the data layout stays the same."""
+    probe = fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, ["0" * 16] * len(snap.entries), snap.meta)
+    return 2 * len(probe) + (64 << 10)
+
+
+def slot_nbytes(header_reserved: int, data_nbytes: int) -> int:
+    return _align(_PREFIX.size + header_reserved) + data_nbytes
+
+
+def data_offset(header_reserved: int) -> int:
+    return _align(_PREFIX.size + header_reserved)
+
+
+class SlotWriter:
+    """Writes one prepared snapshot into a slot buffer (a writable uint8 tensor over shared memory)."""
+
+    def __init__(self, slot: torch.Tensor, header_reserved: int, chunk_bytes: int) -> None:
+        self.slot = slot
+        self.header_reserved = header_reserved
+        self.chunk_bytes = max(1 << 16, chunk_bytes)
+
+    def invalidate(self) -> None:
+        self.slot[:8].zero_()
+
+    def copy(self, snap: PreparedSnapshot, stream: Any = None) -> None:
+        base = data_offset(self.header_reserved)
+        need = base + snap.data_nbytes
+        if need > self.slot.numel():
+            raise ValueError(f"snapshot needs {need} bytes but the slot has {self.slot.numel()}")
+        for entry, t in zip(snap.entries, snap.tensors):
+            if entry.nbytes == 0:
+                continue
+            src = fmt._byte_view(t)
+            dst = self.slot[base + entry.offset: base + entry.offset + entry.nbytes]
+            for off in range(0, entry.nbytes, self.chunk_bytes):
+                end = min(off + self.chunk_bytes, entry.nbytes)
+                dst[off:end].copy_(src[off:end], non_blocking=stream is not None)
+        if stream is not None:
+            stream.synchronize()
+
+    def seal(self, snap: PreparedSnapshot) -> int:
+        """Checksum the copied bytes, write header and MAGIC; returns the blob length."""
+        base = data_offset(self.header_reserved)
+        checksums = []
+        for e in snap.entries:
+            view = self.slot[base + e.offset: base + e.offset + e.nbytes]
+            checksums.append(fmt.bytes_checksum(view.numpy()) if e.nbytes else fmt.bytes_checksum(b""))
+        header = fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, checksums, snap.meta)
+        if len(header) > self.header_reserved:
+            raise ValueError(f"snapshot header grew to {len(header)} bytes, over the {self.header_reserved} reserved")
+        padded = header + b" " * (self.header_reserved - len(header))
+        self.slot[_PREFIX.size:_PREFIX.size + self.header_reserved].copy_(
+            torch.frombuffer(bytearray(padded), dtype=torch.uint8))
+        self.slot[8:16].copy_(torch.frombuffer(bytearray(struct.pack("<Q", self.header_reserved)), dtype=torch.uint8))
+        self.slot[:8].copy_(torch.frombuffer(bytearray(fmt.MAGIC), dtype=torch.uint8))
+        return base + snap.data_nbytes
+
+
+def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | None]:
+    """(header meta, None) for a complete (and, with ``verify``, checksum-clean) slot; (None, reason) otherwise."""
+    try:
+        header = fmt.read_header(buf)
+        if verify:
+            fmt.verify_blob(buf)
+    except fmt.SnapshotFormatError as exc:
+        return None, str(exc)
+    meta = dict(header.get("meta") or {})
+    header_len = struct.unpack("<Q", bytes(buf[8:16]))[0]
+    meta["blob_nbytes"] = data_offset(header_len) + int(header["data_nbytes"])
+    return meta, None
+
+
+def restore_from(buf: Any, *, verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """Decode a slot into (named tensors as views into ``buf``, adapter state, header meta)."""
+    obj, meta = fmt.deserialize(buf, verify=verify, copy=False)
+    return obj["tensors"], obj["state"], meta
+

@@ -1,0 +1,200 @@
+"""What "a rank's whole training state" is, for each kind of training engine.
+
+A :class:`RankStateAdapter` names the live tensors a rank owns and the small non-tensor state around them,
+and puts a captured copy back in place. The snapshot machinery never needs to know about ZeRO stages or
+optimizers: it copies ``tensors()`` and stores ``meta()``.
+
+Call order (every rank, main thread):
+
+1. ``tensors()`` and ``meta()`` right after an optimizer step (the snapshot point). ``tensors()`` returns
+   references to live storage, not copies: they stay valid, and unchanged, until the next optimizer step.
+   That is the window the background copy has.
+2. ``restore(tensors, meta)`` on a fresh or surviving engine of the same layout, after all ranks agreed on
+   the version to restore. Copies into the live storage in place and resets the counters around it.
+"""
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+
+class UnsupportedEngineError(RuntimeError):
+    """The engine/optimizer combination has no state adapter yet; the message says which."""
+
+
+class RankStateAdapter(ABC):
+    """Maps one rank's training state to named tensors plus JSON-able metadata (see module docstring)."""
+
+    @abstractmethod
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """Live tensors of this rank, in a stable order; names are unique."""
+
+    @abstractmethod
+    def meta(self) -> dict[str, Any]:
+        """Small state: counters, scheduler, RNG, data position. Must be encodable by the snapshot format."""
+
+    @abstractmethod
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """Put a captured state back in place."""
+
+    @abstractmethod
+    def step(self) -> int:
+        """The optimizer-step counter: the version a snapshot taken now would carry."""
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(_as_tuple(state["python"]))
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"].clone())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([t.clone() for t in state["cuda"]])
+
+
+def _as_tuple(x: Any) -> Any:
+    # random.setstate insists on tuples all the way down.
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+class DeepSpeedStateAdapter(RankStateAdapter):
+    """Rank state of a DeepSpeed engine: ZeRO stage 0 (fp32), 1, 2 and 3; fp32, bf16 and fp16.
+
+    Tensors, for ZeRO-1/2: the flat low-precision parameter buffer (module parameters are views into it),
+    the rank's fp32 master partition and the inner optimizer's state of that partition. ZeRO-3: the rank's
+    parameter partitions (flat), fp32 master partitions and their optimizer state. Stage 0: module
+    parameters and optimizer state.
+    """
+
+    def __init__(self, engine: Any, client_state: Callable[[], dict[str, Any]] | None = None,
+                 restore_client_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.engine = engine
+        self._client_state = client_state
+        self._restore_client_state = restore_client_state
+        self.zero_stage = int(engine.zero_optimization_stage())
+        opt = engine.optimizer
+        kind = type(opt).__name__
+        if self.zero_stage == 3:
+            self._bit16 = lambda: list(opt.fp16_partitioned_groups_flat)
+            self._master = lambda: list(opt.fp32_partitioned_groups_flat)
+        elif self.zero_stage in (1, 2):
+            self._bit16 = lambda: list(opt.bit16_groups_flat)
+            self._master = lambda: list(opt.single_partition_of_fp32_groups)
+        elif kind == "BF16_Optimizer":
+            self._bit16 = lambda: list(opt.bf16_groups_flat)
+            self._master = lambda: list(opt.fp32_groups_flat_partition)
+        elif isinstance(opt, torch.optim.Optimizer):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            self._bit16 = lambda: []
+            self._master = lambda: params
+        else:
+            raise UnsupportedEngineError(
+                f"deadpool_ext has no state adapter for optimizer {kind} at ZeRO stage {self.zero_stage}; "
+                "supported: ZeRO stages 1-3 (fp32/bf16/fp16), stage 0 with fp32 or bf16")
+        self._inner = opt.optimizer if hasattr(opt, "optimizer") and self.zero_stage > 0 or kind == "BF16_Optimizer" else opt
+
+    # -- capture ---------------------------------------------------------------------------------
+    def step(self) -> int:
+        return int(self.engine.global_steps)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for i, t in enumerate(self._bit16()):
+            out.append((f"params.{i}", t))
+        for i, t in enumerate(self._master()):
+            out.append((f"master.{i}", t))
+            for key, value in sorted(self._inner.state.get(t, {}).items()):
+                if torch.is_tensor(value):
+                    out.append((f"optim.{i}.{key}", value))
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        e = self.engine
+        opt = e.optimizer
+        scaler = getattr(opt, "loss_scaler", None)
+        meta: dict[str, Any] = {
+            "global_steps": int(e.global_steps),
+            "global_samples": int(e.global_samples),
+            "skipped_steps": int(e.skipped_steps),
+            "micro_steps": int(e.micro_steps),
+            "zero_stage": self.zero_stage,
+            "dp_world_size": int(e.dp_world_size),
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
+            "optim_scalars": {str(i): {k: v for k, v in self._inner.state.get(t, {}).items() if not torch.is_tensor(v)}
+                              for i, t in enumerate(self._master())},
+            "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
+            "loss_scaler": {k: v for k, v in vars(scaler).items() if _plain(v)} if scaler is not None else None,
+            "rng": capture_rng(),
+            "client": self._client_state() if self._client_state else {},
+        }
+        return meta
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        e = self.engine
+        opt = e.optimizer
+        if meta["zero_stage"] != self.zero_stage or meta["dp_world_size"] != e.dp_world_size:
+            raise ValueError(
+                f"snapshot layout (ZeRO {meta['zero_stage']}, dp {meta['dp_world_size']}) differs from the engine's "
+                f"(ZeRO {self.zero_stage}, dp {e.dp_world_size}); in-memory restore needs the same layout")
+        if self.zero_stage == 3:
+            opt.checkpoint_event_prologue()
+        masters = self._master()
+        with torch.no_grad():
+            for i, t in enumerate(self._bit16()):
+                _copy_into(t, tensors[f"params.{i}"], f"params.{i}")
+            for i, t in enumerate(masters):
+                _copy_into(t, tensors[f"master.{i}"], f"master.{i}")
+                state = self._inner.state.setdefault(t, {})
+                prefix = f"optim.{i}."
+                for name, src in tensors.items():
+                    if name.startswith(prefix):
+                        key = name[len(prefix):]
+                        if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
+                            _copy_into(state[key], src, name)
+                        else:
+                            state[key] = src.clone()
+                state.update(meta["optim_scalars"].get(str(i), {}))
+        for group, saved in zip(opt.param_groups, meta["param_groups"]):
+            group.update(saved)
+        if meta["lr_scheduler"] is not None and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        scaler = getattr(opt, "loss_scaler", None)
+        if scaler is not None and meta["loss_scaler"]:
+            for k, v in meta["loss_scaler"].items():
+                setattr(scaler, k, v)
+        e.global_steps = meta["global_steps"]
+        e.global_samples = meta["global_samples"]
+        e.skipped_steps = meta["skipped_steps"]
+        e.micro_steps = meta["micro_steps"]
+        if self.zero_stage == 3:
+            # Re-gathers the persistent (small, unpartitioned) parameters from the restored partitions.
+            opt.checkpoint_event_epilogue()
+        restore_rng(meta["rng"])
+        if self._restore_client_state is not None:
+            self._restore_client_state(meta.get("client", {}))
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"snapshot tensor {name}: {tuple(src.shape)}/{src.dtype} does not match live "
+                         f"{tuple(dst.shape)}/{dst.dtype}")
+    dst.copy_(src)

@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and chaos runs: launching jobs with deadlines, injecting faults."""

@@ -1,0 +1,53 @@
+"""Model builders for the pretraining scripts: Hugging Face GPT-2 and BERT architectures, randomly initialised.
+
+Sizes: ``tiny`` for tests (seconds on a laptop CPU), ``small`` (~25M parameters) and ``medium`` (~125M) for
+benchmarks. Vocabulary is the byte-level one of :mod:`deadpool_ext.training.data`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .data import PAD_ID, VOCAB_SIZE
+
+# (layers, hidden, heads, seq_len)
+MODEL_SIZES: dict[str, tuple[int, int, int, int]] = {
+    "tiny": (2, 64, 2, 64),
+    "small": (6, 576, 9, 256),
+    "medium": (12, 928, 16, 512),
+}
+
+
+def _check_size(size: str) -> tuple[int, int, int, int]:
+    if size not in MODEL_SIZES:
+        raise ValueError(f"--model-size {size!r} is not one of {sorted(MODEL_SIZES)}")
+    return MODEL_SIZES[size]
+
+
+def seq_len_for(size: str) -> int:
+    return _check_size(size)[3]
+
+
+def build_gpt(size: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    layers, hidden, heads, seq = _check_size(size)
+    cfg = GPT2Config(
+        vocab_size=VOCAB_SIZE, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
+        bos_token_id=0, eos_token_id=0, pad_token_id=PAD_ID,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def build_bert(size: str) -> torch.nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    layers, hidden, heads, seq = _check_size(size)
+    cfg = BertConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=4 * hidden, max_position_embeddings=seq, pad_token_id=PAD_ID,
+    )
+    return BertForMaskedLM(cfg)
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,24 @@
+"""deadpool_ext: in-memory snapshots, peer replicas, hot-swap and tiered checkpoints for DeepSpeed and
+Megatron-Core. Install: ``pip install -e .`` (see README.md for the CPU/GPU torch pin)."""
+from setuptools import find_packages, setup
+
+setup(
+    name="deadpool_ext",
+    version="0.1.0",
+    description="Keeps DeepSpeed and Megatron-Core training jobs alive through failures",
+    packages=find_packages(include=["deadpool_ext", "deadpool_ext.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.16",
+        "numpy",
+        "xxhash>=3.0",
+        "psutil",
+        "transformers>=4.40",
+    ],
+    extras_require={
+        "megatron": ["megatron-core>=0.16,<0.17"],
+        "test": ["pytest>=8", "pytest-timeout"],
+    },
+    entry_points={"console_scripts": []},
+)
