@@ -89,6 +89,8 @@ class SnapshotManager:
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._stats: dict[str, Any] = {"snapshots": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
                                        "replicate_s": [], "commit_s": []}
+        self.active = True
+        """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
         self._thread: threading.Thread | None = None
         if config.snapshot.background:
             self._thread = threading.Thread(target=self._worker, name="deadpool-snapshot", daemon=True)
@@ -118,7 +120,7 @@ class SnapshotManager:
     def after_step(self) -> None:
         self._raise_worker_error()
         version = self.adapter.step()
-        if version % self.config.snapshot.interval:
+        if not self.active or version % self.config.snapshot.interval:
             return
         t0 = time.perf_counter()
         if self._inflight is not None and not self._inflight.done.is_set():
