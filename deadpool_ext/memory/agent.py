@@ -88,7 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     while _alive(args.watch_pid):
         time.sleep(args.poll_s)
-    shutil.rmtree(args.dir, ignore_errors=True)
+    try:
+        with open(os.path.join(args.dir, LAUNCHER_FILE)) as fh:
+            owner = int(fh.read().strip() or 0)
+    except (FileNotFoundError, ValueError):
+        owner = args.watch_pid
+    # A newer job with the same id may have claimed the directory meanwhile; it is theirs now.
+    if owner == args.watch_pid:
+        shutil.rmtree(args.dir, ignore_errors=True)
     return 0
 
 

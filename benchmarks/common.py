@@ -1,0 +1,214 @@
+"""Helpers shared by the benchmarks in this folder: statistics, machine description, process memory, and
+writing results as JSON plus a markdown summary.
+
+Import from a benchmark script that lives beside this file::
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import machine_info, summarize, write_json, write_text, md_table
+
+Nothing here imports torch or DeepSpeed at module level, so the helpers are cheap to import from a launcher.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from typing import Any, Iterable, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+def percentile(values: Iterable[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default method), ``q`` in [0, 100]; None for no values."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        return None
+    if len(vals) == 1:
+        return vals[0]
+    pos = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float | None:
+    return percentile(values, 50.0)
+
+
+def p90(values: Iterable[float]) -> float | None:
+    return percentile(values, 90.0)
+
+
+def summarize(values: Iterable[float]) -> dict[str, Any]:
+    """n, median, p90, mean, min, max of a list of numbers (None entries when empty)."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"n": 0, "median": None, "p90": None, "mean": None, "min": None, "max": None}
+    return {"n": len(vals), "median": median(vals), "p90": p90(vals), "mean": sum(vals) / len(vals),
+            "min": min(vals), "max": max(vals)}
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+# -- machine and process ------------------------------------------------------------------------------
+def _version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+        return str(getattr(mod, "__version__", "?"))
+    except Exception:  # noqa: BLE001 - a missing optional package is reported as None
+        return None
+
+
+def git_info() -> dict[str, Any]:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+        except Exception:  # noqa: BLE001
+            return None
+
+    status = git("status", "--porcelain")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers", "numpy")) -> dict[str, Any]:
+    """Where and with what a benchmark ran: CPU count (and the cores this process may use), memory, load,
+    package versions, git commit."""
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpu_model": _cpu_model(),
+        "mem_total_bytes": _meminfo().get("MemTotal"),
+        "mem_available_bytes": _meminfo().get("MemAvailable"),
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "versions": {p: _version(p) for p in packages},
+        "git": git_info(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    return info
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
+    except OSError:
+        pass
+    return out
+
+
+def process_memory(pid: int | str = "self") -> dict[str, int]:
+    """Resident memory of one process from /proc/<pid>/status, in bytes: rss (= anon + file + shmem), the three
+    parts, and the peak (hwm). Pages of mapped /dev/shm files this process touched count in ``rss_shmem``."""
+    keys = {"VmRSS": "rss", "RssAnon": "rss_anon", "RssFile": "rss_file", "RssShmem": "rss_shmem", "VmHWM": "hwm"}
+    out: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                if key in keys:
+                    out[keys[key]] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes actually allocated by the files under ``path`` (st_blocks, so sparse files count what they hold)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+# -- output -------------------------------------------------------------------------------------------
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as indented JSON, atomically (temp file + rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2, sort_keys=False, default=_json_default)
+        fh.write("\n")
+    os.replace(tmp, path)
+
+
+def write_text(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text if text.endswith("\n") else text + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "item"):
+        return o.item()
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A GitHub markdown table; cells are str()-ed, None shows as an em dash."""
+    def cell(v: Any) -> str:
+        return "—" if v is None else str(v).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt_s(seconds: float | None, digits: int = 3) -> str | None:
+    if seconds is None:
+        return None
+    if seconds < 1:
+        return f"{seconds * 1000:.{max(0, digits - 2)}f} ms" if seconds >= 0.01 else f"{seconds * 1000:.2f} ms"
+    return f"{seconds:.{digits - 1}f} s"
+
+
+def fmt_bytes(n: float | None) -> str | None:
+    if n is None:
+        return None
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ratio(r: float | None, digits: int = 3) -> str | None:
+    return None if r is None else f"{r:.{digits}f}"
+
+
+def fmt_pct(x: float | None, digits: int = 1) -> str | None:
+    return None if x is None else f"{100 * x:.{digits}f}%"
