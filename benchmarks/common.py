@@ -58,6 +58,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def bootstrap_ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float = 0.90, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """Percentile-bootstrap confidence interval of median(a) / median(b), resampling each list independently
+    (deterministic: fixed seed). A rough guide to how well a ratio is resolved by so few steps, not a test."""
+    import random
+
+    if len(a) < 2 or len(b) < 2:
+        return None
+    rng = random.Random(seed)
+    out = []
+    for _ in range(resamples):
+        ma = median(rng.choice(a) for _ in a)
+        mb = median(rng.choice(b) for _ in b)
+        if mb:
+            out.append(ma / mb)
+    tail = (1 - level) / 2 * 100
+    return percentile(out, tail), percentile(out, 100 - tail)
+
+
 # -- machine and process ------------------------------------------------------------------------------
 def _version(module: str) -> str | None:
     try:
@@ -79,6 +98,23 @@ def git_info() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
+def tree_digest(path: str, suffixes: tuple[str, ...] = (".py",)) -> str:
+    """sha256 (16 hex digits) over the relative paths and contents of the files under ``path``: ties a result to
+    the exact code it measured, including uncommitted changes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for root, dirs, files in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for f in sorted(files):
+            if f.endswith(suffixes):
+                full = os.path.join(root, f)
+                h.update(os.path.relpath(full, path).encode() + b"\0")
+                with open(full, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()[:16]
+
+
 def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers", "numpy")) -> dict[str, Any]:
     """Where and with what a benchmark ran: CPU count (and the cores this process may use), memory, load,
     package versions, git commit."""
@@ -94,6 +130,7 @@ def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers"
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {p: _version(p) for p in packages},
         "git": git_info(),
+        "source_digest": {"deadpool_ext": tree_digest(os.path.join(REPO, "deadpool_ext"))},
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return info

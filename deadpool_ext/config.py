@@ -60,6 +60,10 @@ class ReplicationConfig:
 
     factor: int = 1
     """Number of peer replicas per rank, each on a different node than the rank itself. 0 disables tier 2."""
+    double_buffer: bool = True
+    """Keep two replica buffers per source so a complete replica exists while the next one streams in.
+    Memory: 2 x (1 + factor) x state. ``false`` lowers it to (2 + factor) x state but a source lost while its
+    replica is in transit (a kill mid-transfer) has no complete copy in peer memory."""
     timeout_s: float = 120.0
     """Deadline for one replica transfer; a transfer that misses it is reported and the version is not
     counted as replicated."""

@@ -20,24 +20,26 @@ class RankReport:
     rank: int
     local: dict[int, int] = field(default_factory=dict)
     """version -> blob size of complete, verified copies in this rank's own slots."""
-    replicas: dict[int, tuple[int, int]] = field(default_factory=dict)
-    """source rank -> (version, blob size) of complete, verified replicas this rank holds."""
+    replicas: dict[int, dict[int, int]] = field(default_factory=dict)
+    """source rank -> {version: blob size} of complete, verified replicas this rank holds (up to two per
+    source: replicas are double-buffered like the local slots)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "local": {str(k): v for k, v in self.local.items()},
-                "replicas": {str(k): list(v) for k, v in self.replicas.items()}}
+                "replicas": {str(k): {str(v): n for v, n in vs.items()} for k, vs in self.replicas.items()}}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "RankReport":
         return cls(rank=int(d["rank"]), local={int(k): int(v) for k, v in d["local"].items()},
-                   replicas={int(k): (int(v[0]), int(v[1])) for k, v in d["replicas"].items()})
+                   replicas={int(k): {int(v): int(n) for v, n in vs.items()} for k, vs in d["replicas"].items()})
 
 
 @dataclass(kw_only=True, slots=True)
 class RestorePlan:
     version: int
     fetch: dict[int, tuple[int, int]]
-    """rank -> (holder rank, blob size) for ranks that must fetch their state from a peer replica."""
+    """rank -> (holder rank, blob size) for ranks that must fetch their state from a peer replica (of
+    ``version``)."""
 
 
 def choose_version(reports: list[RankReport]) -> RestorePlan | None:
@@ -52,7 +54,8 @@ def choose_version(reports: list[RankReport]) -> RestorePlan | None:
     candidates: set[int] = set()
     for r in reports:
         candidates.update(r.local)
-        candidates.update(v for v, _ in r.replicas.values())
+        for versions in r.replicas.values():
+            candidates.update(versions)
     if not candidates:
         return None
     for version in sorted(candidates, reverse=True):
@@ -60,13 +63,13 @@ def choose_version(reports: list[RankReport]) -> RestorePlan | None:
         for rank in range(world):
             if version in by_rank[rank].local:
                 continue
-            holders = sorted(h.rank for h in reports if h.replicas.get(rank, (None,))[0] == version)
+            holders = sorted(h.rank for h in reports if version in h.replicas.get(rank, {}))
             if not holders:
                 break
-            fetch[rank] = (holders[0], by_rank[holders[0]].replicas[rank][1])
+            fetch[rank] = (holders[0], by_rank[holders[0]].replicas[rank][version])
         else:
             return RestorePlan(version=version, fetch=fetch)
     lines = [f"rank {r.rank}: own {sorted(r.local) or 'none'}, holds replicas "
-             f"{ {k: v[0] for k, v in sorted(r.replicas.items())} or 'none'}" for r in reports]
+             f"{ {k: sorted(v) for k, v in sorted(r.replicas.items())} or 'none'}" for r in reports]
     raise RecoveryError("no snapshot version is complete for every rank in local or peer memory; "
                         "what each rank has:\n  " + "\n  ".join(lines))

@@ -77,7 +77,8 @@ class SnapshotManager:
         # Snapshot traffic never shares a communicator with training collectives (which may be NCCL).
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
-                                    group=self.group, shm_dir=self.dir, job_id=self.job_id)
+                                    group=self.group, shm_dir=self.dir, job_id=self.job_id,
+                                    double_buffer=config.replication.double_buffer)
         self.slots: list[ShmSegment | None] = [None, None]
         self.header_reserved = 0
         self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version
@@ -207,9 +208,9 @@ class SnapshotManager:
         state = snap.data_nbytes
         total = 2 * nbytes + self.peers.held_nbytes()
         log.info("snapshot memory: state %.1f MB; tier 1 = 2 slots x %.1f MB; tier 2 holds %d replica(s), %.1f MB; "
-                 "total %.1f MB = %.2f x state (bound: 2 + replication factor = %d)",
+                 "total %.1f MB = %.2f x state (bound: 2 + %d x replication factor = %d)",
                  state / 1e6, nbytes / 1e6, len(self.peers.sources), self.peers.held_nbytes() / 1e6, total / 1e6,
-                 total / max(state, 1), 2 + self.peers.factor)
+                 total / max(state, 1), self.peers.nbuf, 2 + self.peers.nbuf * self.peers.factor)
 
     def _open_slots(self, nbytes: int) -> None:
         for i in (0, 1):
@@ -264,7 +265,7 @@ class SnapshotManager:
         else:
             slot = slot_of[plan.version]
             self._open_slots(self.slots_nbytes(slot))
-        self.peers.serve_fetches(plan.fetch, self.slots[slot].tensor() if self.rank in plan.fetch else None)
+        self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if self.rank in plan.fetch else None)
         seg = self.slots[slot]
         if self.rank in plan.fetch:
             meta, why = probe_slot(seg.buf, verify=True)

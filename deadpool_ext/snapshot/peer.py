@@ -6,10 +6,12 @@ ships the blob body, then its 8-byte MAGIC; the receiver clears its replica's MA
 received MAGIC only after the body has fully arrived, so an interrupted transfer leaves a replica that is
 recognised as torn, never one that looks complete.
 
-Window to know about: a holder keeps one replica per source (memory bound 2 + replication factor). While
-version v+1 is streaming in, the replica of v is being overwritten; if the source's node is lost inside that
-window (the transfer time, ~0.1 s per 200 MB here), its state is not in peer memory and recovery reports it
-(or, with a persistent tier, falls back to it).
+Replicas are double-buffered like the local slots (``replication.double_buffer``, default on): version v+1
+streams into the holder's other buffer while v stays complete. With a single buffer per source the memory
+bound is (2 + factor) x state instead of 2 x (1 + factor), but there is a window: while v+1 streams in, v is
+being overwritten, and a source lost inside that window (its transfer time; a process killed mid-transfer
+is exactly that) has no complete copy in peer memory. The tests hit that window often enough on tiny models
+that double buffering is the default.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ class PeerReplicator:
     slot size is known) -> ``replicate`` per version (all ranks, worker thread) -> at restore ``scan`` then
     ``serve_fetches`` (all ranks, main thread)."""
 
-    def __init__(self, *, rank: int, node: str, factor: int, group: Any, shm_dir: str, job_id: str) -> None:
+    def __init__(self, *, rank: int, node: str, factor: int, group: Any, shm_dir: str, job_id: str,
+                 double_buffer: bool = True) -> None:
+        self.nbuf = 2 if double_buffer else 1
         self.rank, self.group, self.dir, self.job_id = rank, group, shm_dir, job_id
         nodes = allgather_json(node, group=group)
         self.topology = Topology.from_node_list(nodes)
@@ -52,12 +56,13 @@ class PeerReplicator:
         self.factor = factor
         self.sources = replicas_held_by(self.holders).get(rank, ())
         self.sizes: dict[int, int] = {}
-        self.replicas: dict[int, ShmSegment] = {}
+        self.replicas: dict[int, list[ShmSegment]] = {}
+        self._latest: dict[int, int] = {}  # source -> buffer index holding its newest complete replica
         if rank == 0 and factor:
             log.info("tier 2 placement (rank -> holders): %s", {r: list(h) for r, h in sorted(self.holders.items())})
 
-    def _replica_name(self, src: int) -> str:
-        return segment_name(self.job_id, "replica", src, f"h{self.rank}")
+    def _replica_name(self, src: int, buf: int) -> str:
+        return segment_name(self.job_id, "replica", src, f"h{self.rank}b{buf}")
 
     def setup(self, slot_nbytes: int) -> None:
         if self.sizes:
@@ -65,10 +70,11 @@ class PeerReplicator:
         sizes = allgather_json(slot_nbytes, group=self.group)
         self.sizes = {r: int(s) for r, s in enumerate(sizes)}
         for src in self.sources:
-            self.replicas[src] = ShmSegment.create(self._replica_name(src), self.sizes[src], root=self.dir, touch=True)
+            self.replicas[src] = [ShmSegment.create(self._replica_name(src, b), self.sizes[src], root=self.dir,
+                                                    touch=True) for b in range(self.nbuf)]
 
     def held_nbytes(self) -> int:
-        return sum(s.nbytes for s in self.replicas.values())
+        return sum(s.nbytes for segs in self.replicas.values() for s in segs)
 
     def replicate(self, slot: torch.Tensor, blob_len: int) -> None:
         if not self.factor:
@@ -78,8 +84,11 @@ class PeerReplicator:
             ops.append(dist.P2POp(dist.isend, slot[8:blob_len], h, self.group))
             ops.append(dist.P2POp(dist.isend, slot[:8].clone(), h, self.group))
         magics: dict[int, torch.Tensor] = {}
+        targets: dict[int, int] = {}
         for src in self.sources:
-            rep = self.replicas[src].tensor()
+            buf = (self._latest.get(src, self.nbuf - 1) + 1) % self.nbuf
+            targets[src] = buf
+            rep = self.replicas[src][buf].tensor()
             rep[:8].zero_()
             magics[src] = torch.zeros(8, dtype=torch.uint8)
             ops.append(dist.P2POp(dist.irecv, rep[8:blob_len], src, self.group))
@@ -87,34 +96,47 @@ class PeerReplicator:
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         for src, magic in magics.items():
-            self.replicas[src].tensor()[:8].copy_(magic)
+            self.replicas[src][targets[src]].tensor()[:8].copy_(magic)
+            self._latest[src] = targets[src]
 
-    def scan(self, *, verify: bool, world: int) -> dict[int, tuple[int, int]]:
-        """Versions of verified replicas this rank holds: source -> (version, blob size)."""
-        found: dict[int, tuple[int, int]] = {}
-        prefix = segment_name(self.job_id, "replica", 0, f"h{self.rank}").split(".r0.")[0] + ".r"
+    def _held_files(self) -> list[tuple[int, int, str]]:
+        """(source, buffer, file name) of every replica buffer this rank holds on disk."""
+        out = []
         if not os.path.isdir(self.dir):
-            return found
+            return out
+        tag = f".h{self.rank}b"
         for fname in sorted(os.listdir(self.dir)):
-            if not (fname.startswith(prefix) and fname.endswith(f".h{self.rank}")):
-                continue
+            parts = fname.split(".")
+            # deadpool.<job>.replica.r<src>.h<holder>b<buf>
+            if len(parts) == 5 and parts[1] == self.job_id and parts[2] == "replica" and ("." + parts[4]).startswith(tag):
+                out.append((int(parts[3][1:]), int(parts[4][len(tag) - 1:]), fname))
+        return out
+
+    def scan(self, *, verify: bool, world: int) -> dict[int, dict[int, int]]:
+        """Verified replicas this rank holds: source -> {version: blob size}."""
+        found: dict[int, dict[int, int]] = {}
+        self._where: dict[tuple[int, int], str] = {}
+        for src, buf, fname in self._held_files():
             seg = ShmSegment.open(fname, root=self.dir)
             meta, why = probe_slot(seg.buf, verify=verify)
-            src = int(fname[len(prefix):].split(".")[0])
             if meta is None:
-                log.warning("tier 2: replica of rank %d held here is unusable (%s); ignored", src, why)
+                log.warning("tier 2: replica buffer %d of rank %d held here is unusable (%s); ignored", buf, src, why)
             elif meta.get("rank") == src and meta.get("world_size") == world:
-                found[src] = (int(meta["version"]), int(meta["blob_nbytes"]))
+                version = int(meta["version"])
+                found.setdefault(src, {})[version] = int(meta["blob_nbytes"])
+                self._where[(src, version)] = fname
+                if version == max(found[src]):
+                    self._latest[src] = buf
             seg.close()
         return found
 
-    def serve_fetches(self, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None) -> None:
+    def serve_fetches(self, version: int, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None) -> None:
         """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one."""
         ops = []
         magic = torch.zeros(8, dtype=torch.uint8)
         for dst, (holder, nbytes) in sorted(fetch.items()):
             if holder == self.rank:
-                seg = ShmSegment.open(self._replica_name(dst), root=self.dir)
+                seg = ShmSegment.open(self._where[(dst, version)], root=self.dir)
                 buf = seg.tensor()
                 ops.append(dist.P2POp(dist.isend, buf[8:nbytes], dst, self.group))
                 ops.append(dist.P2POp(dist.isend, buf[:8].clone(), dst, self.group))

@@ -19,6 +19,8 @@ def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: s
                                        "--metrics-out", metrics, *(extra or [])],
                        port=free_port(), max_restarts=max_restarts)
     res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=(lambda p: inject(p, metrics)) if inject else None)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
     assert not res.timed_out, f"job timed out after {JOB_TIMEOUT_S}s:\n{res.output[-4000:]}"
     return res, read_metrics(metrics), metrics
 

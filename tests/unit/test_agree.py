@@ -17,13 +17,13 @@ def test_newest_common_version():
 
 
 def test_lost_rank_fetches_from_holder():
-    plan = choose_version([rep(0, (6, 7), {1: (7, 123)}), rep(1)])
+    plan = choose_version([rep(0, (6, 7), {1: {7: 123, 6: 120}}), rep(1)])
     assert plan.version == 7 and plan.fetch == {1: (0, 123)}
 
 
 def test_replica_older_than_locals_rolls_everyone_back():
     # rank 1's memory is gone; its replica holds 6, rank 0 has 6 and 7 -> everyone restores 6
-    plan = choose_version([rep(0, (6, 7), {1: (6, 50)}), rep(1)])
+    plan = choose_version([rep(0, (6, 7), {1: {6: 50}}), rep(1)])
     assert plan.version == 6 and plan.fetch == {1: (0, 50)}
 
 
@@ -36,3 +36,9 @@ def test_state_but_no_common_version_is_an_error():
 def test_reports_must_cover_world():
     with pytest.raises(ValueError):
         choose_version([rep(0), rep(2)])
+
+
+def test_older_replica_used_when_survivor_lacks_newest():
+    # rank 0's newest local copy was torn (only 6 left); rank 1 is lost, its holder has 6 and 7
+    plan = choose_version([rep(0, (6,), {1: {6: 10, 7: 11}}), rep(1)])
+    assert plan.version == 6 and plan.fetch == {1: (0, 10)}
