@@ -20,5 +20,5 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17"],
         "test": ["pytest>=8", "pytest-timeout"],
     },
-    entry_points={"console_scripts": []},
+    entry_points={"console_scripts": ["deadpool-run=deadpool_ext.launcher.cli:main", "deadpool=deadpool_ext.cli:main"]},
 )

@@ -144,6 +144,7 @@ def worker(args: argparse.Namespace) -> int:
         "local": {"shm_root": args.shm_root, "simulate_nodes": SIMULATE_NODES},
         "recovery": {"restore_on_start": False},
     }
+    _deep_merge(config["deadpool"], json.loads(args.deadpool_overrides or "{}"))
     seed_everything(args.seed)
     model = build_gpt(args.size)
     if args.activation_checkpointing:
@@ -384,6 +385,14 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
 def _make_decoupled(engine: Any, args: argparse.Namespace, create_checkpoint_engine: Any, groups: Any,
                     dist: Any) -> tuple[Any, dict[str, Any]]:
     """DeepSpeed's DecoupledCheckpointEngine, built by DeepSpeed's own factory with a writer config, then probed
@@ -513,7 +522,10 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
         mem.append({"rank": rk["rank"], "node": rk["node"], "state_bytes": rk["state_bytes"],
                     "shm_bytes": rk["shm_bytes"], "slot_bytes": rk["slot_bytes"], "replica_bytes": rk["replica_bytes"],
                     "replica_sources": rk["replica_sources"], "holders": rk["holders"],
-                    "replica_buffers_per_source": rk.get("replica_buffers_per_source", 1),
+                    # runs before this field existed: infer it from the bytes (replicas are slot-sized)
+                    "replica_buffers_per_source": rk.get("replica_buffers_per_source") or (
+                        round(rk["replica_bytes"] / (len(rk["replica_sources"]) * rk["slot_bytes"][0]))
+                        if rk["replica_sources"] and rk["slot_bytes"] else 0),
                     "ratio": rk["shm_bytes"] / rk["state_bytes"], "rss_end": rk["memory_end"].get("rss"),
                     "hwm": rk["memory_end"].get("hwm")})
     bound = 2 + res["layout"]["replication_factor"]
@@ -569,7 +581,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append("")
         zero = {k: v for k, v in res["deepspeed_config"]["zero_optimization"].items() if k != "stage"}
         lines.append(f"ZeRO overrides: {zero or 'none'}; activation checkpointing: "
-                     f"{'on' if res.get('activation_checkpointing') else 'off'}.")
+                     f"{'on' if res.get('activation_checkpointing') else 'off'}; deadpool section: "
+                     f"`{json.dumps({k: v for k, v in res['deadpool_config'].items() if k != 'job_id'})}`"
+                     + (f"; effective replication settings `{json.dumps(res['deadpool_config_effective']['replication'])}`"
+                        if res.get("deadpool_config_effective") else "") + ".")
         lines.append("")
         lines.append(f"{sch['rounds']} measured rounds x {sch['steps_per_block']} steps per mode (+ {sch['warmup_rounds']} "
                      f"warm-up round x {sch['warmup_steps']} steps); job wall time {entry.get('job_wall_s', 0):.0f} s.")
@@ -614,7 +629,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f" + replicas of {len(r0['replica_sources'])} source(s) x {r0.get('replica_buffers_per_source', 1)} "
                      f"buffer(s) {fmt_bytes(r0['replica_bytes'])}; max ratio over ranks "
                      f"{mem['max_ratio']:.4f} x state (bound {mem['bound_ratio']}); whole job's shm dir "
-                     f"{fmt_bytes(mem['shm_job_bytes_end'])}.")
+                     f"{fmt_bytes(mem['shm_job_bytes_end'])}; each buffer exceeds the state by "
+                     f"{fmt_bytes(r0['slot_bytes'][0] - r0['state_bytes']) if r0['slot_bytes'] else None} "
+                     f"(header reserve).")
         lines.append("")
         lines.append("Targets (deadpool):")
         lines.append("")
@@ -688,7 +705,7 @@ def launcher(args: argparse.Namespace) -> int:
                  "--warmup-steps", str(d["warmup_steps"]), "--modes", args.modes, "--shm-root", shm_root,
                  "--scratch", scratch, "--result-file", result_file, "--job-id", f"bench{tag}",
                  "--decoupled-writer", args.decoupled_writer, "--seed", str(args.seed),
-                 "--zero-overrides", json.dumps(d["zero"])]
+                 "--zero-overrides", json.dumps(d["zero"]), "--deadpool-overrides", args.deadpool_overrides or "{}"]
         if d["activation_checkpointing"]:
             wargs.append("--activation-checkpointing")
         cmd = torchrun_cmd(args.nproc, os.path.abspath(__file__), wargs, port=free_port())
@@ -792,6 +809,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="recompute analysis and markdown of an existing results file, run nothing")
     p.add_argument("--zero-overrides", default=None,
                    help="JSON merged into the zero_optimization section (default: per size, see DEFAULTS)")
+    p.add_argument("--deadpool-overrides", default=None,
+                   help='JSON deep-merged into the deadpool section, e.g. \'{"replication": {"double_buffer": false}}\'')
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute activations in backward (default: per size)")
     # worker mode (set by the launcher)

@@ -109,6 +109,23 @@ class RecoveryConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class HotSwapConfig:
+    """Runtime replacement of failed nodes by spares (needs the deadpool-run launcher)."""
+
+    enabled: bool = True
+    """Under deadpool-run, survive a failed node by rebuilding communicators in-process with a spare."""
+    assignment_timeout_s: float = 120.0
+    """How long a survivor waits for the launcher's next assignment after a collective error."""
+    collective_timeout_s: float = 60.0
+    """Timeout of training collectives: the backstop that turns a silently vanished peer (no TCP reset)
+    into an error; crashed processes and fenced hung ones are seen at once."""
+
+    def __post_init__(self) -> None:
+        _positive("assignment_timeout_s", self.assignment_timeout_s)
+        _positive("collective_timeout_s", self.collective_timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
 class DeadpoolConfig:
     """The whole ``"deadpool"`` section."""
 
@@ -123,6 +140,7 @@ class DeadpoolConfig:
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    hot_swap: HotSwapConfig = field(default_factory=HotSwapConfig)
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.job_id)):

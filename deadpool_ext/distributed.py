@@ -25,11 +25,29 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+_membership = None
+
+
+def membership():
+    """The hot-swap membership client when launched by deadpool-run, else None."""
+    return _membership
+
+
 def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> None:
     """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
     deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
-    to MPI discovery as DeepSpeed does."""
+    to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node."""
+    global _membership
     if dist.is_initialized():
+        return
+    if os.environ.get("DEADPOOL_STORE"):
+        from .rebuild.worker import Membership, init_process_group
+
+        _membership = Membership.from_env()
+        if os.environ.get("DEADPOOL_ROLE") == "spare":
+            log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
+        assignment = _membership.join(0)
+        init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout_s)
         return
     missing = [k for k in REQUIRED_ENV if k not in os.environ]
     if missing:

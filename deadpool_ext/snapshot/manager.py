@@ -67,7 +67,10 @@ class SnapshotManager:
         self.world = dist.get_world_size()
         self.job_id = config.job_id or default_job_id()
         self.node = _simulated_node(config) or node_name()
-        self.dir = job_shm_dir(config.local.shm_root, self.job_id, self.node)
+        shm_root = os.environ.get("DEADPOOL_SHM_ROOT") or config.local.shm_root
+        if shm_root != config.local.shm_root and self.rank == 0:
+            log.info("shared memory root %s set by deadpool-run (config says %s)", shm_root, config.local.shm_root)
+        self.dir = job_shm_dir(shm_root, self.job_id, self.node)
         os.makedirs(self.dir, exist_ok=True)
         launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", os.getppid()))
         if self._first_on_node():
@@ -219,6 +222,7 @@ class SnapshotManager:
                     self.slots[i].close()
                 self.slots[i] = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
                                                   root=self.dir, touch=True)
+                _pin_for_cuda(self.slots[i])
 
     def memory_bytes(self) -> int:
         return sum(s.nbytes for s in self.slots if s is not None) + self.peers.held_nbytes()
@@ -300,6 +304,23 @@ class SnapshotManager:
         st["memory_bytes"] = self.memory_bytes()
         return st
 
+    def quiesce(self, timeout_s: float = 10.0) -> None:
+        """Hot-swap: stop snapshotting. Waits (bounded) until the in-flight copy is done, so no stale worker
+        writes into a slot the next manager will use; replication of that version may fail with the dead
+        group, which is expected and not raised."""
+        self.active = False
+        job = self._inflight
+        if job is not None:
+            job.copied.wait(timeout_s)
+            deadline = time.time() + timeout_s
+            while self.latest is None or self.latest[0] != job.snap.version:
+                if job.done.is_set() or time.time() > deadline:
+                    break
+                time.sleep(0.01)
+        if self._thread is not None:
+            self._queue.put(None)
+        self._thread = None
+
     def wait_idle(self) -> None:
         if self._inflight is not None:
             self._inflight.done.wait(self.config.replication.timeout_s)
@@ -310,6 +331,18 @@ class SnapshotManager:
             self._queue.put(None)
             self._thread.join(self.config.replication.timeout_s)
         self._thread = None
+
+
+def _pin_for_cuda(seg: ShmSegment) -> None:
+    """Page-lock a slot so device-to-host copies on the side stream are truly asynchronous (pageable memory
+    would make every copy synchronous and stage it through a driver bounce buffer). No-op without CUDA."""
+    if not torch.cuda.is_available():
+        return
+    t = seg.tensor()
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(rc) != 0:
+        log.warning("cudaHostRegister of %s failed (error %s): snapshot copies fall back to pageable memory",
+                    seg.name, int(rc))
 
 
 def _header_len(seg: ShmSegment) -> int:

@@ -62,20 +62,28 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     seed_everything(args.seed)
-    model = build_gpt(args.model_size) if objective == "gpt" else build_bert(args.model_size)
-    n_params = count_parameters(model)
-    engine, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config, model_parameters=model.parameters())
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
+    n_params = 0
+
+    def build_engine():
+        nonlocal n_params
+        model = build_gpt(args.model_size) if objective == "gpt" else build_bert(args.model_size)
+        n_params = count_parameters(model)
+        eng, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config, model_parameters=model.parameters())
+        if eng.deadpool is not None:
+            def client_get() -> dict[str, Any]:
+                return {"corpus": data.fingerprint}
+
+            def client_set(state: dict[str, Any]) -> None:
+                if state.get("corpus", data.fingerprint) != data.fingerprint:
+                    raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, this run reads {data.fingerprint}")
+
+            eng.deadpool.set_client_state(client_get, client_set)
+            eng.deadpool.set_rebuild(build_engine)
+        return eng
+
+    engine = build_engine()
     rank = engine.global_rank
-    if engine.deadpool is not None:
-        def client_get() -> dict[str, Any]:
-            return {"corpus": data.fingerprint}
-
-        def client_set(state: dict[str, Any]) -> None:
-            if state.get("corpus", data.fingerprint) != data.fingerprint:
-                raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, this run reads {data.fingerprint}")
-
-        engine.deadpool.set_client_state(client_get, client_set)
 
     start = 0
     if args.load:
@@ -88,38 +96,52 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if engine.deadpool is not None:
         start = max(start, engine.deadpool.resume())
 
-    micro = engine.train_micro_batch_size_per_gpu()
-    gas = engine.gradient_accumulation_steps()
-    dp, dp_rank = engine.dp_world_size, dist.get_rank(group=engine.data_parallel_group) if engine.dp_world_size > 1 else 0
-    metrics = open(args.metrics_out, "a") if (args.metrics_out and rank == 0) else None
+    def layout():
+        dp = engine.dp_world_size
+        return (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), dp,
+                dist.get_rank(group=engine.data_parallel_group) if dp > 1 else 0, engine.global_rank)
+
+    micro, gas, dp, dp_rank, rank = layout()
+    metrics = None
     step_times: list[float] = []
     loss_value = float("nan")
+    swaps = 0
     if rank == 0:
         print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, gas={gas}, "
               f"steps {start}->{args.train_iters}, corpus {data.fingerprint}", flush=True)
     engine.train()
-    for _ in range(start, args.train_iters):
+    while int(engine.global_steps) < args.train_iters:
         t0 = time.perf_counter()
-        base = int(engine.global_samples)
-        total = torch.zeros(1, dtype=torch.float64)
-        for m in range(gas):
-            first = base + (m * dp + dp_rank) * micro
-            if objective == "gpt":
-                ids, labels = data.gpt_batch(first, micro)
-            else:
-                ids, labels = data.bert_batch(first, micro)
-            loss = engine(input_ids=ids.to(engine.device), labels=labels.to(engine.device)).loss
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach().to("cpu", torch.float64)
-        if dp > 1:
-            dist.all_reduce(total, group=engine.data_parallel_group)
+        try:
+            base = int(engine.global_samples)
+            total = torch.zeros(1, dtype=torch.float64)
+            for m in range(gas):
+                first = base + (m * dp + dp_rank) * micro
+                ids, labels = data.gpt_batch(first, micro) if objective == "gpt" else data.bert_batch(first, micro)
+                loss = engine(input_ids=ids.to(engine.device), labels=labels.to(engine.device)).loss
+                engine.backward(loss)
+                engine.step()
+                total += loss.detach().to("cpu", torch.float64)
+            if dp > 1:
+                dist.all_reduce(total, group=engine.data_parallel_group)
+        except Exception as exc:
+            # Hot-swap (deadpool-run): a peer died mid-step. Rebuild the world in-process and continue from the
+            # newest version every rank holds; anything else is re-raised.
+            if engine.deadpool is None or not engine.deadpool.can_recover(exc):
+                raise
+            engine = engine.deadpool.recover(exc)
+            engine.train()
+            micro, gas, dp, dp_rank, rank = layout()
+            swaps += 1
+            continue
         loss_value = float(total.item() / (gas * dp))
         dt = time.perf_counter() - t0
         step_times.append(dt)
         step = int(engine.global_steps)
-        if metrics is not None:
-            metrics.write(json.dumps({"step": step, "loss": loss_value, "step_time_s": dt,
+        if rank == 0 and args.metrics_out:
+            if metrics is None:
+                metrics = open(args.metrics_out, "a")
+            metrics.write(json.dumps({"step": step, "loss": loss_value, "step_time_s": dt, "time": time.time(),
                                       "lr": engine.get_lr()[0], "samples": int(engine.global_samples)}) + "\n")
             metrics.flush()
         if rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):
@@ -133,7 +155,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     summary = {
         "objective": objective, "model_size": args.model_size, "params": n_params, "world_size": dist.get_world_size(),
         "steps_run": len(step_times), "final_step": int(engine.global_steps), "final_loss": loss_value,
-        "median_step_time_s": float(np.median(step_times)) if step_times else None,
+        "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
     }
     if engine.deadpool is not None:
         summary["deadpool"] = engine.deadpool.stats()

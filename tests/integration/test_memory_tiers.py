@@ -76,3 +76,30 @@ def test_corrupt_tier1_falls_back_to_peer(tmp_path, shm_root):
     assert any("tier 1: slot" in l and "unusable" in l and "checksum mismatch" in l for l in lines), lines
     assert any("tier 2: fetched and verified" in l for l in lines), lines
     assert metrics == base
+
+
+@pytest.mark.parametrize("stage,bf16,gas", [(1, False, 1), (2, True, 2), (3, False, 1), (3, True, 1)])
+def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas):
+    from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
+    extra = {"gradient_accumulation_steps": gas}
+    if bf16:
+        extra["bf16"] = {"enabled": True}
+    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root, "simulate_nodes": 2}}, **extra)
+    res = run_job(torchrun_cmd(2, "tests/integration/workers/snapshot_equality.py", [cfg, "3"], port=free_port()),
+                  timeout_s=300)
+    assert res.returncode == 0, res.output[-4000:]
+    assert res.output.count("tensors equal") == 2
+    if bf16:
+        assert "torch.bfloat16" in res.output
+
+
+def test_bf16_zero3_lost_node_identical(tmp_path, shm_root):
+    cfg = make_config(tmp_path, stage=3, bf16={"enabled": True}, deadpool={
+        "local": {"shm_root": shm_root, "simulate_nodes": 2}})
+    res, base, _ = pretrain(tmp_path, cfg, iters=8, name="bf16base")
+    assert res.returncode == 0, res.output[-3000:]
+    res, metrics, _ = pretrain(tmp_path, cfg, iters=8, max_restarts=1, name="bf16lost",
+                               inject=kill_at(3, then=lambda: drop_node_memory(shm_root, NODE1)))
+    assert res.returncode == 0, res.output[-4000:]
+    assert any("fetched and verified" in l for l in _restored_lines(res.output))
+    assert metrics == base and len(base) == 8

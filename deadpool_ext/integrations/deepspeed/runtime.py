@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import time
 from typing import Any, Callable
 
@@ -24,6 +25,12 @@ from .checkpoint_engine import DeadpoolCheckpointEngine
 log = logging.getLogger("deadpool_ext")
 
 
+def _backend() -> str:
+    from ...distributed import default_backend
+
+    return default_backend()
+
+
 class DeadpoolRuntime:
     def __init__(self, engine: Any, config: DeadpoolConfig) -> None:
         self.engine = engine
@@ -31,6 +38,9 @@ class DeadpoolRuntime:
         self._closed = False
         self._client_get: Callable[[], dict[str, Any]] | None = None
         self._client_set: Callable[[dict[str, Any]], None] | None = None
+        self._restored_version = 0
+        self._catch_up: tuple[int, float] | None = None
+        self._factory: Callable[[], Any] | None = None
         self.adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state)
         self.snapshots = None
         if config.enabled:
@@ -71,6 +81,8 @@ class DeadpoolRuntime:
             out = original(*args, **kwargs)
             if boundary and runtime.snapshots is not None:
                 runtime.snapshots.after_step()
+            if boundary:
+                runtime._after_step_hook()
             return out
 
         engine.step = step
@@ -86,10 +98,81 @@ class DeadpoolRuntime:
             return int(self.engine.global_steps)
         t0 = time.perf_counter()
         version = self.snapshots.restore_latest()
+        self._restored_version = version or 0
+        gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
+        if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not getattr(self, "_spare_logged", False):
+            from ...recovery.timeline import write_event
+
+            self._spare_logged = True
+            write_event(event="recover", role="spare", generation=gen, rank=self.engine.global_rank, pid=os.getpid(),
+                        restored_version=version, restore_s=time.perf_counter() - t0,
+                        restored_from=self.snapshots.stats().get("restored_from"), restored_at=time.time())
         if version is None:
             return int(self.engine.global_steps)
         log.info("resumed from in-memory snapshot of step %d in %.2f s", version, time.perf_counter() - t0)
         return version
+
+    # -- hot-swap -----------------------------------------------------------------------------------
+    def set_rebuild(self, factory: Callable[[], Any]) -> None:
+        """``factory()`` builds the model and calls ``deadpool_ext.deepspeed.initialize`` again; hot-swap calls it
+        on the new world after the communicators are rebuilt."""
+        self._factory = factory
+
+    def can_recover(self, exc: BaseException) -> bool:
+        from ...distributed import membership
+
+        return (membership() is not None and self.config.hot_swap.enabled and self._factory is not None
+                and isinstance(exc, (RuntimeError, OSError)))
+
+    def recover(self, exc: BaseException) -> Any:
+        """Survivor side of hot-swap: tear down, join the next generation, rebuild the engine, restore.
+
+        Returns the new engine. The process and everything outside the engine (data, metrics files) stay."""
+        from ...distributed import membership
+        from ...recovery.timeline import write_event
+        from ...rebuild.worker import init_process_group, teardown
+
+        m = membership()
+        gen = m.assignment.generation
+        failed_step = int(self.engine.global_steps)
+        rank = self.engine.global_rank
+        t_noticed = time.time()
+        log.warning("generation %d: collective failed at step %d (%s: %s); rebuilding communicators in-process",
+                    gen, failed_step, type(exc).__name__, " ".join(str(exc).split())[:600])
+        m.report_failure(gen, repr(exc))
+        if self.snapshots is not None:
+            self.snapshots.quiesce()
+        self._closed = True
+        factory = self._factory
+        self.engine = None
+        teardown()
+        import gc
+
+        gc.collect()
+        a = m.join(gen + 1, timeout_s=self.config.hot_swap.assignment_timeout_s)
+        t_assigned = time.time()
+        init_process_group(a, m.worker_id, _backend(), self.config.hot_swap.collective_timeout_s)
+        t_pg = time.time()
+        engine = factory()
+        t_engine = time.time()
+        version = engine.deadpool.resume()
+        t_restored = time.time()
+        engine.deadpool._catch_up = (failed_step, t_restored)
+        write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
+                    rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
+                    noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
+                    restored_at=t_restored)
+        return engine
+
+    def _after_step_hook(self) -> None:
+        catch = self._catch_up
+        if catch is not None and self.engine.global_steps >= catch[0]:
+            from ...recovery.timeline import write_event
+
+            write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")),
+                        rank=self.engine.global_rank, step=int(self.engine.global_steps),
+                        recompute_s=time.time() - catch[1], recomputed_steps=catch[0] - self._restored_version)
+            self._catch_up = None
 
     def stats(self) -> dict[str, Any]:
         return self.snapshots.stats() if self.snapshots is not None else {}

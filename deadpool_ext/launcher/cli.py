@@ -1,0 +1,262 @@
+"""deadpool-run: a torchrun-like launcher with pre-started spare nodes and runtime hot-swap.
+
+    deadpool-run --nnodes 3 --nproc-per-node 1 --spare-nodes 1 scripts/pretrain_gpt.py \\
+        --deepspeed_config configs/gpt_tiny_zero3_cpu.json --train-iters 30 --metrics-out m.jsonl
+
+On one host every node is simulated (its own failure domain: its own shared-memory directory). The launcher:
+
+- serves the coordination store (embedded, token-protected, on ``--host``, loopback by default) and one c10d
+  store per generation;
+- starts active and spare workers (spares import everything and wait for an assignment);
+- watches them: a process that exits non-zero is a crash; one whose heartbeat is older than
+  ``--detect-timeout-s`` is hung and is SIGKILLed (fenced);
+- on a failure, fences the whole failed node (kills its processes, drops its memory: a lost node), picks a
+  spare node, and publishes the next generation's assignment; survivors rebuild their communicators
+  in-process and the spare restores the failed ranks' state from peer replicas;
+- owns each node's tier-1 shared memory and removes it when the job ends.
+
+No spare left: the job stops with an error naming the failed node (``--no-spare-policy fail``, default) or
+waits ``--spare-wait-s`` for a spare to register (``wait``) before stopping.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Sequence
+
+from ..memory.shm import SHM_ROOT
+from ..snapshot.manager import job_shm_dir
+from .membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
+
+log = logging.getLogger("deadpool_ext.launcher")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deadpool-run", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nnodes", type=int, required=True, help="active nodes")
+    p.add_argument("--nproc-per-node", type=int, default=1)
+    p.add_argument("--spare-nodes", type=int, default=0, help="pre-started spare nodes")
+    p.add_argument("--job-id", default=None, help="names shared memory and store keys (default: random)")
+    p.add_argument("--host", default="127.0.0.1", help="interface the stores listen on (default loopback only)")
+    p.add_argument("--shm-root", default=SHM_ROOT)
+    p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--detect-timeout-s", type=float, default=3.0,
+                   help="a worker whose heartbeat is older than this is declared hung and fenced")
+    p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")
+    p.add_argument("--spare-wait-s", type=float, default=60.0)
+    p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
+    p.add_argument("--keep-memory-on-failure", action="store_true",
+                   help="do not drop a failed node's shared memory (a process crash on a healthy node)")
+    p.add_argument("script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+class Supervisor:
+    def __init__(self, args: argparse.Namespace) -> None:
+        for flag in ("nnodes", "nproc_per_node"):
+            if getattr(args, flag) < 1:
+                raise SystemExit(f"deadpool-run: --{flag.replace('_', '-')} must be >= 1")
+        if args.spare_nodes < 0:
+            raise SystemExit("deadpool-run: --spare-nodes must be >= 0")
+        self.args = args
+        self.job_id = args.job_id or f"dp{secrets.token_hex(4)}"
+        self.token = os.environ.get("DEADPOOL_STORE_TOKEN") or secrets.token_hex(16)
+        self.active_nodes = [f"node{i}" for i in range(args.nnodes)]
+        self.spare_nodes = [f"spare{i}" for i in range(args.spare_nodes)]
+        self.workers = [Worker(f"{n}.{i}", n, i) for n in self.active_nodes + self.spare_nodes
+                        for i in range(args.nproc_per_node)]
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.dead_spares: set[str] = set()
+        self.c10d_stores: list = []
+        self.timeline = open(args.timeline, "a") if args.timeline else None
+
+    # -- events -------------------------------------------------------------------------------------
+    def event(self, **rec) -> None:
+        rec.setdefault("time", time.time())
+        rec.setdefault("source", "launcher")
+        log.info("%s", json.dumps(rec))
+        if self.timeline is not None:
+            self.timeline.write(json.dumps(rec) + "\n")
+            self.timeline.flush()
+
+    # -- processes ----------------------------------------------------------------------------------
+    def _spawn(self, w: Worker, role: str) -> None:
+        env = dict(os.environ)
+        env.update(
+            DEADPOOL_STORE=f"dp://{self.store_addr[0]}:{self.store_addr[1]}", DEADPOOL_STORE_TOKEN=self.token,
+            DEADPOOL_JOB_ID=self.job_id, DEADPOOL_WORKER_ID=w.worker_id, DEADPOOL_NODE=w.node,
+            DEADPOOL_ROLE=role, DEADPOOL_AGENT="launcher", DEADPOOL_LAUNCHER_PID=str(os.getpid()),
+            DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
+            LOCAL_RANK=str(w.local_index), LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
+            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
+        )
+        if self.timeline is not None:
+            env["DEADPOOL_TIMELINE"] = os.path.abspath(self.args.timeline)
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+            env.pop(k, None)
+        self.procs[w.worker_id] = subprocess.Popen([sys.executable, self.args.script, *self.args.script_args], env=env)
+
+    def _node_procs(self, node: str) -> list[str]:
+        return [w.worker_id for w in self.workers if w.node == node]
+
+    def _kill_node(self, node: str) -> None:
+        for wid in self._node_procs(node):
+            p = self.procs.get(wid)
+            if p is not None and p.poll() is None:
+                p.kill()
+        for wid in self._node_procs(node):
+            p = self.procs.get(wid)
+            if p is not None:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    log.error("worker %s did not die after SIGKILL", wid)
+
+    def _drop_memory(self, node: str) -> None:
+        shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
+
+    # -- stores -------------------------------------------------------------------------------------
+    def _new_c10d_store(self, world: int) -> int:
+        import torch.distributed as dist
+
+        from ..testing.launch import free_port
+
+        for _ in range(5):
+            port = free_port()
+            try:
+                st = dist.TCPStore(self.args.host, port, world, is_master=True, wait_for_workers=False)
+                self.c10d_stores.append(st)
+                return port
+            except Exception as exc:  # the port was taken between probe and bind: try another
+                log.debug("c10d store on %d: %s", port, exc)
+        raise RuntimeError("could not start a c10d store for the next generation")
+
+    def publish(self, a: Assignment) -> Assignment:
+        a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size)})
+        self.store.set_json("assignment", a.to_json())
+        self.assignment = a
+        return a
+
+    # -- main loop ----------------------------------------------------------------------------------
+    def run(self) -> int:
+        from ..store.embedded import EmbeddedStore, EmbeddedStoreServer
+
+        self.server = EmbeddedStoreServer(host=self.args.host, port=0, token=self.token)
+        self.server.start()
+        self.store_addr = self.server.address
+        self.store = EmbeddedStore(self.store_addr[0], self.store_addr[1], token=self.token, namespace=self.job_id)
+        a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
+        self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
+                   active_nodes=self.active_nodes, spare_nodes=self.spare_nodes)
+        for w in self.workers:
+            self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
+        try:
+            return self._loop()
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> int:
+        seen_hb: dict[str, float] = {}
+        while True:
+            time.sleep(0.1)
+            a = self.assignment
+            active = set(a.ranks)
+            rcs = {wid: p.poll() for wid, p in self.procs.items()}
+            if all(rcs[w] == 0 for w in active):
+                self.event(event="finished", generation=a.generation)
+                return 0
+            failed: dict[str, str] = {}
+            for wid in active:
+                rc = rcs[wid]
+                if rc is not None and rc != 0:
+                    failed[wid] = f"exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
+            now = time.time()
+            for wid in active - set(failed):
+                if rcs[wid] is not None:
+                    continue
+                raw = self.store.get(f"hb/{wid}")
+                if raw is not None:
+                    seen_hb[wid] = float(raw)
+                if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
+                    failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
+            for w in self.workers:
+                if w.node in self.spare_nodes and w.node not in self.dead_spares and w.worker_id not in active:
+                    if rcs[w.worker_id] is not None:
+                        self.dead_spares.add(w.node)
+                        self._kill_node(w.node)
+                        self.event(event="spare_lost", node=w.node, detail=f"exited with {rcs[w.worker_id]}")
+            if not failed:
+                continue
+            failed_nodes = {a.nodes[w] for w in failed}
+            self.event(event="failure", generation=a.generation, detected_at=now,
+                       failed={w: {"rank": a.ranks[w], "node": a.nodes[w], "why": why} for w, why in failed.items()})
+            for node in failed_nodes:
+                self._kill_node(node)
+                if not self.args.keep_memory_on_failure:
+                    self._drop_memory(node)
+            for wid in list(seen_hb):
+                if a.nodes.get(wid) in failed_nodes:
+                    del seen_hb[wid]
+            new = self._next_assignment(a, failed_nodes)
+            if new is None:
+                return 1
+            new = self.publish(new)
+            for wid in new.ranks:
+                seen_hb.pop(wid, None)  # grace: a spare's first heartbeat after taking over
+            self.event(event="assignment", generation=new.generation, replaced=new.replaced,
+                       published_at=time.time(), spares_left=list(new.spares))
+
+    def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
+        deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)
+        while True:
+            try:
+                return replace_failed(a, self.workers, failed_nodes, self.dead_spares)
+            except NoSpareError as exc:
+                if time.time() >= deadline:
+                    msg = (f"{exc}. Policy --no-spare-policy={self.args.no_spare_policy}: stopping the job. "
+                           "Restart it with --load from the persistent tier to resume.")
+                    self.event(event="stopped", reason=msg)
+                    self.store.set_json("assignment", {**a.to_json(), "stop": msg})
+                    print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
+                    return None
+                time.sleep(0.5)
+
+    def _shutdown(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.time() + 10
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for node in self.active_nodes + self.spare_nodes:
+            self._drop_memory(node)
+        self.server.stop()
+        if self.timeline is not None:
+            self.timeline.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("DEADPOOL_LOG_LEVEL", "INFO"),
+                        format="[deadpool-run] %(levelname)s %(message)s")
+    args = build_parser().parse_args(argv)
+    if args.script_args and args.script_args[0] == "--":
+        args.script_args = args.script_args[1:]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return Supervisor(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

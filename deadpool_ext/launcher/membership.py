@@ -1,0 +1,97 @@
+"""Pure membership logic of hot-swap: who holds which rank in each generation.
+
+No processes, no sockets: plain dataclasses in, plain dataclasses out, unit-tested directly. The launcher
+calls :func:`initial_assignment` once and :func:`replace_failed` on every failure.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class NoSpareError(RuntimeError):
+    """A failed node cannot be replaced: no spare node is left. The message names what failed."""
+
+
+@dataclass(frozen=True, slots=True)
+class Worker:
+    worker_id: str
+    node: str
+    local_index: int  # position of the process within its node
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    generation: int
+    world_size: int
+    ranks: dict[str, int]
+    """worker id -> global rank, for every active worker."""
+    nodes: dict[str, str]
+    """worker id -> node, for every active worker."""
+    spares: tuple[str, ...] = ()
+    """spare nodes still available, in the order they will be used."""
+    replaced: dict[str, str] = field(default_factory=dict)
+    """failed node -> spare node that took its ranks in this generation."""
+    master_port: int = 0
+    """Port of this generation's c10d store (a fresh one per generation, served by the launcher)."""
+
+    def to_json(self) -> dict:
+        return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
+                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Assignment":
+        return cls(generation=int(d["generation"]), world_size=int(d["world_size"]),
+                   ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
+                   spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),
+                   master_port=int(d.get("master_port", 0)))
+
+    def node_ranks(self, node: str) -> list[int]:
+        return sorted(r for w, r in self.ranks.items() if self.nodes[w] == node)
+
+
+def initial_assignment(workers: list[Worker], active_nodes: list[str], spare_nodes: list[str]) -> Assignment:
+    """Ranks are dealt node by node in ``active_nodes`` order, by local index within a node."""
+    if set(active_nodes) & set(spare_nodes):
+        raise ValueError(f"nodes {sorted(set(active_nodes) & set(spare_nodes))} are both active and spare")
+    ranks: dict[str, int] = {}
+    nodes: dict[str, str] = {}
+    rank = 0
+    for node in active_nodes:
+        members = sorted((w for w in workers if w.node == node), key=lambda w: w.local_index)
+        if not members:
+            raise ValueError(f"active node {node!r} has no workers")
+        for w in members:
+            ranks[w.worker_id] = rank
+            nodes[w.worker_id] = node
+            rank += 1
+    return Assignment(generation=0, world_size=rank, ranks=ranks, nodes=nodes, spares=tuple(spare_nodes))
+
+
+def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: set[str],
+                   dead_spares: set[str] = frozenset()) -> Assignment:
+    """Next generation: each failed node's ranks go, in local-index order, to the next live spare node.
+
+    Survivors keep their ranks, so their local snapshots stay theirs. Raises :class:`NoSpareError` when
+    there are fewer live spares than failed nodes; dead spares are dropped from the pool first.
+    """
+    spares = [s for s in current.spares if s not in dead_spares and s not in failed_nodes]
+    failed = sorted(n for n in failed_nodes if n in set(current.nodes.values()))
+    if len(failed) > len(spares):
+        raise NoSpareError(f"node(s) {failed} failed but only {len(spares)} spare node(s) are left "
+                           f"({spares or 'none'}); start the job with more --spare-nodes")
+    ranks = dict(current.ranks)
+    nodes = dict(current.nodes)
+    replaced: dict[str, str] = {}
+    for node in failed:
+        spare = spares.pop(0)
+        old = sorted(((r, w) for w, r in current.ranks.items() if current.nodes[w] == node))
+        new = sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index)
+        if len(new) < len(old):
+            raise NoSpareError(f"spare node {spare} has {len(new)} processes, node {node} had {len(old)}")
+        for (rank, dead_worker), w in zip(old, new):
+            del ranks[dead_worker], nodes[dead_worker]
+            ranks[w.worker_id] = rank
+            nodes[w.worker_id] = spare
+        replaced[node] = spare
+    return Assignment(generation=current.generation + 1, world_size=current.world_size, ranks=ranks, nodes=nodes,
+                      spares=tuple(spares), replaced=replaced)

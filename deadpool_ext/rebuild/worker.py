@@ -1,0 +1,119 @@
+"""Worker side of the hot-swap protocol: join a generation, heartbeat, tear down, join the next one.
+
+Call order (every worker started by deadpool-run; ``DEADPOOL_STORE`` is set):
+
+1. ``Membership.from_env()``; ``join(min_generation=0)`` blocks until an assignment includes this worker.
+   Active workers return at once; spares block here (heartbeating) until they replace a failed node.
+2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
+   prefixed by the generation, so nothing of a dead generation is ever read.
+3. On a collective error: ``teardown()`` destroys every process group (closing this rank's sockets unblocks
+   peers still waiting on it) and resets DeepSpeed's cached communicator state; then ``join(g + 1)``.
+
+Messages (store keys under the job namespace): ``assignment`` (JSON of
+:class:`deadpool_ext.launcher.membership.Assignment`), ``hb/<worker_id>`` (heartbeat time),
+``failed/<generation>/<worker_id>`` (a worker reporting a collective error, for the timeline).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..launcher.membership import Assignment
+
+log = logging.getLogger("deadpool_ext")
+
+
+class MembershipError(RuntimeError):
+    pass
+
+
+class Membership:
+    def __init__(self, *, store_url: str, token: str, job_id: str, worker_id: str, node: str,
+                 heartbeat_s: float = 0.5, timeout_s: float = 30.0) -> None:
+        from ..store.base import connect
+
+        self.worker_id, self.node, self.job_id = worker_id, node, job_id
+        self.timeout_s = timeout_s
+        self.store = connect(store_url, token, job_id, timeout_s)
+        self._hb_store = connect(store_url, token, job_id, timeout_s)
+        self._hb_s = heartbeat_s
+        self._stop = threading.Event()
+        self.assignment: Assignment | None = None
+        threading.Thread(target=self._heartbeat, name="deadpool-heartbeat", daemon=True).start()
+
+    @classmethod
+    def from_env(cls) -> "Membership | None":
+        url = os.environ.get("DEADPOOL_STORE")
+        if not url:
+            return None
+        return cls(store_url=url, token=os.environ["DEADPOOL_STORE_TOKEN"], job_id=os.environ["DEADPOOL_JOB_ID"],
+                   worker_id=os.environ["DEADPOOL_WORKER_ID"], node=os.environ["DEADPOOL_NODE"],
+                   heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")))
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self._hb_s):
+            try:
+                self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
+            except Exception as exc:  # the launcher is gone: nothing left to tell
+                log.debug("heartbeat failed: %s", exc)
+                return
+
+    def join(self, min_generation: int, timeout_s: float | None = None) -> Assignment:
+        """Block until an assignment of generation >= ``min_generation`` includes this worker."""
+        deadline = time.time() + (timeout_s if timeout_s is not None else float("inf"))
+        while True:
+            raw = self.store.get_json("assignment")
+            if raw is not None:
+                a = Assignment.from_json(raw)
+                if a.generation >= min_generation and self.worker_id in a.ranks:
+                    self.assignment = a
+                    return a
+                if raw.get("stop"):
+                    raise MembershipError(f"launcher stopped the job: {raw['stop']}")
+            if time.time() > deadline:
+                raise MembershipError(f"worker {self.worker_id}: no assignment of generation >= {min_generation} "
+                                      f"within {timeout_s:.0f}s (waited for store key 'assignment')")
+            time.sleep(0.05)
+
+    def report_failure(self, generation: int, what: str) -> None:
+        try:
+            self.store.set_json(f"failed/{generation}/{self.worker_id}", {"time": time.time(), "error": what[:500]})
+        except Exception:
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+
+
+def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float) -> None:
+    rank = a.ranks[worker_id]
+    port = a.master_port
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      DEADPOOL_GENERATION=str(a.generation))
+    timeout = timedelta(seconds=timeout_s)
+    base = dist.TCPStore("127.0.0.1", port, a.world_size, is_master=False, timeout=timeout)
+    store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
+    log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
+
+
+def teardown() -> None:
+    """Destroy every process group and DeepSpeed's cached communicator state, keeping the process."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # a group whose peer died may refuse a clean shutdown; it is gone either way
+            log.debug("destroy_process_group: %s", exc)
+    from ..integrations.deepspeed.rebuild import reset_deepspeed_comm_state
+
+    reset_deepspeed_comm_state()
+
+
+def current() -> dict[str, Any]:
+    return {"generation": int(os.environ.get("DEADPOOL_GENERATION", "0"))}

@@ -1,0 +1,359 @@
+"""The embedded coordination store: a small threaded TCP server the launcher runs in-process, and its client.
+
+Why embedded by default: a single-host (or few-host) job should not need an extra daemon; the
+launcher already outlives every worker, so it serves the store. For many hosts, use etcd instead
+(`deadpool_ext.store.etcd`); the client interface is the same.
+
+Wire format: every message is a frame = 4-byte big-endian length + UTF-8 JSON object; byte values
+travel base64-encoded. No pickle: a peer cannot make the server or a client run code. Each
+connection first completes the HMAC handshake in `deadpool_ext.store.auth` (the token never crosses
+the wire), then sends requests ``{"op": ..., ...}`` one at a time, each answered by
+``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import math
+import socket
+import socketserver
+import threading
+import time
+from typing import Any
+
+from deadpool_ext.store.auth import FrameError, b64, client_handshake, recv_frame, send_frame, server_handshake, unb64
+from deadpool_ext.store.base import CoordinationStore, StoreError, parse_counter
+
+__all__ = ["EmbeddedStoreServer", "EmbeddedStore"]
+
+log = logging.getLogger("deadpool_ext")
+
+_MAX_IDLE_CONNECTIONS = 8
+
+
+def _is_wildcard(host: str) -> bool:
+    if host == "":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+class _KV:
+    """The server's data: a dict guarded by one condition variable (waiters sleep on it, never spin)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.data: dict[str, bytes] = {}
+        self.cond = threading.Condition()
+        self.stopping = False
+
+    def apply(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        if op == "list":
+            prefix = req.get("prefix")
+            if not isinstance(prefix, str):
+                raise ValueError("list needs a str 'prefix'")
+            with self.cond:
+                return {"items": {k: b64(v) for k, v in self.data.items() if k.startswith(prefix)}}
+        if op == "wait":
+            return self._wait(req)
+        key = req.get("key")
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{op!r} needs a non-empty str 'key'")
+        with self.cond:
+            if op == "get":
+                v = self.data.get(key)
+                return {"value": None if v is None else b64(v)}
+            if op == "set":
+                self.data[key] = unb64(req.get("value"), "value")
+                self.cond.notify_all()
+                return {}
+            if op == "add":
+                delta = req.get("delta")
+                if isinstance(delta, bool) or not isinstance(delta, int):
+                    raise ValueError("add needs an int 'delta'")
+                old = self.data.get(key)
+                n = (0 if old is None else parse_counter(old, key, self.where)) + delta
+                self.data[key] = str(n).encode()
+                self.cond.notify_all()
+                return {"value": n}
+            if op == "cas":
+                new = unb64(req.get("new"), "new")
+                expected = None if req.get("expected") is None else unb64(req.get("expected"), "expected")
+                if self.data.get(key) != expected:
+                    return {"swapped": False}
+                self.data[key] = new
+                self.cond.notify_all()
+                return {"swapped": True}
+            if op == "delete":
+                return {"deleted": self.data.pop(key, None) is not None}
+        raise ValueError(f"unknown op {op!r}")
+
+    def _wait(self, req: dict[str, Any]) -> dict[str, Any]:
+        keys, timeout = req.get("keys"), req.get("timeout")
+        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
+            raise ValueError("wait needs a non-empty list of str 'keys'")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
+                or timeout <= 0:
+            raise ValueError("wait needs a positive finite 'timeout'")
+        with self.cond:
+            self.cond.wait_for(lambda: self.stopping or all(k in self.data for k in keys), timeout)
+            if self.stopping:
+                raise ConnectionAbortedError("server stopping")
+            return {"items": {k: b64(self.data[k]) for k in keys if k in self.data}}
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+    owner: EmbeddedStoreServer
+
+
+class _TCPServer6(_TCPServer):
+    address_family = socket.AF_INET6
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    """One thread per connection, so one client's `wait` never blocks another client."""
+
+    server: _TCPServer
+
+    def handle(self) -> None:
+        self.server.owner._handle(self.request, self.client_address)
+
+
+class EmbeddedStoreServer:
+    """The launcher-side store server.
+
+    Call order: construct (validates; binds nothing) -> `start()` (binds and serves from a daemon
+    thread) -> read `address` / `url` and hand the URL and token to workers -> `stop()` (closes every
+    connection; clients blocked in a call get `StoreError`). Also a context manager.
+
+    Binds only to `host` (default loopback). A wildcard host ("" / "0.0.0.0" / "::") listens on every
+    interface, which the project forbids by default, so it is refused unless
+    ``allow_all_interfaces=True`` is passed on purpose.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, allow_all_interfaces: bool = False,
+                 auth_timeout_s: float = 10.0) -> None:
+        if not isinstance(token, str) or not token:
+            raise ValueError("EmbeddedStoreServer needs a non-empty token: without it anyone could join the job")
+        if not isinstance(host, str):
+            raise ValueError(f"host must be a str, got {host!r}")
+        if _is_wildcard(host) and not allow_all_interfaces:
+            raise ValueError(f"refusing to bind the coordination store to {host!r} (every interface); bind a "
+                             "specific address, or pass allow_all_interfaces=True if that is really intended")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        self.host, self.port = host, port
+        self._token = token.encode()
+        self._auth_timeout_s = auth_timeout_s
+        self._server: _TCPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._kv: _KV | None = None
+        self._stopped = False
+        self._conns: set[socket.socket] = set()
+        self._conns_lock = threading.Lock()
+
+    def start(self) -> EmbeddedStoreServer:
+        if self._server is not None:
+            raise RuntimeError("EmbeddedStoreServer.start() called twice")
+        server_cls = _TCPServer6 if ":" in self.host else _TCPServer
+        try:
+            server = server_cls((self.host, self.port), _Handler)
+        except OSError as exc:
+            raise StoreError(f"cannot bind the coordination store to {self.host}:{self.port}: {exc}") from exc
+        server.owner = self
+        self._server = server
+        self._kv = _KV(self.url)
+        self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"deadpool-store {self.url}", daemon=True)
+        self._thread.start()
+        log.info("coordination store listening on %s", self.url)
+        return self
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) actually bound; the port is the kernel's pick when constructed with port=0."""
+        if self._server is None:
+            raise RuntimeError("EmbeddedStoreServer.address read before start()")
+        addr = self._server.server_address
+        return str(addr[0]), int(addr[1])
+
+    @property
+    def url(self) -> str:
+        host, port = self.address
+        return f"dp://[{host}]:{port}" if ":" in host else f"dp://{host}:{port}"
+
+    def stop(self) -> None:
+        """Idempotent; `address` / `url` stay readable afterwards for error messages."""
+        if self._server is None or self._stopped:
+            return
+        self._stopped = True
+        assert self._kv is not None
+        with self._kv.cond:
+            self._kv.stopping = True
+            self._kv.cond.notify_all()
+        self._server.shutdown()
+        self._server.server_close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for sock in conns:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        log.info("coordination store on %s stopped", self.url)
+
+    def __enter__(self) -> EmbeddedStoreServer:
+        return self.start() if self._server is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- per-connection --------------------------------------------------------------------------
+    def _handle(self, sock: socket.socket, client_address: Any) -> None:
+        peer = f"{client_address[0]}:{client_address[1]}"
+        with self._conns_lock:
+            self._conns.add(sock)
+        try:
+            if self._authenticate(sock, peer):
+                self._serve(sock)
+        except (FrameError, OSError) as exc:
+            log.debug("store connection from %s ended: %s", peer, exc)
+        except Exception:  # noqa: BLE001 - one bad connection must not take the server's thread down loudly
+            log.exception("coordination store %s: dropped connection from %s after an internal error", self.url, peer)
+        finally:
+            with self._conns_lock:
+                self._conns.discard(sock)
+
+    def _authenticate(self, sock: socket.socket, peer: str) -> bool:
+        def refused(reason: str) -> None:
+            log.warning("coordination store %s: refused connection from %s: %s", self.url, peer, reason)
+        sock.settimeout(self._auth_timeout_s)
+        if not server_handshake(sock, self._token, refused):
+            return False
+        sock.settimeout(None)  # authenticated clients may idle in the pool; stop() shuts them down
+        return True
+
+    def _serve(self, sock: socket.socket) -> None:
+        assert self._kv is not None
+        while True:
+            req = recv_frame(sock)
+            try:
+                reply = {"ok": True, **self._kv.apply(req)}
+            except (ValueError, StoreError) as exc:
+                reply = {"ok": False, "error": str(exc)}
+            send_frame(sock, reply)
+
+
+class EmbeddedStore(CoordinationStore):
+    """Client of `EmbeddedStoreServer`.
+
+    Call order: as `CoordinationStore`. The constructor opens and authenticates one connection, so a
+    wrong token (`StoreAuthError`) or dead address (`StoreError`) fails immediately. Thread-safe: each
+    call borrows an idle connection or opens a new one, so a thread blocked in `wait` does not hold
+    up other threads using the same client. Every socket operation has a timeout; a server that died
+    or stopped answering surfaces as `StoreError` naming its address.
+    """
+
+    def __init__(self, host: str, port: int, *, token: str, namespace: str, timeout_s: float = 30.0) -> None:
+        super().__init__(namespace, f"dp://[{host}]:{port}" if ":" in host else f"dp://{host}:{port}")
+        if not token:
+            raise ValueError("EmbeddedStore needs the job's token")
+        self._addr = (host, port)
+        self._token = token.encode()
+        self._timeout_s = timeout_s
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._release(self._open())
+
+    def _open(self) -> socket.socket:
+        try:
+            sock = socket.create_connection(self._addr, timeout=self._timeout_s)
+        except OSError as exc:
+            raise StoreError(f"cannot reach the coordination store at {self.where}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client_handshake(sock, self._token, self.where)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < _MAX_IDLE_CONNECTIONS:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def _call(self, req: dict[str, Any], reply_timeout_s: float | None = None) -> dict[str, Any]:
+        with self._lock:
+            if self._closed:
+                raise StoreError(f"store client for {self.where} is closed")
+            sock = self._idle.pop() if self._idle else None
+        if sock is None:
+            sock = self._open()
+        op = req["op"]
+        timeout = self._timeout_s if reply_timeout_s is None else reply_timeout_s
+        started = time.monotonic()
+        try:
+            sock.settimeout(timeout)
+            send_frame(sock, req)
+            reply = recv_frame(sock)
+        except socket.timeout:
+            sock.close()
+            raise StoreError(f"no reply from the coordination store at {self.where} to {op!r} "
+                             f"within {timeout:g}s") from None
+        except (OSError, FrameError) as exc:
+            sock.close()
+            raise StoreError(f"lost the coordination store at {self.where} during {op!r} "
+                             f"after {time.monotonic() - started:.2f}s: {exc}") from exc
+        except BaseException:
+            sock.close()   # e.g. KeyboardInterrupt mid-reply: the connection is out of step, never reuse it
+            raise
+        self._release(sock)
+        if not reply.get("ok"):
+            raise StoreError(f"coordination store at {self.where} rejected {op!r}: {reply.get('error')}")
+        return reply
+
+    def _set(self, key: str, value: bytes) -> None:
+        self._call({"op": "set", "key": key, "value": b64(value)})
+
+    def _get(self, key: str) -> bytes | None:
+        v = self._call({"op": "get", "key": key})["value"]
+        return None if v is None else unb64(v, "value")
+
+    def _add(self, key: str, delta: int) -> int:
+        return int(self._call({"op": "add", "key": key, "delta": delta})["value"])
+
+    def _compare_set(self, key: str, expected: bytes | None, new: bytes) -> bool:
+        return bool(self._call({"op": "cas", "key": key, "expected": None if expected is None else b64(expected),
+                                "new": b64(new)})["swapped"])
+
+    def _delete(self, key: str) -> bool:
+        return bool(self._call({"op": "delete", "key": key})["deleted"])
+
+    def _list(self, prefix: str) -> dict[str, bytes]:
+        return {k: unb64(v, "value") for k, v in self._call({"op": "list", "prefix": prefix})["items"].items()}
+
+    def _wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
+        # The server enforces the deadline; the socket timeout adds one op timeout of slack so a dead
+        # server still surfaces as StoreError rather than a hang.
+        reply = self._call({"op": "wait", "keys": keys, "timeout": timeout_s},
+                           reply_timeout_s=timeout_s + self._timeout_s)
+        return {k: unb64(v, "value") for k, v in reply["items"].items()}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for sock in idle:
+            sock.close()
