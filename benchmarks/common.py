@@ -177,6 +177,38 @@ def process_memory(pid: int | str = "self") -> dict[str, int]:
     return out
 
 
+def system_cpu() -> tuple[float, float]:
+    """(busy, total) jiffies of the whole machine since boot, from /proc/stat; the busy fraction of an interval
+    is d(busy) / d(total) between two calls."""
+    try:
+        with open("/proc/stat") as fh:
+            vals = [float(v) for v in fh.readline().split()[1:]]
+    except OSError:
+        return 0.0, 0.0
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
+    return sum(vals) - idle, sum(vals)
+
+
+def busy_fraction(start: tuple[float, float], end: tuple[float, float]) -> float | None:
+    """Fraction of the machine's CPU time that was busy between two :func:`system_cpu` readings."""
+    total = end[1] - start[1]
+    return None if total <= 0 else (end[0] - start[0]) / total
+
+
+def mapped_files(pid: int, prefix: str) -> set[str]:
+    """Paths starting with ``prefix`` that process ``pid`` has mapped (from /proc/<pid>/maps; empty if gone)."""
+    out: set[str] = set()
+    try:
+        with open(f"/proc/{pid}/maps") as fh:
+            for line in fh:
+                idx = line.find(prefix)
+                if idx >= 0:
+                    out.add(line[idx:].rstrip("\n").removesuffix(" (deleted)"))
+    except OSError:
+        pass
+    return out
+
+
 def dir_bytes(path: str) -> int:
     """Bytes actually allocated by the files under ``path`` (st_blocks, so sparse files count what they hold)."""
     total = 0

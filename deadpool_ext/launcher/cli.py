@@ -175,6 +175,13 @@ class Supervisor:
             if all(rcs[w] == 0 for w in active):
                 self.event(event="finished", generation=a.generation)
                 return 0
+            fatal = self.store.get("fatal")
+            if fatal is not None:
+                msg = fatal.decode(errors="replace")
+                self.event(event="stopped", reason=msg)
+                print(f"deadpool-run: stopping the job, a worker reports unrecoverable state:\n{msg}",
+                      file=sys.stderr, flush=True)
+                return 1
             failed: dict[str, str] = {}
             for wid in active:
                 rc = rcs[wid]
@@ -183,6 +190,8 @@ class Supervisor:
             now = time.time()
             for wid in active - set(failed):
                 if rcs[wid] is not None:
+                    continue
+                if self.store.get(f"done/{wid}") is not None:
                     continue
                 raw = self.store.get(f"hb/{wid}")
                 if raw is not None:

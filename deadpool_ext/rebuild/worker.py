@@ -87,6 +87,22 @@ class Membership:
         except Exception:
             pass
 
+    def mark_done(self) -> None:
+        """Training finished on this worker: stop heartbeating; the launcher no longer watches for a hang
+        while the interpreter shuts down (which can take seconds and stops the heartbeat thread)."""
+        self._stop.set()
+        try:
+            self.store.set("done/" + self.worker_id, b"1")
+        except Exception:
+            pass
+
+    def report_fatal(self, what: str) -> None:
+        """State that cannot be recovered: the launcher stops the job with this message."""
+        try:
+            self.store.compare_set("fatal", None, what.encode()[:4000])
+        except Exception:
+            pass
+
     def close(self) -> None:
         self._stop.set()
 

@@ -165,4 +165,8 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if rank == 0:
         print("[pretrain_%s] summary %s" % (objective, json.dumps(summary)), flush=True)
     dist.barrier()
+    from ..distributed import membership
+
+    if membership() is not None:
+        membership().mark_done()
     return summary

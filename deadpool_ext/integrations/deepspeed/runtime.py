@@ -13,12 +13,14 @@ Call order (every rank):
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import time
 from typing import Any, Callable
 
 from ...config import DeadpoolConfig
+from ...recovery.agree import RecoveryError
 from ...snapshot.state import DeepSpeedStateAdapter
 from .checkpoint_engine import DeadpoolCheckpointEngine
 
@@ -97,7 +99,14 @@ class DeadpoolRuntime:
         if self.snapshots is None or not self.config.recovery.restore_on_start:
             return int(self.engine.global_steps)
         t0 = time.perf_counter()
-        version = self.snapshots.restore_latest()
+        try:
+            version = self.snapshots.restore_latest()
+        except RecoveryError as exc:
+            from ...distributed import membership
+
+            if membership() is not None:
+                membership().report_fatal(str(exc))
+            raise
         self._restored_version = version or 0
         gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
         if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not getattr(self, "_spare_logged", False):
@@ -146,17 +155,31 @@ class DeadpoolRuntime:
         factory = self._factory
         self.engine = None
         teardown()
-        import gc
-
         gc.collect()
-        a = m.join(gen + 1, timeout_s=self.config.hot_swap.assignment_timeout_s)
-        t_assigned = time.time()
-        init_process_group(a, m.worker_id, _backend(), self.config.hot_swap.collective_timeout_s)
-        t_pg = time.time()
-        engine = factory()
-        t_engine = time.time()
-        version = engine.deadpool.resume()
-        t_restored = time.time()
+        min_gen = gen + 1
+        while True:
+            # A failure during recovery (a peer dying while we rebuild) sends us round again to the next
+            # generation; every wait inside has a deadline, so this cannot spin silently.
+            a = m.join(min_gen, timeout_s=self.config.hot_swap.assignment_timeout_s)
+            t_assigned = time.time()
+            try:
+                init_process_group(a, m.worker_id, _backend(), self.config.hot_swap.collective_timeout_s)
+                t_pg = time.time()
+                engine = factory()
+                t_engine = time.time()
+                version = engine.deadpool.resume()
+                t_restored = time.time()
+                break
+            except RecoveryError:
+                raise  # state is gone, not a transient failure: resume() already told the launcher
+            except (RuntimeError, OSError) as again:
+                log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment",
+                            a.generation, " ".join(str(again).split())[:300])
+                m.report_failure(a.generation, repr(again))
+                engine = None
+                teardown()
+                gc.collect()
+                min_gen = a.generation + 1
         engine.deadpool._catch_up = (failed_step, t_restored)
         write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
                     rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,

@@ -1,0 +1,132 @@
+"""Hot-swap under deadpool-run: real worker processes killed (SIGKILL) or stopped (SIGSTOP) from outside;
+survivors keep their process ids, a pre-started spare takes the failed node's ranks, and the loss trajectory
+matches a run without failure bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import psutil
+import pytest
+
+from deadpool_ext.recovery.timeline import phases, read_events
+from deadpool_ext.testing.launch import read_metrics, run_job, wait_for_step
+from tests.conftest import make_config
+
+pytestmark = pytest.mark.slow
+ITERS = 10
+
+
+def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psutil.Process:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        for p in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                if p.environ().get("DEADPOOL_WORKER_ID") == worker_id:
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        time.sleep(0.05)
+    raise TimeoutError(f"no worker {worker_id} under {launcher_pid}")
+
+
+def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=()):
+    """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``."""
+    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}})
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", "1",
+           "--spare-nodes", str(spares), "--shm-root", shm_root, "--timeline", timeline, *extra,
+           "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(iters), "--metrics-out", metrics]
+    pids: dict[str, int] = {}
+
+    def inject(proc):
+        time.sleep(1)
+        for wid in [f"node{i}.0" for i in range(nnodes)]:
+            pids[wid] = worker_proc(proc.pid, wid).pid
+        for step, wid, sig in faults:
+            wait_for_step(metrics, step, timeout_s=240, proc=proc)
+            target = worker_proc(proc.pid, wid)
+            with open(timeline, "a") as fh:
+                fh.write(json.dumps({"event": "fault", "time": time.time(), "worker": wid, "signal": int(sig),
+                                     "source": "injector"}) + "\n")
+            target.send_signal(sig)
+
+    res = run_job(cmd, timeout_s=400, while_running=inject)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out, res.output[-4000:]
+    events = read_events(timeline) if os.path.exists(timeline) else []
+    return res, read_metrics(metrics), events, pids
+
+
+_baselines: dict[int, dict[int, float]] = {}
+
+
+def baseline(tmp_path, shm_root, stage):
+    if stage not in _baselines:
+        res, metrics, _, _ = dprun(tmp_path, shm_root, stage=stage, spares=0, name=f"base{stage}")
+        assert res.returncode == 0, res.output[-3000:]
+        assert sorted(metrics) == list(range(1, ITERS + 1))
+        _baselines[stage] = metrics
+    return _baselines[stage]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
+    base = baseline(tmp_path, shm_root, stage)
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=stage, faults=[(4, "node1.0", signal.SIGKILL)],
+                                       name="swap")
+    assert res.returncode == 0, res.output[-4000:]
+    assert metrics == base
+    rows = phases(events)
+    assert len(rows) == 1, rows
+    row = rows[0]
+    for key in ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s"):
+        assert row[key] is not None and row[key] >= 0, (key, row)
+    assert row["replaced"] == {"node1": "spare0"}
+    # Survivors kept their processes; the spare is a different, pre-started one.
+    assert row["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
+    assert len(row["spare_pids"]) == 1 and row["spare_pids"][0] not in pids.values()
+    assert "tier 2: fetched and verified" in res.output
+
+
+def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
+    base = baseline(tmp_path, shm_root, 3)
+    res, metrics, events, pids = dprun(tmp_path, shm_root, faults=[(4, "node2.0", signal.SIGSTOP)], name="hang",
+                                       extra=["--detect-timeout-s", "3"])
+    assert res.returncode == 0, res.output[-4000:]
+    failure = [e for e in events if e.get("event") == "failure"][0]
+    assert "hung: no heartbeat" in failure["failed"]["node2.0"]["why"]
+    assert metrics == base
+    assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
+
+
+def test_successive_failures_and_a_dead_spare(tmp_path, shm_root):
+    base = baseline(tmp_path, shm_root, 3)
+    res, metrics, events, _ = dprun(tmp_path, shm_root, spares=3, name="multi", faults=[
+        (2, "spare0.0", signal.SIGKILL), (3, "node1.0", signal.SIGKILL), (6, "node0.0", signal.SIGKILL)])
+    assert res.returncode == 0, res.output[-4000:]
+    assert [e["node"] for e in events if e.get("event") == "spare_lost"] == ["spare0"]
+    assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare1"}, {"node0": "spare2"}]
+    assert metrics == base
+
+
+def test_no_spare_left_stops_with_clear_error(tmp_path, shm_root):
+    res, _, events, _ = dprun(tmp_path, shm_root, spares=0, name="nospare", faults=[(3, "node1.0", signal.SIGKILL)])
+    assert res.returncode != 0
+    assert "only 0 spare node(s) are left" in res.output and "--spare-nodes" in res.output
+    assert any(e.get("event") == "stopped" for e in events)
+
+
+def test_node_and_its_replica_holder_lost_is_a_clear_error(tmp_path, shm_root):
+    # Ring placement on 3 nodes: rank 1's replica lives on node2. Lose both at once.
+    res, _, events, _ = dprun(tmp_path, shm_root, spares=2, name="bothlost",
+                              faults=[(3, "node1.0", signal.SIGKILL), (3, "node2.0", signal.SIGKILL)])
+    assert res.returncode != 0
+    assert "no snapshot version is complete for every rank" in res.output
+    stopped = [e for e in events if e.get("event") == "stopped"]
+    assert stopped and "no snapshot version is complete" in stopped[-1]["reason"]
