@@ -182,6 +182,9 @@ class SnapshotManager:
         job.copied.set()
         t1 = time.perf_counter()
         blob_len = writer.seal(job.snap)
+        if blob_len != seg.nbytes:
+            raise RuntimeError(f"snapshot of step {job.snap.version} is {blob_len} bytes, slot is {seg.nbytes}: "
+                               "the rank's state changed size, which in-memory snapshots do not support")
         self.latest = (job.snap.version, job.slot)
         t2 = time.perf_counter()
         self.peers.replicate(seg.tensor(), blob_len)

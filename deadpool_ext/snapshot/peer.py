@@ -91,7 +91,8 @@ class PeerReplicator:
             rep = self.replicas[src][buf].tensor()
             rep[:8].zero_()
             magics[src] = torch.zeros(8, dtype=torch.uint8)
-            ops.append(dist.P2POp(dist.irecv, rep[8:blob_len], src, self.group))
+            # The source's blob length, not ours: ranks' partitions and headers differ in size.
+            ops.append(dist.P2POp(dist.irecv, rep[8:self.sizes[src]], src, self.group))
             ops.append(dist.P2POp(dist.irecv, magics[src], src, self.group))
         for req in dist.batch_isend_irecv(ops):
             req.wait()
