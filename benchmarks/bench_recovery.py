@@ -81,6 +81,17 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                "zero": {"reduce_bucket_size": 50_000_000, "stage3_max_live_parameters": 100_000_000}},
 }
 READY_RE = re.compile(r"\[pretrain_gpt\] \S+: .*steps (\d+)->(\d+)")
+# Output lines whose arrival time (seconds after the kill) is recorded: a finer view of where recovery time goes
+# than the timeline alone (the spare writes no event between its assignment and its restore). DeepSpeed prints the
+# first line when a process loads its CPU communication op inside deepspeed.initialize; the second once per rank
+# when the new engine's LR scheduler is first read (the engine is built).
+MILESTONES = {
+    "comm_op_loaded": "deepspeed_shm_comm_op built successfully",
+    "engine_built": "Attempting to get learning rate from scheduler",
+    "deadpool_attached": "deadpool_ext attached to DeepSpeed engine",
+    "restore_plan": "restoring step",
+    "first_pretrain_line": "[pretrain_gpt] ",
+}
 
 
 # ==================================================================================================
@@ -234,6 +245,19 @@ def normal_step_s(records: list[dict[str, Any]], upto: int) -> float | None:
     return median(vals or [r["step_time_s"] for r in records if r["step"] <= upto])
 
 
+def milestones(lines: list[tuple[float, str]], t0: float) -> dict[str, list[float]]:
+    """Arrival times (seconds after ``t0``) of the MILESTONES lines that arrived after ``t0``; a line holding a
+    pattern twice (two processes' output run together) counts twice."""
+    out: dict[str, list[float]] = {k: [] for k in MILESTONES}
+    for t, line in lines:
+        if t < t0:
+            continue
+        for key, pat in MILESTONES.items():
+            out[key] += [round(t - t0, 3)] * line.count(pat)
+    out["first_pretrain_line"] = out["first_pretrain_line"][:1]
+    return out
+
+
 def wait_and_kill(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics: str, kill_step: int,
                   delay_frac: float, label: str, ready: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Wait until rank 0 logged ``kill_step`` (and ``ready()``), then until ``delay_frac`` of a normal step more has
@@ -371,6 +395,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     ph = [p for p in phases(out["timeline"]) if p["generation"] == 1]
     out["phases"] = ph[0] if ph else None
     out["events"] = hotswap_event_details(out["timeline"], t_kill)
+    out["log_milestones"] = milestones(job["lines"], t_kill)
     if mon is not None and m.get("first_after"):
         out["busy_fraction_recovery"] = mon.busy_between(t_kill, m["first_after"]["time"])
     if out["returncode"] != 0:
@@ -494,6 +519,7 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     ready = next(((t, mt) for t, line in job2["lines"] if (mt := READY_RE.search(line))), None)
     t_exit = out["fault"].get("t_exit")
     out["loaded_step"] = int(ready[1].group(1)) if ready else None
+    out["log_milestones"] = milestones(job2["lines"], job2["start"])
     fa = m.get("first_after")
     out["breakdown"] = {
         "detect_s": (t_exit - t_kill) if t_exit else None,
@@ -746,12 +772,20 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f"{', '.join(sorted({str(x) for r in ev for x in r.get('spare_restored_from') or []})) or '?'}); "
                      f"caught up {_f(e.get('caught_up_last'))}.")
             L.append("")
+            L.append("Hot-swap output lines, seconds after the kill (" + "; ".join(
+                f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["hotswap"]
+                if r.get("log_milestones")) + ").")
+            L.append("")
         bp = bl["phases_median"]
         L.append("Baseline breakdown (medians): " + ", ".join(
             f"{lbl} {fmt_s(bp[k])}" for k, lbl in (("detect_s", "detect (kill -> torchrun exits)"),
                                                    ("relaunch_s", "relaunch (exit -> new torchrun)"),
                                                    ("startup_and_load_s", "startup + `load_checkpoint` (-> rank 0 ready)"),
                                                    ("first_step_s", "first step"), ("total_s", "total"))) + ".")
+        L.append("")
+        L.append("Baseline relaunch output lines, seconds after the relaunch (" + "; ".join(
+            f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["baseline"]
+            if r.get("log_milestones")) + ").")
         L.append("")
         t = an["targets"]
         L.append("Targets:")
@@ -813,6 +847,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
         L += [f"- {n}" for n in doc["notes"]]
         L.append("")
     return "\n".join(L)
+
+
+def _milestone_text(ms: dict[str, list[float]]) -> str:
+    names = {"comm_op_loaded": "DeepSpeed comm op loaded (per process)", "engine_built": "engine built (per rank)",
+             "deadpool_attached": "deadpool attached", "restore_plan": "restore plan",
+             "first_pretrain_line": "first line of the training script"}
+    return ", ".join(f"{names[k]} {', '.join(f'{x:.2f}' for x in v)}" for k, v in ms.items() if v and k in names)
 
 
 def _vals(entry: dict[str, Any], kind: str, key: str) -> list[float]:
