@@ -70,6 +70,7 @@ NNODES, NPROC_PER_NODE, SPARE_NODES = 3, 1, 1
 KILL_WORKER, KILL_RANK = "node1.0", 1
 TARGET_E2E_S = {"small": 10.0}
 TARGET_SPEEDUP = 5.0
+MIN_AVAILABLE_BYTES = int(1.5 * 2**30)  # --min-available-gib
 
 # Per size: micro-batch per rank, kill after step K, steps trained after K (N = K + steps_after), repeats, deadline
 # of one job. ``zero``: overrides of the ZeRO section (medium: smaller buckets, as bench_snapshot_overhead.py, so
@@ -78,7 +79,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "tiny": {"micro_batch": 4, "kill_step": 3, "steps_after": 3, "repeats": 1, "timeout_s": 300, "zero": {}},
     "small": {"micro_batch": 2, "kill_step": 3, "steps_after": 3, "repeats": 2, "timeout_s": 600, "zero": {}},
     "medium": {"micro_batch": 1, "kill_step": 3, "steps_after": 2, "repeats": 1, "timeout_s": 1200,
-               "zero": {"reduce_bucket_size": 50_000_000, "stage3_max_live_parameters": 100_000_000}},
+               "zero": {"reduce_bucket_size": 50_000_000, "stage3_max_live_parameters": 100_000_000},
+               # Measured 2026-11-29 (trial kept in results/recovery_medium_trial.json): 3 active medium workers
+               # with snapshots reach 7.2-7.4 GB RSS each (2.66 GB of it /dev/shm snapshot memory, 4 x 666 MB
+               # state), 22 GB together by step 2, MemAvailable 1.0 GiB, before any fault; the rebuild would need
+               # more. Not run by default on a 24 GiB machine (--force-hotswap to try; the memory guard stops it).
+               "hotswap_skip": "does not fit in memory on this machine (24 GiB): 3 medium workers with snapshots "
+                               "reach 22 GB RSS (7.2-7.4 GB each, 2.66 GB of it snapshot shared memory) at step 2, "
+                               "before any fault; see results/recovery_medium_trial.json"},
 }
 READY_RE = re.compile(r"\[pretrain_gpt\] \S+: .*steps (\d+)->(\d+)")
 # Output lines whose arrival time (seconds after the kill) is recorded: a finer view of where recovery time goes
@@ -110,6 +118,9 @@ class Monitor:
         self.peak_shm_bytes = 0
         self.ds_shm: set[str] = set()
         self.cpu: list[tuple[float, float, float]] = [(time.time(), *system_cpu())]
+        self.series: list[tuple[float, dict[str, int]]] = []  # (time, {label: rss bytes}) per sample
+        self.min_available: int | None = None
+        self.low_memory: str | None = None
         self._last = 0.0
 
     def _children(self) -> list[Any]:
@@ -144,12 +155,25 @@ class Monitor:
             return
         self._last = now
         rss_sum = 0
+        rss: dict[str, int] = {}
         for label, pid in self.workers().items():
             mem = process_memory(pid)
+            rss[label] = mem.get("rss", 0)
             rss_sum += mem.get("rss", 0)
             self.peak_hwm[label] = max(self.peak_hwm.get(label, 0), mem.get("hwm", 0))
             self.ds_shm |= mapped_files(pid, "/dev/shm/deepspeed_")
         self.peak_rss_sum = max(self.peak_rss_sum, rss_sum)
+        self.series.append((now, rss))
+        avail = _mem_available()
+        if avail is not None:
+            self.min_available = avail if self.min_available is None else min(self.min_available, avail)
+            if avail < MIN_AVAILABLE_BYTES and self.low_memory is None:
+                # The machine is shared: stop this job before the kernel's OOM killer picks someone else's process.
+                self.low_memory = (f"stopped by the benchmark: MemAvailable {avail / 2**30:.2f} GiB < "
+                                   f"{MIN_AVAILABLE_BYTES / 2**30:.2f} GiB (workers' RSS {rss_sum / 2**30:.2f} GiB)")
+                from deadpool_ext.testing.launch import kill_tree
+
+                kill_tree(self.root_pid)
         if self.shm_root and os.path.isdir(self.shm_root):
             self.peak_shm_bytes = max(self.peak_shm_bytes, dir_bytes(self.shm_root))
         self.cpu.append((now, *system_cpu()))
@@ -162,10 +186,35 @@ class Monitor:
         b = min(self.cpu, key=lambda s: abs(s[0] - t1))
         return busy_fraction(a[1:], b[1:]) if b[0] > a[0] else None
 
+    def rss_at(self, t: float) -> dict[str, int]:
+        """RSS per worker at the last sample at or before ``t``."""
+        before = [r for ts, r in self.series if ts <= t]
+        return before[-1] if before else {}
+
+    def rss_max_after(self, t: float) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for ts, r in self.series:
+            if ts > t:
+                for k, v in r.items():
+                    out[k] = max(out.get(k, 0), v)
+        return out
+
     def summary(self) -> dict[str, Any]:
         return {"peak_rss_sum_bytes": self.peak_rss_sum, "peak_hwm_bytes": dict(sorted(self.peak_hwm.items())),
-                "peak_shm_root_bytes": self.peak_shm_bytes or None,
+                "peak_shm_root_bytes": self.peak_shm_bytes or None, "min_mem_available_bytes": self.min_available,
+                "low_memory_stop": self.low_memory,
                 "busy_fraction": busy_fraction(self.cpu[0][1:], self.cpu[-1][1:]) if len(self.cpu) > 1 else None}
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def run_logged(cmd: list[str], *, env: dict[str, str], timeout_s: float, log_path: str,
@@ -387,7 +436,8 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     out["records"] = recs
     out["timeline"] = read_events(timeline) if os.path.exists(timeline) else []
     if "fault" not in out:
-        out["failed"] = f"no fault injected: {job['error'] or 'job ended early'} (rc {job['returncode']})"
+        out["failed"] = (mon.low_memory if mon is not None and mon.low_memory else
+                         f"no fault injected: {job['error'] or 'job ended early'} (rc {job['returncode']})")
         return out
     t_kill = out["fault"]["t_kill"]
     m = measure_after_kill(recs, recs, t_kill, k)
@@ -398,6 +448,12 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     out["log_milestones"] = milestones(job["lines"], t_kill)
     if mon is not None and m.get("first_after"):
         out["busy_fraction_recovery"] = mon.busy_between(t_kill, m["first_after"]["time"])
+    if mon is not None:
+        out["rss_before_kill"] = mon.rss_at(t_kill)
+        out["rss_max_after_kill"] = mon.rss_max_after(t_kill)
+    if mon is not None and mon.low_memory:
+        out["failed"] = mon.low_memory
+        return out
     if out["returncode"] != 0:
         out["failed"] = f"job exited rc={out['returncode']}{' (timed out)' if out['timed_out'] else ''}"
     elif not m.get("first_after"):
@@ -488,7 +544,8 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
                           log_path=os.path.join(logs, f"{size}_{tag}_1.log"))
         out["job1"] = {k_: job1[k_] for k_ in ("returncode", "timed_out", "error", "log")}
         if "fault" not in out:
-            out["failed"] = f"no fault injected: {job1['error'] or 'job ended early'} (rc {job1['returncode']})"
+            low = mons["1"].low_memory if "1" in mons else None
+            out["failed"] = low or f"no fault injected: {job1['error'] or 'job ended early'} (rc {job1['returncode']})"
             return out
         # Relaunch at once: the same command, a fresh port, resuming from the newest checkpoint.
         cmd2 = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT,
@@ -530,6 +587,10 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     }
     if "2" in mons and fa:
         out["busy_fraction_recovery"] = busy_between_runs(mons, t_kill, fa["time"])
+    low = [m_.low_memory for m_ in mons.values() if m_.low_memory]
+    if low:
+        out["failed"] = low[0]
+        return out
     if job2["returncode"] != 0:
         out["failed"] = f"relaunched job exited rc={job2['returncode']}{' (timed out)' if job2['timed_out'] else ''}"
     elif not fa:
@@ -609,18 +670,22 @@ def redo_check(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"steps": twice, "all_equal": all(x["equal"] for x in twice)}
 
 
-def loss_checks(hs: dict[str, Any], bl: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
-    hs_l = losses(hs.get("records", []))
+def loss_checks(hs: dict[str, Any] | None, bl: dict[str, Any], ref: dict[str, Any] | None) -> dict[str, Any]:
+    """Exact loss comparisons of one repeat (``hs`` None: the baseline's own checks only)."""
     bl_l = losses(bl.get("records1", []) + bl.get("records2", []))
-    out = {"hotswap_vs_baseline": compare(hs_l, bl_l),
-           "hotswap_redone_steps": redo_check(hs.get("records", [])),
-           "baseline_redone_steps": redo_check(bl.get("records1", []) + bl.get("records2", [])),
-           "steps_after_kill_compared": [s for s in compare(hs_l, bl_l)["steps"]
-                                         if s > min(hs.get("last_step_before_kill") or 0, bl.get("last_step_before_kill") or 0)]}
-    if ref and ref.get("records"):
-        ref_l = losses(ref["records"])
-        out["hotswap_vs_reference"] = compare(hs_l, ref_l)
+    out: dict[str, Any] = {"baseline_redone_steps": redo_check(bl.get("records1", []) + bl.get("records2", []))}
+    ref_l = losses(ref["records"]) if ref and ref.get("records") else None
+    if ref_l:
         out["baseline_vs_reference"] = compare(bl_l, ref_l)
+    if hs is None:
+        return out
+    hs_l = losses(hs.get("records", []))
+    out["hotswap_vs_baseline"] = compare(hs_l, bl_l)
+    out["hotswap_redone_steps"] = redo_check(hs.get("records", []))
+    out["steps_after_kill_compared"] = [s for s in out["hotswap_vs_baseline"]["steps"]
+                                        if s > min(hs.get("last_step_before_kill") or 0, bl.get("last_step_before_kill") or 0)]
+    if ref_l:
+        out["hotswap_vs_reference"] = compare(hs_l, ref_l)
     return out
 
 
@@ -663,12 +728,12 @@ def analyze_size(size: str, entry: dict[str, Any]) -> dict[str, Any]:
                         for r in runs["hotswap"] + runs["baseline"] + ([ref] if ref else []) if r.get("failed")],
     }
     checks = []
-    for hs in runs["hotswap"]:
-        bl = next((b for b in runs["baseline"] if b["tag"].split("_")[-1] == hs["tag"].split("_")[-1]), None)
-        if bl is not None:
-            checks.append({"repeat": hs["tag"].split("_")[-1], **loss_checks(hs, bl, ref)})
+    for bl in runs["baseline"]:
+        rep = bl["tag"].split("_")[-1]
+        hs = next((h for h in runs["hotswap"] if h["tag"].split("_")[-1] == rep), None)
+        checks.append({"repeat": rep, **loss_checks(hs, bl, ref)})
     an["loss_checks"] = checks
-    an["losses_identical"] = bool(checks) and all(
+    an["losses_identical"] = None if not runs["hotswap"] else bool(checks) and all(
         c["hotswap_vs_baseline"]["identical"] and c["hotswap_redone_steps"]["all_equal"]
         and c.get("hotswap_vs_reference", {"identical": True})["identical"] for c in checks)
     targets: dict[str, Any] = {}
@@ -725,6 +790,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         L.append("")
         if entry.get("error"):
             L.append(f"**Not completed:** {entry['error']}")
+            L.append("")
+        if s.get("hotswap_skip") and not entry["runs"]["hotswap"]:
+            L.append(f"**Hot-swap not run for {size}:** {s['hotswap_skip']}. Only the baseline was measured; there "
+                     "is no speedup for this size.")
             L.append("")
         if not an:
             continue
@@ -802,17 +871,18 @@ def render_markdown(doc: dict[str, Any]) -> str:
         L.append("Loss check (same seed, world size 3; floats compared exactly):")
         L.append("")
         for c in an["loss_checks"]:
-            hv = c["hotswap_vs_baseline"]
-            line = (f"- repeat {c['repeat']}: hot-swap vs baseline over steps {_span(hv['steps'])} "
-                    f"(after the kill: {_span(c['steps_after_kill_compared'])}): "
-                    f"**{'bit-identical' if hv['identical'] else 'DIFFERENT'}**"
-                    + (f" ({len(hv['mismatches'])} steps differ, max |diff| {hv['max_abs_diff']:.3g})" if hv['mismatches'] else ""))
+            hv = c.get("hotswap_vs_baseline")
+            line = f"- repeat {c['repeat']}: " + ("no hot-swap run" if hv is None else (
+                f"hot-swap vs baseline over steps {_span(hv['steps'])} "
+                f"(after the kill: {_span(c['steps_after_kill_compared'])}): "
+                f"**{'bit-identical' if hv['identical'] else 'DIFFERENT'}**"
+                + (f" ({len(hv['mismatches'])} steps differ, max |diff| {hv['max_abs_diff']:.3g})" if hv['mismatches'] else "")))
             for key, lbl in (("hotswap_vs_reference", "hot-swap vs uninterrupted run"),
                              ("baseline_vs_reference", "baseline vs uninterrupted run")):
                 if key in c:
                     line += f"; {lbl}: **{'bit-identical' if c[key]['identical'] else 'DIFFERENT'}**"
             for key, lbl in (("hotswap_redone_steps", "hot-swap"), ("baseline_redone_steps", "baseline")):
-                if c[key]["steps"]:
+                if c.get(key, {}).get("steps"):
                     line += (f"; {lbl} steps logged twice {[x['step'] for x in c[key]['steps']]}: "
                              f"{'equal' if c[key]['all_equal'] else 'DIFFERENT'}")
             L.append(line)
@@ -828,6 +898,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 (f"baseline sum of worker RSS {fmt_bytes(max(x['peak_rss_sum_bytes'] for x in mem_bl))}, largest worker "
                  f"peak {fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_bl))}") if mem_bl else None,
             ])) + ".")
+            L.append("")
+        surv = [(r["rss_before_kill"], r["rss_max_after_kill"]) for r in entry["runs"]["hotswap"]
+                if r.get("rss_before_kill") and r.get("rss_max_after_kill")]
+        if surv:
+            before, after = surv[0]
+            L.append("Hot-swap worker RSS just before the kill -> max after it (first repeat): " + ", ".join(
+                f"{w} {fmt_bytes(before.get(w))} -> {fmt_bytes(after.get(w))}" for w in sorted(set(before) | set(after)))
+                     + " (includes the /dev/shm snapshot pages each process touched).")
             L.append("")
         if an["failed_runs"]:
             L.append("Failed runs: " + "; ".join(f"{x['kind']} {x['tag']}: {x['why']}" for x in an["failed_runs"]))
@@ -865,6 +943,8 @@ def _pct(x: float | None) -> str | None:
 
 
 def _met(t: dict[str, Any]) -> str:
+    if t.get("value", t.get("value_s")) is None:
+        return "not measured"
     return "met" if t.get("met") else "not met"
 
 
@@ -899,12 +979,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each job, wait at most this long for the shared machine to be quiet")
     p.add_argument("--settle-busy", type=float, default=0.35, help="'quiet' = CPU busy fraction below this")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--force-hotswap", action="store_true",
+                   help="run the hot-swap job also for sizes marked as not fitting this machine (medium)")
+    p.add_argument("--min-available-gib", type=float, default=1.5,
+                   help="stop a job when the machine's MemAvailable falls below this (shared machine: keep the OOM "
+                        "killer away from other people's processes)")
     p.add_argument("--name", default=None, help="results file stem (default recovery[_quick]); must start with recovery")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
     p.add_argument("--scratch-root", default=None, help="parent of checkpoints and metrics (default $TMPDIR; a real disk)")
     p.add_argument("--keep-scratch", action="store_true")
     args = p.parse_args(argv)
 
+    global MIN_AVAILABLE_BYTES
+    MIN_AVAILABLE_BYTES = int(args.min_available_gib * 2**30)
     sizes = ["tiny"] if args.quick else [s for s in args.sizes.split(",") if s]
     for s in sizes:
         if s not in DEFAULTS:
@@ -958,6 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
                     # Alternate the order so slow drift of the shared machine does not favour one side.
                     order = ("hotswap", "baseline") if i % 2 == 0 else ("baseline", "hotswap")
                     for kind in order:
+                        if kind == "hotswap" and d.get("hotswap_skip") and not args.force_hotswap:
+                            if i == 0:
+                                print(f"[bench] {size}: hot-swap not run: {d['hotswap_skip']}", flush=True)
+                            continue
                         fn = run_hotswap if kind == "hotswap" else run_baseline
                         res = fn(size, d, scratch, f"{kind}_r{i}", args, logs)
                         entry["runs"][kind].append(slim(res))

@@ -120,7 +120,12 @@ class HotSwapConfig:
     """Timeout of training collectives: the backstop that turns a silently vanished peer (no TCP reset)
     into an error; crashed processes and fenced hung ones are seen at once."""
 
+    teardown_timeout_s: float = 30.0
+    """Deadline for destroying the old process groups on a survivor; past it the survivor leaves and is
+    replaced like a failed node (never a silent hang)."""
+
     def __post_init__(self) -> None:
+        _positive("teardown_timeout_s", self.teardown_timeout_s)
         _positive("assignment_timeout_s", self.assignment_timeout_s)
         _positive("collective_timeout_s", self.collective_timeout_s)
 

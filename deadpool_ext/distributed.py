@@ -40,6 +40,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
     global _membership
     if dist.is_initialized():
         return
+    # `kill -USR1 <pid>` prints every thread's stack: the first tool to reach for when a rank seems stuck.
+    import faulthandler
+    import signal
+
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if os.environ.get("DEADPOOL_STORE"):
         from .rebuild.worker import Membership, init_process_group
 

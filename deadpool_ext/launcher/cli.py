@@ -47,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spare-nodes", type=int, default=0, help="pre-started spare nodes")
     p.add_argument("--job-id", default=None, help="names shared memory and store keys (default: random)")
     p.add_argument("--host", default="127.0.0.1", help="interface the stores listen on (default loopback only)")
+    p.add_argument("--store-url", default=None,
+                   help="coordination store to use instead of the embedded one: etcd://HOST:PORT (many hosts), or "
+                        "the leader's dp://HOST:PORT for a follower launcher. The token comes from DEADPOOL_STORE_TOKEN")
+    p.add_argument("--store-port", type=int, default=0, help="port of the embedded store (leader); 0 = any free port")
+    p.add_argument("--hosts", type=int, default=1, help="launchers in the job, one per host; node i runs on host "
+                                                        "i %% hosts, spare j on host j %% hosts")
+    p.add_argument("--host-rank", type=int, default=0, help="this launcher's index; 0 is the coordinator")
     p.add_argument("--shm-root", default=SHM_ROOT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
@@ -75,6 +82,16 @@ class Supervisor:
         self.spare_nodes = [f"spare{i}" for i in range(args.spare_nodes)]
         self.workers = [Worker(f"{n}.{i}", n, i) for n in self.active_nodes + self.spare_nodes
                         for i in range(args.nproc_per_node)]
+        if not 0 <= args.host_rank < args.hosts:
+            raise SystemExit(f"deadpool-run: --host-rank {args.host_rank} must be in [0, --hosts {args.hosts})")
+        if args.hosts > 1 and (not args.job_id or "DEADPOOL_STORE_TOKEN" not in os.environ):
+            raise SystemExit("deadpool-run: with --hosts > 1 every launcher needs the same --job-id and the same "
+                             "DEADPOOL_STORE_TOKEN in its environment")
+        if args.host_rank > 0 and not args.store_url:
+            raise SystemExit("deadpool-run: a follower launcher (--host-rank > 0) needs --store-url of the job's store")
+        self.leader = args.host_rank == 0
+        self.local_nodes = {n for i, n in enumerate(self.active_nodes) if i % args.hosts == args.host_rank} | \
+                           {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
         self.procs: dict[str, subprocess.Popen] = {}
         self.dead_spares: set[str] = set()
         self.c10d_stores: list = []
@@ -93,7 +110,7 @@ class Supervisor:
     def _spawn(self, w: Worker, role: str) -> None:
         env = dict(os.environ)
         env.update(
-            DEADPOOL_STORE=f"dp://{self.store_addr[0]}:{self.store_addr[1]}", DEADPOOL_STORE_TOKEN=self.token,
+            DEADPOOL_STORE=self.store_url, DEADPOOL_STORE_TOKEN=self.token,
             DEADPOOL_JOB_ID=self.job_id, DEADPOOL_WORKER_ID=w.worker_id, DEADPOOL_NODE=w.node,
             DEADPOOL_ROLE=role, DEADPOOL_AGENT="launcher", DEADPOOL_LAUNCHER_PID=str(os.getpid()),
             DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
@@ -110,6 +127,9 @@ class Supervisor:
         return [w.worker_id for w in self.workers if w.node == node]
 
     def _kill_node(self, node: str) -> None:
+        if node not in self.local_nodes:
+            self._fence_remote(node)
+            return
         for wid in self._node_procs(node):
             p = self.procs.get(wid)
             if p is not None and p.poll() is None:
@@ -122,7 +142,17 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     log.error("worker %s did not die after SIGKILL", wid)
 
+    def _fence_remote(self, node: str, timeout_s: float = 15.0) -> None:
+        """Ask the launcher of ``node``'s host to kill its processes and drop its memory; wait for the ack."""
+        self.store.set(f"fence/{node}", b"1")
+        try:
+            self.store.wait([f"fenced/{node}"], timeout_s)
+        except Exception as exc:  # an unreachable host is as good as fenced for the new generation
+            log.warning("no fence acknowledgement from the launcher of %s within %.0fs: %s", node, timeout_s, exc)
+
     def _drop_memory(self, node: str) -> None:
+        if node not in self.local_nodes:
+            return  # the node's own launcher drops it when fenced
         shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
 
     # -- stores -------------------------------------------------------------------------------------
@@ -142,28 +172,70 @@ class Supervisor:
         raise RuntimeError("could not start a c10d store for the next generation")
 
     def publish(self, a: Assignment) -> Assignment:
-        a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size)})
+        a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size),
+                                  "master_addr": self.args.host})
         self.store.set_json("assignment", a.to_json())
         self.assignment = a
         return a
 
     # -- main loop ----------------------------------------------------------------------------------
     def run(self) -> int:
-        from ..store.embedded import EmbeddedStore, EmbeddedStoreServer
+        from ..store.base import connect
 
-        self.server = EmbeddedStoreServer(host=self.args.host, port=0, token=self.token)
-        self.server.start()
-        self.store_addr = self.server.address
-        self.store = EmbeddedStore(self.store_addr[0], self.store_addr[1], token=self.token, namespace=self.job_id)
-        a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
-        self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
-                   active_nodes=self.active_nodes, spare_nodes=self.spare_nodes)
+        self.server = None
+        if self.args.store_url:
+            self.store_url = self.args.store_url
+            if self.leader and self.store_url.startswith("etcd://"):
+                from ..store.etcd import bootstrap_etcd_auth
+
+                bootstrap_etcd_auth("http://" + self.store_url[len("etcd://"):], self.token)
+        else:
+            from ..store.embedded import EmbeddedStoreServer
+
+            self.server = EmbeddedStoreServer(host=self.args.host, port=self.args.store_port, token=self.token)
+            self.server.start()
+            self.store_url = self.server.url
+        self.store = connect(self.store_url, self.token, self.job_id, 30.0)
+        if self.leader:
+            a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
+            self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size, store=self.store_url,
+                       active_nodes=self.active_nodes, spare_nodes=self.spare_nodes, hosts=self.args.hosts)
+        else:
+            raw = self.store.wait(["assignment"], 120.0)["assignment"]
+            a0 = Assignment.from_json(json.loads(raw))
         for w in self.workers:
-            self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
+            if w.node in self.local_nodes:
+                self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
         try:
-            return self._loop()
+            return self._loop() if self.leader else self._follow()
         finally:
             self._shutdown()
+
+    def _follow(self) -> int:
+        """Follower launcher: run this host's workers, report their exits, obey fences, stop with the job."""
+        reported: set[str] = set()
+        fenced: set[str] = set()
+        while True:
+            time.sleep(0.1)
+            if self.store.get("finished") is not None:
+                return 0
+            raw = self.store.get_json("assignment")
+            if raw and raw.get("stop"):
+                return 1
+            for wid, p in self.procs.items():
+                rc = p.poll()
+                if rc is not None and rc != 0 and wid not in reported:
+                    reported.add(wid)
+                    self.store.set_json(f"hostfail/{wid}", {"rc": rc, "time": time.time()})
+            for node in self.local_nodes - fenced:
+                if self.store.get(f"fence/{node}") is not None:
+                    fenced.add(node)
+                    for wid in self._node_procs(node):
+                        reported.add(wid)
+                        if self.procs[wid].poll() is None:
+                            self.procs[wid].kill()
+                    shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
+                    self.store.set(f"fenced/{node}", b"1")
 
     def _loop(self) -> int:
         seen_hb: dict[str, float] = {}
@@ -171,8 +243,12 @@ class Supervisor:
             time.sleep(0.1)
             a = self.assignment
             active = set(a.ranks)
-            rcs = {wid: p.poll() for wid, p in self.procs.items()}
-            if all(rcs[w] == 0 for w in active):
+            rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
+            rcs.update({wid: p.poll() for wid, p in self.procs.items()})
+            for key, raw in self.store.list("hostfail/").items():
+                rcs[key.split("/", 1)[1]] = int(json.loads(raw)["rc"])
+            if all(rcs[w] == 0 or self.store.get(f"done/{w}") is not None for w in active):
+                self.store.set("finished", b"1")
                 self.event(event="finished", generation=a.generation)
                 return 0
             fatal = self.store.get("fatal")
@@ -250,9 +326,10 @@ class Supervisor:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 p.kill()
-        for node in self.active_nodes + self.spare_nodes:
+        for node in self.local_nodes:
             self._drop_memory(node)
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
         if self.timeline is not None:
             self.timeline.close()
 

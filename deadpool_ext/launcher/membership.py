@@ -33,17 +33,19 @@ class Assignment:
     """failed node -> spare node that took its ranks in this generation."""
     master_port: int = 0
     """Port of this generation's c10d store (a fresh one per generation, served by the launcher)."""
+    master_addr: str = "127.0.0.1"
+    """Address of that store: the coordinating launcher's --host."""
 
     def to_json(self) -> dict:
         return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
-                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port}
+                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port, "master_addr": self.master_addr}
 
     @classmethod
     def from_json(cls, d: dict) -> "Assignment":
         return cls(generation=int(d["generation"]), world_size=int(d["world_size"]),
                    ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
                    spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),
-                   master_port=int(d.get("master_port", 0)))
+                   master_port=int(d.get("master_port", 0)), master_addr=str(d.get("master_addr", "127.0.0.1")))
 
     def node_ranks(self, node: str) -> list[int]:
         return sorted(r for w, r in self.ranks.items() if self.nodes[w] == node)

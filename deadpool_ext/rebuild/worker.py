@@ -110,22 +110,36 @@ class Membership:
 def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float) -> None:
     rank = a.ranks[worker_id]
     port = a.master_port
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port),
                       DEADPOOL_GENERATION=str(a.generation))
     timeout = timedelta(seconds=timeout_s)
-    base = dist.TCPStore("127.0.0.1", port, a.world_size, is_master=False, timeout=timeout)
+    base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=timeout)
     store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
     dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
 
 
-def teardown() -> None:
-    """Destroy every process group and DeepSpeed's cached communicator state, keeping the process."""
+def teardown(timeout_s: float = 30.0) -> None:
+    """Destroy every process group and DeepSpeed's cached communicator state, keeping the process.
+
+    Bounded: gloo's shutdown joins its worker threads, and a worker blocked on a peer that is itself shutting
+    down waits for the group's timeout. Past ``timeout_s`` this raises :class:`MembershipError`: the rank
+    leaves (its process exits) and the launcher replaces its node, instead of everyone hanging."""
     if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # a group whose peer died may refuse a clean shutdown; it is gone either way
-            log.debug("destroy_process_group: %s", exc)
+        done = threading.Event()
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a group whose peer died may refuse a clean shutdown; it is gone either way
+                log.debug("destroy_process_group: %s", exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=destroy, name="deadpool-teardown", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise MembershipError(f"could not destroy the old process groups within {timeout_s:.0f}s (a transfer is "
+                                  "blocked on a peer); leaving so the launcher replaces this node")
     from ..integrations.deepspeed.rebuild import reset_deepspeed_comm_state
 
     reset_deepspeed_comm_state()

@@ -130,3 +130,48 @@ def test_node_and_its_replica_holder_lost_is_a_clear_error(tmp_path, shm_root):
     assert "no snapshot version is complete for every rank" in res.output
     stopped = [e for e in events if e.get("event") == "stopped"]
     assert stopped and "no snapshot version is complete" in stopped[-1]["reason"]
+
+
+from tests.store_fixtures import etcd_server  # noqa: E402,F401  (pytest fixture)
+
+
+def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):
+    """Multi-host shape on one machine: two deadpool-run launchers (hosts) share an etcd store; a worker on the
+    follower host dies, the coordinator fences that node through the store and a spare on its own host takes
+    over."""
+    import subprocess
+
+    from deadpool_ext.testing.launch import base_env, kill_tree
+
+    base = baseline(tmp_path, shm_root, 3)
+    cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}})
+    metrics = os.path.join(str(tmp_path), "mh.jsonl")
+    timeline = os.path.join(str(tmp_path), "mh.timeline.jsonl")
+    env = base_env({"DEADPOOL_STORE_TOKEN": etcd_server.token})
+    common = ["--nnodes", "3", "--nproc-per-node", "1", "--spare-nodes", "1", "--hosts", "2", "--job-id", "mhjob",
+              "--store-url", etcd_server.store_url, "--shm-root", shm_root]
+    script = ["scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(ITERS),
+              "--metrics-out", metrics]
+    from deadpool_ext.testing.launch import REPO
+    logs = [open(os.path.join(str(tmp_path), f"mh{i}.log"), "w") for i in (0, 1)]
+    leader = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", *common, "--host-rank", "0",
+                               "--timeline", timeline, *script], cwd=REPO, env=env, stdout=logs[0],
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    follower = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", *common, "--host-rank", "1",
+                                 *script], cwd=REPO, env=env, stdout=logs[1], stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for_step(metrics, 4, timeout_s=240, proc=leader)
+        worker_proc(follower.pid, "node1.0").kill()
+        assert leader.wait(300) == 0
+        assert follower.wait(60) == 0
+    finally:
+        kill_tree(leader.pid)
+        kill_tree(follower.pid)
+        for fh in logs:
+            fh.close()
+    out = open(os.path.join(str(tmp_path), "mh0.log")).read()
+    assert read_metrics(metrics) == base, out[-3000:]
+    events = read_events(timeline)
+    assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare0"}]
+    assert any(e.get("event") == "start" and e["store"].startswith("etcd://") for e in events)

@@ -154,7 +154,7 @@ class DeadpoolRuntime:
         self._closed = True
         factory = self._factory
         self.engine = None
-        teardown()
+        teardown(self.config.hot_swap.teardown_timeout_s)
         gc.collect()
         min_gen = gen + 1
         while True:
@@ -177,7 +177,7 @@ class DeadpoolRuntime:
                             a.generation, " ".join(str(again).split())[:300])
                 m.report_failure(a.generation, repr(again))
                 engine = None
-                teardown()
+                teardown(self.config.hot_swap.teardown_timeout_s)
                 gc.collect()
                 min_gen = a.generation + 1
         engine.deadpool._catch_up = (failed_step, t_restored)
