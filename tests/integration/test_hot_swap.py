@@ -48,7 +48,14 @@ def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, fault
         for wid in [f"node{i}.0" for i in range(nnodes)]:
             pids[wid] = worker_proc(proc.pid, wid).pid
         for step, wid, sig in faults:
-            wait_for_step(metrics, step, timeout_s=240, proc=proc)
+            if isinstance(step, tuple):  # ("assignment", g): right after the launcher publishes generation g
+                deadline = time.time() + 240
+                while not any(e.get("event") == "assignment" and e.get("generation") == step[1]
+                              for e in (read_events(timeline) if os.path.exists(timeline) else [])):
+                    assert time.time() < deadline and proc.poll() is None, f"no assignment {step[1]}"
+                    time.sleep(0.02)
+            else:
+                wait_for_step(metrics, step, timeout_s=240, proc=proc)
             target = worker_proc(proc.pid, wid)
             with open(timeline, "a") as fh:
                 fh.write(json.dumps({"event": "fault", "time": time.time(), "worker": wid, "signal": int(sig),
@@ -112,6 +119,18 @@ def test_successive_failures_and_a_dead_spare(tmp_path, shm_root):
     assert res.returncode == 0, res.output[-4000:]
     assert [e["node"] for e in events if e.get("event") == "spare_lost"] == ["spare0"]
     assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare1"}, {"node0": "spare2"}]
+    assert metrics == base
+
+
+def test_failure_during_recovery(tmp_path, shm_root):
+    # The spare that took rank 1 dies while everyone is rebuilding for generation 1: survivors go round to
+    # generation 2, the second spare takes rank 1 and restores it from the replica still held by rank 0.
+    base = baseline(tmp_path, shm_root, 3)
+    res, metrics, events, pids = dprun(tmp_path, shm_root, spares=2, name="during", faults=[
+        (4, "node1.0", signal.SIGKILL), (("assignment", 1), "spare0.0", signal.SIGKILL)])
+    assert res.returncode == 0, res.output[-4000:]
+    assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare0"},
+                                                                                   {"spare0": "spare1"}]
     assert metrics == base
 
 
