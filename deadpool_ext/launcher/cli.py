@@ -112,7 +112,7 @@ class Supervisor:
         env.update(
             DEADPOOL_STORE=self.store_url, DEADPOOL_STORE_TOKEN=self.token,
             DEADPOOL_JOB_ID=self.job_id, DEADPOOL_WORKER_ID=w.worker_id, DEADPOOL_NODE=w.node,
-            DEADPOOL_ROLE=role, DEADPOOL_AGENT="launcher", DEADPOOL_LAUNCHER_PID=str(os.getpid()),
+            DEADPOOL_ROLE=role, DEADPOOL_LAUNCHER_PID=str(os.getpid()),
             DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
             LOCAL_RANK=str(w.local_index), LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",

@@ -2,9 +2,9 @@
 
 Snapshot buffers are files in a tmpfs, so they already outlive a crashed worker. What must outlive the
 workers is the *decision to delete them*: the agent is a small detached process, one per node and job, that
-watches the launcher (torchrun's or the deepspeed launcher's process, the workers' parent) and removes the job's
-shared-memory directory when the launcher is gone, i.e. when the job has ended. ``deadpool-run`` does the same
-itself and sets ``DEADPOOL_AGENT=launcher`` so workers do not start a second one.
+watches the launcher (torchrun's, the deepspeed launcher's or deadpool-run's process) and removes the job's
+shared-memory directory when the launcher is gone, i.e. when the job has ended - also when the launcher was
+killed and could not clean up itself.
 
 Run by hand: ``python -m deadpool_ext.memory.agent --dir /dev/shm/deadpool.JOB.NODE --watch-pid PID``.
 """
@@ -55,10 +55,8 @@ def claim_directory(directory: str, launcher_pid: int) -> bool:
     return stale
 
 
-def ensure_agent(directory: str, watch_pid: int) -> int | None:
-    """Start the node's agent for ``directory`` unless one is running; return its pid (None if launcher-owned)."""
-    if os.environ.get("DEADPOOL_AGENT") == "launcher":
-        return None
+def ensure_agent(directory: str, watch_pid: int) -> int:
+    """Start the node's agent for ``directory`` unless one is running; return its pid."""
     os.makedirs(directory, exist_ok=True)
     pidfile = os.path.join(directory, PIDFILE)
     try:

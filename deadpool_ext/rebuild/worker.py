@@ -57,7 +57,13 @@ class Membership:
                    heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")))
 
     def _heartbeat(self) -> None:
+        launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", "0"))
         while not self._stop.wait(self._hb_s):
+            if launcher and os.getppid() != launcher:
+                # Orphaned: the launcher is gone, nobody will ever assign or fence us. Leave instead of
+                # holding memory (and accelerators) forever; the node agent then frees the shared memory.
+                log.error("launcher (pid %d) is gone; worker %s exits", launcher, self.worker_id)
+                os._exit(70)
             try:
                 self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
             except Exception as exc:  # the launcher is gone: nothing left to tell

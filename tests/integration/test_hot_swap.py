@@ -194,3 +194,31 @@ def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):
     events = read_events(timeline)
     assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare0"}]
     assert any(e.get("event") == "start" and e["store"].startswith("etcd://") for e in events)
+
+
+def test_killed_launcher_leaves_no_shared_memory(tmp_path, shm_root):
+    """Even a SIGKILLed launcher (no chance to clean up) leaves nothing in /dev/shm: the node agents remove the
+    job's directories once the launcher is gone."""
+    import subprocess
+
+    from deadpool_ext.testing.launch import REPO, base_env, kill_tree
+
+    cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}})
+    metrics = os.path.join(str(tmp_path), "k.jsonl")
+    proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--shm-root",
+                             shm_root, "--job-id", "leakcheck", "scripts/pretrain_gpt.py", "--deepspeed_config", cfg,
+                             "--train-iters", "50", "--metrics-out", metrics], cwd=REPO, env=base_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for_step(metrics, 2, timeout_s=240, proc=proc)
+        assert [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]
+        workers = [p for p in psutil.Process(proc.pid).children() if "python" in p.name()]
+        proc.kill()  # the launcher only: its workers notice they are orphaned and leave
+        gone, alive = psutil.wait_procs(workers, timeout=15)
+        assert not alive, f"workers still running after their launcher died: {alive}"
+    finally:
+        kill_tree(proc.pid)
+    deadline = time.time() + 15
+    while time.time() < deadline and [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]:
+        time.sleep(0.2)
+    assert not [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]
