@@ -38,8 +38,11 @@ after a step completes):
 
 Usage::
 
-    python benchmarks/bench_recovery.py --quick                 # tiny model, 1 repeat, ~3 min
-    python benchmarks/bench_recovery.py                         # small (2 repeats) + medium (1 repeat)
+    python benchmarks/bench_recovery.py --quick       # tiny model, 1 repeat + reference, ~1-2 min
+    python benchmarks/bench_recovery.py               # small (2 repeats + reference) + medium (baseline only), ~6 min
+
+Medium's hot-swap job does not fit in this machine's 24 GiB (see DEFAULTS); ``--force-hotswap`` tries it anyway,
+and a memory guard (``--min-available-gib``) stops any job before the machine runs out of memory.
 
 Writes ``benchmarks/results/recovery.json`` and ``.md`` (``recovery_quick.*`` for --quick) and the jobs' logs
 under ``benchmarks/results/recovery_logs/`` (``recovery_quick_logs/``).
@@ -127,22 +130,29 @@ class Monitor:
         import psutil
 
         try:
-            return psutil.Process(self.root_pid).children(recursive=True)
+            # Workers are the launcher's (torchrun's, deadpool-run's) direct children. Not recursive: a worker's own
+            # children inherit its environment and would carry its label (a first run of this benchmark SIGKILLed
+            # such a process instead of the worker, and no fault happened).
+            return psutil.Process(self.root_pid).children(recursive=False)
         except psutil.NoSuchProcess:
             return []
 
     def workers(self) -> dict[str, int]:
-        """label -> pid of the live worker processes."""
+        """label -> pid of the live worker processes (direct children of the root running the training script)."""
         out: dict[str, int] = {}
         for p in self._children():
             if p.pid not in self.labels:
                 try:
-                    env = p.environ()
-                    self.labels[p.pid] = env.get(self.label_env) if "python" in (p.name() or "") else None
+                    cmd = p.cmdline()
+                    if not any(os.path.basename(c) == os.path.basename(SCRIPT) for c in cmd):
+                        continue  # not exec'ed yet (still a fork of the launcher) or not a worker: look again later
+                    self.labels[p.pid] = p.environ().get(self.label_env)
                 except Exception:  # noqa: BLE001 - gone, zombie or not readable yet: try again next time
                     continue
             label = self.labels[p.pid]
             if label is not None:
+                if label in out:
+                    raise RuntimeError(f"two workers labelled {self.label_env}={label}: pids {out[label]} and {p.pid}")
                 out[label] = p.pid
         return out
 
@@ -203,6 +213,8 @@ class Monitor:
         return {"peak_rss_sum_bytes": self.peak_rss_sum, "peak_hwm_bytes": dict(sorted(self.peak_hwm.items())),
                 "peak_shm_root_bytes": self.peak_shm_bytes or None, "min_mem_available_bytes": self.min_available,
                 "low_memory_stop": self.low_memory,
+                "rss_series": [[round(t, 2), {k: round(v / 2**20) for k, v in r.items()}] for t, r in self.series],
+                "rss_series_unit": "[unix time, {worker: RSS MiB}] per sample (about 1 s apart)",
                 "busy_fraction": busy_fraction(self.cpu[0][1:], self.cpu[-1][1:]) if len(self.cpu) > 1 else None}
 
 
@@ -337,11 +349,55 @@ def wait_and_kill(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics
     if pid is None:
         raise RuntimeError(f"no worker labelled {label!r} ({mon.label_env}) under pid {proc.pid}")
     mon.sample(force=True)
+    target = _describe(pid)
     t_kill = time.time()
     os.kill(pid, signal.SIGKILL)
-    return {"t_kill": t_kill, "killed_pid": pid, "killed": label, "step_k_time": rec_k["time"],
+    return {"t_kill": t_kill, "killed_pid": pid, "killed": label, "target": target, "step_k_time": rec_k["time"],
             "kill_delay_s": t_kill - rec_k["time"], "planned_delay_s": delay_frac * step_s,
             "normal_step_s_at_kill": step_s, "waited_for_checkpoint": waited_ready}
+
+
+def watch_recovery(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics: str, last_pre: int,
+                   recovery_deadline: float) -> bool:
+    """Sample until the job exits. If no step after ``last_pre`` completes by ``recovery_deadline``, the recovery is
+    declared hung: every worker gets SIGUSR1 (deadpool_ext registers faulthandler on it: all threads' stacks go to
+    the job log), then the job is stopped. Returns True if it hung."""
+    while proc.poll() is None and time.time() < deadline:
+        mon.sample()
+        if time.time() > recovery_deadline and not any(r["step"] > last_pre for r in read_records(metrics)):
+            print("[bench]   no step completed before the recovery timeout: hung; dumping stacks (SIGUSR1) and "
+                  "stopping the job", flush=True)
+            for pid in mon.workers().values():
+                try:
+                    os.kill(pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+            time.sleep(3.0)
+            from deadpool_ext.testing.launch import kill_tree
+
+            kill_tree(proc.pid)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _describe(pid: int) -> dict[str, Any]:
+    import psutil
+
+    try:
+        p = psutil.Process(pid)
+        return {"ppid": p.ppid(), "status": p.status(), "cmdline": " ".join(p.cmdline())[:300]}
+    except psutil.Error as exc:
+        return {"error": repr(exc)}
+
+
+def _fresh(*paths: str) -> None:
+    """Remove leftovers of an earlier job at these paths (metrics files are opened for appending)."""
+    for path in paths:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.unlink(path)
 
 
 def append_event(path: str, rec: dict[str, Any]) -> None:
@@ -400,6 +456,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     cfg_path = os.path.join(scratch, f"{tag}.ds.json")
     write_config(cfg_path, size, d, shm_root)
     metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
+    _fresh(metrics, timeline)
     launcher = [sys.executable, "-m", "deadpool_ext.launcher.cli"]
     flags = ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC_PER_NODE), "--spare-nodes", str(SPARE_NODES),
              "--shm-root", shm_root, "--timeline", timeline, SCRIPT]
@@ -417,9 +474,8 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
         out["fault"] = kill
         print(f"[bench]   hotswap: SIGKILLed {KILL_WORKER} (pid {kill['killed_pid']}) "
               f"{kill['kill_delay_s']:.2f} s after step {k}", flush=True)
-        while proc.poll() is None and time.time() < deadline:
-            mon.sample()
-            time.sleep(0.1)
+        last_pre = max((r["step"] for r in read_records(metrics) if r["time"] <= kill["t_kill"]), default=0)
+        out["hung"] = watch_recovery(proc, deadline, mon, metrics, last_pre, kill["t_kill"] + args.recovery_timeout_s)
 
     print(f"[bench] {size} {tag}: {out['cmd']}", flush=True)
     try:
@@ -451,11 +507,17 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     if mon is not None:
         out["rss_before_kill"] = mon.rss_at(t_kill)
         out["rss_max_after_kill"] = mon.rss_max_after(t_kill)
+        out["rss_end"] = mon.series[-1][1] if mon.series else {}
     if mon is not None and mon.low_memory:
         out["failed"] = mon.low_memory
         return out
-    if out["returncode"] != 0:
+    if out.get("hung"):
+        out["failed"] = (f"recovery hung: no step completed within {args.recovery_timeout_s:.0f} s of the kill "
+                         f"(stacks dumped to {out['log']})")
+    elif out["returncode"] != 0:
         out["failed"] = f"job exited rc={out['returncode']}{' (timed out)' if out['timed_out'] else ''}"
+    elif not out["phases"]:
+        out["failed"] = "the kill led to no recovery in the timeline (wrong process killed?)"
     elif not m.get("first_after"):
         out["failed"] = "no step completed after the kill"
     return out
@@ -517,6 +579,7 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     write_config(cfg_path, size, d, None)
     ckpt = os.path.join(scratch, f"{tag}.ckpt")
     m1, m2 = os.path.join(scratch, f"{tag}.metrics1.jsonl"), os.path.join(scratch, f"{tag}.metrics2.jsonl")
+    _fresh(ckpt, m1, m2)
     save = ["--save", ckpt, "--save-interval", "1"]
     cmd1 = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT, script_args(size, cfg_path, n, m1, args.seed) + save,
                         port=free_port())
@@ -554,9 +617,9 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
 
         def hook2(proc: subprocess.Popen, deadline: float) -> None:
             mon = mons["2"] = Monitor(proc.pid, "RANK")
-            while proc.poll() is None and time.time() < deadline:
-                mon.sample()
-                time.sleep(0.1)
+            last_pre = max((r["step"] for r in read_records(m1) if r["time"] <= out["fault"]["t_kill"]), default=0)
+            out["hung"] = watch_recovery(proc, deadline, mon, m2, last_pre,
+                                         out["fault"]["t_kill"] + args.recovery_timeout_s)
 
         job2 = run_logged(cmd2, env=env, timeout_s=d["timeout_s"], hook=hook2,
                           log_path=os.path.join(logs, f"{size}_{tag}_2.log"))
@@ -591,7 +654,9 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     if low:
         out["failed"] = low[0]
         return out
-    if job2["returncode"] != 0:
+    if out.get("hung"):
+        out["failed"] = f"relaunched job made no step within {args.recovery_timeout_s:.0f} s of the kill"
+    elif job2["returncode"] != 0:
         out["failed"] = f"relaunched job exited rc={job2['returncode']}{' (timed out)' if job2['timed_out'] else ''}"
     elif not fa:
         out["failed"] = "no step completed after the relaunch"
@@ -615,6 +680,7 @@ def run_reference(size: str, d: dict[str, Any], scratch: str, tag: str, args: ar
     cfg_path = os.path.join(scratch, f"{tag}.ds.json")
     write_config(cfg_path, size, d, None)
     metrics = os.path.join(scratch, f"{tag}.metrics.jsonl")
+    _fresh(metrics)
     cmd = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT, script_args(size, cfg_path, n, metrics, args.seed),
                        port=free_port())
     out: dict[str, Any] = {"kind": "reference", "tag": tag, "cmd": shlex.join(cmd), "train_iters": n}
@@ -815,36 +881,37 @@ def render_markdown(doc: dict[str, Any]) -> str:
         ]
         L.append(md_table(["", "hot-swap", "baseline (relaunch + load)", "speedup"], rows))
         L.append("")
-        L.append("Hot-swap phases (timeline `phases()`, medians; detect = kill -> launcher detection, agree -> every "
-                 "survivor has its new process group, rebuild -> engine rebuilt, restore -> state restored (spare "
-                 "included), recompute -> failed step done again, total = kill -> caught up):")
-        L.append("")
-        ph = hs["phases_median"]
-        prow = [[r["tag"]] + [_f(r["phases"].get(p)) if r.get("phases") else None for p in
-                              ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s")]
-                + [_f(r.get("raw_s"))] for r in entry["runs"]["hotswap"]]
-        prow.append(["**median**"] + [_f(ph[p]) for p in ("detect_s", "agree_s", "rebuild_s", "restore_s",
-                                                          "recompute_s", "total_s")] + [_f(hs["raw_s"]["median"])])
-        L.append(md_table(["run", "detect", "agree", "rebuild", "restore", "recompute", "total", "raw (metrics)"], prow))
-        L.append("")
-        ev = [r["events"] for r in entry["runs"]["hotswap"] if r.get("events")]
-        if ev:
-            e = {k: median([x[k] for x in ev if isinstance(x.get(k), (int, float))]) for k in ev[0]
-                 if isinstance(ev[0].get(k), (int, float)) or ev[0].get(k) is None}
-            L.append("Hot-swap milestones, seconds after the kill (medians): "
-                     f"survivors notice the error {_f(e.get('survivor_noticed_first'))}-{_f(e.get('survivor_noticed_last'))}; "
-                     f"launcher detects {_f(e.get('launcher_detected'))}; assignment published "
-                     f"{_f(e.get('assignment_published'))}; last survivor has it {_f(e.get('survivor_assigned_last'))}, "
-                     f"process group {_f(e.get('survivor_pg_ready_last'))}, engine {_f(e.get('survivor_engine_ready_last'))}, "
-                     f"restored {_f(e.get('survivor_restored_last'))}; spare restored {_f(e.get('spare_restored'))} "
-                     f"(its restore call {_f(e.get('spare_restore_call_s'))} s, from "
-                     f"{', '.join(sorted({str(x) for r in ev for x in r.get('spare_restored_from') or []})) or '?'}); "
-                     f"caught up {_f(e.get('caught_up_last'))}.")
+        if entry["runs"]["hotswap"]:
+            L.append("Hot-swap phases (timeline `phases()`, medians; detect = kill -> launcher detection, agree -> every "
+                     "survivor has its new process group, rebuild -> engine rebuilt, restore -> state restored (spare "
+                     "included), recompute -> failed step done again, total = kill -> caught up):")
             L.append("")
-            L.append("Hot-swap output lines, seconds after the kill (" + "; ".join(
-                f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["hotswap"]
-                if r.get("log_milestones")) + ").")
+            ph = hs["phases_median"]
+            prow = [[r["tag"]] + [_f(r["phases"].get(p)) if r.get("phases") else None for p in
+                                  ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s")]
+                    + [_f(r.get("raw_s"))] for r in entry["runs"]["hotswap"]]
+            prow.append(["**median**"] + [_f(ph[p]) for p in ("detect_s", "agree_s", "rebuild_s", "restore_s",
+                                                              "recompute_s", "total_s")] + [_f(hs["raw_s"]["median"])])
+            L.append(md_table(["run", "detect", "agree", "rebuild", "restore", "recompute", "total", "raw (metrics)"], prow))
             L.append("")
+            ev = [r["events"] for r in entry["runs"]["hotswap"] if r.get("events")]
+            if ev:
+                e = {k: median([x[k] for x in ev if isinstance(x.get(k), (int, float))]) for k in ev[0]
+                     if isinstance(ev[0].get(k), (int, float)) or ev[0].get(k) is None}
+                L.append("Hot-swap milestones, seconds after the kill (medians): "
+                         f"survivors notice the error {_f(e.get('survivor_noticed_first'))}-{_f(e.get('survivor_noticed_last'))}; "
+                         f"launcher detects {_f(e.get('launcher_detected'))}; assignment published "
+                         f"{_f(e.get('assignment_published'))}; last survivor has it {_f(e.get('survivor_assigned_last'))}, "
+                         f"process group {_f(e.get('survivor_pg_ready_last'))}, engine {_f(e.get('survivor_engine_ready_last'))}, "
+                         f"restored {_f(e.get('survivor_restored_last'))}; spare restored {_f(e.get('spare_restored'))} "
+                         f"(its restore call {_f(e.get('spare_restore_call_s'))} s, from "
+                         f"{', '.join(sorted({str(x) for r in ev for x in r.get('spare_restored_from') or []})) or '?'}); "
+                         f"caught up {_f(e.get('caught_up_last'))}.")
+                L.append("")
+                L.append("Hot-swap output lines, seconds after the kill (" + "; ".join(
+                    f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["hotswap"]
+                    if r.get("log_milestones")) + ").")
+                L.append("")
         bp = bl["phases_median"]
         L.append("Baseline breakdown (medians): " + ", ".join(
             f"{lbl} {fmt_s(bp[k])}" for k, lbl in (("detect_s", "detect (kill -> torchrun exits)"),
@@ -856,6 +923,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["baseline"]
             if r.get("log_milestones")) + ").")
         L.append("")
+        L += _where_time_goes(entry, an)
         t = an["targets"]
         L.append("Targets:")
         L.append("")
@@ -864,8 +932,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f"({fmt_s(t['end_to_end_raw']['value_s'])}); minus a step **{_met(t['end_to_end_minus_step'])}** "
                      f"({fmt_s(t['end_to_end_minus_step']['value_s'])})")
         L.append(f"- >= {TARGET_SPEEDUP:.0f}x faster than the baseline: raw **{_met(t['speedup_raw'])}** "
-                 f"({_f(t['speedup_raw']['value'], 2)}x); minus a step **{_met(t['speedup_minus_step'])}** "
-                 f"({_f(t['speedup_minus_step']['value'], 2)}x)")
+                 f"({_x(t['speedup_raw']['value'])}); minus a step **{_met(t['speedup_minus_step'])}** "
+                 f"({_x(t['speedup_minus_step']['value'])})")
         L.append(f"- per-phase breakdown: above")
         L.append("")
         L.append("Loss check (same seed, world size 3; floats compared exactly):")
@@ -899,13 +967,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
                  f"peak {fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_bl))}") if mem_bl else None,
             ])) + ".")
             L.append("")
-        surv = [(r["rss_before_kill"], r["rss_max_after_kill"]) for r in entry["runs"]["hotswap"]
+        surv = [(r["rss_before_kill"], r["rss_max_after_kill"], r.get("rss_end") or {}) for r in entry["runs"]["hotswap"]
                 if r.get("rss_before_kill") and r.get("rss_max_after_kill")]
         if surv:
-            before, after = surv[0]
-            L.append("Hot-swap worker RSS just before the kill -> max after it (first repeat): " + ", ".join(
-                f"{w} {fmt_bytes(before.get(w))} -> {fmt_bytes(after.get(w))}" for w in sorted(set(before) | set(after)))
-                     + " (includes the /dev/shm snapshot pages each process touched).")
+            before, after, end = surv[0]
+            L.append("Hot-swap worker RSS just before the kill -> max after it -> last sample before the job ended "
+                     "(first repeat): " + ", ".join(
+                         f"{w} {fmt_bytes(before.get(w))} -> {fmt_bytes(after.get(w))} -> {fmt_bytes(end.get(w))}"
+                         for w in sorted(set(before) | set(after)) if w in after)
+                     + f" ({KILL_WORKER} was killed; RSS includes the /dev/shm snapshot pages each process touched).")
             L.append("")
         if an["failed_runs"]:
             L.append("Failed runs: " + "; ".join(f"{x['kind']} {x['tag']}: {x['why']}" for x in an["failed_runs"]))
@@ -927,6 +997,60 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(L)
 
 
+def _where_time_goes(entry: dict[str, Any], an: dict[str, Any]) -> list[str]:
+    """A reading of the milestones (medians over repeats, seconds): which work sits on each side's critical path."""
+    out: list[str] = []
+
+    def med_of(runs: list[dict[str, Any]], fn: Callable[[dict[str, Any]], float | None]) -> float | None:
+        vals = []
+        for r in runs:
+            try:
+                v = fn(r)
+            except (KeyError, TypeError, ValueError, IndexError):
+                v = None
+            if v is not None:
+                vals.append(v)
+        return median(vals)
+
+    hs = [r for r in entry["runs"]["hotswap"] if not r.get("failed")]
+    if hs:
+        ev = lambda k: med_of(hs, lambda r: r["events"][k])  # noqa: E731
+        ops = lambda f: med_of(hs, lambda r: f(sorted(r["log_milestones"]["comm_op_loaded"])))  # noqa: E731
+        op_first, op_last = ops(lambda v: v[0]), ops(lambda v: v[-1])
+        built = med_of(hs, lambda r: max(r["log_milestones"]["engine_built"]))
+        pub = ev("assignment_published")
+        out.append(
+            f"Where the hot-swap time goes (medians, seconds after the kill): the launcher sees the exit at "
+            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors, busy computing, "
+            f"notice the dead peer only at their next collective ({_f(ev('survivor_noticed_first'))}-"
+            f"{_f(ev('survivor_noticed_last'))}), tear down and have the new process group at "
+            f"{_f(ev('survivor_pg_ready_last'))}. They build a new model and call `deepspeed.initialize` again (their "
+            f"DeepSpeed comm op is loaded at {_f(op_first)}), then wait in its collectives for the spare, whose comm op "
+            f"load comes last, at {_f(op_last)} ({_f(None if op_last is None or pub is None else op_last - pub)} s after its "
+            f"assignment: the spare blocks in `init_distributed()` before `pretrain.py` imports DeepSpeed, and "
+            f"transformers is imported inside `build_gpt`, so it imports both and builds its model only after being "
+            f"assigned). All engines are built at {_f(built)} (`deepspeed.initialize` on the new world, "
+            f"{_f(None if built is None or op_last is None else built - op_last)} s after the spare arrived); state is "
+            f"restored at {_f(ev('survivor_restored_last'))} (restore phase {_f(an['hotswap']['phases_median']['restore_s'])} s: "
+            f"scan + checksums of every held buffer, fetch of rank 1's replica, restore); the redone step completes at "
+            f"{_f(an['hotswap']['raw_s']['median'])}.")
+        out.append("")
+    bl = [r for r in entry["runs"]["baseline"] if not r.get("failed")]
+    if bl:
+        opl = med_of(bl, lambda r: max(r["log_milestones"]["comm_op_loaded"]))
+        built = med_of(bl, lambda r: max(r["log_milestones"]["engine_built"]))
+        ready = med_of(bl, lambda r: r["log_milestones"]["first_pretrain_line"][0])
+        bp = an["baseline"]["phases_median"]
+        out.append(
+            f"Where the baseline time goes (medians): torchrun exits {_f(bp['detect_s'])} s after the kill; in the "
+            f"relaunched job (seconds after the relaunch) the last process loads DeepSpeed's comm op at {_f(opl)} "
+            f"(interpreter start, imports, process group, model build), engines are built at {_f(built)} "
+            f"(`deepspeed.initialize`, {_f(None if built is None or opl is None else built - opl)} s), rank 0 is ready "
+            f"after `load_checkpoint` at {_f(ready)}, and the redone step takes {_f(bp['first_step_s'])} s more.")
+        out.append("")
+    return out
+
+
 def _milestone_text(ms: dict[str, list[float]]) -> str:
     names = {"comm_op_loaded": "DeepSpeed comm op loaded (per process)", "engine_built": "engine built (per rank)",
              "deadpool_attached": "deadpool attached", "restore_plan": "restore plan",
@@ -936,6 +1060,10 @@ def _milestone_text(ms: dict[str, list[float]]) -> str:
 
 def _vals(entry: dict[str, Any], kind: str, key: str) -> list[float]:
     return [r[key] for r in entry["runs"][kind] if r.get(key) is not None]
+
+
+def _x(r: float | None) -> str:
+    return "—" if r is None else f"{r:.2f}x"
 
 
 def _pct(x: float | None) -> str | None:
@@ -973,6 +1101,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference-sizes", default="tiny,small",
                    help="sizes that also get one uninterrupted reference run for the loss check ('' for none)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of one job (default: per size)")
+    p.add_argument("--recovery-timeout-s", type=float, default=120.0,
+                   help="declare a recovery hung (dump stacks, stop the job) when no step completes this long after "
+                        "the kill")
     p.add_argument("--detect-wait-s", type=float, default=120.0,
                    help="baseline: how long to wait for torchrun to exit after the kill before killing it")
     p.add_argument("--settle-s", type=float, default=30.0,
@@ -1040,6 +1171,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                               "heads": heads},
                                      "runs": {"hotswap": [], "baseline": [], "reference": None}}
             doc["sizes"][size] = entry
+            size_scratch = os.path.join(scratch, size)  # metrics files are appended to: never share them across sizes
+            os.makedirs(size_scratch, exist_ok=True)
             try:
                 for i in range(d["repeats"]):
                     # Alternate the order so slow drift of the shared machine does not favour one side.
@@ -1050,12 +1183,12 @@ def main(argv: list[str] | None = None) -> int:
                                 print(f"[bench] {size}: hot-swap not run: {d['hotswap_skip']}", flush=True)
                             continue
                         fn = run_hotswap if kind == "hotswap" else run_baseline
-                        res = fn(size, d, scratch, f"{kind}_r{i}", args, logs)
+                        res = fn(size, d, size_scratch, f"{kind}_r{i}", args, logs)
                         entry["runs"][kind].append(slim(res))
                         _print_run(size, res)
                         _save(doc, entry, size, json_path, md_path, t_start)
                 if size in [s for s in args.reference_sizes.split(",") if s]:
-                    ref = run_reference(size, d, scratch, "reference", args, logs)
+                    ref = run_reference(size, d, size_scratch, "reference", args, logs)
                     entry["runs"]["reference"] = slim(ref)
                     _save(doc, entry, size, json_path, md_path, t_start)
             except Exception as exc:  # noqa: BLE001 - record and go on to the next size

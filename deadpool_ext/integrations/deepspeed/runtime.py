@@ -148,6 +148,13 @@ class DeadpoolRuntime:
         t_noticed = time.time()
         log.warning("generation %d: collective failed at step %d (%s: %s); rebuilding communicators in-process",
                     gen, failed_step, type(exc).__name__, " ".join(str(exc).split())[:600])
+        # Last-resort bound on the whole recovery: if anything below blocks past every individual deadline,
+        # print all threads' stacks and leave, so the launcher replaces this node instead of the job hanging.
+        import faulthandler
+
+        hc = self.config.hot_swap
+        faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s +
+                                          hc.collective_timeout_s + 120, exit=True)
         m.report_failure(gen, repr(exc))
         if self.snapshots is not None:
             self.snapshots.quiesce()
@@ -180,6 +187,7 @@ class DeadpoolRuntime:
                 teardown(self.config.hot_swap.teardown_timeout_s)
                 gc.collect()
                 min_gen = a.generation + 1
+        faulthandler.cancel_dump_traceback_later()
         engine.deadpool._catch_up = (failed_step, t_restored)
         write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
                     rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
