@@ -357,14 +357,16 @@ def wait_and_kill(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics
             "normal_step_s_at_kill": step_s, "waited_for_checkpoint": waited_ready}
 
 
-def watch_recovery(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics: str, last_pre: int,
-                   recovery_deadline: float) -> bool:
-    """Sample until the job exits. If no step after ``last_pre`` completes by ``recovery_deadline``, the recovery is
-    declared hung: every worker gets SIGUSR1 (deadpool_ext registers faulthandler on it: all threads' stacks go to
-    the job log), then the job is stopped. Returns True if it hung."""
+def watch_recovery(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics: str, t_kill: float,
+                   stall_s: float) -> bool:
+    """Sample until the job exits. If no step completes for ``stall_s`` after the kill (or after the last step
+    completed since), the job is declared hung: every worker gets SIGUSR1 (deadpool_ext registers faulthandler on
+    it: all threads' stacks go to the job log), then the job is stopped. Returns True if it hung. (A step may still
+    complete on rank 0 just after the kill, so "a step after the kill" alone does not prove recovery.)"""
     while proc.poll() is None and time.time() < deadline:
         mon.sample()
-        if time.time() > recovery_deadline and not any(r["step"] > last_pre for r in read_records(metrics)):
+        last = max([t_kill] + [r["time"] for r in read_records(metrics)])
+        if time.time() - last > stall_s:
             print("[bench]   no step completed before the recovery timeout: hung; dumping stacks (SIGUSR1) and "
                   "stopping the job", flush=True)
             for pid in mon.workers().values():
@@ -474,8 +476,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
         out["fault"] = kill
         print(f"[bench]   hotswap: SIGKILLed {KILL_WORKER} (pid {kill['killed_pid']}) "
               f"{kill['kill_delay_s']:.2f} s after step {k}", flush=True)
-        last_pre = max((r["step"] for r in read_records(metrics) if r["time"] <= kill["t_kill"]), default=0)
-        out["hung"] = watch_recovery(proc, deadline, mon, metrics, last_pre, kill["t_kill"] + args.recovery_timeout_s)
+        out["hung"] = watch_recovery(proc, deadline, mon, metrics, kill["t_kill"], args.recovery_timeout_s)
 
     print(f"[bench] {size} {tag}: {out['cmd']}", flush=True)
     try:
@@ -496,24 +497,25 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
                          f"no fault injected: {job['error'] or 'job ended early'} (rc {job['returncode']})")
         return out
     t_kill = out["fault"]["t_kill"]
-    m = measure_after_kill(recs, recs, t_kill, k)
+    out["events"] = hotswap_event_details(out["timeline"], t_kill)
+    noticed = out["events"].get("survivor_noticed_first")
+    m = measure_after_kill(recs, recs, t_kill, k, t_kill + noticed if noticed is not None else None)
     out.update(m)
     ph = [p for p in phases(out["timeline"]) if p["generation"] == 1]
     out["phases"] = ph[0] if ph else None
-    out["events"] = hotswap_event_details(out["timeline"], t_kill)
     out["log_milestones"] = milestones(job["lines"], t_kill)
     if mon is not None and m.get("first_after"):
         out["busy_fraction_recovery"] = mon.busy_between(t_kill, m["first_after"]["time"])
     if mon is not None:
         out["rss_before_kill"] = mon.rss_at(t_kill)
         out["rss_max_after_kill"] = mon.rss_max_after(t_kill)
-        out["rss_end"] = mon.series[-1][1] if mon.series else {}
+        out["rss_end"] = rss_end([[t, r] for t, r in mon.series])
     if mon is not None and mon.low_memory:
         out["failed"] = mon.low_memory
         return out
     if out.get("hung"):
-        out["failed"] = (f"recovery hung: no step completed within {args.recovery_timeout_s:.0f} s of the kill "
-                         f"(stacks dumped to {out['log']})")
+        out["failed"] = (f"recovery hung: no step completed for {args.recovery_timeout_s:.0f} s after the kill "
+                         f"(all workers' stacks dumped to {out['log']})")
     elif out["returncode"] != 0:
         out["failed"] = f"job exited rc={out['returncode']}{' (timed out)' if out['timed_out'] else ''}"
     elif not out["phases"]:
@@ -521,6 +523,11 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     elif not m.get("first_after"):
         out["failed"] = "no step completed after the kill"
     return out
+
+
+def rss_end(series: list[list[Any]], min_workers: int = NNODES * NPROC_PER_NODE) -> dict[str, int]:
+    """RSS per worker at the last sample that still saw a whole world of workers (before they began to exit)."""
+    return next((dict(r) for _, r in reversed(series) if len([v for v in r.values() if v > 0]) >= min_workers), {})
 
 
 def hotswap_event_details(events: list[dict[str, Any]], t_kill: float) -> dict[str, Any]:
@@ -553,8 +560,11 @@ def hotswap_event_details(events: list[dict[str, Any]], t_kill: float) -> dict[s
 
 
 def measure_after_kill(pre_recs: list[dict[str, Any]], post_recs: list[dict[str, Any]], t_kill: float,
-                       k: int) -> dict[str, Any]:
-    pre = [r for r in pre_recs if r["time"] <= t_kill]
+                       k: int, t_fail: float | None = None) -> dict[str, Any]:
+    """``t_fail``: when the survivors saw the failure (hot-swap). A step whose record lands between the kill and
+    that moment completed without the killed rank's further help (it had already sent its part): it counts as
+    completed before the failure, and the step to wait for is the next one."""
+    pre = [r for r in pre_recs if r["time"] <= max(t_kill, t_fail or t_kill)]
     last_pre = max((r["step"] for r in pre), default=0)
     first_after = next((r for r in post_recs if r["time"] > t_kill and r["step"] > last_pre), None)
     step_s = normal_step_s(pre_recs, k)
@@ -617,9 +627,7 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
 
         def hook2(proc: subprocess.Popen, deadline: float) -> None:
             mon = mons["2"] = Monitor(proc.pid, "RANK")
-            last_pre = max((r["step"] for r in read_records(m1) if r["time"] <= out["fault"]["t_kill"]), default=0)
-            out["hung"] = watch_recovery(proc, deadline, mon, m2, last_pre,
-                                         out["fault"]["t_kill"] + args.recovery_timeout_s)
+            out["hung"] = watch_recovery(proc, deadline, mon, m2, out["fault"]["t_kill"], args.recovery_timeout_s)
 
         job2 = run_logged(cmd2, env=env, timeout_s=d["timeout_s"], hook=hook2,
                           log_path=os.path.join(logs, f"{size}_{tag}_2.log"))
@@ -1088,6 +1096,23 @@ def slim(run: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in run.items() if k != "lines"}
 
 
+def rerender(path: str) -> int:
+    """Recompute the analysis and markdown of an existing results JSON (no jobs are run)."""
+    with open(path) as fh:
+        doc = json.load(fh)
+    for size, entry in doc["sizes"].items():
+        for r in entry["runs"]["hotswap"]:
+            series = (r.get("memory") or {}).get("rss_series")
+            if series and not r.get("rss_end"):  # runs before rss_end skipped samples taken while workers exited
+                r["rss_end"] = {k: v * 2**20 for k, v in rss_end(series).items()}
+        entry["analysis"] = analyze_size(size, entry)
+    write_json(path, doc)
+    md_path = os.path.splitext(path)[0] + ".md"
+    write_text(md_path, render_markdown(doc))
+    print(f"[bench] rewrote {path} and {md_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="small,medium", help="comma-separated model sizes (tiny, small, medium)")
@@ -1102,8 +1127,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sizes that also get one uninterrupted reference run for the loss check ('' for none)")
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of one job (default: per size)")
     p.add_argument("--recovery-timeout-s", type=float, default=120.0,
-                   help="declare a recovery hung (dump stacks, stop the job) when no step completes this long after "
-                        "the kill")
+                   help="declare a job hung (dump stacks, stop it) when no step completes for this long after the kill")
     p.add_argument("--detect-wait-s", type=float, default=120.0,
                    help="baseline: how long to wait for torchrun to exit after the kill before killing it")
     p.add_argument("--settle-s", type=float, default=30.0,
@@ -1119,7 +1143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
     p.add_argument("--scratch-root", default=None, help="parent of checkpoints and metrics (default $TMPDIR; a real disk)")
     p.add_argument("--keep-scratch", action="store_true")
+    p.add_argument("--rerender", metavar="JSON", default=None,
+                   help="recompute analysis and markdown of an existing results file, run nothing")
     args = p.parse_args(argv)
+    if args.rerender:
+        return rerender(args.rerender)
 
     global MIN_AVAILABLE_BYTES
     MIN_AVAILABLE_BYTES = int(args.min_available_gib * 2**30)

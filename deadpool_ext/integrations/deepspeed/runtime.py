@@ -206,7 +206,11 @@ class DeadpoolRuntime:
             self._catch_up = None
 
     def stats(self) -> dict[str, Any]:
-        return self.snapshots.stats() if self.snapshots is not None else {}
+        """Snapshot statistics; waits (bounded) for the in-flight snapshot so the counts are final."""
+        if self.snapshots is None:
+            return {}
+        self.snapshots.wait_idle()
+        return self.snapshots.stats()
 
     def close(self) -> None:
         if self._closed:
