@@ -125,13 +125,6 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
 
 
-# Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
-# worker threads, which may still be blocked on a dead peer until the group's timeout. Dropping the last
-# reference on the main thread (e.g. in gc.collect() after the old engine is released) would stall recovery
-# for that long. Kept here, the objects are tiny and their threads finish on their own.
-_GRAVEYARD: list[Any] = []
-
-
 def teardown(timeout_s: float = 30.0) -> None:
     """Destroy every process group and DeepSpeed's cached communicator state, keeping the process.
 
@@ -139,7 +132,6 @@ def teardown(timeout_s: float = 30.0) -> None:
     down waits for the group's timeout. Past ``timeout_s`` this raises :class:`MembershipError`: the rank
     leaves (its process exits) and the launcher replaces its node, instead of everyone hanging."""
     if dist.is_initialized():
-        _GRAVEYARD.extend(list(dist.distributed_c10d._world.pg_map.keys()))
         done = threading.Event()
 
         def destroy() -> None:
