@@ -53,8 +53,9 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
         if os.environ.get("DEADPOOL_ROLE") == "spare":
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
         assignment = _membership.join(0)
-        # Under deadpool-run a collective stuck on a vanished peer must fail within the hot-swap budget, not
-        # after the generic 300 s (same default as hot_swap.collective_timeout_s).
+        # Generation 0's collectives use the hot-swap budget (hot_swap.collective_timeout_s's default), not the
+        # generic 300 s: a survivor blocked on a peer that left is released within it, while the next
+        # generation's rendezvous waits three times as long for it.
         timeout_s = float(os.environ.get("DEADPOOL_COLLECTIVE_TIMEOUT_S", "60"))
         init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout_s)
         return

@@ -119,10 +119,19 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port),
                       DEADPOOL_GENERATION=str(a.generation))
     timeout = timedelta(seconds=timeout_s)
-    base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=timeout)
+    # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
+    # only released by that generation's collective timeout, and must still find the others waiting.
+    base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
     store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
     dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
+
+
+# Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
+# worker threads, which may still be blocked on a dead peer until the group's timeout. Dropping the last
+# reference on the main thread (e.g. in gc.collect() after the old engine is released) would stall recovery
+# for that long. Kept here, the objects are tiny and their threads finish on their own.
+_GRAVEYARD: list[Any] = []
 
 
 def teardown(timeout_s: float = 30.0) -> None:
@@ -132,6 +141,7 @@ def teardown(timeout_s: float = 30.0) -> None:
     down waits for the group's timeout. Past ``timeout_s`` this raises :class:`MembershipError`: the rank
     leaves (its process exits) and the launcher replaces its node, instead of everyone hanging."""
     if dist.is_initialized():
+        _GRAVEYARD.extend(list(dist.distributed_c10d._world.pg_map.keys()))
         done = threading.Event()
 
         def destroy() -> None:

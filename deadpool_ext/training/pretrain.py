@@ -129,9 +129,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
             # newest version every rank holds; anything else is re-raised.
             if engine.deadpool is None or not engine.deadpool.can_recover(exc):
                 raise
-            runtime, engine = engine.deadpool, None  # drop our reference to the old engine (see recover())
-            engine = runtime.recover(exc)
-            del runtime
+            engine = engine.deadpool.recover(exc)
             engine.train()
             micro, gas, dp, dp_rank, rank = layout()
             swaps += 1

@@ -156,9 +156,6 @@ class DeadpoolRuntime:
         faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s +
                                           hc.collective_timeout_s + 120, exit=True)
         m.report_failure(gen, repr(exc))
-        # The traceback's frames hold the old engine and its process groups. Until every reference is gone,
-        # gloo keeps this rank's sockets open, and a peer blocked in a collective with us is never woken.
-        exc.__traceback__ = None
         if self.snapshots is not None:
             self.snapshots.quiesce()
         self._closed = True
@@ -191,8 +188,7 @@ class DeadpoolRuntime:
                 gc.collect()
                 min_gen = a.generation + 1
         faulthandler.cancel_dump_traceback_later()
-        # Caught up once the step that was in flight at the failure (failed_step + 1) has completed again.
-        engine.deadpool._catch_up = (failed_step + 1, t_restored)
+        engine.deadpool._catch_up = (failed_step, t_restored)
         write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
                     rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
                     noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
