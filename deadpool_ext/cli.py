@@ -1,28 +1,37 @@
 """The ``deadpool`` command: tools around a running or finished job.
 
-    deadpool timeline TIMELINE.jsonl [--json]     per-phase recovery durations of every hot-swap
+Each subcommand lives in its own module under ``deadpool_ext/commands/`` (see that package's docstring);
+``deadpool --help`` lists them.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import pkgutil
 import sys
 from typing import Sequence
 
+from . import commands
+
+
+def _modules() -> dict[str, object]:
+    out = {}
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
+        if not info.name.startswith("_"):
+            out[info.name.replace("_", "-")] = importlib.import_module(f"{commands.__name__}.{info.name}")
+    return out
+
 
 def main(argv: Sequence[str] | None = None) -> int:
+    mods = _modules()
     p = argparse.ArgumentParser(prog="deadpool", description="deadpool_ext tools")
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("timeline", help="recovery phases (detect, agree, rebuild, restore, recompute) per hot-swap")
-    t.add_argument("path")
-    t.add_argument("--json", action="store_true", help="machine-readable output")
+    for name, mod in mods.items():
+        sp = sub.add_parser(name, help=mod.HELP, description=(mod.__doc__ or "").strip() or None,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        mod.add_arguments(sp)
     args = p.parse_args(argv)
-    if args.cmd == "timeline":
-        from .recovery.timeline import format_table, phases, read_events
-
-        rows = phases(read_events(args.path))
-        print(json.dumps(rows, indent=1) if args.json else (format_table(rows) if rows else "no hot-swaps recorded"))
-    return 0
+    return int(mods[args.cmd].run(args) or 0)
 
 
 if __name__ == "__main__":

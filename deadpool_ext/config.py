@@ -131,6 +131,59 @@ class HotSwapConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class DifferentialConfig:
+    """TierCheck differential checkpoints in memory (tiers 1 and 2): a full base snapshot every
+    ``base_interval`` steps, and between bases only what the optimizer consumed at each step (the rank's
+    reduced, partitioned gradients plus the scalars of the step), from which the steps are replayed."""
+
+    enabled: bool = False
+    """Take differentials between in-memory bases instead of a full snapshot at every step."""
+    base_interval: int = 10
+    """Full in-memory snapshot every K steps; differentials cover the steps between two bases."""
+    compression: str = "none"
+    """``none`` (exact: replay is bit for bit the original training) or ``bf16`` (gradients rounded to
+    bfloat16: half the size, replayed states differ from the original by the rounding of each gradient,
+    relative error <= 2**-8 per element per step; never the default)."""
+    replay_batch: int = 8
+    """Differentials read and replayed per batch during recovery (bounds the memory replay needs)."""
+
+    def __post_init__(self) -> None:
+        _positive("base_interval", self.base_interval)
+        _positive("replay_batch", self.replay_batch)
+        if self.compression not in ("none", "bf16"):
+            _fail("compression", f"must be one of none, bf16; got {self.compression!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class PersistConfig:
+    """Tier 3: base checkpoints migrated in the background to persistent storage (any fsspec URL)."""
+
+    url: str | None = None
+    """Where base checkpoints go: a local or shared file-system path (default scheme) or an fsspec URL such
+    as ``s3://bucket/run`` (needs s3fs). ``None``: tier 3 off. ``--save URL`` overrides it."""
+    interval: int = 0
+    """Persist a base every K optimizer steps (0: never). ``--save-interval K`` overrides it."""
+    keep_last: int = 2
+    """Complete bases kept in tier 3; older ones are deleted only once a newer one is complete and verified."""
+    max_mb_s: float = 0.0
+    """Upper bound on the background write rate in MiB/s (0: no fixed cap, only the adaptive throttle)."""
+    adaptive: bool = True
+    """Slow the background writer down while it measurably stretches the training step (the foreground never
+    waits for tier 3)."""
+    timeout_s: float = 1800.0
+    """Deadline for one base to be written and published; a base that misses it is abandoned, never
+    published."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
+            _fail("interval", f"must be an integer >= 0, got {self.interval!r}")
+        _positive("keep_last", self.keep_last)
+        if self.max_mb_s < 0:
+            _fail("max_mb_s", f"must be >= 0, got {self.max_mb_s!r}")
+        _positive("timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True, slots=True)
 class DeadpoolConfig:
     """The whole ``"deadpool"`` section."""
 
@@ -146,6 +199,8 @@ class DeadpoolConfig:
     local: LocalConfig = field(default_factory=LocalConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     hot_swap: HotSwapConfig = field(default_factory=HotSwapConfig)
+    differential: DifferentialConfig = field(default_factory=DifferentialConfig)
+    persist: PersistConfig = field(default_factory=PersistConfig)
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.job_id)):

@@ -52,13 +52,25 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
         _membership = Membership.from_env()
         if os.environ.get("DEADPOOL_ROLE") == "spare":
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
-        assignment = _membership.join(0)
-        # Generation 0's collectives use the hot-swap budget (hot_swap.collective_timeout_s's default), not the
-        # generic 300 s: a survivor blocked on a peer that left is released within it, while the next
-        # generation's rendezvous waits three times as long for it.
+        # The first generation's collectives use the hot-swap budget (hot_swap.collective_timeout_s's default),
+        # not the generic 300 s: it is only the backstop, since the launcher's next generation cuts this one.
         timeout_s = float(os.environ.get("DEADPOOL_COLLECTIVE_TIMEOUT_S", "60"))
-        init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout_s)
-        return
+        min_gen, wait_s = 0, None
+        while True:
+            assignment = _membership.join(min_gen, timeout_s=wait_s)
+            try:
+                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout_s)
+                return
+            except RuntimeError as exc:
+                # A peer died while this generation was forming (e.g. a spare joining as another node fails):
+                # wait for the launcher's next generation instead of leaving, which would cost a spare.
+                from .rebuild.worker import teardown
+
+                log.warning("generation %d: could not form the process group (%s); waiting for the next "
+                            "assignment", assignment.generation, " ".join(str(exc).split())[:300])
+                _membership.report_failure(assignment.generation, repr(exc))
+                teardown()
+                min_gen, wait_s = assignment.generation + 1, 3 * timeout_s
     missing = [k for k in REQUIRED_ENV if k not in os.environ]
     if missing:
         raise RuntimeError(

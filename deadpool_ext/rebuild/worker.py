@@ -6,8 +6,11 @@ Call order (every worker started by deadpool-run; ``DEADPOOL_STORE`` is set):
    Active workers return at once; spares block here (heartbeating) until they replace a failed node.
 2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
    prefixed by the generation, so nothing of a dead generation is ever read.
-3. On a collective error: ``teardown()`` destroys every process group (closing this rank's sockets unblocks
-   peers still waiting on it) and resets DeepSpeed's cached communicator state; then ``join(g + 1)``.
+3. On a collective error: ``teardown()`` cuts the generation's connections (``rebuild.fence``: peers still
+   blocked in it get an error at once), destroys every process group and resets DeepSpeed's cached
+   communicator state; then ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
+   launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
+   of the failure from the launcher instead of from a timeout.
 
 Messages (store keys under the job namespace): ``assignment`` (JSON of
 :class:`deadpool_ext.launcher.membership.Assignment`), ``hb/<worker_id>`` (heartbeat time),
@@ -25,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..launcher.membership import Assignment
+from .fence import fence
 
 log = logging.getLogger("deadpool_ext")
 
@@ -66,9 +70,18 @@ class Membership:
                 os._exit(70)
             try:
                 self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
+                self._watch_generation()
             except Exception as exc:  # the launcher is gone: nothing left to tell
                 log.debug("heartbeat failed: %s", exc)
                 return
+
+    def _watch_generation(self) -> None:
+        f = fence()
+        if f.generation is None:
+            return  # not in any generation yet (a spare)
+        raw = self._hb_store.get_json("assignment")
+        if raw is not None and int(raw.get("generation", -1)) > f.generation:
+            f.cut(f.generation, f"the launcher published generation {raw['generation']}")
 
     def join(self, min_generation: int, timeout_s: float | None = None) -> Assignment:
         """Block until an assignment of generation >= ``min_generation`` includes this worker."""
@@ -119,6 +132,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port),
                       DEADPOOL_GENERATION=str(a.generation))
     timeout = timedelta(seconds=timeout_s)
+    fence().begin(a.generation)
     # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
     # only released by that generation's collective timeout, and must still find the others waiting.
     base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
@@ -140,6 +154,9 @@ def teardown(timeout_s: float = 30.0) -> None:
     Bounded: gloo's shutdown joins its worker threads, and a worker blocked on a peer that is itself shutting
     down waits for the group's timeout. Past ``timeout_s`` this raises :class:`MembershipError`: the rank
     leaves (its process exits) and the launcher replaces its node, instead of everyone hanging."""
+    f = fence()
+    if f.generation is not None:
+        f.cut(f.generation, "teardown")
     if dist.is_initialized():
         _GRAVEYARD.extend(list(dist.distributed_c10d._world.pg_map.keys()))
         done = threading.Event()

@@ -1,0 +1,49 @@
+"""A rank that leaves a generation cuts its connections, and a peer blocked on it is released at once.
+
+The bug this guards against: a survivor blocked in a gloo collective with another survivor that had already
+moved on to the next generation stayed blocked until the collective timeout (60 s), missing the next
+generation's rendezvous."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_ext.testing.launch import free_port
+
+WORKER = "tests/integration/workers/fence_pair.py"
+
+
+def _run(mode: str) -> dict[int, dict]:
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(port), mode], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    out = {}
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=90)
+            for line in text.splitlines():
+                if line.startswith("{"):
+                    d = json.loads(line)
+                    out[d["rank"]] = d
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fence reads /proc")
+def test_cut_releases_a_peer_blocked_in_recv():
+    out = _run("cut")
+    assert out[1]["cut"] >= 1 and out[1]["sockets_left"] == 0, out
+    assert out[0]["outcome"].startswith("error"), out
+    # Released by the cut (1 s after the recv started), not by the exit 6 s later nor the 45 s timeout.
+    assert out[0]["blocked_s"] < 4.0, out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fence reads /proc")
+def test_without_cut_the_peer_stays_blocked_until_the_other_exits():
+    out = _run("none")
+    assert out[1]["cut"] == 0
+    assert out[0]["blocked_s"] > 5.0, out  # the control: what the cut avoids
