@@ -21,6 +21,10 @@ _GROUP_DEFAULTS: dict[str, object] = {
 
 
 def reset_deepspeed_comm_state() -> None:
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return  # never imported in this process (e.g. a Megatron-Core job): no cached state, and no import cost
     import deepspeed
     import deepspeed.comm.comm as ds_comm
     from deepspeed.utils import groups

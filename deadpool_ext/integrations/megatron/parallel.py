@@ -1,0 +1,67 @@
+"""Megatron-Core parallel state on a (re)formed world: shims, groups, model-parallel RNG.
+
+Call order (every rank, main thread):
+
+1. ``apply_cpu_shims()`` once per process on a machine without CUDA, before any Megatron model is built
+   (explicit: the shims live in ``patches/`` and are never applied by an import).
+2. ``initialize(layout, seed)`` after ``torch.distributed`` is up: ``initialize_model_parallel`` with the
+   layout's TP/PP sizes, the tensor-parallel RNG tracker seeded, and a check that this rank's Megatron
+   coordinates are the ones :func:`layout.coordinates` predicts (the spare-takes-the-same-coordinates
+   property rests on it).
+3. On hot-swap, ``destroy()`` before the process groups are torn down: Megatron's module-level group handles
+   (tensor, pipeline, data, context, expert, their gloo twins), its global memory buffer and the RNG tracker
+   are cleared, so the next ``initialize`` builds everything on the new world and nothing keeps a handle of
+   the dead one. The model and optimizer cache group handles too; they are rebuilt by the script's factory.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .layout import Coordinates, Layout, coordinates
+
+log = logging.getLogger("deadpool_ext")
+
+
+def apply_cpu_shims() -> list[str]:
+    """Apply the Megatron-Core CPU shims (``patches.MEGATRON_CORE_CPU``) when CUDA is absent; return their names."""
+    if torch.cuda.is_available():
+        return []
+    try:
+        import patches
+    except ImportError as exc:
+        raise ImportError("deadpool_ext's Megatron-Core integration needs the repository's patches/ package on the "
+                          "Python path for CPU runs (run from the repository root, or add it to PYTHONPATH)") from exc
+    patches.apply_all(patches.MEGATRON_CORE_CPU)
+    return list(patches.MEGATRON_CORE_CPU)
+
+
+def initialize(layout: Layout, seed: int) -> Coordinates:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.get_world_size() != layout.world_size:
+        raise RuntimeError(f"layout is for {layout.world_size} ranks, the process group has {dist.get_world_size()}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+    model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    mine = Coordinates(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
+                       dp=ps.get_data_parallel_rank())
+    expected = coordinates(dist.get_rank(), layout)
+    if mine != expected:
+        raise RuntimeError(f"Megatron placed rank {dist.get_rank()} at {mine}, deadpool_ext expects {expected}: "
+                           "the rank order of this Megatron-Core version differs from tp-cp-ep-dp-pp")
+    return mine
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # The tracker holds the old generation's per-TP-rank states; the next initialize() re-seeds it.
+    mrandom.initialize_rng_tracker(force_reset=True)

@@ -1,0 +1,240 @@
+"""The extension attached to one Megatron-Core training job: step hook, snapshots, resume, hot-swap.
+
+Megatron-Core has no engine object to wrap, so the training loop calls the runtime explicitly.
+
+Call order (every rank, main thread):
+
+1. ``parallel.apply_cpu_shims()`` (CPU only), ``init_distributed()``, ``parallel.initialize(layout, seed)``.
+2. ``MegatronRuntime(built, config, layout, seed=..., global_batch=...)`` with freshly built model chunks and
+   optimizer (collective when snapshots are on: the side process group for replication is created).
+3. ``runtime.set_client_state(get, set)`` and ``runtime.set_rebuild(factory)``; ``factory()`` builds model
+   and optimizer on the current parallel state and returns a new runtime (hot-swap calls it on the new world).
+4. ``runtime.resume()`` once before the loop (collective): restores the newest version every rank holds in
+   memory; returns the iteration to continue from.
+5. Per iteration: forward/backward through Megatron's schedule, then ``runtime.step()`` instead of
+   ``optimizer.step()``: waits for an in-flight snapshot copy before the optimizer overwrites the tensors it
+   reads, steps optimizer and LR scheduler, advances the counters, schedules the next snapshot.
+6. A collective error inside the iteration: ``if runtime.can_recover(exc): runtime = runtime.recover(exc)``
+   and continue the loop from ``runtime.progress.iteration``.
+7. ``runtime.close()``.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from ...config import DeadpoolConfig
+from ...recovery.agree import RecoveryError
+from . import parallel
+from .layout import Coordinates, Layout
+from .model import Built
+from .state import MegatronStateAdapter
+
+log = logging.getLogger("deadpool_ext")
+
+
+@dataclass(slots=True)
+class Progress:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+class MegatronRuntime:
+    def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
+                 global_batch: int) -> None:
+        self.built = built
+        self.config = config
+        self.layout = layout
+        self.coords = coords
+        self.seed = seed
+        self.global_batch = global_batch
+        self.rank = dist.get_rank()
+        self.progress = Progress()
+        self._closed = False
+        self._client_get: Callable[[], dict[str, Any]] | None = None
+        self._client_set: Callable[[dict[str, Any]], None] | None = None
+        self._factory: Callable[[], "MegatronRuntime"] | None = None
+        self._restored_version = 0
+        self._catch_up: tuple[int, float] | None = None
+        self.adapter = MegatronStateAdapter(built.chunks, built.optimizer, built.scheduler, layout, coords,
+                                            self.progress, self._client_state, self._restore_client_state)
+        self.snapshots = None
+        if config.enabled:
+            from ...snapshot.manager import SnapshotManager
+
+            self.snapshots = SnapshotManager(self.adapter, config)
+        atexit.register(self.close)
+        if self.rank == 0:
+            log.info("deadpool_ext attached to Megatron-Core: tp=%d pp=%d dp=%d, snapshots %s", layout.tp, layout.pp,
+                     layout.dp, f"every {config.snapshot.interval} step(s), replication factor "
+                     f"{config.replication.factor}" if self.snapshots else "off")
+
+    # -- client state -------------------------------------------------------------------------------
+    def set_client_state(self, get: Callable[[], dict[str, Any]], set: Callable[[dict[str, Any]], None]) -> None:
+        """JSON-able dict captured with every snapshot and handed back on restore."""
+        self._client_get, self._client_set = get, set
+
+    def _client_state(self) -> dict[str, Any]:
+        return self._client_get() if self._client_get else {}
+
+    def _restore_client_state(self, state: dict[str, Any]) -> None:
+        if self._client_set:
+            self._client_set(state)
+
+    # -- the step -----------------------------------------------------------------------------------
+    def step(self) -> tuple[bool, float | None]:
+        """Optimizer + scheduler step with the snapshot hooks around it; returns (stepped, grad norm)."""
+        if self.snapshots is not None:
+            self.snapshots.before_optimizer_step()
+        ok, grad_norm, _ = self.built.optimizer.step()
+        if ok:
+            self.built.scheduler.step(increment=self.global_batch)
+        # Megatron-LM counts skipped (overflow) iterations too; so do we, so the data position stays aligned.
+        self.progress.iteration += 1
+        self.progress.consumed_samples += self.global_batch
+        if self.snapshots is not None:
+            self.snapshots.after_step()
+        self._after_step_hook()
+        return bool(ok), None if grad_norm is None else float(grad_norm)
+
+    def wait_for_copy(self) -> None:
+        """Block until the in-flight snapshot copy is done (before anything else writes the state in place)."""
+        if self.snapshots is not None:
+            self.snapshots.before_optimizer_step()
+
+    # -- resume -------------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Restore from the memory tiers if this job has snapshots there; return the iteration to continue from."""
+        if self.snapshots is None or not self.config.recovery.restore_on_start:
+            return self.progress.iteration
+        t0 = time.perf_counter()
+        try:
+            version = self.snapshots.restore_latest()
+        except RecoveryError as exc:
+            from ...distributed import membership
+
+            if membership() is not None:
+                membership().report_fatal(str(exc))
+            raise
+        self._restored_version = version or 0
+        gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
+        if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not getattr(self, "_spare_logged", False):
+            from ...recovery.timeline import write_event
+
+            self._spare_logged = True
+            write_event(event="recover", role="spare", generation=gen, rank=self.rank, pid=os.getpid(),
+                        restored_version=version, restore_s=time.perf_counter() - t0,
+                        restored_from=self.snapshots.stats().get("restored_from"), restored_at=time.time(),
+                        coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp})
+        if version is None:
+            return self.progress.iteration
+        log.info("resumed from in-memory snapshot of iteration %d in %.2f s (tp %d, pp %d, dp %d)", version,
+                 time.perf_counter() - t0, self.coords.tp, self.coords.pp, self.coords.dp)
+        return version
+
+    # -- hot-swap -----------------------------------------------------------------------------------
+    def set_rebuild(self, factory: Callable[[], "MegatronRuntime"]) -> None:
+        """``factory()`` builds model + optimizer on the current parallel state and returns a new runtime."""
+        self._factory = factory
+
+    def can_recover(self, exc: BaseException) -> bool:
+        from ...distributed import membership
+
+        return (membership() is not None and self.config.hot_swap.enabled and self._factory is not None
+                and isinstance(exc, (RuntimeError, OSError)))
+
+    def recover(self, exc: BaseException) -> "MegatronRuntime":
+        """Survivor side of hot-swap; returns the runtime of the rebuilt model and optimizer.
+
+        Order: stop snapshotting; drop the model and optimizer (they hold the dead world's group handles);
+        ``parallel.destroy()`` (Megatron's groups, memory buffer, RNG tracker); destroy every process group;
+        join the launcher's next generation (the spare has the failed rank's global rank, hence its TP/PP/DP
+        coordinates); ``initialize_model_parallel`` with the same sizes; ``factory()``; ``resume()``."""
+        from ...distributed import default_backend, membership
+        from ...rebuild.worker import init_process_group, teardown
+        from ...recovery.timeline import write_event
+
+        m = membership()
+        hc = self.config.hot_swap
+        gen = m.assignment.generation
+        failed_step = self.progress.iteration
+        t_noticed = time.time()
+        log.warning("generation %d: collective failed at iteration %d (%s: %s); rebuilding parallel state in-process",
+                    gen, failed_step, type(exc).__name__, " ".join(str(exc).split())[:600])
+        # Last-resort bound on the whole recovery: past every individual deadline, dump stacks and leave so the
+        # launcher replaces this node rather than the job hanging.
+        faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s +
+                                          hc.collective_timeout_s + 120, exit=True)
+        m.report_failure(gen, repr(exc))
+        if self.snapshots is not None:
+            self.snapshots.quiesce()
+        self._closed = True
+        factory, layout, seed = self._factory, self.layout, self.seed
+        self.built = None  # type: ignore[assignment]
+        self.adapter = None  # type: ignore[assignment]
+        parallel.destroy()
+        teardown(hc.teardown_timeout_s)
+        gc.collect()
+        min_gen = gen + 1
+        while True:
+            a = m.join(min_gen, timeout_s=hc.assignment_timeout_s)
+            t_assigned = time.time()
+            try:
+                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
+                parallel.initialize(layout, seed)
+                t_pg = time.time()
+                runtime = factory()
+                t_engine = time.time()
+                version = runtime.resume()
+                t_restored = time.time()
+                break
+            except RecoveryError:
+                raise  # state is gone, not transient; resume() already told the launcher
+            except (RuntimeError, OSError) as again:
+                log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment",
+                            a.generation, " ".join(str(again).split())[:300])
+                m.report_failure(a.generation, repr(again))
+                runtime = None
+                parallel.destroy()
+                teardown(hc.teardown_timeout_s)
+                gc.collect()
+                min_gen = a.generation + 1
+        faulthandler.cancel_dump_traceback_later()
+        runtime._catch_up = (failed_step, t_restored)
+        write_event(event="recover", role="survivor", generation=a.generation, old_rank=self.rank,
+                    rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
+                    noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
+                    restored_at=t_restored)
+        return runtime
+
+    def _after_step_hook(self) -> None:
+        catch = self._catch_up
+        if catch is not None and self.progress.iteration >= catch[0]:
+            from ...recovery.timeline import write_event
+
+            write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")),
+                        rank=self.rank, step=self.progress.iteration, recompute_s=time.time() - catch[1],
+                        recomputed_steps=catch[0] - self._restored_version)
+            self._catch_up = None
+
+    # -- misc ---------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        if self.snapshots is None:
+            return {}
+        self.snapshots.wait_idle()
+        return self.snapshots.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.snapshots is not None:
+            self.snapshots.close()

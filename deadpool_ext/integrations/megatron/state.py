@@ -1,0 +1,158 @@
+"""What one Megatron-Core rank's training state is, for the snapshot tiers.
+
+A rank holds its shard of the model as Megatron laid it out (its TP slice of every layer of its PP stage;
+with the distributed optimizer also its DP shard of the optimizer state) and nothing else, so every rank
+snapshots exactly what it holds and a snapshot is only valid for the same (tp, pp, dp) coordinates, which
+``restore`` checks: a spare restoring a lost rank's snapshot must have taken that rank's coordinates.
+
+Tensors (live references, in a stable order):
+
+- ``model.<chunk>.<name>``: every parameter of every model chunk (views into the DDP parameter buffer);
+- ``main.<k>.<g>.<i>``: optimizer main parameters that are not the model parameters themselves (the fp32
+  master copies of bf16/fp16 training; absent in fp32 training, where the optimizer steps the model
+  parameters or views of them);
+- ``optim.<k>.<g>.<i>.<key>``: the inner torch optimizer's per-parameter state (Adam: ``exp_avg``,
+  ``exp_avg_sq``, ``step``), ``k`` the sub-optimizer of a chained optimizer, ``g``/``i`` group and index.
+
+Meta: iteration, consumed samples, layout and coordinates, optimizer param-group scalars, the LR scheduler,
+the grad scaler, RNG (Python, NumPy, torch, the tensor-parallel RNG tracker), client state.
+
+Call order: as :class:`deadpool_ext.snapshot.state.RankStateAdapter` (``tensors``/``meta`` right after the
+optimizer step, ``restore`` after agreement on a version).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...snapshot.state import RankStateAdapter, capture_rng, restore_rng
+from .layout import Coordinates, Layout
+
+
+def inner_optimizers(optimizer: Any) -> list[Any]:
+    """The torch optimizers under a Megatron optimizer (chained optimizers hold one per parameter kind)."""
+    subs = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return [s.optimizer for s in subs]
+
+
+class MegatronStateAdapter(RankStateAdapter):
+    """Rank state of Megatron-Core model chunks + MegatronOptimizer (+ OptimizerParamScheduler).
+
+    ``progress`` is the runtime's counter object with ``iteration`` and ``consumed_samples`` attributes."""
+
+    def __init__(self, chunks: list[Any], optimizer: Any, scheduler: Any, layout: Layout, coords: Coordinates,
+                 progress: Any, client_state: Callable[[], dict[str, Any]] | None = None,
+                 restore_client_state: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.layout = layout
+        self.coords = coords
+        self.progress = progress
+        self._client_state = client_state
+        self._restore_client_state = restore_client_state
+        model_storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
+        # Main params that alias the model's storage are already captured as model parameters.
+        self._main = [[[(g, i, p) for i, p in enumerate(group["params"])
+                        if p.untyped_storage().data_ptr() not in model_storages]
+                       for g, group in enumerate(inner.param_groups)] for inner in inner_optimizers(optimizer)]
+
+    # -- capture ---------------------------------------------------------------------------------
+    def step(self) -> int:
+        return int(self.progress.iteration)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for c, chunk in enumerate(self.chunks):
+            for name, p in chunk.named_parameters():
+                out.append((f"model.{c}.{name}", p.data))
+        for k, inner in enumerate(inner_optimizers(self.optimizer)):
+            for group_mains in self._main[k]:
+                for g, i, p in group_mains:
+                    out.append((f"main.{k}.{g}.{i}", p.data))
+            for g, group in enumerate(inner.param_groups):
+                for i, p in enumerate(group["params"]):
+                    for key, value in sorted(inner.state.get(p, {}).items()):
+                        if torch.is_tensor(value):
+                            out.append((f"optim.{k}.{g}.{i}.{key}", value))
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        inners = inner_optimizers(self.optimizer)
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        return {
+            "iteration": int(self.progress.iteration),
+            "consumed_samples": int(self.progress.consumed_samples),
+            "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp},
+            "coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
+            "param_groups": [[{k: v for k, v in grp.items() if k != "params" and _plain(v)} for grp in inner.param_groups]
+                             for inner in inners],
+            "optim_scalars": {f"{k}.{g}.{i}": {key: v for key, v in inner.state.get(p, {}).items() if not torch.is_tensor(v)}
+                              for k, inner in enumerate(inners) for g, grp in enumerate(inner.param_groups)
+                              for i, p in enumerate(grp["params"])},
+            "scheduler": {k: v for k, v in self.scheduler.state_dict().items() if _plain(v)} if self.scheduler else None,
+            "grad_scaler": {k: v.clone() if torch.is_tensor(v) else v for k, v in scaler.state_dict().items()}
+            if scaler is not None else None,
+            "rng": capture_rng(),
+            "rng_tracker": {name: s.clone() for name, s in get_cuda_rng_tracker().get_states().items()},
+            "client": self._client_state() if self._client_state else {},
+        }
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        want_layout = {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp}
+        want_coords = {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp}
+        if meta["layout"] != want_layout or meta["coords"] != want_coords:
+            raise ValueError(f"snapshot of layout {meta['layout']} at coordinates {meta['coords']} cannot be restored "
+                             f"at layout {want_layout}, coordinates {want_coords}: in-memory restore needs the rank's "
+                             "own (tp, pp, dp) shard")
+        with torch.no_grad():
+            for name, live in self.tensors():
+                if name.startswith("optim."):
+                    continue  # the state dict may not exist yet on a fresh optimizer; handled below
+                _copy_into(live, tensors[name], name)
+            for k, inner in enumerate(inner_optimizers(self.optimizer)):
+                for g, group in enumerate(inner.param_groups):
+                    for i, p in enumerate(group["params"]):
+                        prefix = f"optim.{k}.{g}.{i}."
+                        state = inner.state.setdefault(p, {})
+                        for name, src in tensors.items():
+                            if name.startswith(prefix):
+                                key = name[len(prefix):]
+                                if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
+                                    _copy_into(state[key], src, name)
+                                else:
+                                    # A freshly built optimizer has no state until its first step: create it
+                                    # exactly as captured (torch's Adam keeps even ``step`` as a tensor).
+                                    state[key] = src.clone()
+                        state.update(meta["optim_scalars"].get(f"{k}.{g}.{i}", {}))
+                for group, saved in zip(inner.param_groups, meta["param_groups"][k]):
+                    group.update(saved)
+        if meta["scheduler"] is not None and self.scheduler is not None:
+            self.scheduler.load_state_dict(meta["scheduler"])
+        scaler = getattr(self.optimizer, "grad_scaler", None)
+        if scaler is not None and meta["grad_scaler"]:
+            scaler.load_state_dict(meta["grad_scaler"])
+        self.progress.iteration = int(meta["iteration"])
+        self.progress.consumed_samples = int(meta["consumed_samples"])
+        restore_rng(meta["rng"])
+        get_cuda_rng_tracker().set_states({name: s.clone() for name, s in meta["rng_tracker"].items()})
+        if self._restore_client_state is not None:
+            self._restore_client_state(meta.get("client", {}))
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (
+        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"snapshot tensor {name}: {tuple(src.shape)}/{src.dtype} does not match live "
+                         f"{tuple(dst.shape)}/{dst.dtype}")
+    dst.copy_(src)

@@ -1,0 +1,184 @@
+"""The pretraining loop of ``scripts/pretrain_gpt_megatron.py``: Megatron-Core GPT with deadpool_ext on.
+
+Same flags and metrics as ``scripts/pretrain_gpt.py`` (``--train-iters``, ``--model-size``, ``--seed``,
+``--metrics-out``, ``--save``/``--save-interval``/``--load``) plus Megatron-LM's
+``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size``. Deterministic: the model is drawn from
+``--seed`` and batches are a pure function of (seed, sample index), so two runs with one seed and layout
+write identical losses, and a run that lost a node mid-way writes the losses of one that did not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ...config import ConfigError, DeadpoolConfig
+from ...distributed import init_distributed, membership
+from ...training.data import ByteLMData
+from ...training.models import MODEL_SIZES
+from ...training.pretrain import seed_everything
+from . import parallel
+from .layout import Layout, coordinates
+from .model import ModelSpec, build, count_parameters
+from .runtime import MegatronRuntime
+from .step import forward_backward, global_mean_loss, microbatches
+
+log = logging.getLogger("deadpool_ext")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Megatron-Core GPT pretraining with deadpool_ext")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--train-iters", type=int, default=20, help="optimizer steps to train (total, across restarts)")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--num-microbatches", type=int, default=None,
+                   help="micro-batches per iteration and DP rank (default: the pipeline-parallel size)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
+    p.add_argument("--use-distributed-optimizer", action="store_true", help="Megatron's DistributedOptimizer")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters (GPU)")
+    p.add_argument("--metrics-out", default=None, help="JSON lines, one per completed step (global rank 0)")
+    p.add_argument("--deadpool-config", default=None,
+                   help='JSON file with a "deadpool" section (the keys of the DeepSpeed config section); '
+                        "default: the extension on with default settings")
+    p.add_argument("--save", default=None, help="directory for tier-3 bases (dist_checkpointing, torch_dist)")
+    p.add_argument("--save-interval", type=int, default=0, help="write a base every K steps (0: never)")
+    p.add_argument("--load", default=None, help="start from the latest base in this directory (any TP/PP layout)")
+    p.add_argument("--log-interval", type=int, default=10)
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def load_deadpool_config(path: str | None) -> DeadpoolConfig:
+    if path is None:
+        return DeadpoolConfig.from_dict({})
+    with open(path) as fh:
+        raw = json.load(fh)
+    if not isinstance(raw, dict) or set(raw) - {"deadpool"}:
+        extra = sorted(set(raw) - {"deadpool"}) if isinstance(raw, dict) else type(raw).__name__
+        raise ConfigError(f"--deadpool-config {path}: expected {{\"deadpool\": {{...}}}}, found {extra}")
+    return DeadpoolConfig.from_dict(raw.get("deadpool", {}))
+
+
+def _configure_logging(level: str) -> None:
+    # Same format as the DeepSpeed integration's, without importing it (it imports DeepSpeed: seconds).
+    logger = logging.getLogger("deadpool_ext")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(f"[deadpool r{os.environ.get('RANK', '?')}] %(levelname)s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    patches_log = logging.getLogger("deadpool_ext.patches")
+    patches_log.parent = logger
+
+
+def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    if args.save_interval and not args.save:
+        raise SystemExit("--save-interval needs --save DIR")
+    config = load_deadpool_config(args.deadpool_config)
+    _configure_logging(config.log_level)
+    shims = parallel.apply_cpu_shims()
+    init_distributed(timeout_s=config.hot_swap.collective_timeout_s)
+    layout = Layout(world_size=dist.get_world_size(), tp=args.tensor_model_parallel_size,
+                    pp=args.pipeline_model_parallel_size)
+    num_micro = args.num_microbatches or layout.pp
+    spec = ModelSpec(size=args.model_size, lr=args.lr, train_iters=args.train_iters, dropout=args.dropout,
+                     micro_batch=args.micro_batch_size, num_microbatches=num_micro,
+                     distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16)
+    global_batch = spec.micro_batch * num_micro * layout.dp
+    seed_everything(args.seed)
+    data = ByteLMData(seq_len=spec.seq_len + 1, seed=args.seed)
+    coords = parallel.initialize(layout, args.seed)
+
+    def factory() -> MegatronRuntime:
+        c = coordinates(dist.get_rank(), layout)
+        rt = MegatronRuntime(build(spec, args.seed), config, layout, c, seed=args.seed, global_batch=global_batch)
+
+        def client_set(state: dict[str, Any]) -> None:
+            if state.get("corpus", data.fingerprint) != data.fingerprint:
+                raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, this run reads {data.fingerprint}")
+
+        rt.set_client_state(lambda: {"corpus": data.fingerprint}, client_set)
+        rt.set_rebuild(factory)
+        return rt
+
+    rt = factory()
+    rank = dist.get_rank()
+    start = rt.resume()
+    if args.load and start == 0:
+        from .checkpoint import load_base
+
+        loaded = load_base(args.load, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress)
+        if loaded is None:
+            raise SystemExit(f"--load {args.load}: no base found there")
+        start = loaded
+    if rank == 0:
+        print(f"[pretrain_gpt_megatron] {args.model_size}: {count_parameters(rt.built.chunks)/1e6:.2f}M params on "
+              f"rank 0, tp={layout.tp} pp={layout.pp} dp={layout.dp}, micro={spec.micro_batch} x {num_micro}, "
+              f"steps {start}->{args.train_iters}, corpus {data.fingerprint}, shims {shims or 'none'}", flush=True)
+    metrics = open(args.metrics_out, "a") if rank == 0 and args.metrics_out else None
+    step_times: list[float] = []
+    loss = float("nan")
+    swaps = 0
+    for c in rt.built.chunks:
+        c.train()
+    while rt.progress.iteration < args.train_iters:
+        t0 = time.perf_counter()
+        try:
+            batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
+                                   rt.coords.dp)
+            losses = forward_backward(rt.built.chunks, batches, spec.seq_len, spec.micro_batch)
+            _, grad_norm = rt.step()
+            loss = global_mean_loss(losses, num_micro)
+            if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
+                from .checkpoint import save_base
+
+                save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, layout,
+                          keep_last=config.persist.keep_last)
+        except Exception as exc:
+            # Hot-swap (deadpool-run): a peer died mid-iteration. Rebuild parallel state in-process and continue
+            # from the newest version every rank holds; anything else is re-raised.
+            if not rt.can_recover(exc):
+                raise
+            rt = rt.recover(exc)
+            for c in rt.built.chunks:
+                c.train()
+            swaps += 1
+            continue
+        dt = time.perf_counter() - t0
+        step_times.append(dt)
+        step = rt.progress.iteration
+        if metrics is not None:
+            metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "time": time.time(),
+                                      "lr": rt.built.optimizer.param_groups[0]["lr"],
+                                      "samples": rt.progress.consumed_samples, "grad_norm": grad_norm}) + "\n")
+            metrics.flush()
+        if rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):
+            print(f"[pretrain_gpt_megatron] step {step}/{args.train_iters} loss {loss:.4f} ({dt*1000:.0f} ms)",
+                  flush=True)
+    summary = {"objective": "gpt", "framework": "megatron-core", "model_size": args.model_size,
+               "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+               "steps_run": len(step_times), "final_step": rt.progress.iteration, "final_loss": loss,
+               "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
+               "deadpool": rt.stats()}
+    rt.close()
+    if metrics is not None:
+        metrics.close()
+    if rank == 0:
+        print("[pretrain_gpt_megatron] summary %s" % json.dumps(summary), flush=True)
+    dist.barrier()
+    if membership() is not None:
+        membership().mark_done()
+    return summary
