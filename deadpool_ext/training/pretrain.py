@@ -33,12 +33,35 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    help="tiny for tests, small (~25M) and medium (~125M) for benchmarks")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None, help="JSON lines, one per completed step (global rank 0)")
-    p.add_argument("--save", default=None, help="directory for DeepSpeed checkpoints (engine.save_checkpoint)")
-    p.add_argument("--save-interval", type=int, default=0, help="save a checkpoint every K steps (0: never)")
-    p.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    p.add_argument("--save", default=None, metavar="URL",
+                   help="tier 3: where base checkpoints are persisted in the background (a path or an fsspec URL "
+                        "such as s3://bucket/run); overrides deadpool.persist.url")
+    p.add_argument("--save-interval", type=int, default=None, metavar="K",
+                   help="persist a base every K steps (0: never); overrides deadpool.persist.interval")
+    p.add_argument("--load", default=None, metavar="URL",
+                   help="resume from the newest base there that every rank verifies (tier 3), falling back to "
+                        "older ones; a plain DeepSpeed checkpoint directory also works")
     p.add_argument("--log-interval", type=int, default=10, help="print progress every N steps")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _with_persist_flags(args: argparse.Namespace) -> str | dict[str, Any]:
+    """The DeepSpeed config with ``--save``/``--save-interval`` written into ``deadpool.persist`` (the flags
+    override the file). Without a ``deadpool`` section the file is used as is and tier 3 runs standalone."""
+    if args.save is None and args.save_interval is None:
+        return args.deepspeed_config
+    with open(args.deepspeed_config) as fh:
+        cfg = json.load(fh)
+    section = cfg.get("deadpool")
+    if isinstance(section, dict) and section.get("enabled", True):
+        persist = dict(section.get("persist") or {})
+        if args.save is not None:
+            persist["url"] = args.save
+        if args.save_interval is not None:
+            persist["interval"] = args.save_interval
+        cfg["deadpool"] = {**section, "persist": persist}
+    return cfg
 
 
 def seed_everything(seed: int) -> None:
@@ -51,7 +74,9 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     description = {"gpt": "GPT-2 causal LM pretraining", "bert": "BERT masked-LM pretraining"}[objective]
     args = build_parser(description).parse_args(argv)
     if args.save_interval and not args.save:
-        raise SystemExit("--save-interval needs --save DIR")
+        raise SystemExit("--save-interval needs --save URL")
+    if args.save_interval is not None and args.save_interval < 0:
+        raise SystemExit("--save-interval must be >= 0")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
     init_distributed()
     import deepspeed
@@ -64,12 +89,31 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     seed_everything(args.seed)
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0
+    ds_config = _with_persist_flags(args)
+
+    def rng_client_state() -> dict[str, Any]:
+        # Collective: every rank's RNG goes into the base, so a resume at another rank count still finds its own.
+        rng = [None] * dist.get_world_size()
+        dist.all_gather_object(rng, capture_rng())
+        return {"deadpool_rng": {str(r): s for r, s in enumerate(rng)}}
+
+    def attach_tier3(eng: Any) -> None:
+        from ..persist.tier3 import Tier3Persister, persister_of
+
+        if persister_of(eng) is None and args.save:
+            # No deadpool section (or it is disabled): tier 3 on its own, driven from this loop.
+            from ..config import PersistConfig
+
+            eng.deadpool_tier3 = Tier3Persister(eng, PersistConfig(url=args.save, interval=args.save_interval or 0))
+        p = persister_of(eng)
+        if p is not None:
+            p.set_client_state(rng_client_state)
 
     def build_engine():
         nonlocal n_params
         model = build_gpt(args.model_size) if objective == "gpt" else build_bert(args.model_size)
         n_params = count_parameters(model)
-        eng, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config, model_parameters=model.parameters())
+        eng, _, _, _ = dpx.initialize(model=model, config=ds_config, model_parameters=model.parameters())
         if eng.deadpool is not None:
             def client_get() -> dict[str, Any]:
                 return {"corpus": data.fingerprint}
@@ -80,6 +124,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
             eng.deadpool.set_client_state(client_get, client_set)
             eng.deadpool.set_rebuild(build_engine)
+        attach_tier3(eng)
         return eng
 
     engine = build_engine()
@@ -87,10 +132,20 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
     start = 0
     if args.load:
-        path, client = engine.load_checkpoint(args.load)
+        from ..persist.resume import NoVerifiedBaseError, resume_from_tier3
+
+        try:
+            version, client = resume_from_tier3(engine, args.load)
+        except NoVerifiedBaseError as exc:
+            raise SystemExit(str(exc)) from None
+        path = f"{args.load} (tier-3 base {version})"
+        if version is None:  # not written by tier 3: a plain DeepSpeed checkpoint directory
+            path, client = engine.load_checkpoint(args.load)
         if path is None:
             raise SystemExit(f"--load {args.load}: no checkpoint found there")
-        restore_rng(client["deadpool_rng"][str(rank)] if "deadpool_rng" in client else client["rng"])
+        rngs = client.get("deadpool_rng", {})
+        if str(rank) in rngs or "rng" in client:
+            restore_rng(rngs[str(rank)] if str(rank) in rngs else client["rng"])
         start = int(engine.global_steps)
         log.info("resumed from checkpoint %s at step %d", path, start)
     if engine.deadpool is not None:
@@ -147,16 +202,19 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
         if rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):
             print(f"[pretrain_{objective}] step {step}/{args.train_iters} loss {loss_value:.4f} ({dt*1000:.0f} ms)",
                   flush=True)
-        if args.save and args.save_interval and step % args.save_interval == 0:
-            rng = [None] * dist.get_world_size()
-            dist.all_gather_object(rng, capture_rng())
-            engine.save_checkpoint(args.save, tag=f"global_step{step}",
-                                   client_state={"deadpool_rng": {str(r): s for r, s in enumerate(rng)}})
+        if getattr(engine, "deadpool_tier3", None) is not None:
+            engine.deadpool_tier3.after_step()  # with a deadpool section the runtime's step hook does this
     summary = {
         "objective": objective, "model_size": args.model_size, "params": n_params, "world_size": dist.get_world_size(),
         "steps_run": len(step_times), "final_step": int(engine.global_steps), "final_loss": loss_value,
         "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
     }
+    from ..persist.tier3 import persister_of
+
+    tier3 = persister_of(engine)
+    if tier3 is not None:
+        tier3.close()  # publishes the base in flight (bounded by persist.timeout_s)
+        summary["tier3"] = tier3.stats()
     if engine.deadpool is not None:
         summary["deadpool"] = engine.deadpool.stats()
         engine.deadpool.close()

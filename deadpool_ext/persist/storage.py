@@ -1,0 +1,270 @@
+"""Where tier-3 bytes go: a local (or shared) file system path, or any fsspec URL.
+
+Only *storage* lives here (open, rename, list, delete); what goes where (the base layout, manifests, commit
+record) is in :mod:`deadpool_ext.persist.layout`. Two implementations behind one small ABC:
+
+- :class:`LocalStorage` for plain paths and ``file://`` URLs: writes with ``open``, ``fsync`` and ``os.replace``,
+  so a published file is durable and appears atomically.
+- :class:`FsspecStorage` for everything else (``s3://`` through s3fs, ``memory://`` in tests): the same calls
+  through ``fsspec``; a "rename" is the backend's move (on object stores a copy + delete of an object whose
+  upload is itself atomic).
+
+All paths given to a storage are relative to its root and use ``/``. Every method may be called from any
+thread; one writer handle is used by one thread.
+"""
+from __future__ import annotations
+
+import abc
+import errno
+import os
+import shutil
+import uuid
+from typing import IO, Iterator
+
+
+class StorageFullError(OSError):
+    """The target ran out of space; the message names the URL and the bytes needed."""
+
+
+class TempWriter(abc.ABC):
+    """A file written under a temporary name; :meth:`publish` renames it into place, :meth:`abort` removes it."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes | memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def publish(self) -> None: ...
+
+    @abc.abstractmethod
+    def abort(self) -> None: ...
+
+
+class Storage(abc.ABC):
+    """Root of a tier-3 location. ``url`` is what the user gave (used in messages)."""
+
+    url: str
+
+    @abc.abstractmethod
+    def open_temp(self, rel: str) -> TempWriter:
+        """Start writing ``rel`` under a temporary name in the same directory."""
+
+    @abc.abstractmethod
+    def open_read(self, rel: str) -> IO[bytes]: ...
+
+    @abc.abstractmethod
+    def exists(self, rel: str) -> bool: ...
+
+    @abc.abstractmethod
+    def size(self, rel: str) -> int: ...
+
+    @abc.abstractmethod
+    def listdir(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under ``rel``; [] when it does not exist."""
+
+    @abc.abstractmethod
+    def remove_tree(self, rel: str) -> None: ...
+
+    @abc.abstractmethod
+    def remove(self, rel: str) -> None: ...
+
+    def free_bytes(self) -> int | None:
+        """Free space at the target, when the backend can tell (local file systems); else None."""
+        return None
+
+    def local_path(self, rel: str = "") -> str | None:
+        """A local file-system path for ``rel`` when the storage is local (DeepSpeed then reads in place)."""
+        return None
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Small file, published atomically (temporary name, then rename)."""
+        w = self.open_temp(rel)
+        try:
+            w.write(data)
+            w.publish()
+        except BaseException:
+            w.abort()
+            raise
+
+    def read_bytes(self, rel: str) -> bytes:
+        with self.open_read(rel) as fh:
+            return fh.read()
+
+    def iter_chunks(self, rel: str, chunk: int = 8 << 20) -> Iterator[bytes]:
+        with self.open_read(rel) as fh:
+            while block := fh.read(chunk):
+                yield block
+
+    def describe_full(self, rel: str, needed: int | None) -> str:
+        free = self.free_bytes()
+        return (f"tier 3 storage full writing {self.url.rstrip('/')}/{rel}: the base needs "
+                f"{needed if needed is not None else '?'} bytes, {free if free is not None else 'unknown'} bytes "
+                f"free; the previous base is untouched")
+
+
+def _tmp_name(rel: str) -> str:
+    head, tail = os.path.split(rel)
+    return os.path.join(head, f".tmp.{uuid.uuid4().hex[:12]}.{tail}")
+
+
+class _LocalWriter(TempWriter):
+    def __init__(self, final: str) -> None:
+        self.final = final
+        self.tmp = _tmp_name(final)
+        os.makedirs(os.path.dirname(final) or ".", exist_ok=True)
+        self.fh = open(self.tmp, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+
+    def publish(self) -> None:
+        self.fh.flush()
+        os.fsync(self.fh.fileno())
+        self.fh.close()
+        os.replace(self.tmp, self.final)
+        # The rename is only durable once the directory entry is: fsync the directory too.
+        dfd = os.open(os.path.dirname(self.final) or ".", os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def abort(self) -> None:
+        try:
+            self.fh.close()
+        except OSError:
+            pass
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+class LocalStorage(Storage):
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = root
+        os.makedirs(self.root, exist_ok=True)
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def open_temp(self, rel: str) -> TempWriter:
+        return _LocalWriter(self._p(rel))
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return open(self._p(rel), "rb")
+
+    def exists(self, rel: str) -> bool:
+        return os.path.exists(self._p(rel))
+
+    def size(self, rel: str) -> int:
+        return os.path.getsize(self._p(rel))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self._p(rel)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def remove_tree(self, rel: str) -> None:
+        shutil.rmtree(self._p(rel), ignore_errors=True)
+
+    def remove(self, rel: str) -> None:
+        try:
+            os.unlink(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+    def free_bytes(self) -> int | None:
+        return shutil.disk_usage(self.root).free
+
+    def local_path(self, rel: str = "") -> str | None:
+        return self._p(rel)
+
+
+class _FsspecWriter(TempWriter):
+    def __init__(self, fs, final: str) -> None:
+        self.fs, self.final = fs, final
+        self.tmp = _tmp_name(final)
+        self.fh = fs.open(self.tmp, "wb")
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.fh.write(bytes(data) if isinstance(data, memoryview) else data)
+
+    def publish(self) -> None:
+        self.fh.close()
+        self.fs.mv(self.tmp, self.final)
+
+    def abort(self) -> None:
+        try:
+            self.fh.close()
+        except Exception:  # noqa: BLE001 - the upload is being abandoned; its error was already reported
+            pass
+        try:
+            self.fs.rm(self.tmp)
+        except (FileNotFoundError, OSError):
+            pass
+
+
+class FsspecStorage(Storage):
+    """Any fsspec URL, e.g. ``s3://bucket/run`` (``pip install s3fs``; credentials the usual AWS way)."""
+
+    def __init__(self, url: str) -> None:
+        import fsspec
+
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+        self.root = self.root.rstrip("/")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+        except (OSError, NotImplementedError):
+            pass  # object stores have no directories
+
+    def _p(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def open_temp(self, rel: str) -> TempWriter:
+        return _FsspecWriter(self.fs, self._p(rel))
+
+    def open_read(self, rel: str) -> IO[bytes]:
+        return self.fs.open(self._p(rel), "rb")
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.fs.exists(self._p(rel)))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.size(self._p(rel)))
+
+    def listdir(self, rel: str = "") -> list[str]:
+        try:
+            entries = self.fs.ls(self._p(rel), detail=False)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        base = self._p(rel).rstrip("/") + "/"
+        return sorted({e[len(base):].split("/")[0] if e.startswith(base) else e.rsplit("/", 1)[-1]
+                       for e in entries} - {""})
+
+    def remove_tree(self, rel: str) -> None:
+        try:
+            self.fs.rm(self._p(rel), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def remove(self, rel: str) -> None:
+        try:
+            self.fs.rm(self._p(rel))
+        except FileNotFoundError:
+            pass
+
+
+def open_storage(url: str) -> Storage:
+    """``/path`` or ``file:///path`` -> :class:`LocalStorage`; any other ``scheme://`` -> :class:`FsspecStorage`."""
+    if "://" not in url:
+        return LocalStorage(url)
+    if url.startswith("file://"):
+        return LocalStorage(url[len("file://"):])
+    return FsspecStorage(url)
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)

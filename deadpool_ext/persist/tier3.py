@@ -1,0 +1,168 @@
+"""Tier 3: a base checkpoint every ``persist.interval`` steps, persisted in the background (TierCheck).
+
+Call order (every rank, training thread):
+
+1. ``Tier3Persister(engine, cfg, checkpoint_engine=...)`` after ``deepspeed.initialize``. Not collective.
+   The DeepSpeed integration creates it when ``persist.url`` is set (``runtime.py``); the pretraining scripts
+   when ``--save URL`` is given and the config has no ``deadpool`` section.
+2. ``after_step()`` at every optimizer-step boundary. Every ``interval`` steps it is collective: all ranks
+   agree whether the previous base is still being written (then this one is skipped on every rank: the
+   foreground never waits for tier 3), then call ``engine.save_checkpoint(stage, tag, save_latest=False)``
+   with the checkpoint engine in capture mode: DeepSpeed builds its usual state dicts and file names, the
+   engine copies them into host memory, and the call returns. The writer thread does the rest
+   (:mod:`deadpool_ext.persist.writer`).
+3. ``close()`` at the end: waits (bounded by ``timeout_s``) for the base in flight to be published.
+
+The step time the adaptive throttle needs is measured here, boundary to boundary, excluding the capture itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..config import PersistConfig
+from .capture import StagingPool, tensor_bytes
+from .layout import COMMIT, version_tag
+from .storage import open_storage
+from .throttle import Throttle
+from .writer import BaseJob, BaseWriter, CapturedFile
+
+log = logging.getLogger("deadpool_ext")
+
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+class Tier3Persister:
+    def __init__(self, engine: Any, cfg: PersistConfig, *, checkpoint_engine: Any = None,
+                 client_state: Callable[[], dict[str, Any]] | None = None) -> None:
+        if not cfg.url:
+            raise ValueError("Tier3Persister needs persist.url (or --save URL)")
+        from ..integrations.deepspeed.checkpoint_engine import DeadpoolCheckpointEngine
+
+        self.engine = engine
+        self.cfg = cfg
+        self.url = cfg.url
+        if checkpoint_engine is None:
+            checkpoint_engine = engine.checkpoint_engine
+            if not isinstance(checkpoint_engine, DeadpoolCheckpointEngine):
+                checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank)
+                engine.checkpoint_engine = checkpoint_engine
+        self.ckpt = checkpoint_engine
+        self.client_state = client_state
+        self.storage = open_storage(cfg.url)
+        self.throttle = Throttle(cfg.max_mb_s, cfg.adaptive)
+        self.writer = BaseWriter(self.storage, self.throttle, keep_last=cfg.keep_last)
+        self.pool = StagingPool()
+        self.stage = tempfile.mkdtemp(prefix=f"deadpool-tier3-stage-r{engine.global_rank}-")
+        self._last_boundary: float | None = None
+        self._closed = False
+        self.captures: list[dict[str, Any]] = []
+        self.skipped: list[int] = []
+        self.enabled_steps = True
+        """Benchmarks flip this to take A/B blocks without and with tier 3 in one run."""
+        if engine.global_rank == 0:
+            log.info("tier 3: base every %s step(s) to %s (keep_last=%d, max_mb_s=%s, adaptive=%s)",
+                     cfg.interval or "no", cfg.url, cfg.keep_last, cfg.max_mb_s or "none", cfg.adaptive)
+
+    # -- training thread --------------------------------------------------------------------------
+    def set_client_state(self, fn: Callable[[], dict[str, Any]] | None) -> None:
+        """``fn()`` (called on every rank at each base; may be collective) -> DeepSpeed ``client_state``."""
+        self.client_state = fn
+
+    def after_step(self) -> bool:
+        """Call at every optimizer-step boundary; returns True when a base was captured."""
+        now = time.monotonic()
+        if self._last_boundary is not None:
+            self.throttle.observe_step(now - self._last_boundary)
+        self._last_boundary = now
+        step = int(self.engine.global_steps)
+        if self._closed or not self.enabled_steps or self.cfg.interval <= 0 or step % self.cfg.interval:
+            return False
+        taken = self.save(step)
+        self._last_boundary = time.monotonic()  # the capture is accounted separately, not as a slow step
+        return taken
+
+    def save(self, step: int) -> bool:
+        """Collective. Capture base ``step`` and hand it to the writer; False if skipped on every rank."""
+        if self._closed:
+            raise RuntimeError("tier 3: save() after close()")
+        t0 = time.perf_counter()
+        busy = torch.tensor([1.0 if self.writer.busy else 0.0], device=self.engine.device)
+        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
+        if busy.item() > 0:
+            self.skipped.append(step)
+            if self.engine.global_rank == 0:
+                log.warning("tier 3: base %s skipped: the previous base is still being written (raise the interval "
+                            "or persist.max_mb_s); training does not wait for tier 3", version_tag(step))
+            return False
+        tag = version_tag(step)
+        if self.engine.global_rank == 0 and self.storage.exists(tag):
+            # A base of this step from an earlier attempt (e.g. a run resumed from an older base): make it
+            # invisible before anyone writes into it. DeepSpeed's first barrier orders this before all writes.
+            self.storage.remove(f"{tag}/{COMMIT}")
+            self.storage.remove_tree(tag)
+        client = self.client_state() if self.client_state is not None else {}
+        files: list[CapturedFile] = []
+        taken: list[torch.Tensor] = []
+
+        def sink(state: Any, path: str) -> None:
+            files.append(CapturedFile(os.path.basename(path), self.pool.copy(state, taken), tensor_bytes(state)))
+
+        self.ckpt.begin_capture(sink)
+        try:
+            self.engine.save_checkpoint(self.stage, tag=tag, client_state=client, save_latest=False)
+        finally:
+            self.ckpt.end_capture()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the staging copies were issued non-blocking
+        capture_s = time.perf_counter() - t0
+        root_files = {}
+        if self.engine.global_rank == 0:
+            for name in RECOVERY_SCRIPTS:
+                p = os.path.join(self.stage, name)
+                if os.path.exists(p):
+                    with open(p, "rb") as fh:
+                        root_files[name] = fh.read()
+        job = BaseJob(version=step, tag=tag, rank=self.engine.global_rank,
+                      world_size=torch.distributed.get_world_size(), coordinator=self.engine.global_rank == 0,
+                      files=files, layout=self._layout(), root_files=root_files,
+                      deadline=time.time() + self.cfg.timeout_s,
+                      on_done=lambda _job, _taken=taken: self.pool.release(_taken))
+        self.writer.submit(job)
+        self.captures.append({"version": step, "capture_s": capture_s, "bytes": job.estimate})
+        return True
+
+    def _layout(self) -> dict[str, Any]:
+        e = self.engine
+        return {"world_size": torch.distributed.get_world_size(), "dp_world_size": int(e.dp_world_size),
+                "zero_stage": int(e.zero_optimization_stage()), "global_steps": int(e.global_steps),
+                "global_samples": int(e.global_samples)}
+
+    def close(self) -> bool:
+        """Wait (bounded by ``persist.timeout_s``) for the base in flight; True when nothing was left unwritten."""
+        if self._closed:
+            return True
+        self._closed = True
+        drained = self.writer.close(self.cfg.timeout_s)
+        if not drained:
+            log.error("tier 3: the last base was not written within persist.timeout_s=%s s; it stays unpublished",
+                      self.cfg.timeout_s)
+        shutil.rmtree(self.stage, ignore_errors=True)
+        return drained
+
+    def stats(self) -> dict[str, Any]:
+        return {"url": self.url, "captures": self.captures, "skipped": self.skipped, "bases": self.writer.history,
+                "throttle": self.throttle.stats(), "staging_bytes": self.pool.allocated_bytes}
+
+
+def persister_of(engine: Any) -> Tier3Persister | None:
+    """The persister attached to ``engine`` (by the DeepSpeed integration or standalone), if any."""
+    runtime = getattr(engine, "deadpool", None)
+    p = getattr(runtime, "persist", None) if runtime is not None else None
+    return p if p is not None else getattr(engine, "deadpool_tier3", None)

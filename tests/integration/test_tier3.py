@@ -1,0 +1,201 @@
+"""Tier 3 (TierCheck base checkpoints) end to end: real torchrun jobs on gloo, tiny GPT-2, 2-4 CPU ranks.
+
+- open format: a base written in the background is a plain DeepSpeed checkpoint (DeepSpeed without the
+  extension loads it; zero_to_fp32 converts it) and `deadpool export` gives Hugging Face-loadable weights
+  with the trained engine's logits;
+- remote anchor: every process killed, the job relaunched with --load, losses identical bit for bit;
+- a corrupt newest base is refused and the previous one used;
+- resharding: a base saved at dp 4 loads at dp 2 with the same consolidated fp32 weights.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job, torchrun_cmd
+from tests.conftest import make_config
+from tests.integration.helpers import JOB_TIMEOUT_S, pretrain
+
+pytestmark = pytest.mark.slow
+
+# Worker run under torchrun WITHOUT deadpool_ext: plain DeepSpeed loads the base, then rank 0 compares the
+# engine's gathered weights with zero_to_fp32's consolidation and stores the logits on a fixed input.
+PLAIN_LOAD = textwrap.dedent('''
+    import json, os, sys
+    import torch, deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    sys.path.insert(0, os.environ["REPO"])
+    from deadpool_ext.training.models import build_gpt
+    ckpt, cfg_path, out = sys.argv[1:4]
+    assert "deadpool_ext.persist" not in sys.modules
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = build_gpt("tiny")
+    cfg = json.load(open(cfg_path)); cfg.pop("deadpool", None)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    path, client = engine.load_checkpoint(ckpt)
+    assert path is not None, "plain DeepSpeed found no checkpoint"
+    ids = torch.arange(32).reshape(2, 16) % 200
+    engine.eval()
+    with torch.no_grad():
+        logits = engine(input_ids=ids).logits
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    if engine.global_rank == 0:
+        ref = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+        for n, t in full.items():
+            assert torch.equal(ref[n], t), n
+        torch.save({"logits": logits, "step": int(engine.global_steps), "ids": ids}, out)
+        print("PLAIN_LOAD_OK", int(engine.global_steps), flush=True)
+''')
+
+
+def _torchrun(tmp_path, nproc: int, script: str, args: list[str]):
+    res = run_job(torchrun_cmd(nproc, script, args, port=free_port()), timeout_s=JOB_TIMEOUT_S,
+                  env=base_env({"REPO": REPO}))
+    assert not res.timed_out, res.output[-3000:]
+    return res
+
+
+def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
+    cfg = make_config(tmp_path, stage=3, deadpool=None)  # standalone tier 3 (no deadpool section)
+    url = os.path.join(str(tmp_path), "tier3")
+    res, losses, _ = pretrain(tmp_path, cfg, iters=6, extra=["--save", url, "--save-interval", "2"])
+    assert res.returncode == 0, res.output[-3000:]
+    assert sorted(losses) == list(range(1, 7))
+    # keep_last=2: base 2 was deleted once 6 was complete and verified; `latest` written at publish only.
+    assert sorted(d for d in os.listdir(url) if d.startswith("global_step")) == ["global_step4", "global_step6"]
+    assert open(os.path.join(url, "latest")).read() == "global_step6"
+    assert os.path.exists(os.path.join(url, "global_step6", "deadpool_commit.json"))
+    assert not [f for f in os.listdir(os.path.join(url, "global_step6")) if f.startswith(".tmp")]
+    worker = os.path.join(str(tmp_path), "plain_load.py")
+    with open(worker, "w") as fh:
+        fh.write(PLAIN_LOAD)
+    out = os.path.join(str(tmp_path), "logits.pt")
+    res2 = _torchrun(tmp_path, 2, worker, [url, cfg, out])
+    assert res2.returncode == 0 and "PLAIN_LOAD_OK 6" in res2.output, res2.output[-3000:]
+    # deadpool verify / inspect / export
+    cli = [sys.executable, "-m", "deadpool_ext.cli"]
+    v = subprocess.run(cli + ["verify", url], capture_output=True, text=True, timeout=120, env=base_env())
+    assert v.returncode == 0, v.stdout + v.stderr
+    i = subprocess.run(cli + ["inspect", url, "--json"], capture_output=True, text=True, timeout=120, env=base_env())
+    rep = json.loads(i.stdout)
+    assert [r["version"] for r in rep["tier3"]["versions"]] == [4, 6] and rep["tier3"]["latest"] == "global_step6"
+    st = os.path.join(str(tmp_path), "model.safetensors")
+    e = subprocess.run(cli + ["export", url, "--out", st], capture_output=True, text=True, timeout=300, env=base_env())
+    assert e.returncode == 0, e.stdout + e.stderr
+    from safetensors.torch import load_file
+
+    from deadpool_ext.training.models import build_gpt
+
+    model = build_gpt("tiny")
+    missing, unexpected = model.load_state_dict(load_file(st), strict=True), None
+    model.eval()
+    ref = torch.load(out)
+    with torch.no_grad():
+        logits = model(input_ids=ref["ids"]).logits
+    assert torch.allclose(logits, ref["logits"], rtol=0, atol=1e-5), (logits - ref["logits"]).abs().max()
+    # A corrupt file makes verify fail naming it.
+    target = os.path.join(url, "global_step4", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(target, "r+b") as fh:
+        fh.seek(100)
+        b = fh.read(1)
+        fh.seek(100)
+        fh.write(bytes([b[0] ^ 0xFF]))
+    v2 = subprocess.run(cli + ["verify", url], capture_output=True, text=True, timeout=120, env=base_env())
+    assert v2.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in v2.stderr, v2.stdout + v2.stderr
+
+
+def test_remote_anchor_kill_every_process_and_relaunch(tmp_path, shm_root):
+    # With a deadpool section: tier 3 runs from the runtime's step hook, --save overrides deadpool.persist.
+    cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}, "replication": {"factor": 0}})
+    _, ref, _ = pretrain(tmp_path, cfg, iters=9, name="ref")
+    assert sorted(ref) == list(range(1, 10))
+    url = os.path.join(str(tmp_path), "tier3")
+
+    def kill_all_after_base_6(proc, metrics):
+        deadline = time.time() + JOB_TIMEOUT_S
+        latest = os.path.join(url, "latest")
+        while time.time() < deadline and proc.poll() is None:
+            if (os.path.exists(latest) and open(latest).read() == "global_step6"
+                    and max(read_metrics(metrics), default=0) >= 7):
+                break
+            time.sleep(0.05)
+        kill_tree(proc.pid)  # every process of the job: the memory tiers die with it (new job id on relaunch)
+
+    res, first, _ = pretrain(tmp_path, cfg, iters=9, extra=["--save", url, "--save-interval", "3"],
+                             inject=kill_all_after_base_6, name="killed")
+    assert res.returncode != 0 and 7 <= max(first) < 9, (first, res.output[-2000:])
+    res2, resumed, _ = pretrain(tmp_path, cfg, iters=9, extra=["--load", url, "--save", url, "--save-interval", "3"],
+                                name="relaunched")
+    assert res2.returncode == 0, res2.output[-3000:]
+    assert sorted(resumed) == [7, 8, 9], resumed
+    assert {s: ref[s] for s in (7, 8, 9)} == resumed  # bit for bit
+
+
+def test_corrupt_newest_base_is_refused_and_previous_used(tmp_path):
+    cfg = make_config(tmp_path, stage=2, deadpool=None)
+    url = os.path.join(str(tmp_path), "tier3")
+    res, full, _ = pretrain(tmp_path, cfg, iters=4, extra=["--save", url, "--save-interval", "2"], name="full")
+    assert res.returncode == 0, res.output[-3000:]
+    bad = os.path.join(url, "global_step4", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(bad, "r+b") as fh:
+        fh.seek(64)
+        fh.write(b"\x00garbage\x00")
+    res2, resumed, _ = pretrain(tmp_path, cfg, iters=4, extra=["--load", url], name="resumed")
+    assert res2.returncode == 0, res2.output[-3000:]
+    assert "refusing base global_step4" in res2.output and "checksum does not match" in res2.output
+    assert sorted(resumed) == [3, 4] and {s: full[s] for s in (3, 4)} == resumed
+
+
+RESHARD_CHECK = textwrap.dedent('''
+    import os, sys
+    import torch, deepspeed
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    sys.path.insert(0, os.environ["REPO"])
+    import deadpool_ext.deepspeed as dpx
+    from deadpool_ext.distributed import init_distributed
+    from deadpool_ext.persist.resume import resume_from_tier3
+    from deadpool_ext.training.models import build_gpt
+    url, cfg_path = sys.argv[1:3]
+    init_distributed()
+    model = build_gpt("tiny")
+    engine, *_ = dpx.initialize(model=model, config=cfg_path, model_parameters=model.parameters())
+    version, client = resume_from_tier3(engine, url)
+    assert engine.dp_world_size == 2 and version == 2, (engine.dp_world_size, version)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())) if engine.zero_optimization_stage() == 3 else torch.no_grad():
+        full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    # fp32 master partitions as the optimizer holds them after the load, consolidated by DeepSpeed itself
+    tag = "global_step2"
+    if engine.global_rank == 0:
+        ref = get_fp32_state_dict_from_zero_checkpoint(url, tag=tag)
+        for n, t in full.items():
+            assert torch.equal(ref[n], t), n
+    engine.save_checkpoint(os.path.join(os.path.dirname(url), "dp2"), tag=tag)
+    if engine.global_rank == 0:
+        again = get_fp32_state_dict_from_zero_checkpoint(os.path.join(os.path.dirname(url), "dp2"), tag=tag)
+        for n in ref:
+            assert torch.equal(ref[n], again[n]), n
+        print("RESHARD_OK", flush=True)
+''')
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_reshard_dp4_to_dp2_same_consolidated_weights(tmp_path, stage):
+    cfg = make_config(tmp_path, stage=stage, deadpool=None)
+    url = os.path.join(str(tmp_path), "tier3")
+    res, _, _ = pretrain(tmp_path, cfg, nproc=4, iters=2, extra=["--save", url, "--save-interval", "2"], name="dp4")
+    assert res.returncode == 0, res.output[-3000:]
+    assert json.load(open(os.path.join(url, "global_step2", "deadpool_commit.json")))["dp_world_size"] == 4
+    worker = os.path.join(str(tmp_path), "reshard.py")
+    with open(worker, "w") as fh:
+        fh.write(RESHARD_CHECK)
+    res2 = _torchrun(tmp_path, 2, worker, [url, cfg])
+    assert res2.returncode == 0 and "RESHARD_OK" in res2.output, res2.output[-4000:]
