@@ -51,6 +51,13 @@ class DeadpoolRuntime:
             self.snapshots = SnapshotManager(self.adapter, config)
         self.checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank, before_io=self._wait_for_copy)
         engine.checkpoint_engine = self.checkpoint_engine
+        # Tier 3 hook (deadpool_ext/persist/tier3.py): base checkpoints persisted in the background when
+        # persist.url is set; driven from _after_step_hook, drained in close().
+        self.persist = None
+        if config.enabled and config.persist.url:
+            from ...persist.tier3 import Tier3Persister
+
+            self.persist = Tier3Persister(engine, config.persist, checkpoint_engine=self.checkpoint_engine)
         self._wrap_step()
         atexit.register(self.close)
         log.info("deadpool_ext attached to DeepSpeed engine: ZeRO stage %d, dp=%d, snapshots %s",
@@ -196,6 +203,8 @@ class DeadpoolRuntime:
         return engine
 
     def _after_step_hook(self) -> None:
+        if self.persist is not None:
+            self.persist.after_step()  # tier 3 (collective every persist.interval steps)
         catch = self._catch_up
         if catch is not None and self.engine.global_steps >= catch[0]:
             from ...recovery.timeline import write_event
@@ -216,5 +225,7 @@ class DeadpoolRuntime:
         if self._closed:
             return
         self._closed = True
+        if self.persist is not None:
+            self.persist.close()  # tier 3: publish the base in flight (bounded)
         if self.snapshots is not None:
             self.snapshots.close()
