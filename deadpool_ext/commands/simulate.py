@@ -1,0 +1,123 @@
+"""``deadpool simulate``: goodput of fault-tolerance policies on a large cluster, and which to choose.
+
+A discrete-event Monte Carlo model (deadpool_ext/sim, docs/simulator.md): failures at the Llama 3 report's
+rate, per-phase costs from this project's measured benchmarks (benchmarks/results/*.json) scaled by the stated
+bandwidths. Compares restart from persistent checkpoints (sync / async), Gemini-style in-memory checkpoints,
+DeadPool hot-swap and TierCheck tiers, each at its best intervals found by sweep.
+
+    deadpool simulate --gpus 16384                       # table + recommendation
+    deadpool simulate --gpus 4096 --params-b 70 --iteration-s 4 --json
+    deadpool simulate --params my_cluster.json --set costs.detect_s=60 --checks
+
+Precedence: defaults < measured results (unless --no-calibrate) < --params FILE < flags < --set.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+HELP = "simulate goodput of checkpoint / hot-swap policies on a large cluster and recommend one"
+
+# flag -> parameter; every flag is optional and only overrides when given.
+FLAGS = {
+    "gpus": ("cluster.gpus", int, "GPUs in the job (default 16384)"),
+    "gpus_per_node": ("cluster.gpus_per_node", int, "GPUs per node (default 8)"),
+    "spare_nodes": ("cluster.spare_nodes", int, "spare nodes (default: 1%% of the nodes, at least 1)"),
+    "params_b": ("workload.params_b", float, "model parameters in billions (default 405)"),
+    "iteration_s": ("workload.iteration_s", float, "seconds per iteration (default 6)"),
+    "storage_write_gbs": ("bandwidth.storage_write_gbs", float, "aggregate storage write GB/s (default 2000)"),
+    "storage_read_gbs": ("bandwidth.storage_read_gbs", float, "aggregate storage read GB/s (default 2000)"),
+    "network_gbs": ("bandwidth.peer_network_gbs", float, "per-node network GB/s for replicas (default 25)"),
+    "d2h_gbs": ("bandwidth.d2h_gbs", float, "per-GPU device-to-host GB/s (default 25)"),
+    "trials": ("sim.trials", int, "Monte Carlo trials per configuration (default 20)"),
+    "horizon_days": ("sim.horizon_days", float, "simulated days per trial (default 30)"),
+    "seed": ("sim.seed", int, "seed of the failure traces (default 0)"),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for name, (_, typ, help_) in FLAGS.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+    p.add_argument("--params", metavar="JSON", help="parameters file: {section: {key: value}} (see docs/simulator.md)")
+    p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
+                   help="override any parameter, e.g. --set failure.cluster_outage_per_day=0 (repeatable)")
+    p.add_argument("--policies", default=None, help="comma-separated subset of: ckpt_sync, ckpt_async, gemini, "
+                                                    "deadpool, tiercheck (default: all)")
+    p.add_argument("--results-dir", default=None,
+                   help="measured results to calibrate from (default: benchmarks/results of this checkout)")
+    p.add_argument("--no-calibrate", action="store_true", help="use the built-in defaults, not measured results")
+    p.add_argument("--checks", action="store_true", help="also check the model against Young/Daly and the papers")
+    p.add_argument("--json", action="store_true", help="print the full result as JSON on stdout")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--print-params", action="store_true", help="print the effective parameters as JSON and exit")
+
+
+def _default_results_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(os.path.dirname(here)), "benchmarks", "results")
+
+
+def build_params(args: argparse.Namespace):
+    """Effective parameters and the calibration used, in the documented precedence order."""
+    from ..sim.calibration import Calibration, calibrate
+    from ..sim.params import Params, SimParamError, parse_value
+
+    params = Params()
+    cal = Calibration()
+    if not args.no_calibrate:
+        cal = calibrate(args.results_dir or _default_results_dir())
+        params = cal.apply(params)
+    if args.params:
+        try:
+            with open(args.params) as fh:
+                params = params.with_nested(json.load(fh))
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, SimParamError):
+                raise
+            raise SimParamError(f"--params {args.params}: {exc}") from None
+    flat = {key: getattr(args, name) for name, (key, _, _) in FLAGS.items() if getattr(args, name) is not None}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SimParamError(f"--set {item!r}: expected SECTION.KEY=VALUE")
+        flat[key.strip()] = parse_value(value)
+    return params.with_overrides(flat), cal
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..sim.params import SimParamError
+    from ..sim.policies import POLICY_NAMES
+    from ..sim.recommend import recommend
+    from ..sim.report import text_report
+
+    try:
+        params, cal = build_params(args)
+        names = [n.strip() for n in args.policies.split(",")] if args.policies else list(POLICY_NAMES)
+        unknown = [n for n in names if n not in POLICY_NAMES]
+        if unknown:
+            raise SimParamError(f"--policies: unknown {', '.join(unknown)}; allowed: {', '.join(POLICY_NAMES)}")
+    except SimParamError as exc:
+        print(f"deadpool simulate: {exc}", file=sys.stderr)
+        return 2
+    if args.print_params:
+        print(json.dumps(params.to_dict(), indent=1))
+        return 0
+    t0 = time.monotonic()
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"[{time.monotonic() - t0:6.1f} s] {line}", file=sys.stderr, flush=True)
+
+    rep = recommend(params, policies=names, checks=args.checks, calibration=cal, progress=progress)
+    rep["wall_s"] = time.monotonic() - t0
+    if args.json:
+        print(json.dumps(rep, indent=1))
+    else:
+        print(text_report(rep))
+        if cal.sources:
+            print("\ncalibrated from measured results: " + "; ".join(
+                f"{k}={cal.overrides[k]:g} ({v})" for k, v in cal.sources.items()))
+    return 0

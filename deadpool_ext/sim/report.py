@@ -1,0 +1,107 @@
+"""Human-readable views of a :func:`~deadpool_ext.sim.recommend.recommend` result: a text report for the
+terminal and markdown for ``benchmarks/results``."""
+from __future__ import annotations
+
+from typing import Any
+
+LOST = ("overhead", "rework", "detect", "wait", "restart", "load", "replay")
+
+DESCRIPTIONS = {
+    "ckpt_sync": "persistent checkpoint, step waits for the write; restart the job",
+    "ckpt_async": "persistent checkpoint written in the background; restart the job",
+    "gemini": "in-memory checkpoint + peer replica; restart the job (Gemini)",
+    "deadpool": "in-memory snapshot + peer replica; hot-swap a spare (DeadPool)",
+    "tiercheck": "differential every iteration, base every K; restart (TierCheck)",
+}
+
+
+def _intervals(iv: dict[str, int], iteration_s: float) -> str:
+    short = {"memory_interval": "mem", "persist_interval": "persist", "base_interval": "base"}
+    return ", ".join(f"{short.get(k, k)} {v} ({_dur(v * iteration_s)})" for k, v in iv.items())
+
+
+def _dur(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    return f"{s / 3600:.1f} h"
+
+
+def _rows(rep: dict[str, Any]) -> list[list[str]]:
+    it = rep["params"]["workload"]["iteration_s"]
+    rows = []
+    for name, s in rep["policies"].items():
+        b = s["breakdown"]
+        recovery = sum(b[k] for k in ("detect", "restart", "load", "replay"))
+        r = s["restores_mean"]
+        rows.append([name, _intervals(s["intervals"], it), f"{s['goodput_mean']:.4f}", f"{s['goodput_std']:.4f}",
+                     f"[{s['goodput_p5']:.4f}, {s['goodput_p95']:.4f}]", f"{100 * b['overhead']:.2f}%",
+                     f"{100 * b['rework']:.2f}%", f"{100 * recovery:.2f}%", f"{100 * b['wait']:.2f}%",
+                     f"{r['local']:.0f}/{r['peer']:.0f}/{r['storage']:.1f}",
+                     "" if s["fits_memory"] else "does not fit host memory"])
+    return rows
+
+
+HEADERS = ["policy", "best intervals (iterations)", "goodput", "sd", "[p5, p95]", "overhead", "rework",
+           "recovery", "wait for node", "restores local/peer/storage", "note"]
+
+
+def header_lines(rep: dict[str, Any]) -> list[str]:
+    p, d = rep["params"], rep["derived"]
+    c, w, f, sim = p["cluster"], p["workload"], p["failure"], p["sim"]
+    outage = f["cluster_outage_per_day"]
+    return [
+        f"cluster: {c['gpus']:,} GPUs = {d['nodes']:,} nodes x {c['gpus_per_node']}, {d['spares']} spare node(s), "
+        f"repair {c['node_repair_h']:g} h",
+        f"model: {w['params_b']:g}B parameters x {w['state_bytes_per_param']:g} B = {w['params_b'] * w['state_bytes_per_param'] / 1000:.2f} TB "
+        f"of state, {d['node_bytes'] / 1e9:.2f} GB per node; iteration {w['iteration_s']:g} s",
+        f"failures: one every {1 / d['failure_rate_per_s'] / 3600:.2f} h ({100 * f['node_lost_fraction']:.0f}% lose "
+        f"the node)" + (f", a cluster-wide outage every {1 / outage:.0f} days" if outage > 0 else ", no outages"),
+        f"phases: snapshot {d['snapshot_background_s']:.2f} s off the critical path, storage write "
+        f"{d['storage_write_s']:.2f} s / read {d['storage_read_s']:.2f} s, peer fetch {d['peer_fetch_s']:.2f} s, "
+        f"restart {d['restart_s']:.0f} s, hot-swap rebuild {d['hotswap_fixed_s']:.1f} s, detect {d['detect_s']:.0f} s",
+        f"Monte Carlo: {sim['trials']} trials x {sim['horizon_days']:g} days, seed {sim['seed']}, "
+        f"{rep['evaluations']} configurations",
+    ]
+
+
+def recommendation_line(rep: dict[str, Any]) -> str:
+    r = rep["recommended"]
+    it = rep["params"]["workload"]["iteration_s"]
+    gains = ", ".join(f"{100 * g:+.2f} pts vs {n}" for n, g in r["gain_vs"].items() if n != r["policy"])
+    return (f"recommended: {r['policy']} ({DESCRIPTIONS.get(r['policy'], '')}), "
+            f"{_intervals(r['intervals'], it)}; goodput {r['goodput_mean']:.4f} ({gains})")
+
+
+def text_report(rep: dict[str, Any]) -> str:
+    rows = _rows(rep)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = header_lines(rep) + ["", fmt.format(*HEADERS), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r) for r in rows]
+    a = rep["analytic"]
+    lines += ["", recommendation_line(rep),
+              f"Young/Daly for a synchronous persistent checkpoint ({a['sync_checkpoint_cost_s']:.2f} s): "
+              f"{a['young_interval_iterations']:.0f} / {a['daly_interval_iterations']:.0f} iterations"]
+    if rep.get("checks"):
+        lines += ["", "checks (model vs published / analytic):"]
+        lines += [f"  [{c['verdict']}] {c['name']}: {c['source']}: {c['reference']} | model: {c['model']}"
+                  + (f" ({c['note']})" if c["note"] else "") for c in rep["checks"]]
+    return "\n".join(lines)
+
+
+def markdown_table(rep: dict[str, Any]) -> str:
+    def cell(v: str) -> str:
+        return v.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in _rows(rep)]
+    return "\n".join(lines)
+
+
+def markdown_checks(checks: list[dict[str, Any]]) -> str:
+    lines = ["| check | source | reference | model | verdict | note |", "|---|---|---|---|---|---|"]
+    lines += [f"| {c['name']} | {c['source']} | {c['reference']} | {c['model']} | {c['verdict']} | {c['note']} |"
+              for c in checks]
+    return "\n".join(lines)
