@@ -116,28 +116,31 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
 def test_remote_anchor_kill_every_process_and_relaunch(tmp_path, shm_root):
     # With a deadpool section: tier 3 runs from the runtime's step hook, --save overrides deadpool.persist.
     cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}, "replication": {"factor": 0}})
-    _, ref, _ = pretrain(tmp_path, cfg, iters=9, name="ref")
-    assert sorted(ref) == list(range(1, 10))
+    iters = 30  # long enough that the kill lands mid-run (tiny steps take ~60 ms)
+    _, ref, _ = pretrain(tmp_path, cfg, iters=iters, name="ref")
+    assert sorted(ref) == list(range(1, iters + 1))
     url = os.path.join(str(tmp_path), "tier3")
 
-    def kill_all_after_base_6(proc, metrics):
+    def kill_all_after_a_base(proc, metrics):
         deadline = time.time() + JOB_TIMEOUT_S
         latest = os.path.join(url, "latest")
         while time.time() < deadline and proc.poll() is None:
-            if (os.path.exists(latest) and open(latest).read() == "global_step6"
-                    and max(read_metrics(metrics), default=0) >= 7):
+            if os.path.exists(latest) and max(read_metrics(metrics), default=0) >= 7:
                 break
-            time.sleep(0.05)
+            time.sleep(0.02)
         kill_tree(proc.pid)  # every process of the job: the memory tiers die with it (new job id on relaunch)
 
-    res, first, _ = pretrain(tmp_path, cfg, iters=9, extra=["--save", url, "--save-interval", "3"],
-                             inject=kill_all_after_base_6, name="killed")
-    assert res.returncode != 0 and 7 <= max(first) < 9, (first, res.output[-2000:])
-    res2, resumed, _ = pretrain(tmp_path, cfg, iters=9, extra=["--load", url, "--save", url, "--save-interval", "3"],
-                                name="relaunched")
+    res, first, _ = pretrain(tmp_path, cfg, iters=iters, extra=["--save", url, "--save-interval", "3"],
+                             inject=kill_all_after_a_base, name="killed")
+    # (psutil reaps the killed torchrun, so Popen's return code is not meaningful here; the steps are.)
+    assert max(first) < iters, (sorted(first), res.output[-2000:])
+    res2, resumed, _ = pretrain(tmp_path, cfg, iters=iters,
+                                extra=["--load", url, "--save", url, "--save-interval", "3"], name="relaunched")
     assert res2.returncode == 0, res2.output[-3000:]
-    assert sorted(resumed) == [7, 8, 9], resumed
-    assert {s: ref[s] for s in (7, 8, 9)} == resumed  # bit for bit
+    base = min(resumed) - 1
+    assert base % 3 == 0 and 3 <= base <= max(first), (base, max(first))
+    assert sorted(resumed) == list(range(base + 1, iters + 1))
+    assert {s: ref[s] for s in resumed} == resumed  # bit for bit
 
 
 def test_corrupt_newest_base_is_refused_and_previous_used(tmp_path):
