@@ -37,8 +37,11 @@ def convert_to_universal(src_tag_dir: str, out_tag_dir: str) -> None:
     if os.path.exists(os.path.join(out_tag_dir, DONE)):
         return
     shutil.rmtree(out_tag_dir, ignore_errors=True)
+    # inject_missing_state: ZeRO-1/2 conversion wants `universal_checkpoint_info` (tensor-parallel merge
+    # patterns) that Megatron-DeepSpeed writes; without tensor parallelism DeepSpeed's own default (version
+    # only, no patterns) is exactly right.
     args = argparse.Namespace(input_folder=src_tag_dir, output_folder=out_tag_dir, num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
     # The converter prints a progress bar per phase; keep it off the job's stdout.
     with contextlib.redirect_stdout(io.StringIO()):
         ds_to_universal.main(args)
@@ -57,6 +60,8 @@ def load_resharded(engine: Any, local_root: str, tag: str, commit: dict[str, Any
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:
         convert_to_universal(os.path.join(local_root, tag), out)
     dist.barrier()
+    if hasattr(engine.checkpoint_engine, "mark_verified"):
+        engine.checkpoint_engine.mark_verified(out)  # derived from a base all ranks verified
     cfg = engine._config
     before = cfg.load_universal_checkpoint
     cfg.load_universal_checkpoint = True
