@@ -41,13 +41,17 @@ def _forward_step(data_iterator: Iterator[tuple[torch.Tensor, torch.Tensor]], mo
     return output, _loss
 
 
-def forward_backward(chunks: list[Any], batches: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int,
-                     micro: int) -> list[dict[str, torch.Tensor]]:
-    """Zero the grad buffers and run every micro-batch forward and backward; returns the last stage's losses."""
+def forward_backward(chunks: list[Any], optimizer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                     seq_len: int, micro: int) -> list[dict[str, torch.Tensor]]:
+    """Zero the grads and run every micro-batch forward and backward; returns the last stage's losses."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     for c in chunks:
         c.zero_grad_buffer()
+    # As Megatron-LM's train_step: after an optimizer step ``param.grad`` aliases the DDP grad buffer, and
+    # autograd would accumulate the next backward into it. That hidden state is not part of any snapshot, so
+    # a restored run would differ from an uninterrupted one; dropping it makes every iteration start clean.
+    optimizer.zero_grad()
     fwd_bwd = get_forward_backward_func()
     return fwd_bwd(forward_step_func=_forward_step, data_iterator=iter(batches), model=chunks,
                    num_microbatches=len(batches), seq_length=seq_len, micro_batch_size=micro,

@@ -79,8 +79,6 @@ def _configure_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter(f"[deadpool r{os.environ.get('RANK', '?')}] %(levelname)s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
-    patches_log = logging.getLogger("deadpool_ext.patches")
-    patches_log.parent = logger
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -139,7 +137,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         try:
             batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
                                    rt.coords.dp)
-            losses = forward_backward(rt.built.chunks, batches, spec.seq_len, spec.micro_batch)
+            losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
             _, grad_norm = rt.step()
             loss = global_mean_loss(losses, num_micro)
             if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
