@@ -240,3 +240,29 @@ def test_load_candidates_honours_pinned_latest(tmp_path):
     storage.write_bytes(LATEST, b"global_step9")  # dangling pointer: ignored
     assert [i.version for i in load_candidates(storage)] == [4, 2]
     w0.close(5)
+
+
+# -- CLI ----------------------------------------------------------------------------------------------------
+def test_cli_inspect_and_verify(tmp_path, capsys):
+    from deadpool_ext.cli import main
+
+    url = str(tmp_path / "t3")
+    storage = open_storage(url)
+    w0 = _writer(storage, keep_last=5)
+    for v in (2, 4):
+        w0.submit(_job(v, 0, 1))
+        assert w0.wait_idle(20)
+    w0.close(5)
+    storage.write_bytes("global_step6/zero_pp_rank_0_mp_rank_00_optim_states.pt", b"partial")  # no commit record
+    assert main(["inspect", url, "--json", "--shm-root", str(tmp_path / "noshm")]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert [(r["version"], r["complete"]) for r in rep["tier3"]["versions"]] == [(2, True), (4, True), (6, False)]
+    assert rep["tier3"]["latest"] == "global_step4" and rep["memory"] == []
+    assert main(["verify", url]) == 0
+    bad = storage.local_path("global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with open(bad, "ab") as fh:
+        fh.write(b"x")
+    assert main(["verify", url]) == 1
+    err = capsys.readouterr().err
+    assert "global_step2/zero_pp_rank_0_mp_rank_00_optim_states.pt" in err and "size" in err
+    assert main(["verify", str(tmp_path / "empty")]) == 2
