@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""Run every benchmark, then write ``benchmarks/results/REPORT.md`` with plots.
+
+    python benchmarks/run_all.py --quick           # laptop smoke run (~10-15 min on 2 cores), outputs in results/quick/
+    python benchmarks/run_all.py                   # the full runs (an hour or more on 2 cores), outputs in results/
+    python benchmarks/run_all.py --report-only     # re-render REPORT.md and its figures from the JSON present
+
+Convention for benchmarks (how a new one joins): a file ``benchmarks/bench_<name>.py`` that accepts ``--quick`` (a
+small, fast run) and ``--out DIR`` (where to write ``<name>.json`` / ``<name>_quick.json`` and markdown). It is
+discovered by name and run as ``python bench_<name>.py [--quick] --out DIR`` under ``nice``, one at a time (they
+are sized for the whole machine), with a deadline. A script without ``--out`` is not run (it would overwrite the
+committed results of a full run); the report still reads the results it wrote itself.
+
+The report reads, per benchmark, the newest applicable file: this run's output first, then the committed full
+results in ``benchmarks/results``, then the committed quick ones; every figure names the file, machine, model,
+layout and command it came from, and says "not measured yet" where nothing is there.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from common import RESULTS_DIR, machine_info, write_json, write_text  # noqa: E402
+
+ORDER = ("simulate", "snapshot_overhead", "peers", "recovery", "persist", "megatron")
+"""Benchmarks run first to last in this order; others discovered later run after them, alphabetically."""
+QUICK_DEADLINE_S, FULL_DEADLINE_S = 900, 7200
+PEER_MODES = ("deadpool", "ds_default", "ds_decoupled", "dcp_async", "dlrover_flash")
+
+
+@dataclass(frozen=True, slots=True)
+class Bench:
+    name: str
+    path: str
+    quick: bool
+    """Accepts ``--quick``."""
+    out: bool
+    """Accepts ``--out DIR``."""
+
+
+def discover(directory: str = HERE) -> list[Bench]:
+    """``bench_*.py`` files in ``directory`` and whether they follow the convention (read from their argparse
+    calls, without importing them: importing a benchmark may import torch)."""
+    found = []
+    for path in glob.glob(os.path.join(directory, "bench_*.py")):
+        with open(path) as fh:
+            src = fh.read()
+        name = os.path.basename(path)[len("bench_"):-len(".py")]
+        found.append(Bench(name, path, bool(re.search(r"add_argument\(\s*['\"]--quick['\"]", src)),
+                           bool(re.search(r"add_argument\(\s*['\"]--out['\"]", src))))
+    rank = {n: i for i, n in enumerate(ORDER)}
+    return sorted(found, key=lambda b: (rank.get(b.name, len(ORDER)), b.name))
+
+
+def command(b: Bench, quick: bool, out_dir: str) -> list[str] | str:
+    """The command line for one benchmark, or the reason it is not run."""
+    if not b.out:
+        return "does not accept --out (running it would overwrite committed results); run it by hand"
+    if quick and not b.quick:
+        return "has no --quick mode"
+    return ["nice", "-n", "10", sys.executable, b.path, *(["--quick"] if quick else []), "--out", out_dir]
+
+
+def run_benchmarks(benches: list[Bench], quick: bool, out_dir: str, deadline_s: float) -> list[dict[str, Any]]:
+    runs = []
+    for b in benches:
+        cmd = command(b, quick, out_dir)
+        if isinstance(cmd, str):
+            print(f"[run_all] skip {b.name}: {cmd}", flush=True)
+            runs.append({"benchmark": b.name, "skipped": cmd})
+            continue
+        print(f"[run_all] {b.name}: {shlex.join(cmd)}", flush=True)
+        t0 = time.time()
+        log_path = os.path.join(out_dir, f"run_all_{b.name}.log")
+        # A new session, so a deadline kills the benchmark's whole process tree (torchrun and its workers).
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=deadline_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                rc = proc.wait()
+                print(f"[run_all] {b.name}: deadline of {deadline_s:.0f} s passed, stopped", flush=True)
+        runs.append({"benchmark": b.name, "command": shlex.join(cmd), "returncode": rc, "wall_s": time.time() - t0,
+                     "log": os.path.relpath(log_path, os.path.dirname(HERE))})
+        print(f"[run_all] {b.name}: rc={rc} in {time.time() - t0:.0f} s", flush=True)
+    return runs
+
+
+# -- results -------------------------------------------------------------------------------------------
+def find_result(name: str, out_dir: str, quick: bool, results_dir: str = RESULTS_DIR) -> tuple[str, dict] | None:
+    """(path, document) of the preferred results file of a benchmark, or None."""
+    first = [os.path.join(out_dir, f"{name}_quick.json" if quick else f"{name}.json")]
+    for path in first + [os.path.join(results_dir, f"{name}.json"), os.path.join(results_dir, f"{name}_quick.json")]:
+        try:
+            with open(path) as fh:
+                return path, json.load(fh)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _get(obj: Any, *path: str) -> Any:
+    for p in path:
+        if not isinstance(obj, dict) or p not in obj:
+            return None
+        obj = obj[p]
+    return obj
+
+
+def _walk(obj: Any, keys: tuple[str, ...]) -> list[dict]:
+    """Every dict inside ``obj`` holding all of ``keys`` (how the report finds fields in other benchmarks' JSON
+    without depending on their nesting)."""
+    out = []
+    if isinstance(obj, dict):
+        if all(k in obj for k in keys):
+            out.append(obj)
+        for v in obj.values():
+            out += _walk(v, keys)
+    elif isinstance(obj, list):
+        for v in obj:
+            out += _walk(v, keys)
+    return out
+
+
+def _machine(doc: dict) -> str:
+    m = doc.get("machine") or {}
+    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, load {m.get('loadavg', '?')}"
+
+
+# -- figures (each returns (png path or None, caption lines)) ---------------------------------------------
+def _plt():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        return plt
+    except ImportError:
+        return None
+
+
+def _save(fig, path: str, source: str, doc: dict, model: str) -> None:
+    fig.text(0.01, 0.01, f"{os.path.basename(source)}: {_machine(doc)}; {model}\ncommand: {doc.get('command', '?')}",
+             fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+
+
+def _peers_model(doc: dict) -> str:
+    r = doc.get("result") or {}
+    lay = r.get("layout") or {}
+    return (f"GPT {r.get('size')} ({(r.get('params') or 0) / 1e6:.1f}M), ZeRO-3 fp32, {lay.get('nproc')} CPU ranks "
+            f"as {lay.get('simulated_nodes')} simulated nodes")
+
+
+def fig_overhead(found: dict, out: str, stem: str) -> tuple[str | None, str]:
+    src = found.get("peers")
+    plt = _plt()
+    if not src or not _get(src[1], "analysis") or plt is None:
+        return None, "peers benchmark: not measured yet" if plt else "matplotlib not installed"
+    path, doc = src
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode in PEER_MODES:
+        pts = sorted((a["interval"], a["ratio_to_none"]) for a in doc["analysis"].values()
+                     if a["mode"] == mode and a["ratio_to_none"] is not None)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("checkpoint interval (iterations)")
+    ax.set_ylabel("step-time ratio to no checkpointing")
+    ax.set_title("Failure-free overhead vs checkpoint interval (A/B interleaved, one job)", fontsize=10)
+    ax.legend(fontsize=8)
+    png = os.path.join(out, f"{stem}_overhead_vs_interval.png")
+    _save(fig, png, path, doc, _peers_model(doc))
+    plt.close(fig)
+    return png, f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+
+
+def fig_blocking(found: dict, out: str, stem: str) -> tuple[str | None, str]:
+    plt = _plt()
+    rows = []  # (label, seconds)
+    src = found.get("peers")
+    if src and _get(src[1], "analysis"):
+        for a in src[1]["analysis"].values():
+            if a["mode"] != "none" and a["interval"] == 1 and a["blocking_s"]["median"] is not None:
+                rows.append((f"{a['mode']} (peers)", a["blocking_s"]["median"]))
+    snap = found.get("snapshot_overhead")
+    for size, e in (_get(snap[1], "sizes") or {}).items() if snap else []:
+        for mode, a in (_get(e, "analysis", "modes") or {}).items():
+            med = _get(a, "blocking_s", "median")
+            if med is not None:
+                rows.append((f"{mode} ({size})", med))
+    if not rows or plt is None:
+        return None, "not measured yet" if plt else "matplotlib not installed"
+    doc, path = (src or snap)[1], (src or snap)[0]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.28 * len(rows)))
+    ax.barh([r[0] for r in rows], [max(r[1], 1e-5) for r in rows], color="tab:blue")
+    ax.set_xscale("log")
+    ax.set_xlabel("training thread blocked per checkpoint (s, median, log scale)")
+    ax.invert_yaxis()
+    _save(fig, os.path.join(out, f"{stem}_blocking.png"), path, doc,
+          "peers and snapshot_overhead runs (see their JSON for model and layout)")
+    plt.close(fig)
+    files = [os.path.relpath(s[0], os.path.dirname(HERE)) for s in (src, snap) if s]
+    return os.path.join(out, f"{stem}_blocking.png"), "from " + ", ".join(f"`{f}`" for f in files)
+
+
+def fig_recovery(found: dict, out: str, stem: str) -> tuple[str | None, str]:
+    plt = _plt()
+    src = found.get("recovery")
+    bars: list[tuple[str, dict[str, float]]] = []
+    for size, e in (_get(src[1], "sizes") or {}).items() if src else []:
+        for job in ("hotswap", "baseline"):
+            ph = _get(e, "analysis", job, "phases_median")
+            if ph:
+                bars.append((f"{job} ({size})", {k: v for k, v in ph.items() if k != "total_s" and v is not None}))
+    meg = found.get("megatron")
+    for row in (_get(meg[1], "recovery", "phases") or [])[:1] if meg else []:
+        bars.append(("hotswap (megatron)", {k: v for k, v in row.items() if k.endswith("_s") and k != "total_s"
+                                            and isinstance(v, (int, float))}))
+    if not bars or plt is None:
+        return None, "recovery benchmark: not measured yet" if plt else "matplotlib not installed"
+    fig, ax = plt.subplots(figsize=(8, 0.9 + 0.45 * len(bars)))
+    phases = list(dict.fromkeys(k for _, ph in bars for k in ph))
+    cmap = plt.get_cmap("tab10")
+    left = [0.0] * len(bars)
+    for i, phase in enumerate(phases):
+        vals = [ph.get(phase, 0.0) for _, ph in bars]
+        ax.barh([b[0] for b in bars], vals, left=left, label=phase.removesuffix("_s"), color=cmap(i % 10))
+        left = [a + v for a, v in zip(left, vals)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from SIGKILL (median per phase)")
+    ax.legend(fontsize=7, ncol=4)
+    path, doc = src or meg
+    _save(fig, os.path.join(out, f"{stem}_recovery.png"), path, doc, "GPT small/medium, ZeRO-3, 3 nodes + 1 spare")
+    plt.close(fig)
+    return os.path.join(out, f"{stem}_recovery.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+
+
+def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
+    plt = _plt()
+    src = found.get("persist")
+    tp = _walk(src[1], ("disk_bw_MB_s", "persist_idle_MB_s")) if src else []
+    sizes = _walk(src[1], ("base_bytes", "diff_bytes")) if src else []
+    if (not tp and not sizes) or plt is None:
+        return None, "persist benchmark: not measured yet" if plt else "matplotlib not installed"
+    path, doc = src
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
+    if tp:
+        a = tp[0]
+        labels = ["disk (same run)", "persist, idle", "persist, training"]
+        vals = [a.get("disk_bw_MB_s"), a.get("persist_idle_MB_s"), a.get("persist_training_MB_s")]
+        axes[0].bar(labels, [v or 0 for v in vals], color=["gray", "tab:green", "tab:olive"])
+        axes[0].set_ylabel("MB/s")
+        axes[0].set_title("Persist throughput vs disk bandwidth", fontsize=9)
+        axes[0].tick_params(axis="x", labelsize=7)
+    if sizes:
+        s = sizes[0]
+        axes[1].bar(["base", "differential"], [s["base_bytes"] / 1e6, s["diff_bytes"] / 1e6],
+                    color=["tab:blue", "tab:orange"])
+        axes[1].set_ylabel("MB per version")
+        axes[1].set_title("Differential vs base size", fontsize=9)
+    else:
+        axes[1].text(0.5, 0.5, "differential sizes:\nnot measured yet", ha="center", va="center")
+        axes[1].set_axis_off()
+    _save(fig, os.path.join(out, f"{stem}_persist.png"), path, doc, "tier 3 on local disk, see persist.md")
+    plt.close(fig)
+    return os.path.join(out, f"{stem}_persist.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+
+
+def fig_memory(found: dict, out: str, stem: str) -> tuple[str | None, str]:
+    plt = _plt()
+    src = found.get("snapshot_overhead")
+    rows = []
+    for size, e in (_get(src[1], "sizes") or {}).items() if src else []:
+        for r in (_get(e, "analysis", "memory", "per_rank") or [])[:1]:
+            rows.append((size, r.get("state_bytes", 0), r.get("slot_bytes") or [], r.get("replica_bytes", 0)))
+    if not rows or plt is None:
+        return None, "snapshot_overhead benchmark: not measured yet" if plt else "matplotlib not installed"
+    path, doc = src
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    xs = [r[0] for r in rows]
+    ax.bar(xs, [r[1] / 2**20 for r in rows], label="rank state", color="tab:gray")
+    ax.bar(xs, [sum(r[2]) / 2**20 for r in rows], bottom=[r[1] / 2**20 for r in rows], label="tier 1 slots (2)",
+           color="tab:blue")
+    ax.bar(xs, [r[3] / 2**20 for r in rows], bottom=[(r[1] + sum(r[2])) / 2**20 for r in rows],
+           label="tier 2 replicas held", color="tab:green")
+    ax.set_ylabel("MiB per rank (rank 0)")
+    ax.set_title("Memory: state vs snapshot memory per rank", fontsize=10)
+    ax.legend(fontsize=8)
+    _save(fig, os.path.join(out, f"{stem}_memory.png"), path, doc, "GPT small/medium, ZeRO-3, 4 ranks, 2 sim. nodes")
+    plt.close(fig)
+    return os.path.join(out, f"{stem}_memory.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+
+
+FIGURES = (("Failure-free overhead vs checkpoint interval", fig_overhead),
+           ("Blocking time per checkpoint", fig_blocking),
+           ("Recovery-time breakdown", fig_recovery),
+           ("Persist throughput vs disk bandwidth, differential vs base size", fig_persist),
+           ("Memory", fig_memory))
+
+
+def _headlines(found: dict) -> list[str]:
+    out = []
+    peers = found.get("peers")
+    for a in sorted((_get(peers[1], "analysis") or {}).values() if peers else [],
+                    key=lambda a: (a["interval"], a["mode"])):
+        if a["mode"] != "none" and a["ratio_to_none"] is not None:
+            out.append(f"| peers | {a['mode']} @ {a['interval']} | step ratio {a['ratio_to_none']:.3f}, blocking "
+                       f"{1000 * (a['blocking_s']['median'] or 0):.1f} ms |")
+    for note, text in (_get(peers[1], "result", "notes") or {}).items() if peers else []:
+        out.append(f"| peers | {note} | {text} |")
+    rec = found.get("recovery")
+    for size, e in (_get(rec[1], "sizes") or {}).items() if rec else []:
+        hs, bl = _get(e, "analysis", "hotswap", "raw_s", "median"), _get(e, "analysis", "baseline", "raw_s", "median")
+        if hs or bl:
+            out.append(f"| recovery | {size} | hot-swap {hs or float('nan'):.1f} s vs relaunch + load "
+                       f"{bl or float('nan'):.1f} s |")
+    sim = found.get("simulate")
+    for scen, s in (_get(sim[1], "scenarios") or {}).items() if sim else []:
+        for gpus, rep in s.get("sizes", {}).items():
+            r = rep["recommended"]
+            out.append(f"| simulate ({scen}) | {int(gpus):,} GPUs | {r['policy']} {r['intervals']}, goodput "
+                       f"{r['goodput_mean']:.4f} |")
+    return out
+
+
+def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_path: str, command_line: str,
+                 results_dir: str = RESULTS_DIR) -> str:
+    """Render REPORT.md (and its PNGs beside it) from whatever results exist."""
+    fig_dir = os.path.dirname(os.path.abspath(report_path))
+    names = sorted({b.name for b in discover()} | set(ORDER))
+    found = {n: r for n in names if (r := find_result(n, out_dir, quick, results_dir)) is not None}
+    repo = os.path.dirname(HERE)
+    lines = ["# Benchmark report", "",
+             f"Written by `{command_line}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
+             f"Machine: {_machine({'machine': machine_info(())})}. This machine is shared with other engineers "
+             "running tests at the same time (loaded): absolute times are noisy; ratios come from A/B-interleaved "
+             "runs within one job. How to run and read this: `docs/benchmarks.md`.", ""]
+    if runs:
+        lines += ["## Runs", "", "| benchmark | result |", "|---|---|"]
+        lines += [f"| {r['benchmark']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else
+                                               f"rc={r['returncode']} in {r['wall_s']:.0f} s, log `{r['log']}`") + " |"
+                  for r in runs]
+        lines.append("")
+    lines += ["## Sources", "", "| benchmark | file used | command |", "|---|---|---|"]
+    for n in names:
+        if n in found:
+            lines.append(f"| {n} | `{os.path.relpath(found[n][0], repo)}` | `{found[n][1].get('command', '?')}` |")
+        else:
+            lines.append(f"| {n} | not measured yet | |")
+    lines += ["", "## Headlines", "", "| benchmark | case | result |", "|---|---|---|", *_headlines(found), ""]
+    for title, fn in FIGURES:
+        png, caption = fn(found, fig_dir, "report")
+        lines += [f"## {title}", ""]
+        lines += [f"![{title}]({os.path.relpath(png, fig_dir)})", "", caption, ""] if png else [caption, ""]
+    sim = found.get("simulate")
+    lines += ["## Large-cluster simulation", ""]
+    if sim:
+        sim_dir = os.path.dirname(sim[0])
+        stem = os.path.basename(sim[0])[:-5]
+        for suffix in ("goodput", "breakdown", "young_daly"):
+            png = os.path.join(sim_dir, f"{stem}_{suffix}.png")
+            if os.path.exists(png):
+                lines += [f"![{suffix}]({os.path.relpath(png, fig_dir)})", ""]
+        lines += [f"Simulated (not measured): `{os.path.relpath(sim[0], repo)}`, details in "
+                  f"`{os.path.relpath(sim[0][:-5] + '.md', repo)}` and `docs/simulator.md`.", ""]
+    else:
+        lines += ["not simulated yet (`python benchmarks/bench_simulate.py`)", ""]
+    write_text(report_path, "\n".join(lines))
+    return report_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="every benchmark's --quick mode")
+    p.add_argument("--out", default=None, help="where benchmarks write (default: results/quick with --quick, "
+                                               "else results)")
+    p.add_argument("--report", default=os.path.join(RESULTS_DIR, "REPORT.md"), help="report path")
+    p.add_argument("--only", default=None, help="comma-separated benchmark names to run (default: all)")
+    p.add_argument("--skip", default="", help="comma-separated benchmark names not to run")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help=f"per benchmark (default {QUICK_DEADLINE_S} quick, {FULL_DEADLINE_S} full)")
+    p.add_argument("--report-only", action="store_true", help="only re-render the report")
+    p.add_argument("--list", action="store_true", help="list discovered benchmarks and exit")
+    args = p.parse_args(argv)
+    out_dir = os.path.abspath(args.out or (os.path.join(RESULTS_DIR, "quick") if args.quick else RESULTS_DIR))
+    os.makedirs(out_dir, exist_ok=True)
+    benches = discover()
+    if args.list:
+        for b in benches:
+            c = command(b, args.quick, out_dir)
+            print(f"{b.name:20s} {'runs: ' + shlex.join(c) if isinstance(c, list) else 'skipped: ' + c}")
+        return 0
+    only = {s for s in (args.only or "").split(",") if s}
+    skip = {s for s in args.skip.split(",") if s}
+    unknown = (only | skip) - {b.name for b in benches}
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; found: {', '.join(b.name for b in benches)}")
+    benches = [b for b in benches if (not only or b.name in only) and b.name not in skip]
+    runs: list[dict[str, Any]] = []
+    if not args.report_only:
+        deadline = args.deadline_s or (QUICK_DEADLINE_S if args.quick else FULL_DEADLINE_S)
+        runs = run_benchmarks(benches, args.quick, out_dir, deadline)
+        write_json(os.path.join(out_dir, "run_all.json"), {"quick": args.quick, "runs": runs,
+                                                          "machine": machine_info(())})
+    elif os.path.exists(os.path.join(out_dir, "run_all.json")):
+        with open(os.path.join(out_dir, "run_all.json")) as fh:
+            runs = json.load(fh).get("runs", [])
+    cmd_line = "python benchmarks/run_all.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                     else sys.argv[1:]))
+    path = write_report(out_dir, args.quick, runs, os.path.abspath(args.report), cmd_line.strip())
+    print(f"[run_all] wrote {os.path.relpath(path)}", flush=True)
+    return 0 if all(r.get("returncode", 0) == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
