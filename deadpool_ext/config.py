@@ -148,7 +148,9 @@ class DifferentialConfig:
     """Differentials read and replayed per batch during recovery (bounds the memory replay needs)."""
 
     def __post_init__(self) -> None:
-        _positive("base_interval", self.base_interval)
+        if isinstance(self.base_interval, bool) or not isinstance(self.base_interval, int) or self.base_interval < 2:
+            _fail("base_interval", f"must be an integer >= 2 (a base every K steps, differentials between), "
+                  f"got {self.base_interval!r}")
         _positive("replay_batch", self.replay_batch)
         if self.compression not in ("none", "bf16"):
             _fail("compression", f"must be one of none, bf16; got {self.compression!r}")
@@ -207,6 +209,9 @@ class DeadpoolConfig:
             _fail("job_id", f"must be 1-64 characters of [A-Za-z0-9_-], got {self.job_id!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             _fail("log_level", f"must be one of debug, info, warning, error; got {self.log_level!r}")
+        if self.differential.enabled and self.snapshot.interval != 1:
+            _fail("differential.enabled", "differentials chain consecutive steps: snapshot.interval must be 1 "
+                  f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "DeadpoolConfig":

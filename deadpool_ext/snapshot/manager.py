@@ -34,6 +34,7 @@ from ..distributed import default_job_id, node_name
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, segment_name
 from ..recovery.agree import RankReport, RecoveryError, choose_version
+from .differential import DiffRing, GradTap
 from .peer import PeerReplicator
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, probe_slot, restore_from, slot_nbytes
 from .state import RankStateAdapter
@@ -51,10 +52,10 @@ def job_shm_dir(root: str, job_id: str, node: str) -> str:
 
 
 class _Job:
-    __slots__ = ("snap", "slot", "copied", "done", "event")
+    __slots__ = ("snap", "slot", "copied", "done", "event", "kind")
 
-    def __init__(self, snap: PreparedSnapshot, slot: int, event: Any) -> None:
-        self.snap, self.slot, self.event = snap, slot, event
+    def __init__(self, snap: PreparedSnapshot, slot: int, event: Any, kind: str = "base") -> None:
+        self.snap, self.slot, self.event, self.kind = snap, slot, event, kind
         self.copied = threading.Event()
         self.done = threading.Event()
 
@@ -84,6 +85,19 @@ class SnapshotManager:
                                     double_buffer=config.replication.double_buffer)
         self.slots: list[ShmSegment | None] = [None, None]
         self.header_reserved = 0
+        # Differential mode (TierCheck): bases every K steps in the slots above, differentials in a ring.
+        dc = config.differential
+        self.tap: GradTap | None = GradTap(adapter, dc.compression) if dc.enabled else None
+        self.ring = DiffRing(dc.base_interval)
+        self.ring_segs: list[ShmSegment | None] = [None] * self.ring.size
+        self.ring_header_reserved = 0
+        self.dpeers: PeerReplicator | None = None
+        if dc.enabled:
+            self.dpeers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
+                                         group=self.group, shm_dir=self.dir, job_id=self.job_id,
+                                         kind="dreplica", nbuf=self.ring.size)
+        self.committed_base: int | None = None
+        self._last_version: int | None = None
         self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version
         self.committed_version: int | None = None
         self.chunk_bytes = config.snapshot.chunk_mb << 20
@@ -91,8 +105,8 @@ class SnapshotManager:
         self._error: BaseException | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
-        self._stats: dict[str, Any] = {"snapshots": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
-                                       "replicate_s": [], "commit_s": []}
+        self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
+                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
         self.active = True
         """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
         self._thread: threading.Thread | None = None
@@ -125,23 +139,41 @@ class SnapshotManager:
         self._raise_worker_error()
         version = self.adapter.step()
         if not self.active or version % self.config.snapshot.interval:
+            if self.tap is not None:
+                self.tap.discard()
             return
         t0 = time.perf_counter()
         if self._inflight is not None and not self._inflight.done.is_set():
             # The previous version is still being sealed/replicated; its slot must not be the target.
             self._inflight.done.wait(self.config.replication.timeout_s)
             self._raise_worker_error()
-        obj = {"tensors": dict(self.adapter.tensors()), "state": self.adapter.meta()}
-        snap = prepare(version, obj, {"version": version, "rank": self.rank, "world_size": self.world,
-                                      "job_id": self.job_id, "node": self.node})
-        if self.slots[0] is None:
-            self._allocate(snap)
-        slot = 0 if self.latest is None else 1 - self.latest[1]
+        ident = {"version": version, "rank": self.rank, "world_size": self.world, "job_id": self.job_id,
+                 "node": self.node}
+        # A differential needs the previous version in the chain; any gap (snapshots paused, a restore) and
+        # every K-th step take a full base. Every rank decides the same way: the worker's side-group traffic
+        # (replication, commit) must match across ranks.
+        if (self.tap is not None and self._last_version == version - 1 and self.latest is not None
+                and version % self.ring.k != 0):
+            grads, hypers = self.tap.take()
+            obj = {"tensors": grads, "state": {"meta": self.adapter.meta(), "hypers": hypers}}
+            snap = prepare(version, obj, {**ident, "kind": "diff"})
+            if not self.ring_header_reserved:
+                self._allocate_ring(snap)
+            kind, slot = "diff", self.ring.index(version)
+        else:
+            if self.tap is not None:
+                self.tap.discard()
+            obj = {"tensors": dict(self.adapter.tensors()), "state": self.adapter.meta()}
+            snap = prepare(version, obj, {**ident, "kind": "base"})
+            if self.slots[0] is None:
+                self._allocate(snap)
+            kind, slot = "base", 0 if self.latest is None else 1 - self.latest[1]
+        self._last_version = version
         event = None
         if self._stream is not None and any(t.is_cuda for t in snap.tensors):
             event = torch.cuda.Event()
             event.record()
-        job = _Job(snap, slot, event)
+        job = _Job(snap, slot, event, kind)
         self._inflight = job
         self._stats["blocking_s"].append(0.0)
         if self._thread is not None:
@@ -166,12 +198,19 @@ class SnapshotManager:
                 job.done.set()
 
     def _run(self, job: _Job) -> None:
-        seg = self.slots[job.slot]
+        diff = job.kind == "diff"
+        if diff:
+            self.ring.check_reuse(job.snap.version, self.committed_base)  # watermark GC
+            seg, reserved = self.ring_segs[job.slot], self.ring_header_reserved
+        else:
+            seg, reserved = self.slots[job.slot], self.header_reserved
         assert seg is not None
-        writer = SlotWriter(seg.tensor(), self.header_reserved, self.chunk_bytes)
+        writer = SlotWriter(seg.tensor(), reserved, self.chunk_bytes)
         t0 = time.perf_counter()
         writer.invalidate()
-        if self.latest is not None and self.latest[1] == job.slot:
+        if diff:
+            self.ring.versions.pop(job.slot, None)
+        elif self.latest is not None and self.latest[1] == job.slot:
             self.latest = None
         if job.event is not None:
             self._stream.wait_event(job.event)
@@ -185,16 +224,25 @@ class SnapshotManager:
         if blob_len != seg.nbytes:
             raise RuntimeError(f"snapshot of step {job.snap.version} is {blob_len} bytes, slot is {seg.nbytes}: "
                                "the rank's state changed size, which in-memory snapshots do not support")
-        self.latest = (job.snap.version, job.slot)
+        if diff:
+            self.ring.stored(job.snap.version)
+        else:
+            self.latest = (job.snap.version, job.slot)
         t2 = time.perf_counter()
-        self.peers.replicate(seg.tensor(), blob_len)
+        if diff:
+            self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
+        else:
+            self.peers.replicate(seg.tensor(), blob_len)
         t3 = time.perf_counter()
         flag = torch.tensor([job.snap.version], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         self.committed_version = int(flag.item())
+        if not diff and self.committed_version == job.snap.version:
+            self.committed_base = job.snap.version
         t4 = time.perf_counter()
         st = self._stats
-        st["snapshots"] += 1
+        st["diffs" if diff else "snapshots"] += 1
+        st["diff_nbytes" if diff else "base_nbytes"] = blob_len
         st["copy_s"].append(t1 - t0)
         st["seal_s"].append(t2 - t1)
         st["replicate_s"].append(t3 - t2)
@@ -218,6 +266,27 @@ class SnapshotManager:
                  state / 1e6, nbytes / 1e6, len(self.peers.sources), self.peers.held_nbytes() / 1e6, total / 1e6,
                  total / max(state, 1), self.peers.nbuf, 2 + self.peers.nbuf * self.peers.factor)
 
+    def _allocate_ring(self, snap: PreparedSnapshot) -> None:
+        """First differential: size and pre-touch the ring, exchange sizes with peers, report memory."""
+        self.ring_header_reserved = header_reserve(snap)
+        nbytes = slot_nbytes(self.ring_header_reserved, snap.data_nbytes)
+        self._open_ring(nbytes)
+        self.dpeers.setup(nbytes)
+        base = self.slots[0].nbytes if self.slots[0] is not None else 0
+        log.info("differential memory: %d x %.1f MB per rank (%.0f%% of a %.1f MB base) plus %.1f MB of peer "
+                 "differentials; total snapshot memory %.1f MB", self.ring.size, nbytes / 1e6,
+                 100 * nbytes / max(base, 1), base / 1e6, self.dpeers.held_nbytes() / 1e6, self.memory_bytes() / 1e6)
+
+    def _open_ring(self, nbytes: int) -> None:
+        for j in range(self.ring.size):
+            seg = self.ring_segs[j]
+            if seg is None or seg.nbytes != nbytes:
+                if seg is not None:
+                    seg.close()
+                self.ring_segs[j] = ShmSegment.create(segment_name(self.job_id, "diff", self.rank, j), nbytes,
+                                                      root=self.dir, touch=True)
+                _pin_for_cuda(self.ring_segs[j])
+
     def _open_slots(self, nbytes: int) -> None:
         for i in (0, 1):
             if self.slots[i] is None or self.slots[i].nbytes != nbytes:
@@ -228,69 +297,154 @@ class SnapshotManager:
                 _pin_for_cuda(self.slots[i])
 
     def memory_bytes(self) -> int:
-        return sum(s.nbytes for s in self.slots if s is not None) + self.peers.held_nbytes()
+        total = sum(s.nbytes for s in [*self.slots, *self.ring_segs] if s is not None) + self.peers.held_nbytes()
+        return total + (self.dpeers.held_nbytes() if self.dpeers is not None else 0)
 
     # -- restore ----------------------------------------------------------------------------------------
-    def _scan(self) -> tuple[RankReport, dict[int, int]]:
+    def _scan(self) -> tuple[RankReport, dict[int, int], dict[int, int]]:
         verify = self.config.snapshot.verify_on_restore
         report = RankReport(rank=self.rank)
         slot_of: dict[int, int] = {}
-        for i in (0, 1):
-            path = os.path.join(self.dir, segment_name(self.job_id, "snap", self.rank, i))
+        ring_of: dict[int, int] = {}
+        files = [("snap", i) for i in (0, 1)] + [("diff", j) for j in range(self.ring.size if self.tap else 0)]
+        for kind, i in files:
+            path = os.path.join(self.dir, segment_name(self.job_id, kind, self.rank, i))
             if not os.path.exists(path):
                 continue
             seg = ShmSegment.open(os.path.basename(path), root=self.dir)
             meta, why = probe_slot(seg.buf, verify=verify)
-            if meta is None:
-                log.warning("tier 1: slot %d of rank %d unusable (%s); falling back to the next source", i, self.rank, why)
+            what = "slot" if kind == "snap" else "differential ring entry"
+            if meta is None and why is None:
+                pass  # allocated, never written
+            elif meta is None:
+                log.warning("tier 1: %s %d of rank %d unusable (%s); falling back to the next source", what, i,
+                            self.rank, why)
             elif meta.get("world_size") != self.world or meta.get("rank") != self.rank:
-                log.warning("tier 1: slot %d was written by rank %s of a world of %s; ignored", i, meta.get("rank"),
-                            meta.get("world_size"))
-            else:
+                log.warning("tier 1: %s %d was written by rank %s of a world of %s; ignored", what, i,
+                            meta.get("rank"), meta.get("world_size"))
+            elif kind == "snap":
                 report.local[int(meta["version"])] = int(meta["blob_nbytes"])
                 slot_of[int(meta["version"])] = i
+            else:
+                report.local_diffs[int(meta["version"])] = int(meta["blob_nbytes"])
+                ring_of[int(meta["version"])] = i
             seg.close()
         report.replicas = self.peers.scan(verify=verify, world=self.world)
-        return report, slot_of
+        if self.dpeers is not None:
+            report.replica_diffs = self.dpeers.scan(verify=verify, world=self.world)
+        return report, slot_of, ring_of
 
     def restore_latest(self) -> int | None:
         t0 = time.perf_counter()
-        report, slot_of = self._scan()
+        report, slot_of, ring_of = self._scan()
         reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
         plan = choose_version(reports)
         if plan is None:
             log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
             return None
-        if self.rank == 0:
-            log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s", plan.version,
-                     self.world - len(plan.fetch), len(plan.fetch),
-                     {r: h for r, (h, _) in sorted(plan.fetch.items())})
-        if self.rank in plan.fetch:
-            nbytes = plan.fetch[self.rank][1]
-            self._open_slots(nbytes)
+        me = self.rank
+        if me == 0:
+            log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s%s", plan.version,
+                     self.world - len(plan.fetch), len(plan.fetch), {r: h for r, (h, _) in sorted(plan.fetch.items())},
+                     f"; bases {sorted(set(plan.base.values()))} + differentials replayed up to {plan.version}"
+                     if plan.replays else "")
+        base = plan.base.get(me, plan.version)
+        fetching = me in plan.fetch
+        if fetching:
+            self._open_slots(plan.fetch[me][1])
             slot = 0
         else:
-            slot = slot_of[plan.version]
+            slot = slot_of[base]
             self._open_slots(self.slots_nbytes(slot))
-        self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if self.rank in plan.fetch else None)
+        self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if fetching else None,
+                                 versions=plan.base)
         seg = self.slots[slot]
-        if self.rank in plan.fetch:
+        if fetching:
             meta, why = probe_slot(seg.buf, verify=True)
-            if meta is None or int(meta["version"]) != plan.version:
-                raise RecoveryError(f"rank {self.rank}: replica of step {plan.version} fetched from rank "
-                                    f"{plan.fetch[self.rank][0]} is unusable ({why}); no other copy in memory")
-            log.info("tier 2: fetched and verified step %d from rank %d", plan.version, plan.fetch[self.rank][0])
+            if meta is None or int(meta["version"]) != base:
+                raise RecoveryError(f"rank {me}: replica of step {base} fetched from rank {plan.fetch[me][0]} is "
+                                    f"unusable ({why}); no other copy in memory")
+            log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
+        ring_of = self._fetch_diffs(plan, ring_of)
         tensors, state, _ = restore_from(seg.buf, verify=False)  # verified during the scan / fetch above
         self.adapter.restore(tensors, state)
         del tensors
-        self.latest = (plan.version, slot)
+        replayed = self._replay(plan, ring_of)
+        self.latest = (base, slot)
         self.committed_version = plan.version
+        self.committed_base = base
+        self.ring.versions = {self.ring.index(v): v for v in ring_of}
+        self._last_version = None  # the next snapshot is a base: the chain restarts from the restored state
         self.header_reserved = _header_len(seg)
         self.peers.setup(seg.nbytes)
         self._stats["restore_s"] = time.perf_counter() - t0
         self._stats["restored_version"] = plan.version
-        self._stats["restored_from"] = "peer" if self.rank in plan.fetch else "local"
+        self._stats["restored_from"] = "peer" if fetching else "local"
+        self._stats["replayed"] = replayed
         return plan.version
+
+    def _fetch_diffs(self, plan: Any, ring_of: dict[int, int]) -> dict[int, int]:
+        """Differentials of ranks restoring from a peer, into their ring (collective over all ranks, in the
+        same order everywhere). Returns version -> ring entry of the differentials this rank now holds."""
+        me = self.rank
+        mine = plan.fetch_diffs.get(me, {})
+        if mine:
+            ring_of = {}
+            self._open_ring(max(mine.values()))
+        for d in sorted({v for vs in plan.fetch_diffs.values() for v in vs}):
+            fetch = {r: (plan.fetch[r][0], vs[d]) for r, vs in plan.fetch_diffs.items() if d in vs}
+            into = self.ring_segs[self.ring.index(d)].tensor() if me in fetch else None
+            self.dpeers.serve_fetches(d, fetch, into)
+            if me in fetch:
+                meta, why = probe_slot(self.ring_segs[self.ring.index(d)].buf, verify=True)
+                if meta is None or int(meta["version"]) != d:
+                    raise RecoveryError(f"rank {me}: differential {d} fetched from rank {plan.fetch[me][0]} is "
+                                        f"unusable ({why}); no other copy in memory")
+                ring_of[d] = self.ring.index(d)
+        if mine:
+            log.info("tier 2: fetched and verified differentials %d..%d from rank %d", min(mine), max(mine),
+                     plan.fetch[me][0])
+        return ring_of
+
+    def _replay(self, plan: Any, ring_of: dict[int, int]) -> int:
+        """Replay this rank's differentials on the restored base (fused, in batches); every rank then syncs
+        parameters from masters if any rank replayed (a collective under ZeRO)."""
+        from ..recovery.replay import AdamHyper, StepDiff, replay_fused
+        from .differential import replay_targets
+
+        todo = plan.diffs(self.rank)
+        if not plan.replays:
+            return 0
+        t0 = time.perf_counter()
+        last_meta = None
+        if todo:
+            if self.ring_segs[0] is None:  # a restarted process: re-attach to the ring it left behind
+                self._open_ring(os.path.getsize(os.path.join(
+                    self.dir, segment_name(self.job_id, "diff", self.rank, ring_of[todo[0]]))))
+            targets = replay_targets(self.adapter)
+            batch_n = self.config.differential.replay_batch
+            for b in range(0, len(todo), batch_n):
+                batch = []
+                for d in todo[b:b + batch_n]:
+                    grads, state, header = restore_from(self.ring_segs[ring_of[d]].buf, verify=False)
+                    if int(header["version"]) != d:
+                        raise RecoveryError(f"rank {self.rank}: ring entry for differential {d} holds {header['version']}")
+                    hypers = state["hypers"]
+                    if len(hypers) != len(targets):
+                        raise RecoveryError(f"rank {self.rank}: differential {d} covers {len(hypers)} of "
+                                            f"{len(targets)} master tensors (a skipped step cannot be replayed)")
+                    batch.append(StepDiff(grads=[grads[f"grad.{i}"].to(targets[i].param.dtype)
+                                                 for i in range(len(targets))],
+                                          hypers=[AdamHyper.from_json(hypers[str(i)]) for i in range(len(targets))]))
+                    last_meta = state["meta"]
+                replay_fused(targets, batch)
+        self.adapter.sync_params_from_masters()
+        if last_meta is not None:
+            self.adapter.restore_meta(last_meta)
+            log.info("rank %d: replayed differentials %d..%d on base %d in %.3f s", self.rank, todo[0], todo[-1],
+                     plan.base[self.rank], time.perf_counter() - t0)
+        self._stats["replay_s"] = time.perf_counter() - t0
+        return len(todo)
 
     def slots_nbytes(self, slot: int) -> int:
         path = os.path.join(self.dir, segment_name(self.job_id, "snap", self.rank, slot))

@@ -37,8 +37,11 @@ class PeerReplicator:
     ``serve_fetches`` (all ranks, main thread)."""
 
     def __init__(self, *, rank: int, node: str, factor: int, group: Any, shm_dir: str, job_id: str,
-                 double_buffer: bool = True) -> None:
-        self.nbuf = 2 if double_buffer else 1
+                 double_buffer: bool = True, kind: str = "replica", nbuf: int | None = None) -> None:
+        # kind "replica": full snapshots (bases), rotating buffers; "dreplica": differentials, a ring of nbuf
+        # entries indexed by the caller (the same index as the source's own ring).
+        self.kind = kind
+        self.nbuf = nbuf if nbuf is not None else (2 if double_buffer else 1)
         self.rank, self.group, self.dir, self.job_id = rank, group, shm_dir, job_id
         nodes = allgather_json(node, group=group)
         self.topology = Topology.from_node_list(nodes)
@@ -58,11 +61,11 @@ class PeerReplicator:
         self.sizes: dict[int, int] = {}
         self.replicas: dict[int, list[ShmSegment]] = {}
         self._latest: dict[int, int] = {}  # source -> buffer index holding its newest complete replica
-        if rank == 0 and factor:
+        if rank == 0 and factor and kind == "replica":
             log.info("tier 2 placement (rank -> holders): %s", {r: list(h) for r, h in sorted(self.holders.items())})
 
     def _replica_name(self, src: int, buf: int) -> str:
-        return segment_name(self.job_id, "replica", src, f"h{self.rank}b{buf}")
+        return segment_name(self.job_id, self.kind, src, f"h{self.rank}b{buf}")
 
     def setup(self, slot_nbytes: int) -> None:
         if self.sizes:
@@ -76,7 +79,9 @@ class PeerReplicator:
     def held_nbytes(self) -> int:
         return sum(s.nbytes for segs in self.replicas.values() for s in segs)
 
-    def replicate(self, slot: torch.Tensor, blob_len: int) -> None:
+    def replicate(self, slot: torch.Tensor, blob_len: int, buf: int | None = None) -> None:
+        """Send this rank's blob to its holders and receive its sources' blobs (into ``buf``, or the buffer
+        after the newest complete one)."""
         if not self.factor:
             return
         ops = []
@@ -86,9 +91,9 @@ class PeerReplicator:
         magics: dict[int, torch.Tensor] = {}
         targets: dict[int, int] = {}
         for src in self.sources:
-            buf = (self._latest.get(src, self.nbuf - 1) + 1) % self.nbuf
-            targets[src] = buf
-            rep = self.replicas[src][buf].tensor()
+            target = buf if buf is not None else (self._latest.get(src, self.nbuf - 1) + 1) % self.nbuf
+            targets[src] = target
+            rep = self.replicas[src][target].tensor()
             rep[:8].zero_()
             magics[src] = torch.zeros(8, dtype=torch.uint8)
             # The source's blob length, not ours: ranks' partitions and headers differ in size.
@@ -109,7 +114,7 @@ class PeerReplicator:
         for fname in sorted(os.listdir(self.dir)):
             parts = fname.split(".")
             # deadpool.<job>.replica.r<src>.h<holder>b<buf>
-            if len(parts) == 5 and parts[1] == self.job_id and parts[2] == "replica" and ("." + parts[4]).startswith(tag):
+            if len(parts) == 5 and parts[1] == self.job_id and parts[2] == self.kind and ("." + parts[4]).startswith(tag):
                 out.append((int(parts[3][1:]), int(parts[4][len(tag) - 1:]), fname))
         return out
 
@@ -120,8 +125,11 @@ class PeerReplicator:
         for src, buf, fname in self._held_files():
             seg = ShmSegment.open(fname, root=self.dir)
             meta, why = probe_slot(seg.buf, verify=verify)
-            if meta is None:
-                log.warning("tier 2: replica buffer %d of rank %d held here is unusable (%s); ignored", buf, src, why)
+            if meta is None and why is None:
+                pass  # allocated, never written
+            elif meta is None:
+                log.warning("tier 2: %s buffer %d of rank %d held here is unusable (%s); ignored",
+                            "replica" if self.kind == "replica" else "differential replica", buf, src, why)
             elif meta.get("rank") == src and meta.get("world_size") == world:
                 version = int(meta["version"])
                 found.setdefault(src, {})[version] = int(meta["blob_nbytes"])
@@ -131,13 +139,15 @@ class PeerReplicator:
             seg.close()
         return found
 
-    def serve_fetches(self, version: int, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None) -> None:
-        """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one."""
+    def serve_fetches(self, version: int, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None,
+                      versions: dict[int, int] | None = None) -> None:
+        """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one.
+        ``versions``: per-destination version, where ranks restore different bases (differential mode)."""
         ops = []
         magic = torch.zeros(8, dtype=torch.uint8)
         for dst, (holder, nbytes) in sorted(fetch.items()):
             if holder == self.rank:
-                seg = ShmSegment.open(self._where[(dst, version)], root=self.dir)
+                seg = ShmSegment.open(self._where[(dst, (versions or {}).get(dst, version))], root=self.dir)
                 buf = seg.tensor()
                 ops.append(dist.P2POp(dist.isend, buf[8:nbytes], dst, self.group))
                 ops.append(dist.P2POp(dist.isend, buf[:8].clone(), dst, self.group))

@@ -110,7 +110,10 @@ class SlotWriter:
 
 
 def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | None]:
-    """(header meta, None) for a complete (and, with ``verify``, checksum-clean) slot; (None, reason) otherwise."""
+    """(header meta, None) for a complete (and, with ``verify``, checksum-clean) slot; (None, reason) otherwise.
+    A buffer that was never written (allocated, all zero) gives (None, None): nothing to warn about."""
+    if not any(bytes(buf[:16])) and not _any_nonzero(buf):
+        return None, None
     try:
         header = fmt.read_header(buf)
         if verify:
@@ -121,6 +124,12 @@ def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | 
     header_len = struct.unpack("<Q", bytes(buf[8:16]))[0]
     meta["blob_nbytes"] = data_offset(header_len) + int(header["data_nbytes"])
     return meta, None
+
+
+def _any_nonzero(buf: Any) -> bool:
+    import numpy as np
+
+    return bool(np.frombuffer(buf, dtype=np.uint8).any())
 
 
 def restore_from(buf: Any, *, verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:

@@ -142,6 +142,49 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         }
         return meta
 
+    # -- differential checkpoints ------------------------------------------------------------------
+    def inner_optimizer(self) -> Any:
+        """The torch optimizer that updates the master tensors (what a differential replays)."""
+        return self._inner
+
+    def masters(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates, in snapshot order (``master.<i>``)."""
+        return self._master()
+
+    def sync_params_from_masters(self) -> None:
+        """After masters were changed outside a step (a replay): do what DeepSpeed does at the end of a step,
+        copying masters into the training parameters (collective for ZeRO-1/2 and bf16: an all-gather)."""
+        opt = self.engine.optimizer
+        with torch.no_grad():
+            if self.zero_stage == 3:
+                for bit16, master in zip(self._bit16(), self._master()):
+                    bit16.copy_(master)
+                for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
+                    opt._unflatten_partitioned_parameters(sub_group)
+                opt.checkpoint_event_epilogue()
+            elif self._bit16():
+                opt.update_lp_params()
+
+    def restore_meta(self, meta: dict[str, Any]) -> None:
+        """Counters, scheduler, loss scaler, param-group scalars, RNG and client state of ``meta``."""
+        e = self.engine
+        opt = e.optimizer
+        for group, saved in zip(opt.param_groups, meta["param_groups"]):
+            group.update(saved)
+        if meta["lr_scheduler"] is not None and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        scaler = getattr(opt, "loss_scaler", None)
+        if scaler is not None and meta["loss_scaler"]:
+            for k, v in meta["loss_scaler"].items():
+                setattr(scaler, k, v)
+        e.global_steps = meta["global_steps"]
+        e.global_samples = meta["global_samples"]
+        e.skipped_steps = meta["skipped_steps"]
+        e.micro_steps = meta["micro_steps"]
+        restore_rng(meta["rng"])
+        if self._restore_client_state is not None:
+            self._restore_client_state(meta.get("client", {}))
+
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         e = self.engine
@@ -168,24 +211,10 @@ class DeepSpeedStateAdapter(RankStateAdapter):
                         else:
                             state[key] = src.clone()
                 state.update(meta["optim_scalars"].get(str(i), {}))
-        for group, saved in zip(opt.param_groups, meta["param_groups"]):
-            group.update(saved)
-        if meta["lr_scheduler"] is not None and e.lr_scheduler is not None:
-            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        scaler = getattr(opt, "loss_scaler", None)
-        if scaler is not None and meta["loss_scaler"]:
-            for k, v in meta["loss_scaler"].items():
-                setattr(scaler, k, v)
-        e.global_steps = meta["global_steps"]
-        e.global_samples = meta["global_samples"]
-        e.skipped_steps = meta["skipped_steps"]
-        e.micro_steps = meta["micro_steps"]
         if self.zero_stage == 3:
             # Re-gathers the persistent (small, unpartitioned) parameters from the restored partitions.
             opt.checkpoint_event_epilogue()
-        restore_rng(meta["rng"])
-        if self._restore_client_state is not None:
-            self._restore_client_state(meta.get("client", {}))
+        self.restore_meta(meta)
 
 
 def _plain(v: Any) -> bool:

@@ -59,4 +59,18 @@ def test_shipped_configs_parse():
     for path in paths:
         ds, dp = split_deepspeed_config(path)
         assert dp is not None, f"{path} has no deadpool section"
+        if "megatron" in os.path.basename(path):
+            assert ds == {}, f"{path}: a Megatron --deadpool-config holds only the deadpool section"
+            continue
         assert "zero_optimization" in ds
+
+
+def test_differential_section_is_validated():
+    cfg = DeadpoolConfig.from_dict({"differential": {"enabled": True, "base_interval": 5}})
+    assert cfg.differential.base_interval == 5 and cfg.differential.compression == "none"
+    with pytest.raises(ConfigError, match="deadpool.differential.base_interval: must be an integer >= 2"):
+        DeadpoolConfig.from_dict({"differential": {"enabled": True, "base_interval": 1}})
+    with pytest.raises(ConfigError, match="compression: must be one of none, bf16"):
+        DeadpoolConfig.from_dict({"differential": {"compression": "int8"}})
+    with pytest.raises(ConfigError, match="snapshot.interval must be 1"):
+        DeadpoolConfig.from_dict({"differential": {"enabled": True}, "snapshot": {"interval": 2}})
