@@ -266,3 +266,33 @@ def test_command_rejects_bad_parameters(capsys, tmp_path):
     bad.write_text('{"workload": {"params_b": -1}}')
     assert _cli(["--params", str(bad), "--no-calibrate"]) == 2
     assert "workload.params_b: must be > 0" in capsys.readouterr().err
+
+
+# -- self-checks and recommendation ----------------------------------------------------------------------
+def test_checks_against_papers_and_young_daly_are_consistent_on_defaults():
+    from deadpool_ext.sim.checks import failure_rate_check, paper_checks, young_daly_checks
+
+    assert failure_rate_check(Params(), trials=40).verdict == "consistent"
+    checks = paper_checks(Params(), 0.97)
+    assert {c.verdict for c in checks} <= {"consistent", "info"}
+    assert any("DeadPool" in c.source for c in checks) and any("TierCheck" in c.source for c in checks)
+    yd, rows = young_daly_checks(Evaluator(toy(**{"sim.trials": 6, "bandwidth.storage_write_gbs": 20.0})))
+    assert [c.verdict for c in yd] == ["consistent", "consistent"] and len(rows) >= 10
+
+
+def test_recommendation_picks_the_best_fitting_policy():
+    from deadpool_ext.sim.recommend import recommend
+    from deadpool_ext.sim.report import text_report
+
+    lines = []
+    rep = recommend(toy(**{"sim.trials": 3, "costs.snapshot_overhead_ratio": 1.0}), progress=lines.append)
+    best = max(rep["policies"].values(), key=lambda s: s["goodput_mean"])
+    assert rep["recommended"]["policy"] == best["policy"] == "deadpool"
+    assert lines and all("GPUs]" in line for line in lines)  # progress on the sweep
+    text = text_report(rep)
+    assert "recommended: deadpool" in text and "Young/Daly" in text
+    # A policy whose memory does not fit the node is never recommended.
+    tight = recommend(toy(**{"sim.trials": 2, "costs.snapshot_overhead_ratio": 1.0, "cluster.host_memory_gb": 1.0}),
+                      policies=["ckpt_sync", "deadpool"])
+    assert not tight["policies"]["deadpool"]["fits_memory"] and tight["recommended"]["policy"] == "ckpt_sync"
+    assert "does not fit host memory" in text_report(tight)
