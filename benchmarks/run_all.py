@@ -222,9 +222,10 @@ def fig_recovery(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     bars: list[tuple[str, dict[str, float]]] = []
     for size, e in (_get(src[1], "sizes") or {}).items() if src else []:
         for job in ("hotswap", "baseline"):
-            ph = _get(e, "analysis", job, "phases_median")
+            ph = {k: v for k, v in (_get(e, "analysis", job, "phases_median") or {}).items()
+                  if k != "total_s" and isinstance(v, (int, float))}
             if ph:
-                bars.append((f"{job} ({size})", {k: v for k, v in ph.items() if k != "total_s" and v is not None}))
+                bars.append((f"{job} ({size})", ph))
     meg = found.get("megatron")
     for row in (_get(meg[1], "recovery", "phases") or [])[:1] if meg else []:
         bars.append(("hotswap (megatron)", {k: v for k, v in row.items() if k.endswith("_s") and k != "total_s"
@@ -325,13 +326,17 @@ def _headlines(found: dict) -> list[str]:
     for size, e in (_get(rec[1], "sizes") or {}).items() if rec else []:
         hs, bl = _get(e, "analysis", "hotswap", "raw_s", "median"), _get(e, "analysis", "baseline", "raw_s", "median")
         if hs or bl:
-            out.append(f"| recovery | {size} | hot-swap {hs or float('nan'):.1f} s vs relaunch + load "
-                       f"{bl or float('nan'):.1f} s |")
+            def fmt(v: float | None) -> str:
+                return f"{v:.1f} s" if v is not None else "not run"
+
+            out.append(f"| recovery | {size} | hot-swap {fmt(hs)} vs relaunch + load {fmt(bl)} (SIGKILL to next "
+                       "step, median) |")
     sim = found.get("simulate")
     for scen, s in (_get(sim[1], "scenarios") or {}).items() if sim else []:
         for gpus, rep in s.get("sizes", {}).items():
             r = rep["recommended"]
-            out.append(f"| simulate ({scen}) | {int(gpus):,} GPUs | {r['policy']} {r['intervals']}, goodput "
+            iv = ", ".join(f"{k.removesuffix('_interval')} every {v}" for k, v in r["intervals"].items())
+            out.append(f"| simulate ({scen}) | {int(gpus):,} GPUs | {r['policy']} ({iv} iterations), goodput "
                        f"{r['goodput_mean']:.4f} |")
     return out
 
@@ -340,6 +345,7 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
                  results_dir: str = RESULTS_DIR) -> str:
     """Render REPORT.md (and its PNGs beside it) from whatever results exist."""
     fig_dir = os.path.dirname(os.path.abspath(report_path))
+    os.makedirs(fig_dir, exist_ok=True)
     names = sorted({b.name for b in discover()} | set(ORDER))
     found = {n: r for n in names if (r := find_result(n, out_dir, quick, results_dir)) is not None}
     repo = os.path.dirname(HERE)
@@ -361,6 +367,14 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
         else:
             lines.append(f"| {n} | not measured yet | |")
     lines += ["", "## Headlines", "", "| benchmark | case | result |", "|---|---|---|", *_headlines(found), ""]
+    # A quick run's figures come from small models; the committed full runs, where present, say more.
+    full = {n: r for n in names if (r := find_result(n, results_dir, False, results_dir)) is not None
+            and n in found and os.path.abspath(r[0]) != os.path.abspath(found[n][0])
+            and not r[0].endswith("_quick.json")}
+    if full:
+        lines += ["## Headlines of the committed full runs", "",
+                  "From " + ", ".join(f"`{os.path.relpath(r[0], repo)}`" for r in full.values()) + ".", "",
+                  "| benchmark | case | result |", "|---|---|---|", *_headlines(full), ""]
     for title, fn in FIGURES:
         png, caption = fn(found, fig_dir, "report")
         lines += [f"## {title}", ""]
