@@ -7,9 +7,10 @@ torchrun. One job per size, in three phases:
 
 1. **disk bandwidth, same run**: every rank writes as many bytes as its share of a base, in 8 MiB chunks from a
    pre-touched buffer, fsyncs and renames (what the writer does, minus serialisation); bandwidth = all bytes /
-   slowest rank's time. Twice; the better one is the reference (``dd``-like, ``conv=fsync``).
-2. **persist throughput, idle**: a base captured and persisted with training paused; throughput = base bytes /
-   (commit record written - capture start). Twice; median. Target: >= 80% of phase 1.
+   slowest rank's time (``dd``-like, ``conv=fsync``). ``--pairs`` times (default 3).
+2. **persist throughput, idle**: a base captured and persisted with training paused, right after each phase-1
+   measurement (paired, because the shared machine's load drifts by 2-5x within minutes); throughput = base
+   bytes / (commit record written - capture start). Target: median of the paired ratios >= 80%.
 3. **A/B interleaved**: rounds of two blocks of ``steps`` steps each, ``none`` (no tier 3) and ``tier3`` (a base
    captured at the block's first step, persisted in the background with the adaptive throttle while the block's
    steps run), order alternating per round. Step time = slowest rank's wall time around forward + backward +
@@ -133,13 +134,13 @@ def worker(args: argparse.Namespace) -> int:
     for _ in range(2):
         train_step()
 
-    # -- phase 1: disk bandwidth (same bytes per rank as a base) ------------------------------------------
+    # -- phases 1 + 2, paired: disk bandwidth right before each idle base (the machine's load drifts) -----
     persister.save(int(engine.global_steps))  # one base to learn its size (also warms the staging pool)
     wait_published(int(engine.global_steps))
     rank_bytes = int(persister.writer.history[-1]["rank_bytes"])
     buf = os.urandom(8 << 20)
-    disk = []
-    for attempt in range(2):
+    disk, idle = [], []
+    for attempt in range(args.pairs):
         dist.barrier()
         path = os.path.join(args.scratch, f"dd.{rank}.{attempt}")
         t0 = time.perf_counter()
@@ -156,10 +157,6 @@ def worker(args: argparse.Namespace) -> int:
         disk.append(rank_bytes * world / dt)
         os.unlink(path)
         progress(f"disk write bandwidth {disk[-1] / 1e6:.0f} MB/s ({world} parallel writers x {rank_bytes / 1e6:.0f} MB, fsync)")
-
-    # -- phase 2: persist throughput with training paused ---------------------------------------------------
-    idle = []
-    for _ in range(2):
         train_step()
         step = int(engine.global_steps)
         t_start = time.time()
@@ -169,9 +166,11 @@ def worker(args: argparse.Namespace) -> int:
         total = int(hist.get("total_bytes", 0))
         t_start = slowest(-t_start) * -1  # earliest capture start across ranks
         idle.append({"step": step, "capture_s": cap, "time_to_persist_s": published - t_start,
-                     "total_bytes": total, "verify_s": hist.get("verify_s")})
+                     "total_bytes": total, "verify_s": hist.get("verify_s"), "disk_B_s": disk[-1]})
         progress(f"idle base {step}: {total / 1e6:.0f} MB persisted in {published - t_start:.2f} s "
-                 f"({total / max(published - t_start, 1e-9) / 1e6:.0f} MB/s), capture {cap * 1000:.0f} ms")
+                 f"({total / max(published - t_start, 1e-9) / 1e6:.0f} MB/s, "
+                 f"{total / max(published - t_start, 1e-9) / disk[-1] * 100:.0f}% of the disk just before), "
+                 f"capture {cap * 1000:.0f} ms")
 
     # -- phase 3: A/B interleaved --------------------------------------------------------------------------
     blocks: list[dict[str, Any]] = []
@@ -219,8 +218,9 @@ def worker(args: argparse.Namespace) -> int:
 # analysis and report
 # ==================================================================================================
 def analyze(res: dict[str, Any]) -> dict[str, Any]:
-    bw = max(res["disk_bw_B_s"])
+    bw = median(res["disk_bw_B_s"])
     idle_tp = [i["total_bytes"] / i["time_to_persist_s"] for i in res["idle"] if i["time_to_persist_s"]]
+    paired = [i["total_bytes"] / i["time_to_persist_s"] / i["disk_B_s"] for i in res["idle"] if i["time_to_persist_s"]]
     none = [t for b in res["blocks"] if b["mode"] == "none" for t in b["step_times_s"]]
     t3 = [t for b in res["blocks"] if b["mode"] == "tier3" for t in b["step_times_s"]]
     caps = [b["capture_s"] for b in res["blocks"] if b["mode"] == "tier3"]
@@ -229,7 +229,9 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
     return {
         "disk_bw_MB_s": bw / 1e6,
         "persist_idle_MB_s": median(idle_tp) / 1e6 if idle_tp else None,
-        "persist_fraction_of_disk": (median(idle_tp) / bw) if idle_tp else None,
+        "persist_fraction_of_disk": median(paired) if paired else None,
+        "persist_fraction_of_disk_pairs": paired,
+        "disk_bw_MB_s_all": [b / 1e6 for b in res["disk_bw_B_s"]],
         "persist_training_MB_s": median(base_bytes / t for t in ttp if t) / 1e6 if ttp else None,
         "time_to_persisted_base_idle_s": median(i["time_to_persist_s"] for i in res["idle"]),
         "time_to_persisted_base_training_s": median(ttp) if ttp else None,
@@ -266,7 +268,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      fmt_s(a["capture_s"]["median"]),
                      f"{fmt_ratio(a['step_ratio'])}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
                      fmt_bytes(a["on_disk_bytes"]), f"{a['storage_overhead_vs_handed'] * 100:+.2f}%"])
-    out.append(md_table(["model", "params", "disk MB/s (same run)", "persist MB/s idle (% of disk)",
+    out.append(md_table(["model", "params", "disk MB/s (same run)", "persist MB/s idle (median % of paired disk)",
                          "persist MB/s while training", "time to persisted base, idle",
                          "time to persisted base, training", "capture (blocks step)", "step ratio tier3/none [90% CI]",
                          "base on disk", "on disk vs bytes handed to save"], rows))
@@ -310,7 +312,7 @@ def launcher(args: argparse.Namespace) -> int:
         result_file = os.path.join(scratch, "result.json")
         wargs = ["--worker", "--size", size, "--micro-batch", str(d["micro_batch"]), "--rounds", str(d["rounds"]),
                  "--steps-per-block", str(d["steps"]), "--scratch", scratch, "--result-file", result_file,
-                 "--seed", str(args.seed), "--max-mb-s", str(args.max_mb_s)]
+                 "--seed", str(args.seed), "--max-mb-s", str(args.max_mb_s), "--pairs", str(args.pairs)]
         if args.no_adaptive:
             wargs.append("--no-adaptive")
         cmd = torchrun_cmd(args.nproc, os.path.abspath(__file__), wargs, port=free_port())
@@ -348,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=NPROC)
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--steps-per-block", type=int, default=None)
+    p.add_argument("--pairs", type=int, default=3, help="paired (disk bandwidth, idle base) measurements")
     p.add_argument("--max-mb-s", type=float, default=0.0, help="persist.max_mb_s for the run")
     p.add_argument("--no-adaptive", action="store_true", help="persist.adaptive false")
     p.add_argument("--seed", type=int, default=1234)

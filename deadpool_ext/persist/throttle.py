@@ -42,6 +42,7 @@ class Throttle:
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._writing = False
+        self._touched = False
         self._t0 = 0.0
         self._sent = 0.0
         self._next = 0.0
@@ -58,7 +59,11 @@ class Throttle:
         """A foreground step took ``dt`` seconds (measured by the caller, boundary to boundary)."""
         base = self.baseline
         with self._lock:
-            if not self._writing:
+            # A base often takes less than one step: a step counts as "with the writer" if the writer was
+            # active at any time during it, not only at the moment the step ends.
+            overlapped = self._writing or self._touched
+            self._touched = False
+            if not overlapped:
                 self._idle.append(dt)
                 return
             if not self.adaptive or base is None:
@@ -74,6 +79,7 @@ class Throttle:
     def begin(self) -> None:
         with self._lock:
             self._writing = True
+            self._touched = True
             self._t0 = self._clock()
             self._next = self._t0
             self._sent = 0.0

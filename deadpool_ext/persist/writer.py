@@ -95,7 +95,7 @@ class _ChunkSink:
 
 
 class BaseWriter:
-    def __init__(self, storage: Storage, throttle: Throttle, *, chunk_mb: int = 8, poll_s: float = 0.1,
+    def __init__(self, storage: Storage, throttle: Throttle, *, chunk_mb: int = 8, poll_s: float = 0.05,
                  verify_after_publish: bool = True, keep_last: int = 2) -> None:
         self.storage = storage
         self.throttle = throttle

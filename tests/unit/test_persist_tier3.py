@@ -86,6 +86,20 @@ def test_adaptive_halves_on_slow_steps_and_recovers():
     assert th.baseline == pytest.approx(1.0)
 
 
+def test_step_overlapping_a_short_base_counts_as_slow():
+    clk = FakeClock()
+    th = Throttle(max_mb_s=100, adaptive=True, clock=clk, sleep=clk.sleep)
+    for _ in range(4):
+        th.observe_step(1.0)
+    th.begin()
+    th.pace(10 * MiB)
+    th.end()  # the whole base fitted inside one step
+    th.observe_step(2.0)
+    assert th.rate == pytest.approx(50 * MiB) and th.slow_steps == 1
+    th.observe_step(1.0)  # next step without the writer: baseline again, rate unchanged
+    assert th.rate == pytest.approx(50 * MiB)
+
+
 def test_adaptive_without_cap_uses_measured_rate_and_floor():
     clk = FakeClock()
     th = Throttle(adaptive=True, clock=clk, sleep=clk.sleep, min_mb_s=4)
