@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> None:
                        ["snapshots off", fmt_s(o["off"]["median"]), fmt_s(o["off"]["p90"]), o["off"]["n"]]]), "",
              f"Step-time ratio on/off: **{fmt_ratio(o['ratio_median'])}** (90% CI {fmt_ratio(o['ratio_ci90'][0])} - "
              f"{fmt_ratio(o['ratio_ci90'][1])}), A/B blocks interleaved in one run. Training thread blocked "
-             f"{fmt_s(o["snapshot_blocking_s_median"])} per snapshot (median); background copy "
-             f"{fmt_s(o["snapshot_copy_s_median"])}, replica {fmt_s(o["snapshot_replicate_s_median"])}.", ""]
+             f"{fmt_s(o['snapshot_blocking_s_median'])} per snapshot (median); background copy "
+             f"{fmt_s(o['snapshot_copy_s_median'])}, replica {fmt_s(o['snapshot_replicate_s_median'])}.", ""]
     if "recovery" in result:
         r = result["recovery"]
         lines += [f"## Hot-swap recovery: {r['layout']}, GPT {r['model_size']}, SIGKILL at step 5", "",
