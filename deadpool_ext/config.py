@@ -146,12 +146,18 @@ class DifferentialConfig:
     relative error <= 2**-8 per element per step; never the default)."""
     replay_batch: int = 8
     """Differentials read and replayed per batch during recovery (bounds the memory replay needs)."""
+    replay: str = "fused"
+    """``fused``: multi-step, cache-blocked replay of each batch, parameters synced once at the end.
+    ``stepwise``: one step at a time, parameters synced after each (what replaying through the engine's step
+    does); same result, slower; kept as the benchmark's baseline."""
 
     def __post_init__(self) -> None:
         if isinstance(self.base_interval, bool) or not isinstance(self.base_interval, int) or self.base_interval < 2:
             _fail("base_interval", f"must be an integer >= 2 (a base every K steps, differentials between), "
                   f"got {self.base_interval!r}")
         _positive("replay_batch", self.replay_batch)
+        if self.replay not in ("fused", "stepwise"):
+            _fail("replay", f"must be one of fused, stepwise; got {self.replay!r}")
         if self.compression not in ("none", "bf16"):
             _fail("compression", f"must be one of none, bf16; got {self.compression!r}")
 

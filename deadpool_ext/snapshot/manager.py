@@ -409,12 +409,16 @@ class SnapshotManager:
     def _replay(self, plan: Any, ring_of: dict[int, int]) -> int:
         """Replay this rank's differentials on the restored base (fused, in batches); every rank then syncs
         parameters from masters if any rank replayed (a collective under ZeRO)."""
-        from ..recovery.replay import AdamHyper, StepDiff, replay_fused
+        from ..recovery.replay import AdamHyper, StepDiff, replay_fused, replay_naive
         from .differential import replay_targets
 
-        todo = plan.diffs(self.rank)
         if not plan.replays:
             return 0
+        todo = plan.diffs(self.rank)
+        stepwise = self.config.differential.replay == "stepwise"
+        # Stepwise syncs parameters after every step, a collective under ZeRO: every rank syncs as often as
+        # the rank with the longest chain.
+        syncs = max(len(plan.diffs(r)) for r in range(self.world)) if stepwise else 1
         t0 = time.perf_counter()
         last_meta = None
         if todo:
@@ -422,7 +426,7 @@ class SnapshotManager:
                 self._open_ring(os.path.getsize(os.path.join(
                     self.dir, segment_name(self.job_id, "diff", self.rank, ring_of[todo[0]]))))
             targets = replay_targets(self.adapter)
-            batch_n = self.config.differential.replay_batch
+            batch_n = 1 if stepwise else self.config.differential.replay_batch
             for b in range(0, len(todo), batch_n):
                 batch = []
                 for d in todo[b:b + batch_n]:
@@ -437,12 +441,18 @@ class SnapshotManager:
                                                  for i in range(len(targets))],
                                           hypers=[AdamHyper.from_json(hypers[str(i)]) for i in range(len(targets))]))
                     last_meta = state["meta"]
-                replay_fused(targets, batch)
-        self.adapter.sync_params_from_masters()
+                if stepwise:
+                    replay_naive(targets, batch)
+                    self.adapter.sync_params_from_masters()
+                    syncs -= 1
+                else:
+                    replay_fused(targets, batch)
+        for _ in range(syncs):
+            self.adapter.sync_params_from_masters()
         if last_meta is not None:
             self.adapter.restore_meta(last_meta)
-            log.info("rank %d: replayed differentials %d..%d on base %d in %.3f s", self.rank, todo[0], todo[-1],
-                     plan.base[self.rank], time.perf_counter() - t0)
+            log.info("rank %d: replayed differentials %d..%d on base %d in %.3f s (%s)", self.rank, todo[0], todo[-1],
+                     plan.base[self.rank], time.perf_counter() - t0, "stepwise" if stepwise else "fused")
         self._stats["replay_s"] = time.perf_counter() - t0
         return len(todo)
 

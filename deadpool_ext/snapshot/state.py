@@ -157,10 +157,11 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         opt = self.engine.optimizer
         with torch.no_grad():
             if self.zero_stage == 3:
+                # Release gathered parameters first: the epilogue's all-gather skips parameters that are still
+                # "available", which would leave persistent (small, always gathered) parameters stale.
+                opt.checkpoint_event_prologue()
                 for bit16, master in zip(self._bit16(), self._master()):
                     bit16.copy_(master)
-                for sub_group in range(len(opt.fp16_partitioned_groups_flat)):
-                    opt._unflatten_partitioned_parameters(sub_group)
                 opt.checkpoint_event_epilogue()
             elif self._bit16():
                 opt.update_lp_params()

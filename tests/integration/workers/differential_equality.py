@@ -41,6 +41,16 @@ def main(argv: list[str]) -> int:
     want = {name: t.detach().clone() for name, t in adapter.tensors()}
     want_params = [p.detach().clone() for p in engine.module.parameters()]
     want_meta = adapter.meta()
+    probe = data.gpt_batch(10_000 + engine.global_rank * 4, 4)
+
+    def probe_loss() -> float:  # a forward pass sees the gathered parameters, not just the partitions
+        engine.eval()
+        with torch.no_grad():
+            out = engine(input_ids=probe[0], labels=probe[1]).loss.item()
+        engine.train()
+        return out
+
+    want_loss = probe_loss()
     # Wreck the live state, so only a correct restore can bring it back.
     with torch.no_grad():
         for _, t in adapter.tensors():
@@ -55,6 +65,7 @@ def main(argv: list[str]) -> int:
     assert not bad, f"rank {engine.global_rank}: differs after replay: {bad}"
     for key in ("global_steps", "global_samples", "lr_scheduler", "param_groups"):
         assert adapter.meta()[key] == want_meta[key], key
+    assert probe_loss() == want_loss, "forward pass differs after replay (stale gathered parameters?)"
     if adapter.zero_stage < 3:  # ZeRO-3 module parameters are gathered on use; the partitions were compared
         assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(engine.module.parameters(), want_params))
     print(f"rank {engine.global_rank}: {len(want)} tensors equal after replaying {stats['replayed']} "
