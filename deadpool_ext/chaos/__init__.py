@@ -1,0 +1,17 @@
+"""Chaos suite: random faults over many trials, each checked against a fault-free run (docs/chaos.md).
+
+- :mod:`.catalogue`  the faults (an enum), the layouts they run on, the primitive actions a fault expands to
+- :mod:`.plan`       ``plan_trial(seed, trial, layouts)``: a pure function from a seed to a scenario
+- :mod:`.inject`     applying one action to a running job (signals, byte corruption, a full disk)
+- :mod:`.runner`     launching a scenario under ``deadpool-run`` with deadlines, baselines cached per layout
+- :mod:`.check`      what a trial must satisfy: identical losses, every corrupt copy refused and never used
+- :mod:`.report`     the summary table and its JSON
+
+The CLI is ``deadpool chaos`` (``deadpool_ext/commands/chaos.py``).
+"""
+from __future__ import annotations
+
+from .catalogue import FAULTS, LAYOUTS, Action, Fault, Layout, Trigger
+from .plan import Scenario, plan_campaign, plan_trial
+
+__all__ = ["FAULTS", "LAYOUTS", "Action", "Fault", "Layout", "Trigger", "Scenario", "plan_campaign", "plan_trial"]

@@ -1,0 +1,59 @@
+"""``deadpool chaos --trials N [--seed S] [--layouts zero1,zero2,zero3,megatron] [--json]``: random faults over many
+trials, each compared with a fault-free run (docs/chaos.md).
+
+    deadpool chaos --trials 12 --seed 1                 # a campaign; prints a table, exit 1 if any trial failed
+    deadpool chaos --seed 1 --trial 7 --layouts zero3   # replay trial 7 of that campaign exactly
+    deadpool chaos --trials 30 --plan-only              # show the scenarios without running anything
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+HELP = "chaos suite: random faults over many trials, state compared with a fault-free run"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trials", type=int, default=None, help="trials 0..N-1 of the campaign (default 4)")
+    p.add_argument("--trial", type=int, action="append", default=None,
+                   help="run only this trial index (repeatable): reproduces a failing trial")
+    p.add_argument("--seed", type=int, default=0, help="campaign seed (default 0)")
+    p.add_argument("--layouts", default="zero1,zero2,zero3,megatron",
+                   help="comma-separated: zero1, zero2, zero3 (DeepSpeed), megatron (TP2)")
+    p.add_argument("--faults", default=None, help="comma-separated subset of the catalogue (default: all)")
+    p.add_argument("--workdir", default=None, help="where jobs write logs, metrics and timelines (default: a temp dir)")
+    p.add_argument("--job-timeout-s", type=float, default=480.0, help="deadline of each job")
+    p.add_argument("--plan-only", action="store_true", help="print the planned scenarios and exit")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..chaos.catalogue import Fault
+    from ..chaos.plan import check_layouts, plan_trial
+
+    try:
+        layouts = check_layouts([s.strip() for s in args.layouts.split(",") if s.strip()])
+        faults = None if args.faults is None else [Fault(s.strip()) for s in args.faults.split(",") if s.strip()]
+        if args.trial is not None and args.trials is not None:
+            raise ValueError("give --trials N or --trial T, not both")
+        indices = args.trial if args.trial is not None else list(range(4 if args.trials is None else args.trials))
+        if not indices:
+            raise ValueError("--trials must be >= 1")
+        scenarios = [plan_trial(args.seed, t, layouts, faults) for t in indices]
+    except ValueError as exc:
+        print(f"deadpool chaos: {exc}", file=sys.stderr)
+        return 2
+    if args.plan_only:
+        out = [s.to_json() for s in scenarios]
+        print(json.dumps(out, indent=1) if args.json else
+              "\n".join(f"{s.trial:>4} {s.layout:<8} {s.fault.value:<15} {s.describe()}" for s in scenarios))
+        return 0
+    from ..chaos.campaign import run_campaign
+
+    report = run_campaign(scenarios, workdir=args.workdir, job_timeout_s=args.job_timeout_s,
+                          log=(lambda m: print(m, file=sys.stderr, flush=True)))
+    from ..chaos.report import format_table
+
+    print(json.dumps(report, indent=1) if args.json else format_table(report["rows"], report["summary"]))
+    return 1 if report["summary"]["failed"] else 0
