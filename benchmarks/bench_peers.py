@@ -212,6 +212,7 @@ def worker(args: argparse.Namespace) -> int:
                           "recovery": {"restore_on_start": False}}
     seed_everything(args.seed)
     model = build_gpt(args.size)
+    n_params = count_parameters(model)  # before ZeRO-3 partitions the parameters (then they read as empty)
     engine, _, _, _ = dpx.initialize(model=model, config=config, model_parameters=model.parameters())
     engine.deadpool.snapshots.active = False
     peers = _Peers(engine, args, [m for m in args.modes.split(",") if m], dist)
@@ -269,7 +270,7 @@ def worker(args: argparse.Namespace) -> int:
     peers.close()
     engine.deadpool.close()
     if rank == 0:
-        write_json(args.result_file, {"size": args.size, "params": count_parameters(model), "world_size": world,
+        write_json(args.result_file, {"size": args.size, "params": n_params, "world_size": world,
                                       "micro_batch": micro, "zero_stage": 3, "modes": peers.modes,
                                       "intervals": intervals, "notes": peers.notes, "ranks": gathered,
                                       "layout": {"nproc": world, "simulated_nodes": 2, "replication_factor": 1}})
@@ -330,6 +331,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      a["step_s"]["n"]])
     lines.append(md_table(["mode", "interval", "median step", "ratio to none", "90% CI", "blocking / ckpt",
                            "blocking / step", "drain per block", "steps"], rows))
+    wide = [k for k, a in doc["analysis"].items() if a["ratio_ci90"] and a["ratio_ci90"][0] <= 1.0 <= a["ratio_ci90"][1]]
+    below = [k for k, a in doc["analysis"].items() if a["ratio_ci90"] and a["ratio_ci90"][1] < 1.0]
+    if below:
+        lines += ["", f"Ratios below 1 ({', '.join(below)}): no checkpoint makes a step faster; these blocks ran while "
+                  "other jobs on the machine eased off. Load drift of this size swamps the step-time ratios here."]
+    if wide:
+        lines += ["", f"Step-time ratios whose 90% interval includes 1.0 (not resolved by this run): {', '.join(wide)}. "
+                  "On a shared, loaded machine the blocking time per checkpoint is the robust comparison; the ratios "
+                  "need more steps or a quiet machine."]
     if res.get("notes"):
         lines += ["", "Notes:"] + [f"- `{k}`: {v}" for k, v in res["notes"].items()]
     lines += ["", "Blocking per checkpoint: deadpool = the snapshot manager's `blocking_s` (hook + any wait for "
