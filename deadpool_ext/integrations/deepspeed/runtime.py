@@ -195,7 +195,8 @@ class DeadpoolRuntime:
                 gc.collect()
                 min_gen = a.generation + 1
         faulthandler.cancel_dump_traceback_later()
-        engine.deadpool._catch_up = (failed_step, t_restored)
+        # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
+        engine.deadpool._catch_up = (failed_step + 1, t_restored)
         write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
                     rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
                     noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
