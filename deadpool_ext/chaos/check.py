@@ -40,6 +40,9 @@ class Verdict:
     mismatch: bool = False
     faults_injected: int = 0
     hits: list[bool] = field(default_factory=list)
+    """per action timed inside a copy/transfer window: did the signal land while it was still open"""
+    notes: list[str] = field(default_factory=list)
+    """what the injector adapted (e.g. which copy it corrupted instead), for the reader"""
 
     def to_json(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -78,13 +81,13 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
     hot_swaps = sum(1 for e in tr.first.events if e.get("event") == "assignment" and e.get("generation", 0) >= 1)
     v = Verdict(ok=False, status="failed", hot_swaps=hot_swaps, restores=restores, refused=refused,
                 faults_injected=len(injected), hits=[r["hit"] for r in tr.injected if r.get("hit") is not None])
-    if notes or len(injected) < len(sc.actions):
-        if not tr.first.timed_out and tr.first.returncode == 0 and tr.relaunch is None:
-            # The job finished before the fault could land: nothing was tested, nothing went wrong.
-            v.status, v.ok = "not_injected", True
-            v.problems = notes or ["fault not injected"]
-            return v
-        v.problems.extend(notes)
+    if not injected and not tr.first.timed_out and tr.first.returncode == 0:
+        # The job finished before the fault could land: nothing was tested, nothing went wrong.
+        v.status, v.ok = "not_injected", True
+        v.notes = notes or ["fault not injected"]
+        return v
+    v.problems.extend(notes)
+    v.notes = [r["note"] for r in tr.injected if r.get("note") and not r["note"].startswith("not injected")]
     for name, run in (("job", tr.first), ("relaunch", tr.relaunch)):
         if run is not None and run.timed_out:
             v.problems.append(f"{name} hung: killed at the deadline after {run.elapsed_s:.0f} s")

@@ -247,20 +247,29 @@ class Injector:
         if a.tier == 1:
             infos = [(p, segment_info(p)) for p in self._shm_files(f"deadpool.{{job}}.snap.r{a.rank}.*")]
             sealed = sorted(((i["version"], p, i) for p, i in infos if i), reverse=True)
-            chosen = sealed if a.which == "all" else sealed[:1]
+            chosen = [(v, p, i, a.rank) for v, p, i in (sealed if a.which == "all" else sealed[:1])]
         else:
             held = [(p, segment_info(p)) for p in self._shm_files(f"deadpool.{{job}}.replica.r{a.rank}.h*")]
             sealed = sorted(((i["version"], p, i) for p, i in held if i), reverse=True)
-            chosen = sealed[:1] if len(sealed) >= 2 else []
+            chosen = [(v, p, i, a.rank) for v, p, i in sealed[:1]] if len(sealed) >= 2 else []
             if not chosen:
-                rec.note = f"only {len(sealed)} sealed replica buffer(s) of rank {a.rank}: corrupting none"
+                # The other buffer was torn by the kill (the transfer was in flight): corrupting the only sealed
+                # copy would make the loss unrecoverable by design. Corrupt a replica nobody needs instead (a
+                # survivor's, held on a surviving node): it must still be reported, and must not stop the restore.
+                others = [(p, segment_info(p)) for p in self._shm_files("deadpool.{job}.replica.r*.h*")
+                          if f".replica.r{a.rank}." not in os.path.basename(p)]
+                sealed_o = sorted(((i["version"], p, i) for p, i in others if i), reverse=True)
+                chosen = [(v, p, i, int(os.path.basename(p).split(".")[3][1:])) for v, p, i in sealed_o[:1]]
+                rec.note = (f"only {len(sealed)} sealed replica buffer(s) of rank {a.rank}: corrupted a survivor's "
+                            f"replica instead" if chosen else f"only {len(sealed)} sealed replica buffer(s) of rank "
+                            f"{a.rank} and no other replica held: corrupting none")
         if a.tier in (1, 2):
-            for version, path, info in chosen:
+            for version, path, info, rank in chosen:
                 pos = info["data_offset"] + info["data_nbytes"] // 2
                 corrupt_file(path, offset_from_end=info["size"] - pos, nbytes=16)
                 name = os.path.basename(path)
                 rec.corrupted.append({"tier": a.tier, "path": path, "file": name, "version": version,
-                                      "rank": a.rank, "index": int(name.rsplit("b" if a.tier == 2 else ".", 1)[1])})
+                                      "rank": rank, "index": int(name.rsplit("b" if a.tier == 2 else ".", 1)[1])})
         else:
             version = self._published()
             d = os.path.join(self.paths.save_dir or "", f"global_step{version}")
