@@ -17,6 +17,11 @@ class RecoveryError(RuntimeError):
     """No consistent state can be restored from the memory tiers; the message says what each rank had."""
 
 
+class NoCommonVersionError(RecoveryError):
+    """The agreement itself found no version every rank can obtain: the same decision on every rank, so a
+    caller may fall back to another tier on all ranks alike (unlike a fetch that fails on one rank)."""
+
+
 @dataclass(kw_only=True, slots=True)
 class RankReport:
     rank: int
@@ -130,5 +135,5 @@ def choose_version(reports: list[RankReport]) -> RestorePlan | None:
              + f", holds replicas { {k: sorted(v) for k, v in sorted(r.replicas.items())} or 'none'}"
              + (f" + differential replicas { {k: sorted(v) for k, v in sorted(r.replica_diffs.items())} }"
                 if r.replica_diffs else "") for r in reports]
-    raise RecoveryError("no snapshot version is complete for every rank in local or peer memory; "
+    raise NoCommonVersionError("no snapshot version is complete for every rank in local or peer memory; "
                         "what each rank has:\n  " + "\n  ".join(lines))

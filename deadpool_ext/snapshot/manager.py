@@ -334,13 +334,20 @@ class SnapshotManager:
             report.replica_diffs = self.dpeers.scan(verify=verify, world=self.world)
         return report, slot_of, ring_of
 
-    def restore_latest(self) -> int | None:
+    def restore_latest(self, newer_than: int | None = None) -> int | None:
+        """Collective. Restore the newest version every rank can obtain from the memory tiers; ``None`` when
+        there is none, or none newer than ``newer_than`` (a tier-3 base already loaded)."""
         t0 = time.perf_counter()
         report, slot_of, ring_of = self._scan()
         reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
         plan = choose_version(reports)
         if plan is None:
             log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
+            return None
+        if newer_than is not None and plan.version <= newer_than:
+            if self.rank == 0:
+                log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
+                         plan.version, newer_than)
             return None
         me = self.rank
         if me == 0:

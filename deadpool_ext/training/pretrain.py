@@ -140,16 +140,25 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
             raise SystemExit(str(exc)) from None
         path = f"{args.load} (tier-3 base {version})"
         if version is None:  # not written by tier 3: a plain DeepSpeed checkpoint directory
-            path, client = engine.load_checkpoint(args.load)
+            has_latest = os.path.exists(os.path.join(args.load, "latest"))
+            path, client = engine.load_checkpoint(args.load) if has_latest else (None, None)
         if path is None:
-            raise SystemExit(f"--load {args.load}: no checkpoint found there")
-        rngs = client.get("deadpool_rng", {})
-        if str(rank) in rngs or "rng" in client:
-            restore_rng(rngs[str(rank)] if str(rank) in rngs else client["rng"])
+            if args.load != args.save and "://" not in args.load and not os.path.isdir(args.load):
+                raise SystemExit(f"--load {args.load}: no such directory and no checkpoint found there")
+            # Megatron-LM semantics: relaunching with --load = --save before the first base exists starts
+            # from scratch (memory tiers may still hold a newer state: tried next).
+            if rank == 0:
+                log.warning("--load %s: no complete base there yet; starting from step 0", args.load)
+        else:
+            rngs = client.get("deadpool_rng", {})
+            if str(rank) in rngs or "rng" in client:
+                restore_rng(rngs[str(rank)] if str(rank) in rngs else client["rng"])
+            log.info("resumed from checkpoint %s at step %d", path, int(engine.global_steps))
         start = int(engine.global_steps)
-        log.info("resumed from checkpoint %s at step %d", path, start)
     if engine.deadpool is not None:
-        start = max(start, engine.deadpool.resume())
+        # Across tiers: the memory tiers are used only for a version newer than the tier-3 base just loaded
+        # (all ranks agree on both); if they cannot rebuild one, the tier-3 base stands (logged).
+        start = max(start, engine.deadpool.resume(newer_than=start if args.load else None))
 
     def layout():
         dp = engine.dp_world_size

@@ -13,24 +13,15 @@ Call order (every rank):
 from __future__ import annotations
 
 import atexit
-import gc
 import logging
-import os
 import time
 from typing import Any, Callable
 
 from ...config import DeadpoolConfig
-from ...recovery.agree import RecoveryError
 from ...snapshot.state import DeepSpeedStateAdapter
 from .checkpoint_engine import DeadpoolCheckpointEngine
 
 log = logging.getLogger("deadpool_ext")
-
-
-def _backend() -> str:
-    from ...distributed import default_backend
-
-    return default_backend()
 
 
 class DeadpoolRuntime:
@@ -101,28 +92,20 @@ class DeadpoolRuntime:
             self.snapshots.before_optimizer_step()
 
     # -- public -------------------------------------------------------------------------------------
-    def resume(self) -> int:
-        """Restore from the memory tiers if this job has snapshots there; return the step to continue from."""
+    def resume(self, newer_than: int | None = None) -> int:
+        """Restore from the memory tiers if this job has snapshots there; return the step to continue from.
+
+        ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
+        newer version, and a memory state no version of which every rank can rebuild falls back to that base
+        (logged) instead of failing the job."""
         if self.snapshots is None or not self.config.recovery.restore_on_start:
             return int(self.engine.global_steps)
+        from ...rebuild.recover import restore_from_memory
+
         t0 = time.perf_counter()
-        try:
-            version = self.snapshots.restore_latest()
-        except RecoveryError as exc:
-            from ...distributed import membership
-
-            if membership() is not None:
-                membership().report_fatal(str(exc))
-            raise
+        version, self._spare_logged = restore_from_memory(self.snapshots, self.engine.global_rank,
+                                                          getattr(self, "_spare_logged", False), newer_than=newer_than)
         self._restored_version = version or 0
-        gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
-        if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not getattr(self, "_spare_logged", False):
-            from ...recovery.timeline import write_event
-
-            self._spare_logged = True
-            write_event(event="recover", role="spare", generation=gen, rank=self.engine.global_rank, pid=os.getpid(),
-                        restored_version=version, restore_s=time.perf_counter() - t0,
-                        restored_from=self.snapshots.stats().get("restored_from"), restored_at=time.time())
         if version is None:
             return int(self.engine.global_steps)
         log.info("resumed from in-memory snapshot of step %d in %.2f s", version, time.perf_counter() - t0)
@@ -141,78 +124,29 @@ class DeadpoolRuntime:
                 and isinstance(exc, (RuntimeError, OSError)))
 
     def recover(self, exc: BaseException) -> Any:
-        """Survivor side of hot-swap: tear down, join the next generation, rebuild the engine, restore.
-
-        Returns the new engine. The process and everything outside the engine (data, metrics files) stay."""
-        from ...distributed import membership
-        from ...recovery.timeline import write_event
-        from ...rebuild.worker import init_process_group, teardown
-
-        m = membership()
-        gen = m.assignment.generation
-        failed_step = int(self.engine.global_steps)
-        rank = self.engine.global_rank
-        t_noticed = time.time()
-        log.warning("generation %d: collective failed at step %d (%s: %s); rebuilding communicators in-process",
-                    gen, failed_step, type(exc).__name__, " ".join(str(exc).split())[:600])
-        # Last-resort bound on the whole recovery: if anything below blocks past every individual deadline,
-        # print all threads' stacks and leave, so the launcher replaces this node instead of the job hanging.
-        import faulthandler
+        """Survivor side of hot-swap: tear down, join the next generation, rebuild the engine, restore
+        (``deadpool_ext/rebuild/recover.py``). Returns the new engine. The process and everything outside the
+        engine (data, metrics files) stay."""
+        from ...rebuild import recover
 
         hc = self.config.hot_swap
-        faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s +
-                                          hc.collective_timeout_s + 120, exit=True)
-        m.report_failure(gen, repr(exc))
+        begun = recover.begin(hc, exc, int(self.engine.global_steps))
+        rank = self.engine.global_rank
         if self.snapshots is not None:
             self.snapshots.quiesce()
         self._closed = True
         factory = self._factory
-        self.engine = None
-        teardown(self.config.hot_swap.teardown_timeout_s)
-        gc.collect()
-        min_gen = gen + 1
-        while True:
-            # A failure during recovery (a peer dying while we rebuild) sends us round again to the next
-            # generation; every wait inside has a deadline, so this cannot spin silently.
-            a = m.join(min_gen, timeout_s=self.config.hot_swap.assignment_timeout_s)
-            t_assigned = time.time()
-            try:
-                init_process_group(a, m.worker_id, _backend(), self.config.hot_swap.collective_timeout_s)
-                t_pg = time.time()
-                engine = factory()
-                t_engine = time.time()
-                version = engine.deadpool.resume()
-                t_restored = time.time()
-                break
-            except RecoveryError:
-                raise  # state is gone, not a transient failure: resume() already told the launcher
-            except (RuntimeError, OSError) as again:
-                log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment",
-                            a.generation, " ".join(str(again).split())[:300])
-                m.report_failure(a.generation, repr(again))
-                engine = None
-                teardown(self.config.hot_swap.teardown_timeout_s)
-                gc.collect()
-                min_gen = a.generation + 1
-        faulthandler.cancel_dump_traceback_later()
+        self.engine = None  # the old engine holds the dead world's groups; drop it before teardown
+        r = recover.rejoin(hc, begun, build=lambda a: factory(), resume=lambda engine: engine.deadpool.resume())
         # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
-        engine.deadpool._catch_up = (failed_step + 1, t_restored)
-        write_event(event="recover", role="survivor", generation=a.generation, old_rank=rank,
-                    rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
-                    noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
-                    restored_at=t_restored)
-        return engine
+        r.result.deadpool._catch_up = (begun.failed_step + 1, r.restored_at)
+        recover.finish(begun, r, old_rank=rank)
+        return r.result
 
     def _after_step_hook(self) -> None:
-        if self.persist is not None:
-            self.persist.after_step()  # tier 3 (collective every persist.interval steps)
-        catch = self._catch_up
-        if catch is not None and self.engine.global_steps >= catch[0]:
-            from ...recovery.timeline import write_event
+        from ...rebuild.recover import caught_up
 
-            write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")),
-                        rank=self.engine.global_rank, step=int(self.engine.global_steps),
-                        recompute_s=time.time() - catch[1], recomputed_steps=catch[0] - self._restored_version)
+        if caught_up(self._catch_up, int(self.engine.global_steps), self.engine.global_rank, self._restored_version):
             self._catch_up = None
 
     def stats(self) -> dict[str, Any]:

@@ -21,10 +21,7 @@ Call order (every rank, main thread):
 from __future__ import annotations
 
 import atexit
-import faulthandler
-import gc
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,7 +29,6 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from ...config import DeadpoolConfig
-from ...recovery.agree import RecoveryError
 from . import parallel
 from .layout import Coordinates, Layout
 from .model import Built
@@ -115,25 +111,13 @@ class MegatronRuntime:
         """Restore from the memory tiers if this job has snapshots there; return the iteration to continue from."""
         if self.snapshots is None or not self.config.recovery.restore_on_start:
             return self.progress.iteration
+        from ...rebuild.recover import restore_from_memory
+
         t0 = time.perf_counter()
-        try:
-            version = self.snapshots.restore_latest()
-        except RecoveryError as exc:
-            from ...distributed import membership
-
-            if membership() is not None:
-                membership().report_fatal(str(exc))
-            raise
+        version, self._spare_logged = restore_from_memory(
+            self.snapshots, self.rank, getattr(self, "_spare_logged", False),
+            coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp})
         self._restored_version = version or 0
-        gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
-        if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not getattr(self, "_spare_logged", False):
-            from ...recovery.timeline import write_event
-
-            self._spare_logged = True
-            write_event(event="recover", role="spare", generation=gen, rank=self.rank, pid=os.getpid(),
-                        restored_version=version, restore_s=time.perf_counter() - t0,
-                        restored_from=self.snapshots.stats().get("restored_from"), restored_at=time.time(),
-                        coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp})
         if version is None:
             return self.progress.iteration
         log.info("resumed from in-memory snapshot of iteration %d in %.2f s (tp %d, pp %d, dp %d)", version,
@@ -158,22 +142,11 @@ class MegatronRuntime:
         ``parallel.destroy()`` (Megatron's groups, memory buffer, RNG tracker); destroy every process group;
         join the launcher's next generation (the spare has the failed rank's global rank, hence its TP/PP/DP
         coordinates); ``initialize_model_parallel`` with the same sizes; ``factory()``; ``resume()``."""
-        from ...distributed import default_backend, membership
-        from ...rebuild.worker import init_process_group, teardown
-        from ...recovery.timeline import write_event
+        from ...rebuild import recover
 
-        m = membership()
         hc = self.config.hot_swap
-        gen = m.assignment.generation
-        failed_step = self.progress.iteration
-        t_noticed = time.time()
-        log.warning("generation %d: collective failed at iteration %d (%s: %s); rebuilding parallel state in-process",
-                    gen, failed_step, type(exc).__name__, " ".join(str(exc).split())[:600])
-        # Last-resort bound on the whole recovery: past every individual deadline, dump stacks and leave so the
-        # launcher replaces this node rather than the job hanging.
-        faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s +
-                                          hc.collective_timeout_s + 120, exit=True)
-        m.report_failure(gen, repr(exc))
+        begun = recover.begin(hc, exc, self.progress.iteration, "rebuilding parallel state")
+        rank = self.rank
         if self.snapshots is not None:
             self.snapshots.quiesce()
         self._closed = True
@@ -181,48 +154,21 @@ class MegatronRuntime:
         self.built = None  # type: ignore[assignment]
         self.adapter = None  # type: ignore[assignment]
         parallel.destroy()
-        teardown(hc.teardown_timeout_s)
-        gc.collect()
-        min_gen = gen + 1
-        while True:
-            a = m.join(min_gen, timeout_s=hc.assignment_timeout_s)
-            t_assigned = time.time()
-            try:
-                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
-                parallel.initialize(layout, seed)
-                t_pg = time.time()
-                runtime = factory()
-                t_engine = time.time()
-                version = runtime.resume()
-                t_restored = time.time()
-                break
-            except RecoveryError:
-                raise  # state is gone, not transient; resume() already told the launcher
-            except (RuntimeError, OSError) as again:
-                log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment",
-                            a.generation, " ".join(str(again).split())[:300])
-                m.report_failure(a.generation, repr(again))
-                runtime = None
-                parallel.destroy()
-                teardown(hc.teardown_timeout_s)
-                gc.collect()
-                min_gen = a.generation + 1
-        faulthandler.cancel_dump_traceback_later()
-        runtime._catch_up = (failed_step, t_restored)
-        write_event(event="recover", role="survivor", generation=a.generation, old_rank=self.rank,
-                    rank=a.ranks[m.worker_id], pid=os.getpid(), failed_step=failed_step, restored_version=version,
-                    noticed_at=t_noticed, assigned_at=t_assigned, pg_ready_at=t_pg, engine_ready_at=t_engine,
-                    restored_at=t_restored)
-        return runtime
+
+        def build(_a: Any) -> "MegatronRuntime":
+            parallel.initialize(layout, seed)
+            return factory()
+
+        r = recover.rejoin(hc, begun, build=build, resume=lambda rt: rt.resume(), release=parallel.destroy)
+        # Caught up once the iteration in flight when the failure hit (failed_step + 1) is done again.
+        r.result._catch_up = (begun.failed_step + 1, r.restored_at)
+        recover.finish(begun, r, old_rank=rank)
+        return r.result
 
     def _after_step_hook(self) -> None:
-        catch = self._catch_up
-        if catch is not None and self.progress.iteration >= catch[0]:
-            from ...recovery.timeline import write_event
+        from ...rebuild.recover import caught_up
 
-            write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")),
-                        rank=self.rank, step=self.progress.iteration, recompute_s=time.time() - catch[1],
-                        recomputed_steps=catch[0] - self._restored_version)
+        if caught_up(self._catch_up, self.progress.iteration, self.rank, self._restored_version):
             self._catch_up = None
 
     # -- misc ---------------------------------------------------------------------------------------

@@ -1,0 +1,150 @@
+"""The survivor side of a hot-swap, shared by every integration (DeepSpeed, Megatron-Core).
+
+An integration's ``recover(exc)`` does its own framework-specific teardown (drop the engine / model and
+optimizer, destroy framework caches) and hands the rest to these functions, in this order:
+
+1. ``begin(hot_swap_config, exc, step)``: log, arm the last-resort deadline, tell the launcher (timeline);
+2. the integration releases its framework state, then ``rejoin(...)``: tear down the process groups, join
+   the next generation, build the process group, ``build(assignment)`` the framework state, ``resume()`` it;
+   a failure during recovery (a peer dying meanwhile) goes round to the following generation;
+3. ``finish(...)``: cancel the deadline, write the ``recover`` timeline event.
+
+Every wait has a deadline: the assignment (``hot_swap.assignment_timeout_s``), the collectives
+(``collective_timeout_s``), the teardown (``teardown_timeout_s``), and around all of them
+``faulthandler.dump_traceback_later`` with their sum plus 120 s, which prints every thread's stack and exits,
+so the launcher replaces this node instead of the job hanging.
+"""
+from __future__ import annotations
+
+import faulthandler
+import gc
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+from ..config import HotSwapConfig
+from ..launcher.membership import Assignment
+from ..recovery.agree import NoCommonVersionError, RecoveryError
+
+log = logging.getLogger("deadpool_ext")
+T = TypeVar("T")
+
+
+@dataclass(kw_only=True, slots=True)
+class Begun:
+    membership: Any
+    generation: int
+    failed_step: int
+    noticed_at: float
+
+
+@dataclass(kw_only=True, slots=True)
+class Rejoined(Generic[T]):
+    result: T
+    assignment: Assignment
+    version: int | None
+    assigned_at: float
+    pg_ready_at: float
+    engine_ready_at: float
+    restored_at: float
+
+
+def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuilding communicators") -> Begun:
+    from ..distributed import membership
+
+    m = membership()
+    gen = m.assignment.generation
+    log.warning("generation %d: collective failed at step %d (%s: %s); %s in-process", gen, step,
+                type(exc).__name__, " ".join(str(exc).split())[:600], what)
+    faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s + 120,
+                                      exit=True)
+    m.report_failure(gen, repr(exc))
+    return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time())
+
+
+def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
+           release: Callable[[], None] = lambda: None) -> Rejoined[T]:
+    """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
+
+    ``release()`` drops framework state built on a generation that failed while forming (called before each
+    teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised."""
+    from ..distributed import default_backend
+    from .worker import init_process_group, teardown
+
+    m = begun.membership
+    teardown(hc.teardown_timeout_s)
+    gc.collect()
+    min_gen = begun.generation + 1
+    while True:
+        a = m.join(min_gen, timeout_s=hc.assignment_timeout_s)
+        t_assigned = time.time()
+        try:
+            init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
+            t_pg = time.time()
+            result = build(a)
+            t_engine = time.time()
+            version = resume(result)
+            return Rejoined(result=result, assignment=a, version=version, assigned_at=t_assigned, pg_ready_at=t_pg,
+                            engine_ready_at=t_engine, restored_at=time.time())
+        except RecoveryError:
+            raise  # not transient: resume() already told the launcher
+        except (RuntimeError, OSError) as again:
+            log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment", a.generation,
+                        " ".join(str(again).split())[:300])
+            m.report_failure(a.generation, repr(again))
+            result = None
+            release()
+            teardown(hc.teardown_timeout_s)
+            gc.collect()
+            min_gen = a.generation + 1
+
+
+def finish(begun: Begun, r: Rejoined[Any], *, old_rank: int, **extra: Any) -> None:
+    from ..recovery.timeline import write_event
+
+    faulthandler.cancel_dump_traceback_later()
+    write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=old_rank,
+                rank=r.assignment.ranks[begun.membership.worker_id], pid=os.getpid(), failed_step=begun.failed_step,
+                restored_version=r.version, noticed_at=begun.noticed_at, assigned_at=r.assigned_at,
+                pg_ready_at=r.pg_ready_at, engine_ready_at=r.engine_ready_at, restored_at=r.restored_at, **extra)
+
+
+def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_than: int | None = None,
+                        **extra: Any) -> tuple[int | None, bool]:
+    """``snapshots.restore_latest()`` with what every integration does around it: a RecoveryError is reported
+    to the launcher as fatal, unless a tier-3 base was already loaded (``newer_than``), which then stands;
+    a spare that just joined writes its ``recover`` timeline event (once). Returns (version, spare_logged)."""
+    from ..distributed import membership
+
+    t0 = time.perf_counter()
+    try:
+        version = snapshots.restore_latest(newer_than=newer_than)
+    except RecoveryError as exc:
+        if newer_than is not None and isinstance(exc, NoCommonVersionError):
+            log.warning("memory tiers: %s; continuing from the tier-3 base of step %d", exc, newer_than)
+            return None, spare_logged
+        if membership() is not None:
+            membership().report_fatal(str(exc))
+        raise
+    gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
+    if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not spare_logged:
+        from ..recovery.timeline import write_event
+
+        spare_logged = True
+        write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
+                    restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
+                    restored_at=time.time(), **extra)
+    return version, spare_logged
+
+
+def caught_up(catch: tuple[int, float] | None, step: int, rank: int, restored_version: int) -> bool:
+    """Write the ``caught_up`` event once ``step`` reaches the step that was in flight at the failure."""
+    if catch is None or step < catch[0]:
+        return False
+    from ..recovery.timeline import write_event
+
+    write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")), rank=rank, step=step,
+                recompute_s=time.time() - catch[1], recomputed_steps=catch[0] - restored_version)
+    return True
