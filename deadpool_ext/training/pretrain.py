@@ -78,10 +78,13 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if args.save_interval is not None and args.save_interval < 0:
         raise SystemExit("--save-interval must be >= 0")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
-    init_distributed()
-    import deepspeed
+    # Imports before init_distributed(): a spare under deadpool-run waits inside it, so DeepSpeed and
+    # transformers are already loaded when it is assigned (seconds off the hot-swap critical path).
+    import deepspeed  # noqa: F401
+    import transformers  # noqa: F401
 
     from .. import deepspeed as dpx
+    init_distributed()
     from ..snapshot.state import capture_rng, restore_rng
 
     import torch.distributed as dist
