@@ -81,6 +81,14 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
     hot_swaps = sum(1 for e in tr.first.events if e.get("event") == "assignment" and e.get("generation", 0) >= 1)
     v = Verdict(ok=False, status="failed", hot_swaps=hot_swaps, restores=restores, refused=refused,
                 faults_injected=len(injected), hits=[r["hit"] for r in tr.injected if r.get("hit") is not None])
+    waits_for_base = [a for a in sc.actions if a.trigger.kind.startswith("base_")]
+    if waits_for_base and not any(r.get("fired") for r in tr.injected[:1]) and not tr.first.timed_out \
+            and tr.first.returncode == 0:
+        # Bases are due every save_interval steps: a whole run without one is a tier-3 failure, not bad luck.
+        v.problems.append(f"no tier-3 base was {'published' if waits_for_base[0].trigger.kind == 'base_published' else 'written'} "
+                          f"at step >= {waits_for_base[0].trigger.value} in a {sc.iters}-step run with --save-interval "
+                          f"{sc.save_interval} (see 'tier3' in the job's summary line)")
+        return v
     if not injected and not tr.first.timed_out and tr.first.returncode == 0:
         # The job finished before the fault could land: nothing was tested, nothing went wrong.
         v.status, v.ok = "not_injected", True

@@ -109,3 +109,14 @@ def test_checker_flags_mismatch_and_unreported_corruption():
     assert not v.ok and v.mismatch
     assert any("never reported unusable" in p for p in v.problems)
     assert any("own (corrupt) memory" in p for p in v.problems)
+
+
+def test_checker_fails_a_tier3_trial_whose_job_never_wrote_a_base():
+    # Bases are due every save_interval steps: a run that finishes without one is a tier-3 failure (this is how
+    # the suite caught the runtime's step hook no longer calling the persister), not a fault that "landed late".
+    sc = plan_trial(0, 0, layouts=["zero2"], faults=[Fault.CORRUPT_TIER3])
+    base = {s: 1.0 / s for s in range(1, sc.iters + 1)}
+    run = _run(base)
+    v = check_trial(TrialRun(scenario=sc, first=run, relaunch=run, workdir=".", injected=[
+        {"action": "x", "fired": False, "note": "not injected: RuntimeError: job exited (rc=0) before base"}]), base)
+    assert v.status == "failed" and "no tier-3 base was published" in v.problems[0]
