@@ -151,9 +151,14 @@ def _plt():
 
 
 def _save(fig, path: str, source: str, doc: dict, model: str) -> None:
-    fig.text(0.01, 0.01, f"{os.path.basename(source)}: {_machine(doc)}; {model}\ncommand: {doc.get('command', '?')}",
-             fontsize=6, va="bottom")
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    import textwrap
+
+    # Long machine/model/command lines wrap instead of running off the figure's edge.
+    width = int(fig.get_figwidth() * 21)
+    text = "\n".join(textwrap.fill(part, width) for part in (f"{os.path.basename(source)}: {_machine(doc)}; {model}",
+                                                             f"command: {doc.get('command', '?')}"))
+    fig.text(0.01, 0.01, text, fontsize=6, va="bottom")
+    fig.tight_layout(rect=(0, 0.04 + 0.035 * text.count("\n"), 1, 1))
     fig.savefig(path, dpi=120)
 
 
@@ -251,12 +256,16 @@ def fig_recovery(found: dict, out: str, stem: str) -> tuple[str | None, str]:
 
 def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     plt = _plt()
-    src = found.get("persist")
+    src, dif = found.get("persist"), found.get("differential")
     tp = _walk(src[1], ("disk_bw_MB_s", "persist_idle_MB_s")) if src else []
-    sizes = _walk(src[1], ("base_bytes", "diff_bytes")) if src else []
+    # Differential vs base sizes: bench_differential's blobs (one per ZeRO stage), else any pair in persist.json.
+    sizes = [{"base_bytes": r["base_blob_bytes"], "diff_bytes": r["diff_blob_bytes"],
+              "label": f"ZeRO-{r.get('zero_stage', '?')}"} for r in _walk(dif[1], ("base_blob_bytes", "diff_blob_bytes"))
+             ] if dif else []
+    sizes = sizes or (_walk(src[1], ("base_bytes", "diff_bytes")) if src else [])
     if (not tp and not sizes) or plt is None:
-        return None, "persist benchmark: not measured yet" if plt else "matplotlib not installed"
-    path, doc = src
+        return None, "persist and differential benchmarks: not measured yet" if plt else "matplotlib not installed"
+    path, doc = src or dif
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6))
     if tp:
         a = tp[0]
@@ -267,17 +276,27 @@ def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
         axes[0].set_title("Persist throughput vs disk bandwidth", fontsize=9)
         axes[0].tick_params(axis="x", labelsize=7)
     if sizes:
-        s = sizes[0]
-        axes[1].bar(["base", "differential"], [s["base_bytes"] / 1e6, s["diff_bytes"] / 1e6],
-                    color=["tab:blue", "tab:orange"])
-        axes[1].set_ylabel("MB per version")
+        import numpy as np
+
+        x = np.arange(len(sizes))
+        axes[1].bar(x - 0.2, [s["base_bytes"] / 1e6 for s in sizes], 0.4, label="base", color="tab:blue")
+        axes[1].bar(x + 0.2, [s["diff_bytes"] / 1e6 for s in sizes], 0.4, label="differential", color="tab:orange")
+        axes[1].set_xticks(x, [s.get("label", "") for s in sizes])
+        axes[1].set_ylabel("MB per version (largest rank)")
         axes[1].set_title("Differential vs base size", fontsize=9)
+        axes[1].legend(fontsize=7)
     else:
         axes[1].text(0.5, 0.5, "differential sizes:\nnot measured yet", ha="center", va="center")
         axes[1].set_axis_off()
-    _save(fig, os.path.join(out, f"{stem}_persist.png"), path, doc, "tier 3 on local disk, see persist.md")
+    if not tp:
+        axes[0].text(0.5, 0.5, "persist throughput:\nnot measured yet", ha="center", va="center")
+        axes[0].set_axis_off()
+    model = "tier 3 on local disk (persist.md)" + (f"; differentials: {dif[1].get('model')}, {dif[1].get('layout')}"
+                                                   if dif else "")
+    _save(fig, os.path.join(out, f"{stem}_persist.png"), path, doc, model)
     plt.close(fig)
-    return os.path.join(out, f"{stem}_persist.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+    files = [os.path.relpath(s_[0], os.path.dirname(HERE)) for s_ in (src, dif) if s_]
+    return os.path.join(out, f"{stem}_persist.png"), "from " + ", ".join(f"`{f}`" for f in files)
 
 
 def fig_memory(found: dict, out: str, stem: str) -> tuple[str | None, str]:
@@ -318,8 +337,10 @@ def _headlines(found: dict) -> list[str]:
     for a in sorted((_get(peers[1], "analysis") or {}).values() if peers else [],
                     key=lambda a: (a["interval"], a["mode"])):
         if a["mode"] != "none" and a["ratio_to_none"] is not None:
-            out.append(f"| peers | {a['mode']} @ {a['interval']} | step ratio {a['ratio_to_none']:.3f}, blocking "
-                       f"{1000 * (a['blocking_s']['median'] or 0):.1f} ms |")
+            ci = a.get("ratio_ci90")
+            ci_text = f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+            out.append(f"| peers | {a['mode']} @ {a['interval']} | step ratio {a['ratio_to_none']:.3f}{ci_text}, "
+                       f"blocking {1000 * (a['blocking_s']['median'] or 0):.1f} ms per checkpoint |")
     for note, text in (_get(peers[1], "result", "notes") or {}).items() if peers else []:
         out.append(f"| peers | {note} | {text} |")
     rec = found.get("recovery")
@@ -342,7 +363,7 @@ def _headlines(found: dict) -> list[str]:
 
 
 def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_path: str, command_line: str,
-                 results_dir: str = RESULTS_DIR) -> str:
+                 results_dir: str = RESULTS_DIR, run_command: str | None = None) -> str:
     """Render REPORT.md (and its PNGs beside it) from whatever results exist."""
     fig_dir = os.path.dirname(os.path.abspath(report_path))
     os.makedirs(fig_dir, exist_ok=True)
@@ -355,7 +376,8 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
              "running tests at the same time (loaded): absolute times are noisy; ratios come from A/B-interleaved "
              "runs within one job. How to run and read this: `docs/benchmarks.md`.", ""]
     if runs:
-        lines += ["## Runs", "", "| benchmark | result |", "|---|---|"]
+        lines += ["## Runs", "", f"`{run_command or command_line}`, one benchmark at a time:", "",
+                  "| benchmark | result |", "|---|---|"]
         lines += [f"| {r['benchmark']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else
                                                f"rc={r['returncode']} in {r['wall_s']:.0f} s, log `{r['log']}`") + " |"
                   for r in runs]
@@ -379,18 +401,18 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
         png, caption = fn(found, fig_dir, "report")
         lines += [f"## {title}", ""]
         lines += [f"![{title}]({os.path.relpath(png, fig_dir)})", "", caption, ""] if png else [caption, ""]
-    sim = found.get("simulate")
     lines += ["## Large-cluster simulation", ""]
-    if sim:
+    sims = [r for r in (found.get("simulate"), full.get("simulate")) if r]
+    for sim in sims:
         sim_dir = os.path.dirname(sim[0])
         stem = os.path.basename(sim[0])[:-5]
         for suffix in ("goodput", "breakdown", "young_daly"):
             png = os.path.join(sim_dir, f"{stem}_{suffix}.png")
             if os.path.exists(png):
-                lines += [f"![{suffix}]({os.path.relpath(png, fig_dir)})", ""]
+                lines += [f"![{stem} {suffix}]({os.path.relpath(png, fig_dir)})", ""]
         lines += [f"Simulated (not measured): `{os.path.relpath(sim[0], repo)}`, details in "
                   f"`{os.path.relpath(sim[0][:-5] + '.md', repo)}` and `docs/simulator.md`.", ""]
-    else:
+    if not sims:
         lines += ["not simulated yet (`python benchmarks/bench_simulate.py`)", ""]
     write_text(report_path, "\n".join(lines))
     return report_path
@@ -424,18 +446,20 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}; found: {', '.join(b.name for b in benches)}")
     benches = [b for b in benches if (not only or b.name in only) and b.name not in skip]
+    cmd_line = ("python benchmarks/run_all.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                      else sys.argv[1:]))).strip()
     runs: list[dict[str, Any]] = []
+    run_command = None
     if not args.report_only:
         deadline = args.deadline_s or (QUICK_DEADLINE_S if args.quick else FULL_DEADLINE_S)
         runs = run_benchmarks(benches, args.quick, out_dir, deadline)
-        write_json(os.path.join(out_dir, "run_all.json"), {"quick": args.quick, "runs": runs,
+        write_json(os.path.join(out_dir, "run_all.json"), {"quick": args.quick, "command": cmd_line, "runs": runs,
                                                           "machine": machine_info(())})
     elif os.path.exists(os.path.join(out_dir, "run_all.json")):
         with open(os.path.join(out_dir, "run_all.json")) as fh:
-            runs = json.load(fh).get("runs", [])
-    cmd_line = "python benchmarks/run_all.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
-                                                                                     else sys.argv[1:]))
-    path = write_report(out_dir, args.quick, runs, os.path.abspath(args.report), cmd_line.strip())
+            prev = json.load(fh)
+        runs, run_command = prev.get("runs", []), prev.get("command")
+    path = write_report(out_dir, args.quick, runs, os.path.abspath(args.report), cmd_line, run_command=run_command)
     print(f"[run_all] wrote {os.path.relpath(path)}", flush=True)
     return 0 if all(r.get("returncode", 0) == 0 for r in runs) else 1
 

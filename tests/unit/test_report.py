@@ -97,8 +97,11 @@ def test_report_with_results_draws_every_figure(tmp_path):
         "modes": {"deadpool": {"blocking_s": _summary(0.001)}, "ds_default": {"blocking_s": _summary(0.5)}},
         "memory": {"per_rank": [{"state_bytes": 100 << 20, "slot_bytes": [100 << 20, 100 << 20],
                                  "replica_bytes": 200 << 20}]}}}}}
+    diff = {"command": "d", "machine": machine, "model": "GPT tiny", "layout": "4 ranks",
+            "results": [{"zero_stage": 2, "base_blob_bytes": 800, "diff_blob_bytes": 150},
+                        {"zero_stage": 3, "base_blob_bytes": 500, "diff_blob_bytes": 150}]}
     for name, doc in (("peers_quick", peers), ("recovery", recovery), ("persist", persist),
-                      ("snapshot_overhead", snap)):
+                      ("snapshot_overhead", snap), ("differential_quick", diff)):
         (tmp_path / f"{name}.json").write_text(json.dumps(doc))
     runs = [{"benchmark": "peers", "command": "c", "returncode": 0, "wall_s": 3.0, "log": "l"},
             {"benchmark": "megatron", "skipped": "does not accept --out"}]
@@ -110,4 +113,4 @@ def test_report_with_results_draws_every_figure(tmp_path):
         assert f"report_{png}.png" in text
     assert "skipped: does not accept --out" in text
     assert "dlrover_flash_shim" in text and "hot-swap 9.0 s vs relaunch + load 20.0 s" in text
-    assert "differential sizes" not in text  # drawn inside the persist figure, not as a missing section
+    assert "differential_quick.json" in text  # base vs differential sizes drawn from bench_differential
