@@ -88,6 +88,23 @@ def test_in_process_rebuild_and_restore_is_exact(tmp_path, shm_root):
     assert out[0] == out[3] and len(out[0]) == 8
 
 
+def test_differential_replay_in_process_is_exact(tmp_path, shm_root):
+    """Differential mode on the Megatron path: base at iteration 4, a differential at 5; rebuilding and
+    restoring at 5 replays it, and the losses equal an uninterrupted run."""
+    out = {}
+    for restore_at in (0, 3):
+        cmd = torchrun_cmd(4, "tests/integration/workers/megatron_restore.py",
+                           ["--pp", "2", "--iters", "7", "--restore-at", str(restore_at), "--shm-root", shm_root,
+                            "--differential", "4"], port=free_port())
+        res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+        assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
+        line = [ln for ln in res.output.splitlines() if ln.startswith("LOSSES ")][0]
+        out[restore_at] = json.loads(line[len("LOSSES "):])
+        if restore_at:
+            assert res.output.count("REPLAYED 1") == 4, res.output[-3000:]  # every rank replayed step 5
+    assert out[0] == out[3] and len(out[0]) == 7
+
+
 def test_tier3_base_saved_at_tp2_loads_at_tp1(tmp_path, shm_root):
     save = os.path.join(str(tmp_path), "ckpt")
     tp2, _ = _torchrun(tmp_path, shm_root, 2, ["--tensor-model-parallel-size", "2"], "tp2",

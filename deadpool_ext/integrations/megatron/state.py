@@ -103,8 +103,6 @@ class MegatronStateAdapter(RankStateAdapter):
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
         want_layout = {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp}
         want_coords = {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp}
         if meta["layout"] != want_layout or meta["coords"] != want_coords:
@@ -131,9 +129,40 @@ class MegatronStateAdapter(RankStateAdapter):
                                     # exactly as captured (torch's Adam keeps even ``step`` as a tensor).
                                     state[key] = src.clone()
                         state.update(meta["optim_scalars"].get(f"{k}.{g}.{i}", {}))
-                for group, saved in zip(inner.param_groups, meta["param_groups"][k]):
-                    group.update(saved)
+        self.restore_meta(meta)
+
+    # -- differential checkpoints (see deadpool_ext/snapshot/differential.py) ------------------------
+    def inner_optimizer(self) -> Any:
+        inners = inner_optimizers(self.optimizer)
+        if len(inners) != 1 or type(self.optimizer).__name__ == "DistributedOptimizer":
+            from ...snapshot.state import UnsupportedEngineError
+
+            raise UnsupportedEngineError(
+                f"differential checkpoints support one non-distributed Megatron optimizer; this job has "
+                f"{type(self.optimizer).__name__} with {len(inners)} inner optimizer(s): turn deadpool.differential off")
+        return inners[0]
+
+    def masters(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer steps, in param-group order."""
+        return [p for group in self.inner_optimizer().param_groups for p in group["params"]]
+
+    def sync_params_from_masters(self) -> None:
+        # fp32: the optimizer steps the model parameters themselves; bf16/fp16: copy the fp32 mains back.
+        copy = getattr(self.optimizer, "_copy_main_params_to_model_params", None)
+        if copy is not None:
+            copy()
+
+    def restore_meta(self, meta: dict[str, Any]) -> None:
+        """Param-group scalars, scheduler, grad scaler, counters, RNG (incl. the TP tracker), client state."""
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        for k, inner in enumerate(inner_optimizers(self.optimizer)):
+            for group, saved in zip(inner.param_groups, meta["param_groups"][k]):
+                group.update(saved)
         if meta["scheduler"] is not None and self.scheduler is not None:
+            # Megatron's load_state_dict *adds* the saved step count (step(increment=num_steps)); restoring a
+            # base and then a differential's meta would count twice, so start from zero.
+            self.scheduler.num_steps = 0
             self.scheduler.load_state_dict(meta["scheduler"])
         scaler = getattr(self.optimizer, "grad_scaler", None)
         if scaler is not None and meta["grad_scaler"]:

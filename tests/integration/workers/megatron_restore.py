@@ -31,12 +31,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--restore-at", type=int, default=0, help="0: never")
     p.add_argument("--shm-root", default="/dev/shm")
+    p.add_argument("--differential", type=int, default=0, help="base interval K of differential mode (0: off)")
     a = p.parse_args()
     parallel.apply_cpu_shims()
     init_distributed()
     layout = Layout(world_size=dist.get_world_size(), tp=a.tp, pp=a.pp)
     spec = ModelSpec(size="tiny", train_iters=a.iters, num_microbatches=a.pp)
-    cfg = DeadpoolConfig.from_dict({"local": {"shm_root": a.shm_root}, "replication": {"factor": 0}})
+    section = {"local": {"shm_root": a.shm_root}, "replication": {"factor": 0}}
+    if a.differential:
+        section["differential"] = {"enabled": True, "base_interval": a.differential}
+    cfg = DeadpoolConfig.from_dict(section)
     data = ByteLMData(seq_len=spec.seq_len + 1, seed=1234)
     gb = spec.micro_batch * spec.num_microbatches * layout.dp
 
@@ -61,6 +65,8 @@ def main() -> None:
             rt = factory()
             version = rt.resume()
             assert version == a.restore_at + 2, version
+            if a.differential:
+                print(f"REPLAYED {rt.snapshots.stats().get('replayed')}", flush=True)
             restored = True
     if dist.get_rank() == 0:
         print("LOSSES " + json.dumps(losses), flush=True)
