@@ -11,7 +11,8 @@ and ``fused`` (all differentials replayed in cache-blocked multi-step batches, o
 give the live state bit for bit (checked). Also the math alone, on one rank: stepwise whole-tensor Adam vs
 the fused replay over the same differentials.
 
-Writes benchmarks/results/differential.json and differential.md (``--out`` changes the name).
+Writes differential.json and differential.md (``_quick`` with ``--quick``) into benchmarks/results, or the
+directory given by ``--out``.
 """
 from __future__ import annotations
 
@@ -159,7 +160,8 @@ def summarize_case(case: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="GPT tiny, K=5: a minute or two")
-    p.add_argument("--out", default=None, help="result name under benchmarks/results (default differential)")
+    p.add_argument("--out", default=RESULTS_DIR, help="directory for differential[_quick].json/.md (default "
+                   "benchmarks/results)")
     p.add_argument("--stages", default="2,3")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     size, k = ("tiny", 5) if args.quick else ("small", 10)
-    name = args.out or ("differential_quick" if args.quick else "differential")
+    name = "differential_quick" if args.quick else "differential"
+    os.makedirs(args.out, exist_ok=True)
     cmd = "python benchmarks/bench_differential.py" + (" --quick" if args.quick else "")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"benchmark": "differential", "command": cmd, "machine": machine_info(), "model": f"GPT {size}",
            "layout": "DeepSpeed ZeRO, 4 CPU ranks (gloo), 2 simulated nodes, replication factor 1", "base_interval": k,
            "results": rows}
-    write_json(os.path.join(RESULTS_DIR, f"{name}.json"), doc)
+    write_json(os.path.join(args.out, f"{name}.json"), doc)
     table = md_table(["ZeRO", "params", "diff / base", "diff MB", "base MB", "replay stepwise s", "replay fused s",
                       "speedup", "math stepwise s", "math fused s", "math speedup", "step s"],
                      [[r["zero_stage"], f"{r['params'] / 1e6:.1f}M", f"{r['diff_over_base']:.3f}",
@@ -191,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"{r['replay_stepwise_s']:.3f}", f"{r['replay_fused_s']:.3f}", f"{r['replay_speedup']:.2f}x",
                        f"{r['math_stepwise_s']:.3f}", f"{r['math_fused_s']:.3f}", f"{r['math_speedup']:.2f}x",
                        f"{r['step_time_s']:.2f}"] for r in rows])
-    write_text(os.path.join(RESULTS_DIR, f"{name}.md"),
+    write_text(os.path.join(args.out, f"{name}.md"),
                f"# Differential checkpoints: size and replay\n\n`{cmd}` on {doc['machine'].get('cpu', 'this machine')}; "
                f"GPT {size}, {doc['layout']}; base every {k} steps, {k - 1} differentials replayed.\n\n{table}\n\n"
                "diff / base: bytes of one differential blob over one full snapshot blob of the same rank (largest "
