@@ -144,6 +144,8 @@ class DeadpoolRuntime:
         return r.result
 
     def _after_step_hook(self) -> None:
+        if self.persist is not None:
+            self.persist.after_step()  # tier 3 (collective every persist.interval steps)
         from ...rebuild.recover import caught_up
 
         if caught_up(self._catch_up, int(self.engine.global_steps), self.engine.global_rank, self._restored_version):
