@@ -187,10 +187,13 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
                 ids, labels = data.gpt_batch(first, micro) if objective == "gpt" else data.bert_batch(first, micro)
                 loss = engine(input_ids=ids.to(engine.device), labels=labels.to(engine.device)).loss
                 engine.backward(loss)
-                engine.step()
                 total += loss.detach().to("cpu", torch.float64)
-            if dp > 1:
-                dist.all_reduce(total, group=engine.data_parallel_group)
+                if m == gas - 1 and dp > 1:
+                    # Reduced before the optimizer step: a peer lost during this collective fails the step
+                    # before it is taken (and snapshotted), so every step a restore can resume after also
+                    # has its metrics line.
+                    dist.all_reduce(total, group=engine.data_parallel_group)
+                engine.step()
         except Exception as exc:
             # Hot-swap (deadpool-run): a peer died mid-step. Rebuild the world in-process and continue from the
             # newest version every rank holds; anything else is re-raised.
