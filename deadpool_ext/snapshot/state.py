@@ -132,11 +132,11 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             "micro_steps": int(e.micro_steps),
             "zero_stage": self.zero_stage,
             "dp_world_size": int(e.dp_world_size),
-            "param_groups": [{k: v for k, v in g.items() if k != "params" and _plain(v)} for g in opt.param_groups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)} for g in opt.param_groups],
             "optim_scalars": {str(i): {k: v for k, v in self._inner.state.get(t, {}).items() if not torch.is_tensor(v)}
                               for i, t in enumerate(self._master())},
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
-            "loss_scaler": {k: v for k, v in vars(scaler).items() if _plain(v)} if scaler is not None else None,
+            "loss_scaler": {k: v for k, v in vars(scaler).items() if plain_value(v)} if scaler is not None else None,
             "rng": capture_rng(),
             "client": self._client_state() if self._client_state else {},
         }
@@ -199,16 +199,16 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         masters = self._master()
         with torch.no_grad():
             for i, t in enumerate(self._bit16()):
-                _copy_into(t, tensors[f"params.{i}"], f"params.{i}")
+                copy_into(t, tensors[f"params.{i}"], f"params.{i}")
             for i, t in enumerate(masters):
-                _copy_into(t, tensors[f"master.{i}"], f"master.{i}")
+                copy_into(t, tensors[f"master.{i}"], f"master.{i}")
                 state = self._inner.state.setdefault(t, {})
                 prefix = f"optim.{i}."
                 for name, src in tensors.items():
                     if name.startswith(prefix):
                         key = name[len(prefix):]
                         if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
-                            _copy_into(state[key], src, name)
+                            copy_into(state[key], src, name)
                         else:
                             state[key] = src.clone()
                 state.update(meta["optim_scalars"].get(str(i), {}))
@@ -218,12 +218,14 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         self.restore_meta(meta)
 
 
-def _plain(v: Any) -> bool:
+def plain_value(v: Any) -> bool:
+    """A JSON-able scalar or a list of them (what metadata may carry besides tensors)."""
     return v is None or isinstance(v, (bool, int, float, str)) or (
-        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
+        isinstance(v, (list, tuple)) and all(plain_value(x) for x in v))
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy a captured tensor into live storage, refusing a shape or dtype mismatch by name."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise ValueError(f"snapshot tensor {name}: {tuple(src.shape)}/{src.dtype} does not match live "
                          f"{tuple(dst.shape)}/{dst.dtype}")

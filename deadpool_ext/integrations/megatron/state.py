@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 
-from ...snapshot.state import RankStateAdapter, capture_rng, restore_rng
+from ...snapshot.state import RankStateAdapter, capture_rng, copy_into, plain_value, restore_rng
 from .layout import Coordinates, Layout
 
 
@@ -88,12 +88,12 @@ class MegatronStateAdapter(RankStateAdapter):
             "consumed_samples": int(self.progress.consumed_samples),
             "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp},
             "coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
-            "param_groups": [[{k: v for k, v in grp.items() if k != "params" and _plain(v)} for grp in inner.param_groups]
+            "param_groups": [[{k: v for k, v in grp.items() if k != "params" and plain_value(v)} for grp in inner.param_groups]
                              for inner in inners],
             "optim_scalars": {f"{k}.{g}.{i}": {key: v for key, v in inner.state.get(p, {}).items() if not torch.is_tensor(v)}
                               for k, inner in enumerate(inners) for g, grp in enumerate(inner.param_groups)
                               for i, p in enumerate(grp["params"])},
-            "scheduler": {k: v for k, v in self.scheduler.state_dict().items() if _plain(v)} if self.scheduler else None,
+            "scheduler": {k: v for k, v in self.scheduler.state_dict().items() if plain_value(v)} if self.scheduler else None,
             "grad_scaler": {k: v.clone() if torch.is_tensor(v) else v for k, v in scaler.state_dict().items()}
             if scaler is not None else None,
             "rng": capture_rng(),
@@ -113,7 +113,7 @@ class MegatronStateAdapter(RankStateAdapter):
             for name, live in self.tensors():
                 if name.startswith("optim."):
                     continue  # the state dict may not exist yet on a fresh optimizer; handled below
-                _copy_into(live, tensors[name], name)
+                copy_into(live, tensors[name], name)
             for k, inner in enumerate(inner_optimizers(self.optimizer)):
                 for g, group in enumerate(inner.param_groups):
                     for i, p in enumerate(group["params"]):
@@ -123,7 +123,7 @@ class MegatronStateAdapter(RankStateAdapter):
                             if name.startswith(prefix):
                                 key = name[len(prefix):]
                                 if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
-                                    _copy_into(state[key], src, name)
+                                    copy_into(state[key], src, name)
                                 else:
                                     # A freshly built optimizer has no state until its first step: create it
                                     # exactly as captured (torch's Adam keeps even ``step`` as a tensor).
@@ -173,15 +173,3 @@ class MegatronStateAdapter(RankStateAdapter):
         get_cuda_rng_tracker().set_states({name: s.clone() for name, s in meta["rng_tracker"].items()})
         if self._restore_client_state is not None:
             self._restore_client_state(meta.get("client", {}))
-
-
-def _plain(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str)) or (
-        isinstance(v, (list, tuple)) and all(_plain(x) for x in v))
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise ValueError(f"snapshot tensor {name}: {tuple(src.shape)}/{src.dtype} does not match live "
-                         f"{tuple(dst.shape)}/{dst.dtype}")
-    dst.copy_(src)
