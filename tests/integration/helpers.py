@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import os
-import signal
+import time
 from typing import Callable
 
+import psutil
+
+from deadpool_ext.chaos import at_step
+from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory, kill_rank
-from deadpool_ext.testing.launch import free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
 
 JOB_TIMEOUT_S = 300
 
@@ -18,20 +22,53 @@ def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: s
     cmd = torchrun_cmd(nproc, script, ["--deepspeed_config", config, "--train-iters", str(iters),
                                        "--metrics-out", metrics, *(extra or [])],
                        port=free_port(), max_restarts=max_restarts)
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=(lambda p: inject(p, metrics)) if inject else None)
+    env = base_env(inject.env(os.path.join(str(tmp_path), f"{name}.fault"))) if isinstance(inject, KillAt) else None
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env,
+                  while_running=(lambda p: inject(p, metrics)) if inject else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, f"job timed out after {JOB_TIMEOUT_S}s:\n{res.output[-4000:]}"
     return res, read_metrics(metrics), metrics
 
 
-def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None, sig: int = signal.SIGKILL):
-    def inject(proc, metrics):
-        wait_for_step(metrics, step, timeout_s=JOB_TIMEOUT_S, proc=proc)
-        kill_rank(proc.pid, rank, sig)
-        if then is not None:
-            then()
-    return inject
+class KillAt:
+    """Fail ``rank`` right after its optimizer step ``step``, from inside the worker (deadpool_ext.chaos.at_step),
+    so the failure lands exactly there however loaded the host is; then run ``then()`` once the worker is dead
+    (before the restarted workers restore)."""
+
+    def __init__(self, step: int, rank: int, then: Callable[[], None] | None, action: str) -> None:
+        self.fault = StepFault(action, step, rank, "")
+        self.then = then
+        self.marker = ""
+
+    def env(self, marker: str) -> dict[str, str]:
+        if os.path.exists(marker):
+            os.unlink(marker)
+        self.marker = marker
+        return {at_step.ENV: StepFault(self.fault.action, self.fault.step, self.fault.rank, marker).render()}
+
+    def __call__(self, proc, metrics) -> None:
+        deadline = time.time() + JOB_TIMEOUT_S
+        while not (os.path.exists(self.marker) and open(self.marker).read().strip()):
+            if proc.poll() is not None:
+                raise RuntimeError(f"job exited (rc={proc.returncode}) before the fault at step {self.fault.step}")
+            if time.time() > deadline:
+                raise TimeoutError(f"waited {JOB_TIMEOUT_S}s for the fault at step {self.fault.step}")
+            time.sleep(0.01)
+        pid = int(open(self.marker).read())
+        while time.time() < deadline:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.01)
+        if self.then is not None:
+            self.then()
 
 
-__all__ = ["pretrain", "kill_at", "drop_node_memory", "corrupt_file"]
+def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None, action: str = "kill") -> KillAt:
+    return KillAt(step, rank, then, action)
+
+
+__all__ = ["pretrain", "kill_at", "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]

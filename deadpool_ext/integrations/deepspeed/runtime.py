@@ -17,6 +17,7 @@ import logging
 import time
 from typing import Any, Callable
 
+from ...chaos import at_step
 from ...config import DeadpoolConfig
 from ...snapshot.state import DeepSpeedStateAdapter
 from .checkpoint_engine import DeadpoolCheckpointEngine
@@ -150,6 +151,7 @@ class DeadpoolRuntime:
 
         if caught_up(self._catch_up, int(self.engine.global_steps), self.engine.global_rank, self._restored_version):
             self._catch_up = None
+        at_step.after_step(int(self.engine.global_steps), self.engine.global_rank)
 
     def stats(self) -> dict[str, Any]:
         """Snapshot statistics; waits (bounded) for the in-flight snapshot so the counts are final."""

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from ...chaos import at_step
 from ...config import DeadpoolConfig
 from . import parallel
 from .layout import Coordinates, Layout
@@ -170,6 +171,7 @@ class MegatronRuntime:
 
         if caught_up(self._catch_up, self.progress.iteration, self.rank, self._restored_version):
             self._catch_up = None
+        at_step.after_step(self.progress.iteration, self.rank)
 
     # -- misc ---------------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,110 @@
+"""In-process fault injection at an exact step boundary.
+
+An outside poller that watches the metrics file and then signals a worker lands "at step S or a few steps
+later", depending on how loaded the host is; a test that needs the failure between two bases (so that the
+restore must replay differentials) cannot rely on that. This injector runs inside the training process and
+fails rank R right after its optimizer step S (after the snapshot of S has been started, before the next
+step), whatever the host's load.
+
+It is configured through the environment, so an unchanged training script can be faulted::
+
+    DEADPOOL_INJECT="kill@step=6,rank=1,marker=/tmp/run/fault"
+
+- the action before ``@``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``term`` (SIGTERM) or
+  ``raise`` (a Python exception out of ``engine.step()``);
+- ``step``: the optimizer step (``engine.global_steps`` after the step) to fail at;
+- ``rank``: the global rank that fails;
+- ``marker``: a file created (exclusively, holding the pid) just before the fault fires. It makes the fault
+  fire once per job: a restarted or replacement worker that redoes step S finds the marker and goes on. A
+  test waits for it to know the fault happened. Required.
+
+Both runtimes (DeepSpeed and Megatron) call :func:`after_step` from their after-step hook.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+log = logging.getLogger("deadpool_ext")
+
+ENV = "DEADPOOL_INJECT"
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "raise": None}
+
+
+class InjectedFault(RuntimeError):
+    """Raised by the ``raise`` action."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepFault:
+    action: str
+    step: int
+    rank: int
+    marker: str
+
+    @classmethod
+    def parse(cls, spec: str) -> "StepFault":
+        action, sep, rest = spec.strip().partition("@")
+        if not sep or action not in ACTIONS:
+            raise ValueError(f"{ENV}={spec!r}: expected ACTION@step=S,rank=R,marker=PATH with ACTION one of "
+                             f"{sorted(ACTIONS)}")
+        fields: dict[str, str] = {}
+        for item in filter(None, rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq or key not in ("step", "rank", "marker"):
+                raise ValueError(f"{ENV}={spec!r}: unknown or malformed field {item!r} "
+                                 "(allowed: step=INT, rank=INT, marker=PATH)")
+            fields[key] = value
+        missing = {"step", "rank", "marker"} - set(fields)
+        if missing:
+            raise ValueError(f"{ENV}={spec!r}: missing {sorted(missing)}")
+        try:
+            step, rank = int(fields["step"]), int(fields["rank"])
+        except ValueError as exc:
+            raise ValueError(f"{ENV}={spec!r}: step and rank must be integers") from exc
+        if step < 1 or rank < 0:
+            raise ValueError(f"{ENV}={spec!r}: step must be >= 1 and rank >= 0")
+        return cls(action, step, rank, fields["marker"])
+
+    def render(self) -> str:
+        return f"{self.action}@step={self.step},rank={self.rank},marker={self.marker}"
+
+    def due(self, step: int, rank: int) -> bool:
+        return step == self.step and rank == self.rank and not os.path.exists(self.marker)
+
+    def fire(self) -> None:
+        """Claim the marker (once per job) and fail this process."""
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            return
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(os.getpid()))
+        log.warning("fault injection (%s): %s at step %d on rank %d", ENV, self.action, self.step, self.rank)
+        for handler in logging.getLogger("deadpool_ext").handlers:
+            handler.flush()
+        sig = ACTIONS[self.action]
+        if sig is None:
+            raise InjectedFault(f"injected fault at step {self.step} on rank {self.rank}")
+        os.kill(os.getpid(), sig)
+
+
+_UNSET = object()
+_fault: object = _UNSET
+
+
+def configured() -> StepFault | None:
+    """The fault named by the environment (parsed once per process), or None."""
+    global _fault
+    if _fault is _UNSET:
+        spec = os.environ.get(ENV, "")
+        _fault = StepFault.parse(spec) if spec.strip() else None
+    return _fault  # type: ignore[return-value]
+
+
+def after_step(step: int, rank: int) -> None:
+    fault = configured()
+    if fault is not None and fault.due(step, rank):
+        fault.fire()

@@ -1,0 +1,53 @@
+"""The in-process step fault (deadpool_ext.chaos.at_step): parsing, once-per-job marker, real signal."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_ext.chaos.at_step import ENV, InjectedFault, StepFault
+
+
+def test_parse_and_render_round_trip():
+    f = StepFault.parse("kill@step=6,rank=1,marker=/tmp/x")
+    assert (f.action, f.step, f.rank, f.marker) == ("kill", 6, 1, "/tmp/x")
+    assert StepFault.parse(f.render()) == f
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("explode@step=1,rank=0,marker=m", "ACTION one of"),
+    ("kill step=1", "ACTION one of"),
+    ("kill@step=1,rank=0", "missing ['marker']"),
+    ("kill@step=1,rank=0,marker=m,colour=red", "'colour=red'"),
+    ("kill@step=one,rank=0,marker=m", "integers"),
+    ("kill@step=0,rank=0,marker=m", "step must be >= 1"),
+])
+def test_bad_specs_name_the_problem(spec, words):
+    with pytest.raises(ValueError, match=ENV) as exc:
+        StepFault.parse(spec)
+    assert words in str(exc.value)
+
+
+def test_fires_once_per_job_on_the_named_rank_and_step(tmp_path):
+    marker = str(tmp_path / "fault")
+    f = StepFault("raise", 3, 1, marker)
+    assert not f.due(2, 1) and not f.due(3, 0) and f.due(3, 1)
+    with pytest.raises(InjectedFault):
+        f.fire()
+    assert open(marker).read() == str(os.getpid())
+    assert not f.due(3, 1)  # a restarted worker redoing step 3 goes on
+    f.fire()                 # and a racing second claim does nothing
+
+
+def test_kill_is_a_real_sigkill_from_the_environment(tmp_path):
+    marker = str(tmp_path / "fault")
+    code = ("from deadpool_ext.chaos import at_step\n"
+            "for s in range(1, 6):\n    at_step.after_step(s, 0)\n    print(s, flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, ENV: f"kill@step=3,rank=0,marker={marker}"})
+    assert res.returncode == -9 and res.stdout.split() == ["1", "2"], (res.returncode, res.stdout, res.stderr)
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                           env={**os.environ, ENV: f"kill@step=3,rank=0,marker={marker}"})
+    assert again.returncode == 0 and again.stdout.split() == ["1", "2", "3", "4", "5"]
