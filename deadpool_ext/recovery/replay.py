@@ -6,10 +6,17 @@ scheduler, betas, eps, weight decay). Applying the same update rule to the base 
 after step ``s`` exactly, because every operation of the rule is elementwise and deterministic on the host:
 the result of an element does not depend on which other elements are processed with it.
 
-Supported rule: Adam / AdamW as ``torch.optim.Adam`` computes it (single-tensor path, the one DeepSpeed's
-``torch_adam`` uses on CPU), including ``amsgrad``, ``maximize`` and both weight-decay modes. The operation
-sequence below mirrors ``torch.optim.adam._single_tensor_adam`` of torch 2.4-2.13; ``tests/unit/test_replay.py``
-checks it bit for bit against the real optimizer, so a torch upgrade that changes the rule fails loudly.
+Supported rules: Adam / AdamW as ``torch.optim.Adam`` computes them, including ``amsgrad``, ``maximize`` and
+both weight-decay modes, in two flavours recorded per step (``AdamHyper.fused``):
+
+- the single-tensor path (DeepSpeed's ``torch_adam`` default on CPU): the operation sequence below mirrors
+  ``torch.optim.adam._single_tensor_adam`` of torch 2.4-2.13;
+- torch's fused kernel (``"fused": true`` in the DeepSpeed optimizer params): replay calls the same kernel
+  (``torch._fused_adam_`` / ``torch._fused_adamw_``) with the same scalars. The kernel is elementwise, so running
+  it on cache-sized slices of the tensors gives the same bits as running it on the whole tensors.
+
+``tests/unit/test_replay.py`` checks both bit for bit against the real optimizer, so a torch upgrade that changes
+a rule fails loudly.
 
 Two implementations, same results:
 
@@ -43,13 +50,16 @@ class AdamHyper:
     """AdamW-style decay (``param *= 1 - lr * wd``) instead of L2 added to the gradient."""
     amsgrad: bool = False
     maximize: bool = False
+    fused: bool = False
+    """The step ran torch's fused Adam kernel (``fused=True``); replay runs the same kernel."""
 
     def to_json(self) -> dict[str, float | bool]:
         return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
     def from_json(cls, d: dict) -> "AdamHyper":
-        return cls(**{k: d[k] for k in cls.__slots__})
+        # Keys added after a differential was written take their defaults (older blobs had no ``fused``).
+        return cls(**{k: d[k] for k in cls.__slots__ if k in d})
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +93,17 @@ def _check(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> None:
         for i, (h, s) in enumerate(zip(d.hypers, states)):
             if h.amsgrad and s.max_exp_avg_sq is None:
                 raise ValueError(f"differential {k}, tensor {i}: amsgrad step but no max_exp_avg_sq state")
+            if h.fused != diffs[0].hypers[i].fused:
+                raise ValueError(f"differential {k}, tensor {i}: the optimizer switched between the fused and the "
+                                 "single-tensor Adam kernel inside one chain")
+
+
+def _fused_kernel_step(p: list, g: list, m: list, v: list, vmax: list, steps: list, h: AdamHyper) -> None:
+    """One step of torch's fused Adam over tensor lists, as ``torch.optim.adam._fused_adam`` calls it."""
+    torch._foreach_add_(steps, 1)
+    fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
+    fn(p, g, m, v, vmax if h.amsgrad else [], steps, amsgrad=h.amsgrad, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+       weight_decay=h.weight_decay, eps=h.eps, maximize=h.maximize, grad_scale=None, found_inf=None)
 
 
 def _scalars(h: AdamHyper, step: float) -> tuple[float, float]:
@@ -97,6 +118,10 @@ def replay_naive(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> No
     with torch.no_grad():
         for d in diffs:
             for s, grad, h in zip(states, d.grads, d.hypers):
+                if h.fused:
+                    vmax = [s.max_exp_avg_sq] if h.amsgrad else []
+                    _fused_kernel_step([s.param], [grad], [s.exp_avg], [s.exp_avg_sq], vmax, [s.step], h)
+                    continue
                 if h.maximize:
                     grad = -grad
                 s.step += 1
@@ -123,6 +148,16 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
     _check(states, diffs)
     if not diffs:
         return
+    kernel = [i for i, h in enumerate(diffs[0].hypers) if h.fused]
+    if kernel:
+        _replay_fused_kernel([states[i] for i in kernel],
+                             [StepDiff(grads=[d.grads[i] for i in kernel], hypers=[d.hypers[i] for i in kernel])
+                              for d in diffs], chunk_elems=chunk_elems * batch_chunks)
+        if len(kernel) == len(states):
+            return
+        rest = [i for i in range(len(states)) if i not in set(kernel)]
+        states = [states[i] for i in rest]
+        diffs = [StepDiff(grads=[d.grads[i] for i in rest], hypers=[d.hypers[i] for i in rest]) for d in diffs]
     start_steps = [float(s.step.item()) for s in states]
     # (tensor index, start, end) of every chunk, in order.
     chunks = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
@@ -162,6 +197,42 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
                 _foreach_by_scalar(torch._foreach_addcdiv_, p, (m, denom), [-c[0] for c in sc])
         for s in states:
             s.step += len(diffs)
+
+
+def _replay_fused_kernel(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, chunk_elems: int) -> None:
+    """Tensors whose steps ran torch's fused kernel: cut into slices of about ``chunk_elems`` elements, grouped
+    into batches of that many elements; for each batch, every step is one multi-tensor kernel call per distinct
+    set of hyper-parameters. A batch stays in cache across its N steps."""
+    pieces = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
+              for a in range(0, s.param.numel(), chunk_elems)]
+    flat = [(s.param.view(-1), s.exp_avg.view(-1), s.exp_avg_sq.view(-1),
+             s.max_exp_avg_sq.view(-1) if s.max_exp_avg_sq is not None else None) for s in states]
+    grads = [[g.view(-1) for g in d.grads] for d in diffs]
+    batches: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for piece in pieces:
+        if size and size + piece[2] - piece[1] > chunk_elems:
+            batches.append([])
+            size = 0
+        batches[-1].append(piece)
+        size += piece[2] - piece[1]
+    with torch.no_grad():
+        for batch in batches:
+            p = [flat[i][0][a:e] for i, a, e in batch]
+            m = [flat[i][1][a:e] for i, a, e in batch]
+            v = [flat[i][2][a:e] for i, a, e in batch]
+            vmax = [flat[i][3][a:e] if flat[i][3] is not None else None for i, a, e in batch]
+            steps = [states[i].step.detach().clone() for i, _, _ in batch]
+            for k, d in enumerate(diffs):
+                groups: dict[AdamHyper, list[int]] = {}
+                for j, (i, _, _) in enumerate(batch):
+                    groups.setdefault(d.hypers[i], []).append(j)
+                for h, js in groups.items():
+                    _fused_kernel_step([p[j] for j in js], [grads[k][batch[j][0]][batch[j][1]:batch[j][2]] for j in js],
+                                       [m[j] for j in js], [v[j] for j in js],
+                                       [vmax[j] for j in js] if h.amsgrad else [], [steps[j] for j in js], h)
+    for s in states:
+        s.step += len(diffs)
 
 
 def _foreach_by_scalar(op, targets: list, others, scalars: list[float]) -> None:

@@ -49,7 +49,8 @@ def _hyper(group: dict[str, Any], decoupled: bool) -> AdamHyper:
     beta1, beta2 = group["betas"]
     return AdamHyper(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
                      weight_decay=float(group.get("weight_decay", 0.0)), decoupled=decoupled,
-                     amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group.get("maximize", False)))
+                     amsgrad=bool(group.get("amsgrad", False)), maximize=bool(group.get("maximize", False)),
+                     fused=bool(group.get("fused", False)))
 
 
 class GradTap:
@@ -62,10 +63,12 @@ class GradTap:
                 f"differential checkpoints replay Adam/AdamW steps, but the inner optimizer is {type(inner).__name__}. "
                 "Use DeepSpeed's Adam/AdamW with \"torch_adam\": true, or turn deadpool.differential off")
         for g in inner.param_groups:
-            if g.get("foreach") or g.get("fused") or g.get("capturable") or g.get("differentiable"):
+            if g.get("foreach") or g.get("capturable") or g.get("differentiable"):
                 raise UnsupportedEngineError(
-                    "differential checkpoints replay the single-tensor Adam rule; this optimizer was built with "
-                    f"foreach/fused/capturable/differentiable = {[g.get(k) for k in ('foreach', 'fused', 'capturable', 'differentiable')]}")
+                    "differential checkpoints replay torch's single-tensor or fused Adam kernel; this optimizer was "
+                    f"built with foreach/capturable/differentiable = "
+                    f"{[g.get(k) for k in ('foreach', 'capturable', 'differentiable')]}: set \"fused\": true "
+                    "(fastest replay) or leave those options unset")
         self.adapter = adapter
         self.inner = inner
         self.decoupled = isinstance(inner, torch.optim.AdamW) or bool(

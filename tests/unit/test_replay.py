@@ -5,11 +5,11 @@ import torch
 from deadpool_ext.recovery.replay import AdamHyper, AdamTensors, StepDiff, replay_fused, replay_naive
 
 
-def _train(opt_cls, kwargs, params, grads_per_step):
+def _train(opt_cls, kwargs, params, grads_per_step, fused=False):
     """Run the real torch optimizer; return the recorded differentials and the final state."""
     ps = [torch.nn.Parameter(p.clone()) for p in params]
     opt = opt_cls([{"params": ps[:1], **kwargs}, {"params": ps[1:], **{**kwargs, "lr": kwargs["lr"] * 0.5}}],
-                  foreach=False)
+                  **({"fused": True} if fused else {"foreach": False}))
     diffs = []
     for step, grads in enumerate(grads_per_step):
         for g in opt.param_groups:  # a schedule: lr changes every step, as a scheduler does
@@ -41,12 +41,14 @@ def _state(opt, ps):
     (torch.optim.AdamW, {"lr": 1e-3, "maximize": True, "eps": 1e-6}),
 ])
 @pytest.mark.parametrize("replay", [replay_naive, replay_fused])
-def test_replay_equals_the_optimizer_bit_for_bit(opt_cls, kwargs, replay):
+@pytest.mark.parametrize("kernel", ["single_tensor", "fused"])
+def test_replay_equals_the_optimizer_bit_for_bit(opt_cls, kwargs, replay, kernel):
+    """Both Adam kernels torch offers on CPU (the single-tensor default and ``fused=True``)."""
     torch.manual_seed(0)
     params = [torch.randn(70001), torch.randn(33, 65)]
     warm = [[torch.randn_like(p) for p in params] for _ in range(3)]
     later = [[torch.randn_like(p) * (k + 1) for p in params] for k in range(5)]
-    opt, ps, _ = _train(opt_cls, kwargs, params, warm)
+    opt, ps, _ = _train(opt_cls, kwargs, params, warm, fused=kernel == "fused")
     base = _state(opt, ps)  # the base checkpoint, after 3 steps
     # Continue the same optimizer 5 more steps (the run we must reproduce), recording differentials.
     diffs = []
@@ -55,7 +57,8 @@ def test_replay_equals_the_optimizer_bit_for_bit(opt_cls, kwargs, replay):
             g["lr"] = g["lr"] * 0.9
         hypers = [AdamHyper(lr=g["lr"], beta1=g["betas"][0], beta2=g["betas"][1], eps=g["eps"],
                             weight_decay=g["weight_decay"], decoupled=opt_cls is torch.optim.AdamW,
-                            amsgrad=g["amsgrad"], maximize=g["maximize"]) for g in opt.param_groups for _ in g["params"]]
+                            amsgrad=g["amsgrad"], maximize=g["maximize"], fused=bool(g["fused"]))
+                  for g in opt.param_groups for _ in g["params"]]
         for p, gr in zip(ps, grads):
             p.grad = gr.clone()
         opt.step()
@@ -81,5 +84,16 @@ def test_replay_rejects_a_differential_of_another_layout():
 
 
 def test_hyper_json_round_trip():
-    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True)
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decoupled=True, fused=True)
     assert AdamHyper.from_json(h.to_json()) == h
+    old = {k: v for k, v in h.to_json().items() if k != "fused"}  # written before the field existed
+    assert AdamHyper.from_json(old).fused is False
+
+
+def test_a_chain_may_not_switch_kernels():
+    s = [AdamTensors(param=torch.zeros(4), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4), step=torch.tensor(0.))]
+    h = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8)
+    diffs = [StepDiff(grads=[torch.ones(4)], hypers=[h]),
+             StepDiff(grads=[torch.ones(4)], hypers=[AdamHyper(**{**h.to_json(), "fused": True})])]
+    with pytest.raises(ValueError, match="switched between the fused and the single-tensor"):
+        replay_fused(s, diffs)
