@@ -26,6 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, RESULTS_DIR, machine_info, md_table, write_json, write_text  # noqa: E402
 
 
+KERNELS = {"single": "single-tensor", "fused": "fused (\"fused\": true)"}
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -109,23 +112,25 @@ def worker(args: argparse.Namespace) -> None:
     dist.barrier()
 
 
-def run_case(stage: int, size: str, k: int, repeats: int, tmp: str) -> dict:
+def run_case(stage: int, size: str, k: int, repeats: int, tmp: str, kernel: str = "single") -> dict:
     from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
 
     with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
         cfg = json.load(fh)
     cfg["zero_optimization"] = {"stage": stage}
+    if kernel == "fused":
+        cfg["optimizer"]["params"]["fused"] = True
     shm = f"/dev/shm/dp-bench-diff-{os.getpid()}"
     os.makedirs(shm, exist_ok=True)
     cfg["deadpool"] = {"differential": {"enabled": True, "base_interval": k}, "replication": {"factor": 1},
                        "local": {"shm_root": shm, "simulate_nodes": 2}}
-    path = os.path.join(tmp, f"ds_diff_{stage}.json")
+    path = os.path.join(tmp, f"ds_diff_{stage}_{kernel}.json")
     with open(path, "w") as fh:
         json.dump(cfg, fh)
-    result = os.path.join(tmp, f"diff_{stage}.json")
+    result = os.path.join(tmp, f"diff_{stage}_{kernel}.json")
     cmd = torchrun_cmd(4, os.path.abspath(__file__), ["--worker", "--config", path, "--model-size", size, "--k", str(k),
                                                       "--repeats", str(repeats), "--result", result], port=free_port())
-    print(f"[bench_differential] ZeRO-{stage}, GPT {size}, K={k}, 4 ranks ...", flush=True)
+    print(f"[bench_differential] ZeRO-{stage}, GPT {size}, K={k}, 4 ranks, {KERNELS[kernel]} ...", flush=True)
     t0 = time.time()
     res = run_job(cmd, timeout_s=1800)
     import shutil
@@ -136,7 +141,7 @@ def run_case(stage: int, size: str, k: int, repeats: int, tmp: str) -> dict:
     with open(result) as fh:
         ranks = json.load(fh)
     print(f"[bench_differential] ZeRO-{stage} done in {time.time() - t0:.0f} s", flush=True)
-    return {"stage": stage, "ranks": ranks}
+    return {"stage": stage, "ranks": ranks, "kernel": kernel}
 
 
 def summarize_case(case: dict) -> dict:
@@ -149,7 +154,7 @@ def summarize_case(case: dict) -> dict:
     m_fused = median(min(rank["math_s"]["fused"], rank["math_s"]["fused_2"]) for rank in r)
     base = max(rank["base_blob_bytes"] for rank in r)
     diff = max(rank["diff_blob_bytes"] for rank in r)
-    return {"zero_stage": case["stage"], "params": r[0]["params"], "n_diffs": r[0]["n_diffs"],
+    return {"zero_stage": case["stage"], "adam_kernel": case["kernel"], "params": r[0]["params"], "n_diffs": r[0]["n_diffs"],
             "state_bytes_per_rank": max(rank["state_bytes"] for rank in r), "base_blob_bytes": base,
             "diff_blob_bytes": diff, "diff_over_base": diff / base, "step_time_s": median(x["step_time_s"] for x in r),
             "replay_stepwise_s": stepwise, "replay_fused_s": fused, "replay_speedup": stepwise / fused,
@@ -162,7 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="GPT tiny, K=5: a minute or two")
     p.add_argument("--out", default=RESULTS_DIR, help="directory for differential[_quick].json/.md (default "
                    "benchmarks/results)")
-    p.add_argument("--stages", default="2,3")
+    p.add_argument("--stages", default="3")
+    p.add_argument("--kernels", default="single,fused", help="torch Adam kernels to train with: single (the "
+                   "single-tensor default) and/or fused (\"fused\": true); each is replayed with its own kernel")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--config", help=argparse.SUPPRESS)
     p.add_argument("--model-size", default="small", help=argparse.SUPPRESS)
@@ -178,18 +185,21 @@ def main(argv: list[str] | None = None) -> int:
     size, k = ("tiny", 5) if args.quick else ("small", 10)
     name = "differential_quick" if args.quick else "differential"
     os.makedirs(args.out, exist_ok=True)
-    cmd = "python benchmarks/bench_differential.py" + (" --quick" if args.quick else "")
+    cmd = " ".join(["python benchmarks/bench_differential.py", *(argv if argv is not None else sys.argv[1:])])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for stage in [int(s) for s in args.stages.split(",")]:
-            rows.append(summarize_case(run_case(stage, size, k, 1, tmp)))
+            for kernel in args.kernels.split(","):
+                if kernel not in KERNELS:
+                    p.error(f"--kernels: unknown kernel {kernel!r} (allowed: {', '.join(KERNELS)})")
+                rows.append(summarize_case(run_case(stage, size, k, 1, tmp, kernel)))
     doc = {"benchmark": "differential", "command": cmd, "machine": machine_info(), "model": f"GPT {size}",
            "layout": "DeepSpeed ZeRO, 4 CPU ranks (gloo), 2 simulated nodes, replication factor 1", "base_interval": k,
            "results": rows}
     write_json(os.path.join(args.out, f"{name}.json"), doc)
-    table = md_table(["ZeRO", "params", "diff / base", "diff MB", "base MB", "replay stepwise s", "replay fused s",
+    table = md_table(["ZeRO", "Adam kernel", "params", "diff / base", "diff MB", "base MB", "replay stepwise s", "replay fused s",
                       "speedup", "math stepwise s", "math fused s", "math speedup", "step s"],
-                     [[r["zero_stage"], f"{r['params'] / 1e6:.1f}M", f"{r['diff_over_base']:.3f}",
+                     [[r["zero_stage"], KERNELS[r["adam_kernel"]], f"{r['params'] / 1e6:.1f}M", f"{r['diff_over_base']:.3f}",
                        f"{r['diff_blob_bytes'] / 1e6:.1f}", f"{r['base_blob_bytes'] / 1e6:.1f}",
                        f"{r['replay_stepwise_s']:.3f}", f"{r['replay_fused_s']:.3f}", f"{r['replay_speedup']:.2f}x",
                        f"{r['math_stepwise_s']:.3f}", f"{r['math_fused_s']:.3f}", f"{r['math_speedup']:.2f}x",
@@ -201,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
                "rank). Replay: restoring the newest version in place, base + differentials; stepwise syncs "
                "parameters after each step (copy, all-gather under ZeRO-1/2), fused replays cache-blocked batches "
                "and syncs once. Both give the live state bit for bit (checked in the run). Math: the Adam "
-               "replay alone on one rank. The machine is shared and was loaded while this ran.\n")
+               "replay alone on one rank. Adam kernel: the torch Adam implementation the job trained with (the "
+               "single-tensor default, or `\"fused\": true`); replay runs the same kernel, so each row is bit-exact "
+               "with its own training run. The machine is shared and was loaded while this ran.\n")
     print(table)
     return 0
 

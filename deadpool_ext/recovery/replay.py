@@ -142,9 +142,12 @@ def replay_naive(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> No
 
 
 def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, chunk_elems: int = 1 << 14,
-                 batch_chunks: int = 8) -> None:
+                 batch_chunks: int = 8, kernel_batch_elems: int = 1 << 20) -> None:
     """Apply ``diffs`` in order: for each group of ``batch_chunks`` cache-sized chunks, every step, with
-    multi-tensor operations. Same results as :func:`replay_naive`, bit for bit."""
+    multi-tensor operations. Same results as :func:`replay_naive`, bit for bit.
+
+    Tensors trained with torch's fused kernel go through it in batches of ``kernel_batch_elems`` elements (one
+    kernel call per step and batch; larger batches amortise the call, 1M elements measured fastest here)."""
     _check(states, diffs)
     if not diffs:
         return
@@ -152,7 +155,7 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
     if kernel:
         _replay_fused_kernel([states[i] for i in kernel],
                              [StepDiff(grads=[d.grads[i] for i in kernel], hypers=[d.hypers[i] for i in kernel])
-                              for d in diffs], chunk_elems=chunk_elems * batch_chunks)
+                              for d in diffs], chunk_elems=kernel_batch_elems)
         if len(kernel) == len(states):
             return
         rest = [i for i in range(len(states)) if i not in set(kernel)]

@@ -64,7 +64,8 @@ def test_replay_equals_the_optimizer_bit_for_bit(opt_cls, kwargs, replay, kernel
         opt.step()
         diffs.append(StepDiff(grads=grads, hypers=hypers))
     want = _state(opt, ps)
-    replay(base, diffs) if replay is replay_naive else replay(base, diffs, chunk_elems=4096, batch_chunks=3)
+    replay(base, diffs) if replay is replay_naive else replay(base, diffs, chunk_elems=4096, batch_chunks=3,
+                                                                            kernel_batch_elems=5000)
     for b, w in zip(base, want):
         assert torch.equal(b.param, w.param)
         assert torch.equal(b.exp_avg, w.exp_avg)
