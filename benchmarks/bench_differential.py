@@ -118,8 +118,7 @@ def run_case(stage: int, size: str, k: int, repeats: int, tmp: str, kernel: str 
     with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
         cfg = json.load(fh)
     cfg["zero_optimization"] = {"stage": stage}
-    if kernel == "fused":
-        cfg["optimizer"]["params"]["fused"] = True
+    cfg["optimizer"]["params"]["fused"] = kernel == "fused"
     shm = f"/dev/shm/dp-bench-diff-{os.getpid()}"
     os.makedirs(shm, exist_ok=True)
     cfg["deadpool"] = {"differential": {"enabled": True, "base_interval": k}, "replication": {"factor": 1},

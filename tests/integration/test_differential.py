@@ -58,23 +58,24 @@ def test_killed_worker_replays_local_differentials(tmp_path, shm_root, stage):
     assert metrics == base
 
 
-def test_fused_adam_kernel_replays_bit_exact(tmp_path, shm_root):
-    """torch's fused Adam kernel (``"fused": true`` in the DeepSpeed optimizer params): the differentials record
-    it and the replay runs the same kernel, so a killed worker resumes identical to an uninterrupted run."""
+def test_single_tensor_adam_kernel_replays_bit_exact(tmp_path, shm_root):
+    """The shipped configs train with torch's fused Adam kernel (``"fused": true``); the other tests replay it.
+    Here the single-tensor kernel (torch's CPU default, ``"fused": false``): the differentials record it and the
+    replay follows its operation sequence, so a killed worker resumes identical to an uninterrupted run."""
     with open(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "gpt_tiny_zero3_cpu.json")) as fh:
         optimizer = json.load(fh)["optimizer"]
-    optimizer["params"]["fused"] = True
+    optimizer["params"]["fused"] = False
     plain = make_config(tmp_path, stage=3, deadpool=None, optimizer=optimizer)
-    res, base, _ = pretrain(tmp_path, plain, iters=ITERS, name="fused_base")
+    res, base, _ = pretrain(tmp_path, plain, iters=ITERS, name="single_base")
     assert res.returncode == 0 and sorted(base) == list(range(1, ITERS + 1)), res.output[-3000:]
     cfg = make_config(tmp_path, stage=3, optimizer=optimizer, deadpool={
         "snapshot": {"interval": 1}, "replication": {"factor": 1},
         "differential": {"enabled": True, "base_interval": K}, "local": {"shm_root": shm_root, "simulate_nodes": 2}})
-    res, metrics, _ = pretrain(tmp_path, cfg, iters=ITERS, max_restarts=1, inject=kill_at(6), name="fused")
+    res, metrics, _ = pretrain(tmp_path, cfg, iters=ITERS, max_restarts=1, inject=kill_at(6), name="single")
     assert res.returncode == 0, res.output[-4000:]
     assert _replayed(res.output), res.output[-4000:]
     assert metrics == base
-    # The kernel matters: the single-tensor rule gives different floats (so the check above can fail).
+    # The kernel matters: the fused kernel gives different floats (so the check above can fail).
     assert _baseline(tmp_path, 3, shm_root) != base
 
 
