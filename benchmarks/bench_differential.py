@@ -167,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=RESULTS_DIR, help="directory for differential[_quick].json/.md (default "
                    "benchmarks/results)")
     p.add_argument("--stages", default="3")
+    p.add_argument("--size", choices=["small", "medium"], default="small", help="GPT size (ignored with --quick)")
+    p.add_argument("--base-interval", type=int, default=10, help="K: base every K steps, K - 1 differentials "
+                   "replayed (ignored with --quick)")
+    p.add_argument("--name", help="result file name (default differential[_quick], differential_<size> for "
+                   "sizes other than small)")
     p.add_argument("--kernels", default="single,fused", help="torch Adam kernels to train with: single (the "
                    "single-tensor default) and/or fused (\"fused\": true); each is replayed with its own kernel")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -181,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    size, k = ("tiny", 5) if args.quick else ("small", 10)
-    name = "differential_quick" if args.quick else "differential"
+    size, k = ("tiny", 5) if args.quick else (args.size, args.base_interval)
+    name = args.name or ("differential_quick" if args.quick else
+                         "differential" if size == "small" else f"differential_{size}")
     os.makedirs(args.out, exist_ok=True)
     cmd = " ".join(["python benchmarks/bench_differential.py", *(argv if argv is not None else sys.argv[1:])])
     rows = []
