@@ -18,7 +18,7 @@ setup(
     ],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
-        "test": ["pytest>=8", "pytest-timeout"],
+        "test": ["pytest>=8", "pytest-timeout", "s3fs", "moto[server]>=5"],
     },
     entry_points={"console_scripts": ["deadpool-run=deadpool_ext.launcher.cli:main", "deadpool=deadpool_ext.cli:main"]},
 )

@@ -31,7 +31,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                             formatter_class=argparse.RawDescriptionHelpFormatter)
         mod.add_arguments(sp)
     args = p.parse_args(argv)
-    return int(mods[args.cmd].run(args) or 0)
+    try:
+        return int(mods[args.cmd].run(args) or 0)
+    except FileNotFoundError as exc:  # a missing checkpoint location or file: one line, not a traceback
+        print(f"deadpool {args.cmd}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,9 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def tier3_report(url: str) -> dict[str, Any]:
     from ..persist.layout import list_versions, read_latest
-    from ..persist.storage import open_storage
+    from ..persist.storage import open_existing
 
-    storage = open_storage(url)
+    storage = open_existing(url)
     out = []
     for v in list_versions(storage):
         row: dict[str, Any] = {"version": v.version, "tag": v.tag, "complete": v.complete}

@@ -23,9 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..persist.layout import list_versions, verify_version
     from ..persist.progress import Progress
-    from ..persist.storage import open_storage
+    from ..persist.storage import open_existing
 
-    storage = open_storage(args.url)
+    storage = open_existing(args.url)
     versions = [v for v in list_versions(storage) if args.version is None or v.version == args.version]
     report = []
     bad = 0

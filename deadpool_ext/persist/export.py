@@ -13,14 +13,14 @@ from typing import Callable
 
 from .layout import VersionInfo, load_candidates, read_commit, version_tag, verify_version
 from .resume import cache_dir_for, download
-from .storage import open_storage
+from .storage import open_existing
 
 
 def pick_version(url: str, version: int | None, *, verify: bool = True,
                  progress: Callable[[int, int], None] | None = None,
                  log: Callable[[str], None] = print) -> VersionInfo:
     """The requested base (or the newest complete one whose files all verify)."""
-    storage = open_storage(url)
+    storage = open_existing(url)
     if version is not None:
         cands = [VersionInfo(version, version_tag(version), read_commit(storage, version_tag(version)))]
         if cands[0].commit is None:
@@ -44,7 +44,7 @@ def export_safetensors(url: str, out: str, *, version: int | None = None, cache_
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import save_file
 
-    storage = open_storage(url)
+    storage = open_existing(url)
     info = pick_version(url, version, progress=progress, log=log)
     root = storage.local_path() or download(storage, info, cache_dir_for(url, cache_root))
     with contextlib.redirect_stdout(io.StringIO()):  # DeepSpeed prints per-parameter progress

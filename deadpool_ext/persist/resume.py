@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 
+from .atomic import IncompleteCheckpointError, file_checksum
 from .layout import VersionInfo, load_candidates, read_commit, verify_version
 from .storage import Storage, open_storage
 
@@ -57,15 +59,27 @@ def cache_dir_for(url: str, cache_root: str | None = None) -> str:
 
 
 def download(storage: Storage, info: VersionInfo, dest_root: str) -> str:
-    """Copy base ``info`` (and DeepSpeed's recovery scripts) under ``dest_root``; returns ``dest_root``."""
+    """Copy base ``info`` (and DeepSpeed's recovery scripts) under ``dest_root``; returns ``dest_root``.
+
+    Every file ends up with the checksum the commit record names: a cached copy is reused only when its bytes
+    hash to it (a base rewritten at the same URL and step must not resume from stale local bytes), and a
+    download is hashed on the way and refused when it does not match."""
     os.makedirs(os.path.join(dest_root, info.tag), exist_ok=True)
     for name in sorted(info.commit["files"]):
+        entry = info.commit["files"][name]
         dst = os.path.join(dest_root, info.tag, name)
-        if os.path.exists(dst) and os.path.getsize(dst) == int(info.commit["files"][name]["nbytes"]):
+        if os.path.exists(dst) and os.path.getsize(dst) == int(entry["nbytes"]) \
+                and file_checksum(dst) == entry["xxh3_64"]:
             continue
+        h = xxhash.xxh3_64()
         with open(dst + ".part", "wb") as fh:
             for block in storage.iter_chunks(f"{info.tag}/{name}"):
+                h.update(block)
                 fh.write(block)
+        if h.hexdigest() != entry["xxh3_64"]:
+            os.unlink(dst + ".part")
+            raise IncompleteCheckpointError(f"tier 3: {info.tag}/{name} changed while it was downloaded "
+                                            f"(xxh3 {h.hexdigest()}, the commit record says {entry['xxh3_64']})")
         os.replace(dst + ".part", dst)
     for name in ("deadpool_commit.json",):
         with open(os.path.join(dest_root, info.tag, name), "wb") as fh:
@@ -74,7 +88,7 @@ def download(storage: Storage, info: VersionInfo, dest_root: str) -> str:
 
 
 def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None) -> tuple[int | None, dict[str, Any]]:
-    storage = open_storage(url)
+    storage = open_storage(url, create=False)  # nothing there: start from scratch, create nothing
     rank, world = dist.get_rank(), dist.get_world_size()
     device = engine.device
     candidates = _agree_candidates(storage, device)

@@ -140,10 +140,11 @@ class _LocalWriter(TempWriter):
 
 
 class LocalStorage(Storage):
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, create: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.url = root
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
 
     def _p(self, rel: str) -> str:
         return os.path.join(self.root, rel) if rel else self.root
@@ -209,12 +210,14 @@ class _FsspecWriter(TempWriter):
 class FsspecStorage(Storage):
     """Any fsspec URL, e.g. ``s3://bucket/run`` (``pip install s3fs``; credentials the usual AWS way)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, create: bool = True) -> None:
         import fsspec
 
         self.url = url
         self.fs, self.root = fsspec.core.url_to_fs(url)
         self.root = self.root.rstrip("/")
+        if not create:
+            return  # readers must not create anything (s3fs would create a missing bucket)
         try:
             self.fs.makedirs(self.root, exist_ok=True)
         except (OSError, NotImplementedError):
@@ -257,13 +260,29 @@ class FsspecStorage(Storage):
             pass
 
 
-def open_storage(url: str) -> Storage:
-    """``/path`` or ``file:///path`` -> :class:`LocalStorage`; any other ``scheme://`` -> :class:`FsspecStorage`."""
+def open_storage(url: str, *, create: bool = True) -> Storage:
+    """``/path`` or ``file:///path`` -> :class:`LocalStorage`; any other ``scheme://`` -> :class:`FsspecStorage`.
+
+    ``create=False`` for readers (``--load``, ``deadpool inspect|verify|export``): a missing location is not
+    created (a mistyped bucket or path must not appear as an empty checkpoint store)."""
     if "://" not in url:
-        return LocalStorage(url)
+        return LocalStorage(url, create=create)
     if url.startswith("file://"):
-        return LocalStorage(url[len("file://"):])
-    return FsspecStorage(url)
+        return LocalStorage(url[len("file://"):], create=create)
+    return FsspecStorage(url, create=create)
+
+
+def open_existing(url: str) -> Storage:
+    """A reader's view of ``url``; a location that does not exist is an error naming it."""
+    storage = open_storage(url, create=False)
+    try:
+        present = storage.exists("")
+    except Exception as exc:  # e.g. credentials or endpoint problems: say which location
+        raise FileNotFoundError(f"{url}: cannot reach the tier-3 location: {exc}") from exc
+    if not present:
+        raise FileNotFoundError(f"{url}: no such tier-3 location (nothing was ever saved there, or the path/bucket "
+                                "is mistyped); nothing was created")
+    return storage
 
 
 def is_disk_full(exc: BaseException) -> bool:
