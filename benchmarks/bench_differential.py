@@ -158,7 +158,13 @@ def summarize_case(case: dict) -> dict:
             "diff_blob_bytes": diff, "diff_over_base": diff / base, "step_time_s": median(x["step_time_s"] for x in r),
             "replay_stepwise_s": stepwise, "replay_fused_s": fused, "replay_speedup": stepwise / fused,
             "math_stepwise_s": m_step, "math_fused_s": m_fused, "math_speedup": m_step / m_fused,
-            "memory_bytes_per_rank": max(rank["memory_bytes"] for rank in r)}
+            "memory_bytes_per_rank": max(rank["memory_bytes"] for rank in r),
+            # Achievable checkpoint frequency: a base or differential is taken after every step; what the
+            # training thread pays for it (median over ranks of each rank's median) against the step time.
+            "blocking_s_median": median(rank["blocking_s_median"] for rank in r),
+            "replicate_s_median": median(rank["replicate_s_median"] for rank in r),
+            "blocking_over_step": median(rank["blocking_s_median"] for rank in r)
+            / median(x["step_time_s"] for x in r)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,12 +209,15 @@ def main(argv: list[str] | None = None) -> int:
            "results": rows}
     write_json(os.path.join(args.out, f"{name}.json"), doc)
     table = md_table(["ZeRO", "Adam kernel", "params", "diff / base", "diff MB", "base MB", "replay stepwise s", "replay fused s",
-                      "speedup", "math stepwise s", "math fused s", "math speedup", "step s"],
+                      "speedup", "math stepwise s", "math fused s", "math speedup", "step s",
+                      "blocked per checkpoint", "memory / rank"],
                      [[r["zero_stage"], KERNELS[r["adam_kernel"]], f"{r['params'] / 1e6:.1f}M", f"{r['diff_over_base']:.3f}",
                        f"{r['diff_blob_bytes'] / 1e6:.1f}", f"{r['base_blob_bytes'] / 1e6:.1f}",
                        f"{r['replay_stepwise_s']:.3f}", f"{r['replay_fused_s']:.3f}", f"{r['replay_speedup']:.2f}x",
                        f"{r['math_stepwise_s']:.3f}", f"{r['math_fused_s']:.3f}", f"{r['math_speedup']:.2f}x",
-                       f"{r['step_time_s']:.2f}"] for r in rows])
+                       f"{r['step_time_s']:.2f}",
+                       f"{r['blocking_s_median'] * 1e3:.1f} ms ({r['blocking_over_step']:.2%} of a step)",
+                       f"{r['memory_bytes_per_rank'] / 2**30:.2f} GiB"] for r in rows])
     write_text(os.path.join(args.out, f"{name}.md"),
                f"# Differential checkpoints: size and replay\n\n`{cmd}` on {doc['machine'].get('cpu', 'this machine')}; "
                f"GPT {size}, {doc['layout']}; base every {k} steps, {k - 1} differentials replayed.\n\n{table}\n\n"
@@ -216,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                "rank). Replay: restoring the newest version in place, base + differentials; stepwise syncs "
                "parameters after each step (copy, all-gather under ZeRO-1/2), fused replays cache-blocked batches "
                "and syncs once. Both give the live state bit for bit (checked in the run). Math: the Adam "
-               "replay alone on one rank. Adam kernel: the torch Adam implementation the job trained with (the "
+               "replay alone on one rank. Blocked per checkpoint: the training thread's median wait per snapshot "
+               "(base or differential, one after every step), i.e. checkpointing every iteration costs that "
+               "fraction of a step; memory / rank: snapshot memory (slots, replicas, rings). Adam kernel: the torch Adam implementation the job trained with (the "
                "single-tensor default, or `\"fused\": true`); replay runs the same kernel, so each row is bit-exact "
                "with its own training run. The machine is shared and was loaded while this ran.\n")
     print(table)
