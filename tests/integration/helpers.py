@@ -15,6 +15,33 @@ from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_j
 JOB_TIMEOUT_S = 300
 
 
+def memory_tier_config(tmp_path, stage: int, shm_root: str, **deadpool) -> str:
+    """The memory-tier tests' job: a snapshot every step, one peer replica, two simulated nodes, plus any other
+    ``deadpool`` sections (e.g. ``differential``)."""
+    from tests.conftest import make_config
+
+    return make_config(tmp_path, stage=stage, deadpool={
+        "snapshot": {"interval": 1}, "replication": {"factor": 1}, **deadpool,
+        "local": {"shm_root": shm_root, "simulate_nodes": 2}})
+
+
+class Baselines:
+    """Uninterrupted runs of ``iters`` steps, one per ZeRO stage, run once per test module and reused.
+    ``config(tmp_path, stage, shm_root)`` builds the job's config."""
+
+    def __init__(self, config: Callable[..., str], iters: int) -> None:
+        self.config, self.iters, self.runs = config, iters, {}
+
+    def __call__(self, tmp_path, stage: int, shm_root: str) -> dict[int, float]:
+        if stage not in self.runs:
+            res, metrics, _ = pretrain(tmp_path, self.config(tmp_path, stage, shm_root), iters=self.iters,
+                                       name=f"base{stage}")
+            assert res.returncode == 0, res.output[-3000:]
+            assert sorted(metrics) == list(range(1, self.iters + 1))
+            self.runs[stage] = metrics
+        return self.runs[stage]
+
+
 def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: str = "scripts/pretrain_gpt.py",
              extra: list[str] | None = None, max_restarts: int = 0, inject: Callable | None = None,
              name: str = "run") -> tuple[object, dict[int, float], str]:
@@ -71,4 +98,4 @@ def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None,
     return KillAt(step, rank, then, action)
 
 
-__all__ = ["pretrain", "kill_at", "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]
+__all__ = ["pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]

@@ -11,27 +11,13 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
 from tests.conftest import make_config
-from tests.integration.helpers import kill_at, pretrain
+from tests.integration.helpers import Baselines, kill_at, memory_tier_config, pretrain
 
 pytestmark = pytest.mark.slow
 ITERS = 10
 NODE1 = f"{socket.gethostname()}-sim1"
-_baselines: dict[int, dict[int, float]] = {}
-
-
-def _cfg(tmp_path, stage, shm_root):
-    return make_config(tmp_path, stage=stage, deadpool={
-        "snapshot": {"interval": 1}, "replication": {"factor": 1},
-        "local": {"shm_root": shm_root, "simulate_nodes": 2}})
-
-
-def _baseline(tmp_path, stage, shm_root):
-    if stage not in _baselines:
-        res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, name=f"base{stage}")
-        assert res.returncode == 0, res.output[-3000:]
-        assert sorted(metrics) == list(range(1, ITERS + 1))
-        _baselines[stage] = metrics
-    return _baselines[stage]
+_cfg = memory_tier_config
+_baseline = Baselines(_cfg, ITERS)
 
 
 def _restored_lines(output: str) -> list[str]:
