@@ -156,18 +156,13 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
         _replay_fused_kernel([states[i] for i in kernel],
                              [StepDiff(grads=[d.grads[i] for i in kernel], hypers=[d.hypers[i] for i in kernel])
                               for d in diffs], chunk_elems=kernel_batch_elems)
-        if len(kernel) == len(states):
+        rest = [i for i, h in enumerate(diffs[0].hypers) if not h.fused]
+        if not rest:
             return
-        rest = [i for i in range(len(states)) if i not in set(kernel)]
         states = [states[i] for i in rest]
         diffs = [StepDiff(grads=[d.grads[i] for i in rest], hypers=[d.hypers[i] for i in rest]) for d in diffs]
     start_steps = [float(s.step.item()) for s in states]
-    # (tensor index, start, end) of every chunk, in order.
-    chunks = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
-              for a in range(0, s.param.numel(), chunk_elems)]
-    flat = [(s.param.view(-1), s.exp_avg.view(-1), s.exp_avg_sq.view(-1),
-             s.max_exp_avg_sq.view(-1) if s.max_exp_avg_sq is not None else None) for s in states]
-    grads = [[g.view(-1) for g in d.grads] for d in diffs]
+    chunks, flat, grads = _flat_views(states, diffs, chunk_elems)
     with torch.no_grad():
         for b in range(0, len(chunks), batch_chunks):
             batch = chunks[b:b + batch_chunks]
@@ -202,15 +197,21 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
             s.step += len(diffs)
 
 
+def _flat_views(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], chunk_elems: int):
+    """(tensor index, start, end) of every ``chunk_elems`` slice in order; flat views of each tensor's
+    (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None); flat views of every differential's gradients."""
+    chunks = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
+              for a in range(0, s.param.numel(), chunk_elems)]
+    flat = [(s.param.view(-1), s.exp_avg.view(-1), s.exp_avg_sq.view(-1),
+             s.max_exp_avg_sq.view(-1) if s.max_exp_avg_sq is not None else None) for s in states]
+    return chunks, flat, [[g.view(-1) for g in d.grads] for d in diffs]
+
+
 def _replay_fused_kernel(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, chunk_elems: int) -> None:
     """Tensors whose steps ran torch's fused kernel: cut into slices of about ``chunk_elems`` elements, grouped
     into batches of that many elements; for each batch, every step is one multi-tensor kernel call per distinct
     set of hyper-parameters. A batch stays in cache across its N steps."""
-    pieces = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
-              for a in range(0, s.param.numel(), chunk_elems)]
-    flat = [(s.param.view(-1), s.exp_avg.view(-1), s.exp_avg_sq.view(-1),
-             s.max_exp_avg_sq.view(-1) if s.max_exp_avg_sq is not None else None) for s in states]
-    grads = [[g.view(-1) for g in d.grads] for d in diffs]
+    pieces, flat, grads = _flat_views(states, diffs, chunk_elems)
     batches: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for piece in pieces:
