@@ -137,8 +137,21 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     # only released by that generation's collective timeout, and must still find the others waiting.
     base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
     store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
+    _reset_group_names()
     dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
+
+
+def _reset_group_names() -> None:
+    """Restart torch's process-group name counter, so the default group of every generation is named alike on
+    every rank. torch names unnamed groups by a process-global counter that it bumps *before* the rendezvous
+    and only resets when the default group is destroyed: a rank whose previous attempt failed while forming
+    the group (a peer died during recovery) would otherwise publish its address under "1" while the others
+    wait under "0", and the generation could never form (found by test_failure_during_recovery on a loaded
+    host). Names need not be unique across generations: each has its own store prefix."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is not None and hasattr(world, "group_count") and not dist.is_initialized():
+        world.group_count = 0
 
 
 # Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
@@ -173,6 +186,7 @@ def teardown(timeout_s: float = 30.0) -> None:
         if not done.wait(timeout_s):
             raise MembershipError(f"could not destroy the old process groups within {timeout_s:.0f}s (a transfer is "
                                   "blocked on a peer); leaving so the launcher replaces this node")
+    _reset_group_names()
     from ..integrations.deepspeed.rebuild import reset_deepspeed_comm_state
 
     reset_deepspeed_comm_state()

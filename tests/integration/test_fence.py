@@ -47,3 +47,44 @@ def test_without_cut_the_peer_stays_blocked_until_the_other_exits():
     out = _run("none")
     assert out[1]["cut"] == 0
     assert out[0]["blocked_s"] > 5.0, out  # the control: what the cut avoids
+
+
+def _rejoin(mode: str) -> dict[int, dict]:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60),
+                           wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, "tests/integration/workers/rejoin_pair.py", str(r), str(port), mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    out = {}
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=90)
+            for line in text.splitlines():
+                if line.startswith("{"):
+                    d = json.loads(line)
+                    out[d["rank"]] = d
+            out.setdefault("log", []).append(text[-1500:])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        del master
+    return out
+
+
+def test_rank_whose_last_attempt_failed_still_forms_the_next_generation():
+    """A rank whose previous generation failed while forming (a peer died during recovery) joins the next one
+    with the others: torch's group-name counter, bumped by the failed attempt, is reset per generation."""
+    out = _rejoin("fixed")
+    assert out[1]["first"].startswith("failed"), out
+    assert out[0]["outcome"] == "sum=3" and out[1]["outcome"] == "sum=3", out
+
+
+def test_without_the_reset_the_generation_cannot_form():
+    out = _rejoin("unfixed")  # the control: what the reset avoids
+    assert out[1]["first"].startswith("failed"), out
+    assert out[0]["outcome"].startswith("error") and out[1]["outcome"].startswith("error"), out
