@@ -51,6 +51,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
 
         _membership = Membership.from_env()
         if os.environ.get("DEADPOOL_ROLE") == "spare":
+            _warm_up_spare()
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
         # The first generation's collectives use the hot-swap budget (hot_swap.collective_timeout_s's default),
         # not the generic 300 s: it is only the backstop, since the launcher's next generation cuts this one.
@@ -92,6 +93,20 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def _warm_up_spare() -> None:
+    """What a spare can do before it knows its ranks, so that it is not the last one after an assignment:
+    load DeepSpeed's communication op (the script has already imported DeepSpeed and built its model)."""
+    from .integrations.deepspeed.rebuild import preload_comm_op
+
+    try:
+        took = preload_comm_op()
+    except Exception as exc:  # only an optimisation: deepspeed.initialize loads it (or fails clearly) later
+        log.warning("spare: could not preload DeepSpeed's communication op (%s); it loads after assignment", exc)
+        return
+    if took is not None:
+        log.info("spare: DeepSpeed communication op preloaded in %.2f s", took)
 
 
 def default_job_id() -> str:

@@ -84,12 +84,17 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     import transformers  # noqa: F401
 
     from .. import deepspeed as dpx
+
+    # The first model is built before the process group: a spare builds it while it waits for an assignment
+    # instead of after (same seed, same random numbers consumed, so the same model as before on every rank).
+    seed_everything(args.seed)
+    build_model = {"gpt": build_gpt, "bert": build_bert}[objective]
+    prebuilt = [build_model(args.model_size)]
     init_distributed()
     from ..snapshot.state import capture_rng, restore_rng
 
     import torch.distributed as dist
 
-    seed_everything(args.seed)
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0
     ds_config = _with_persist_flags(args)
@@ -114,7 +119,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
     def build_engine():
         nonlocal n_params
-        model = build_gpt(args.model_size) if objective == "gpt" else build_bert(args.model_size)
+        model = prebuilt.pop() if prebuilt else build_model(args.model_size)
         n_params = count_parameters(model)
         eng, _, _, _ = dpx.initialize(model=model, config=ds_config, model_parameters=model.parameters())
         if eng.deadpool is not None:
