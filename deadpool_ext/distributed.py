@@ -97,16 +97,17 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
 
 def _warm_up_spare() -> None:
     """What a spare can do before it knows its ranks, so that it is not the last one after an assignment:
-    load DeepSpeed's communication op (the script has already imported DeepSpeed and built its model)."""
-    from .integrations.deepspeed.rebuild import preload_comm_op
+    DeepSpeed's lazy imports and its communication op (see :mod:`deadpool_ext.integrations.deepspeed.warmup`)."""
+    from .integrations.deepspeed.warmup import import_lazy_modules, preload_comm_op
 
     try:
-        took = preload_comm_op()
-    except Exception as exc:  # only an optimisation: deepspeed.initialize loads it (or fails clearly) later
-        log.warning("spare: could not preload DeepSpeed's communication op (%s); it loads after assignment", exc)
+        imports_s, op_s = import_lazy_modules(), preload_comm_op()
+    except Exception as exc:  # only an optimisation: deepspeed.initialize does it (or fails clearly) later
+        log.warning("spare: could not warm DeepSpeed up (%s); it does so after its assignment", exc)
         return
-    if took is not None:
-        log.info("spare: DeepSpeed communication op preloaded in %.2f s", took)
+    if op_s is not None or imports_s > 0.01:
+        log.info("spare: DeepSpeed warmed up while waiting (lazy imports %.2f s, comm op %s)", imports_s,
+                 "n/a" if op_s is None else f"{op_s:.2f} s")
 
 
 def default_job_id() -> str:

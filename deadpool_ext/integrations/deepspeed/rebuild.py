@@ -49,26 +49,3 @@ def reset_deepspeed_comm_state() -> None:
     if defaults and isinstance(defaults[0], list) and defaults[0]:
         defaults[0][0] = 0
 
-
-def preload_comm_op() -> float | None:
-    """Load DeepSpeed's CPU shared-memory communication op now, before this process has a world.
-
-    A spare calls this while it waits for an assignment: ``deepspeed.initialize`` loads the op on first use
-    (a JIT extension: a build check, then dlopen), which cost a spare ~1.5-2 s on the hot-swap critical path,
-    after its assignment, while every survivor (op already loaded) waited for it in the first collective.
-    DeepSpeed keeps loaded ops per process, so the later load returns this one. Returns the seconds it took,
-    or None when the accelerator has no such op (e.g. CUDA: NCCL needs none) or DeepSpeed is not in use."""
-    import sys
-    import time
-
-    if "deepspeed" not in sys.modules:
-        return None
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    t0 = time.perf_counter()
-    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
-    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
-        return None
-    builder.load(verbose=False)
-    return time.perf_counter() - t0
