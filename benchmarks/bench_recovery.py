@@ -83,13 +83,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "small": {"micro_batch": 2, "kill_step": 3, "steps_after": 3, "repeats": 2, "timeout_s": 600, "zero": {}},
     "medium": {"micro_batch": 1, "kill_step": 3, "steps_after": 2, "repeats": 1, "timeout_s": 1200,
                "zero": {"reduce_bucket_size": 50_000_000, "stage3_max_live_parameters": 100_000_000},
-               # Measured 2026-11-29 (trial kept in results/recovery_medium_trial.json): 3 active medium workers
-               # with snapshots reach 7.2-7.4 GB RSS each (2.66 GB of it /dev/shm snapshot memory, 4 x 666 MB
-               # state), 22 GB together by step 2, MemAvailable 1.0 GiB, before any fault; the rebuild would need
-               # more. Not run by default on a 24 GiB machine (--force-hotswap to try; the memory guard stops it).
-               "hotswap_skip": "does not fit in memory on this machine (24 GiB): 3 medium workers with snapshots "
-                               "reach 22 GB RSS (7.2-7.4 GB each, 2.66 GB of it snapshot shared memory) at step 2, "
-                               "before any fault; see results/recovery_medium_trial.json"},
+               # glibc malloc with a fixed mmap threshold and 2 arenas, in both jobs (fair): freed activation and
+               # gather buffers go back to the OS instead of fragmenting the heap. Measured 2026-11-29, 3 ranks,
+               # 3 steps: plain ZeRO-3 medium 4.7-5.0 GB RSS per rank with glibc's defaults, 3.35 GB with these,
+               # same losses. With snapshots (2.78 GB shared memory per rank) 6.0 GB per rank instead of the
+               # 7.2-7.4 GB of the trial in results/recovery_medium_trial.json, where hot-swap did not fit.
+               "env": {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}},
 }
 READY_RE = re.compile(r"\[pretrain_gpt\] \S+: .*steps (\d+)->(\d+)")
 # Output lines whose arrival time (seconds after the kill) is recorded: a finer view of where recovery time goes
@@ -480,7 +479,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
 
     print(f"[bench] {size} {tag}: {out['cmd']}", flush=True)
     try:
-        job = run_logged(cmd, env=base_env(), timeout_s=d["timeout_s"], hook=hook,
+        job = run_logged(cmd, env=base_env(d.get("env")), timeout_s=d["timeout_s"], hook=hook,
                          log_path=os.path.join(logs, f"{size}_{tag}.log"))
     finally:
         mon = mon_box.get("m")
@@ -595,7 +594,7 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
                         port=free_port())
     out: dict[str, Any] = {"kind": "baseline", "tag": tag, "cmd": shlex.join(cmd1), "train_iters": n, "kill_step": k,
                            "settle": settle(args.settle_s, args.settle_busy)}
-    env = base_env()
+    env = base_env(d.get("env"))
     mons: dict[str, Monitor] = {}
 
     def hook1(proc: subprocess.Popen, deadline: float) -> None:
@@ -701,7 +700,7 @@ def run_reference(size: str, d: dict[str, Any], scratch: str, tag: str, args: ar
             time.sleep(0.2)
 
     print(f"[bench] {size} {tag}: {out['cmd']}", flush=True)
-    job = run_logged(cmd, env=base_env(), timeout_s=d["timeout_s"], hook=hook,
+    job = run_logged(cmd, env=base_env(d.get("env")), timeout_s=d["timeout_s"], hook=hook,
                      log_path=os.path.join(logs, f"{size}_{tag}.log"))
     if "m" in mons:
         out["memory"] = mons["m"].summary()
@@ -862,6 +861,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
                  f"seq {entry.get('seq_len')}, kill after step {s['kill_step']} of {s['kill_step'] + s['steps_after']}, "
                  f"{s['repeats']} repeat(s))")
         L.append("")
+        if s.get("env"):
+            L.append("Worker environment, both jobs: " + ", ".join(f"`{k}={v}`" for k, v in s["env"].items()) +
+                     " (glibc malloc: freed large buffers go back to the OS; without it medium hot-swap does not "
+                     "fit in 24 GiB).")
+            L.append("")
         if entry.get("error"):
             L.append(f"**Not completed:** {entry['error']}")
             L.append("")
