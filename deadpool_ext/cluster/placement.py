@@ -63,7 +63,11 @@ def replica_holders(topo: Topology, replication_factor: int) -> dict[int, tuple[
     if replication_factor == 0:
         return {r: () for r in range(world)}
 
-    nodes = topo.nodes
+    # Nodes in order of their lowest rank, not by name: a spare that takes a failed node's ranks takes its
+    # place in the ring too, so after a hot-swap every survivor keeps the sources and holders it had (its
+    # replica buffers stay valid, nothing is re-allocated or re-sent). By name, "spare0" would sort after
+    # "node2" and every replica of the job would move.
+    nodes = sorted(topo.nodes, key=lambda n: min(topo.ranks_on(n)))
     n_nodes = len(nodes)
     if replication_factor > n_nodes - 1:
         raise PlacementError(

@@ -61,6 +61,7 @@ class PeerReplicator:
         self.sizes: dict[int, int] = {}
         self.replicas: dict[int, list[ShmSegment]] = {}
         self._latest: dict[int, int] = {}  # source -> buffer index holding its newest complete replica
+        self._pruned = False  # stale buffers of an earlier placement removed (after the first replication)
         if rank == 0 and factor and kind == "replica":
             log.info("tier 2 placement (rank -> holders): %s", {r: list(h) for r, h in sorted(self.holders.items())})
 
@@ -104,6 +105,26 @@ class PeerReplicator:
         for src, magic in magics.items():
             self.replicas[src][targets[src]].tensor()[:8].copy_(magic)
             self._latest[src] = targets[src]
+        if not self._pruned:
+            self._pruned = True
+            self._drop_stale()
+
+    def _drop_stale(self) -> None:
+        """Remove replica buffers held here for sources of an earlier placement (after a hot-swap that changed
+        it, or a restart at another size). Called once this placement has a complete replica of every source:
+        until then they may still be the only copy a restore can fetch."""
+        stale = [(src, fname) for src, _, fname in self._held_files() if src not in self.sources]
+        freed = 0
+        for _, fname in stale:
+            path = os.path.join(self.dir, fname)
+            try:
+                freed += os.stat(path).st_blocks * 512
+                os.unlink(path)
+            except FileNotFoundError:
+                continue
+        if stale:
+            log.info("tier 2: rank %d dropped %d stale %s buffer(s) of an earlier placement (sources %s, %.1f MB)",
+                     self.rank, len(stale), self.kind, sorted({s for s, _ in stale}), freed / 1e6)
 
     def _held_files(self) -> list[tuple[int, int, str]]:
         """(source, buffer, file name) of every replica buffer this rank holds on disk."""

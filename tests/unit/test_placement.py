@@ -236,3 +236,34 @@ def test_recovery_unknown_node() -> None:
     topo = Topology.uniform(2, 1)
     with pytest.raises(ValueError, match="typo|not in this topology"):
         recovery_sources(topo, replica_holders(topo, 1), {"node7"})
+
+
+@pytest.mark.parametrize("per_node", [1, 2])
+def test_spare_takes_the_failed_nodes_place_in_the_ring(per_node):
+    """After a hot-swap the spare holds the failed node's ranks; placement is by rank order, not node name,
+    so every survivor keeps its holders and sources (no replica moves)."""
+    def topo(names):
+        return Topology.from_node_list([n for n in names for _ in range(per_node)])
+
+    before = replica_holders(topo(["node0", "node1", "node2", "node3"]), 2)
+    for failed in range(4):
+        names = [f"node{i}" for i in range(4)]
+        names[failed] = "spare0"
+        assert replica_holders(topo(names), 2) == before, failed
+
+
+def test_stale_replica_buffers_are_dropped_after_the_first_replication(tmp_path):
+    from deadpool_ext.memory.shm import segment_name
+    from deadpool_ext.snapshot.peer import PeerReplicator
+
+    held = {(src, b): segment_name("job1", "replica", src, f"h1b{b}") for src in (0, 2) for b in (0, 1)}
+    for fname in [*held.values(), segment_name("job1", "replica", 0, "h3b0"), segment_name("job2", "replica", 2, "h1b0")]:
+        (tmp_path / fname).write_bytes(b"x" * 4096)
+    p = PeerReplicator.__new__(PeerReplicator)  # the file logic only: no process group needed
+    p.rank, p.dir, p.job_id, p.kind, p.sources = 1, str(tmp_path), "job1", "replica", (0,)
+    p._drop_stale()
+    left = sorted(f.name for f in tmp_path.iterdir())
+    assert held[(2, 0)] not in left and held[(2, 1)] not in left  # source 2 is no longer ours
+    assert held[(0, 0)] in left and held[(0, 1)] in left  # our source's buffers stay
+    assert segment_name("job1", "replica", 0, "h3b0") in left  # another holder's
+    assert segment_name("job2", "replica", 2, "h1b0") in left  # another job's
