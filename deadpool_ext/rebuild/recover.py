@@ -51,6 +51,27 @@ class Rejoined(Generic[T]):
     restored_at: float
 
 
+_restore_follows = False
+
+
+def weights_will_be_restored() -> bool:
+    """True while a hot-swap rebuild runs a model factory whose weights are then overwritten by a restore
+    from memory (this rank had a committed snapshot, so the agreement finds a version or the job stops with
+    an error: it never trains on them). A factory may then skip random initialisation, seconds for a large
+    model (``deadpool_ext.training.models.build_gpt(..., init=False)``)."""
+    return _restore_follows
+
+
+def build_for_restore(factory: Callable[[], T], restore_follows: bool) -> T:
+    """Call ``factory()`` with :func:`weights_will_be_restored` answering ``restore_follows``."""
+    global _restore_follows
+    _restore_follows = restore_follows
+    try:
+        return factory()
+    finally:
+        _restore_follows = False
+
+
 def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuilding communicators") -> Begun:
     from ..distributed import membership
 

@@ -5,6 +5,8 @@ benchmarks. Vocabulary is the byte-level one of :mod:`deadpool_ext.training.data
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .data import PAD_ID, VOCAB_SIZE
@@ -27,7 +29,27 @@ def seq_len_for(size: str) -> int:
     return _check_size(size)[3]
 
 
-def build_gpt(size: str) -> torch.nn.Module:
+def _weights_init(init: bool):
+    """``init=False``: skip random initialisation (the weights are about to be overwritten by a restore);
+    transformers' own context for that (transformers >= 5), else a plain init."""
+    if init:
+        return contextlib.nullcontext()
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return contextlib.nullcontext()
+    return no_init_weights()
+
+
+def _tied(model: torch.nn.Module, init: bool) -> torch.nn.Module:
+    # transformers ties the output embedding to the input one inside init_weights, which no_init_weights
+    # skips: without this the model would have one more parameter than the model it restores into.
+    if not init:
+        model.tie_weights()
+    return model
+
+
+def build_gpt(size: str, init: bool = True) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     layers, hidden, heads, seq = _check_size(size)
@@ -35,10 +57,12 @@ def build_gpt(size: str) -> torch.nn.Module:
         vocab_size=VOCAB_SIZE, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
         bos_token_id=0, eos_token_id=0, pad_token_id=PAD_ID,
     )
-    return GPT2LMHeadModel(cfg)
+    with _weights_init(init):
+        model = GPT2LMHeadModel(cfg)
+    return _tied(model, init)
 
 
-def build_bert(size: str) -> torch.nn.Module:
+def build_bert(size: str, init: bool = True) -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
     layers, hidden, heads, seq = _check_size(size)
@@ -46,7 +70,9 @@ def build_bert(size: str) -> torch.nn.Module:
         vocab_size=VOCAB_SIZE, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         intermediate_size=4 * hidden, max_position_embeddings=seq, pad_token_id=PAD_ID,
     )
-    return BertForMaskedLM(cfg)
+    with _weights_init(init):
+        model = BertForMaskedLM(cfg)
+    return _tied(model, init)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -137,8 +137,10 @@ class DeadpoolRuntime:
             self.snapshots.quiesce()
         self._closed = True
         factory = self._factory
+        restore_follows = self.snapshots is not None and (self.snapshots.committed_version or 0) > 0
         self.engine = None  # the old engine holds the dead world's groups; drop it before teardown
-        r = recover.rejoin(hc, begun, build=lambda a: factory(), resume=lambda engine: engine.deadpool.resume())
+        r = recover.rejoin(hc, begun, build=lambda a: recover.build_for_restore(factory, restore_follows),
+                           resume=lambda engine: engine.deadpool.resume())
         # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
         r.result.deadpool._catch_up = (begun.failed_step + 1, r.restored_at)
         recover.finish(begun, r, old_rank=rank)
