@@ -108,3 +108,27 @@ def after_step(step: int, rank: int) -> None:
     fault = configured()
     if fault is not None and fault.due(step, rank):
         fault.fire()
+
+
+GATE_ENV = "DEADPOOL_RESTORE_GATE"
+
+
+def restore_gate(timeout_s: float = 120.0) -> None:
+    """Hold a hot-swap restore until a fault injector has done its work.
+
+    ``DEADPOOL_RESTORE_GATE=PATH``: in generation >= 1 (a hot-swap; never at job start) the memory-tier
+    restore waits until PATH exists before it scans its buffers, so an injector that corrupts tier-1/2 copies
+    after the failure is not raced by a recovery faster than it (the chaos runner sets it for corruption
+    trials and creates PATH once the bytes are flipped). Bounded: after ``timeout_s`` the restore goes on and
+    says so."""
+    import time
+
+    path = os.environ.get(GATE_ENV)
+    if not path or int(os.environ.get("DEADPOOL_GENERATION", "0")) < 1:
+        return
+    deadline = time.time() + timeout_s
+    while not os.path.exists(path):
+        if time.time() > deadline:
+            log.warning("%s: %s did not appear within %.0f s; restoring anyway", GATE_ENV, path, timeout_s)
+            return
+        time.sleep(0.02)

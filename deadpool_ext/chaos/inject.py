@@ -41,6 +41,8 @@ class JobPaths:
     metrics: str
     timeline: str
     save_dir: str | None = None
+    restore_gate: str | None = None
+    """Created once a tier-1/2 corruption is done (the job's restore waits for it: chaos/at_step.py)."""
 
 
 @dataclass(kw_only=True)
@@ -174,14 +176,17 @@ class Injector:
 
     # -- actions --------------------------------------------------------------------------------------
     def run(self, proc: subprocess.Popen, actions) -> None:
-        for action in actions:
-            rec = Injected(action=action.describe())
-            self.records.append(rec)
-            try:
-                self._one(proc, action, rec)
-            except Exception as exc:  # noqa: BLE001 - recorded; the trial reports it as not injected
-                rec.note = f"not injected: {type(exc).__name__}: {exc}"
-                return
+        try:
+            for action in actions:
+                rec = Injected(action=action.describe())
+                self.records.append(rec)
+                try:
+                    self._one(proc, action, rec)
+                except Exception as exc:  # noqa: BLE001 - recorded; the trial reports it as not injected
+                    rec.note = f"not injected: {type(exc).__name__}: {exc}"
+                    return
+        finally:
+            self.open_gate()
 
     def _one(self, proc: subprocess.Popen, a: Action, rec: Injected) -> None:
         t = a.trigger
@@ -281,6 +286,13 @@ class Injector:
                                   "tag": f"global_step{version}"})
         rec.fired, rec.at = bool(rec.corrupted), time.time()
         self._log_fault(corrupted=[c["file"] for c in rec.corrupted], tier=a.tier)
+        self.open_gate()
+
+    def open_gate(self) -> None:
+        """Let the job's restore go on (idempotent; also called when the injector finishes or fails)."""
+        if self.paths.restore_gate and not os.path.exists(self.paths.restore_gate):
+            with open(self.paths.restore_gate, "w") as fh:
+                fh.write(str(time.time()))
 
     def _fill(self, rec: Injected) -> None:
         d = self.paths.save_dir or ""

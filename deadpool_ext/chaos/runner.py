@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from ..recovery.timeline import read_events
-from ..testing.launch import REPO, RunResult, read_metrics, run_job
+from ..testing.launch import REPO, RunResult, base_env, read_metrics, run_job
+from .at_step import GATE_ENV
 from .catalogue import LAYOUTS, Layout
 from .inject import Injector, JobPaths
 from .plan import Scenario
@@ -98,11 +99,13 @@ class Runner:
             cmd += ["--load", load]
         return cmd, paths
 
-    def _launch(self, cmd: list[str], paths: JobPaths, d: str, name: str, inject=None) -> JobRun:
+    def _launch(self, cmd: list[str], paths: JobPaths, d: str, name: str, inject=None,
+                env: dict[str, str] | None = None) -> JobRun:
         for stale in (paths.metrics, paths.timeline):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
-        res: RunResult = run_job(cmd, timeout_s=self.job_timeout_s, while_running=inject)
+        res: RunResult = run_job(cmd, timeout_s=self.job_timeout_s, while_running=inject,
+                                 env=base_env(env) if env else None)
         with open(os.path.join(d, f"{name}.log"), "w") as fh:
             fh.write(res.output)
         events = read_events(paths.timeline) if os.path.exists(paths.timeline) else []
@@ -146,7 +149,13 @@ class Runner:
             cmd, paths = self._command(layout, d, "job", spares=sc.spares, iters=sc.iters,
                                        job_id=f"ct{uuid.uuid4().hex[:8]}", save=save, save_interval=sc.save_interval)
             injector = Injector(paths, deadline_s=self.job_timeout_s)
-            first = self._launch(cmd, paths, d, "job", inject=lambda proc: injector.run(proc, sc.actions))
+            env = None
+            if any(a.op == "corrupt" and a.tier in (1, 2) for a in sc.actions):
+                # The restore waits for the corruption (chaos/at_step.py::restore_gate): a recovery faster than
+                # the injector must not scan the buffers before their bytes are flipped.
+                paths.restore_gate = os.path.join(d, "restore.gate")
+                env = {GATE_ENV: paths.restore_gate}
+            first = self._launch(cmd, paths, d, "job", inject=lambda proc: injector.run(proc, sc.actions), env=env)
             injector.release()
             relaunch = None
             if sc.relaunch:

@@ -337,6 +337,9 @@ class SnapshotManager:
     def restore_latest(self, newer_than: int | None = None) -> int | None:
         """Collective. Restore the newest version every rank can obtain from the memory tiers; ``None`` when
         there is none, or none newer than ``newer_than`` (a tier-3 base already loaded)."""
+        from ..chaos.at_step import restore_gate
+
+        restore_gate()  # fault injection only (DEADPOOL_RESTORE_GATE): no-op otherwise
         t0 = time.perf_counter()
         report, slot_of, ring_of = self._scan()
         reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]

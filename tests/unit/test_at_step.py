@@ -51,3 +51,26 @@ def test_kill_is_a_real_sigkill_from_the_environment(tmp_path):
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                            env={**os.environ, ENV: f"kill@step=3,rank=0,marker={marker}"})
     assert again.returncode == 0 and again.stdout.split() == ["1", "2", "3", "4", "5"]
+
+
+def test_restore_gate_holds_only_a_hot_swap_restore(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from deadpool_ext.chaos.at_step import GATE_ENV, restore_gate
+
+    gate = tmp_path / "gate"
+    monkeypatch.setenv(GATE_ENV, str(gate))
+    monkeypatch.setenv("DEADPOOL_GENERATION", "0")
+    t0 = time.monotonic()
+    restore_gate(timeout_s=5)  # job start: never held
+    assert time.monotonic() - t0 < 1
+    monkeypatch.setenv("DEADPOOL_GENERATION", "1")
+    threading.Timer(0.5, gate.write_text, args=("x",)).start()
+    t0 = time.monotonic()
+    restore_gate(timeout_s=10)
+    assert 0.4 < time.monotonic() - t0 < 5  # held until the injector opened it
+    gate.unlink()
+    t0 = time.monotonic()
+    restore_gate(timeout_s=0.3)  # bounded: goes on after the deadline
+    assert time.monotonic() - t0 < 2
