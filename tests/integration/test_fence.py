@@ -14,11 +14,11 @@ from deadpool_ext.testing.launch import free_port
 WORKER = "tests/integration/workers/fence_pair.py"
 
 
-def _run(mode: str) -> dict[int, dict]:
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(r), str(port), mode], stdout=subprocess.PIPE,
+def _pair(worker: str, port: int, mode: str) -> dict:
+    """Run ranks 0 and 1 of ``worker``; their JSON lines by rank, and each one's output tail under "log"."""
+    procs = [subprocess.Popen([sys.executable, worker, str(r), str(port), mode], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    out = {}
+    out: dict = {"log": []}
     try:
         for p in procs:
             text, _ = p.communicate(timeout=90)
@@ -26,11 +26,16 @@ def _run(mode: str) -> dict[int, dict]:
                 if line.startswith("{"):
                     d = json.loads(line)
                     out[d["rank"]] = d
+            out["log"].append(text[-1500:])
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     return out
+
+
+def _run(mode: str) -> dict:
+    return _pair(WORKER, free_port(), mode)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fence reads /proc")
@@ -49,31 +54,19 @@ def test_without_cut_the_peer_stays_blocked_until_the_other_exits():
     assert out[0]["blocked_s"] > 5.0, out  # the control: what the cut avoids
 
 
-def _rejoin(mode: str) -> dict[int, dict]:
+def _rejoin(mode: str) -> dict:
     from datetime import timedelta
 
     import torch.distributed as dist
 
     port = free_port()
+    # The generations' c10d store, served from here as the launcher serves it.
     master = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=timedelta(seconds=60),
                            wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, "tests/integration/workers/rejoin_pair.py", str(r), str(port), mode],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    out = {}
     try:
-        for p in procs:
-            text, _ = p.communicate(timeout=90)
-            for line in text.splitlines():
-                if line.startswith("{"):
-                    d = json.loads(line)
-                    out[d["rank"]] = d
-            out.setdefault("log", []).append(text[-1500:])
+        return _pair("tests/integration/workers/rejoin_pair.py", port, mode)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         del master
-    return out
 
 
 def test_rank_whose_last_attempt_failed_still_forms_the_next_generation():
