@@ -186,7 +186,6 @@ def teardown(timeout_s: float = 30.0) -> None:
         if not done.wait(timeout_s):
             raise MembershipError(f"could not destroy the old process groups within {timeout_s:.0f}s (a transfer is "
                                   "blocked on a peer); leaving so the launcher replaces this node")
-    _reset_group_names()
     from ..integrations.deepspeed.rebuild import reset_deepspeed_comm_state
 
     reset_deepspeed_comm_state()

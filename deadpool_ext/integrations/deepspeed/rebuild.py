@@ -48,4 +48,3 @@ def reset_deepspeed_comm_state() -> None:
     defaults = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
     if defaults and isinstance(defaults[0], list) and defaults[0]:
         defaults[0][0] = 0
-
