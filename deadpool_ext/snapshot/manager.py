@@ -35,6 +35,7 @@ from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, segment_name
 from ..recovery.agree import RankReport, RecoveryError, choose_version
 from .differential import DiffRing, GradTap
+from .format import tensor_checksum
 from .peer import PeerReplicator
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, probe_slot, restore_from, slot_nbytes
 from .state import RankStateAdapter
@@ -163,8 +164,8 @@ class SnapshotManager:
         else:
             if self.tap is not None:
                 self.tap.discard()
-            obj = {"tensors": dict(self.adapter.tensors()), "state": self.adapter.meta()}
-            snap = prepare(version, obj, {**ident, "kind": "base"})
+            obj = {"tensors": dict(self.adapter.captured()), "state": self.adapter.meta()}
+            snap = prepare(version, obj, {**ident, "kind": "base"}, self.adapter.derived())
             if self.slots[0] is None:
                 self._allocate(snap)
             kind, slot = "base", 0 if self.latest is None else 1 - self.latest[1]
@@ -259,12 +260,19 @@ class SnapshotManager:
         nbytes = slot_nbytes(self.header_reserved, snap.data_nbytes)
         self._open_slots(nbytes)
         self.peers.setup(nbytes)
-        state = snap.data_nbytes
+        state = self.state_nbytes()
+        derived = sum(t.numel() * t.element_size() for _, t in snap.derived)
         total = 2 * nbytes + self.peers.held_nbytes()
-        log.info("snapshot memory: state %.1f MB; tier 1 = 2 slots x %.1f MB; tier 2 holds %d replica(s), %.1f MB; "
-                 "total %.1f MB = %.2f x state (bound: 2 + %d x replication factor = %d)",
-                 state / 1e6, nbytes / 1e6, len(self.peers.sources), self.peers.held_nbytes() / 1e6, total / 1e6,
-                 total / max(state, 1), self.peers.nbuf, 2 + self.peers.nbuf * self.peers.factor)
+        log.info("snapshot memory: state %.1f MB (%.1f MB captured%s); tier 1 = 2 slots x %.1f MB; tier 2 holds "
+                 "%d replica(s), %.1f MB; total %.1f MB = %.2f x state (bound (2 + replication factor) x state = %d x)",
+                 state / 1e6, snap.data_nbytes / 1e6,
+                 f", {derived / 1e6:.1f} MB of parameters re-derived from the masters at restore" if derived else "",
+                 nbytes / 1e6, len(self.peers.sources), self.peers.held_nbytes() / 1e6, total / 1e6,
+                 total / max(state, 1), 2 + self.peers.factor)
+
+    def state_nbytes(self) -> int:
+        """Bytes of the rank's live training state: every tensor of the adapter, derived ones included."""
+        return sum(t.numel() * t.element_size() for _, t in self.adapter.tensors())
 
     def _allocate_ring(self, snap: PreparedSnapshot) -> None:
         """First differential: size and pre-touch the ring, exchange sizes with peers, report memory."""
@@ -376,9 +384,10 @@ class SnapshotManager:
                                     f"unusable ({why}); no other copy in memory")
             log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
         ring_of = self._fetch_diffs(plan, ring_of)
-        tensors, state, _ = restore_from(seg.buf, verify=False)  # verified during the scan / fetch above
+        tensors, state, header = restore_from(seg.buf, verify=False)  # verified during the scan / fetch above
         self.adapter.restore(tensors, state)
         del tensors
+        self._verify_derived(header, base)
         replayed = self._replay(plan, ring_of)
         self.latest = (base, slot)
         self.committed_version = plan.version
@@ -392,6 +401,21 @@ class SnapshotManager:
         self._stats["restored_from"] = "peer" if fetching else "local"
         self._stats["replayed"] = replayed
         return plan.version
+
+    def _verify_derived(self, header: dict[str, Any], version: int) -> None:
+        """Tensors the restore re-derived (not stored) must hash to what they were at capture."""
+        recorded = header.get("derived") or {}
+        live = dict(self.adapter.derived())
+        for name, want in sorted(recorded.items()):
+            got = tensor_checksum(live[name]) if name in live else None
+            if got != want:
+                raise RecoveryError(
+                    f"rank {self.rank}: {name} re-derived from the restored step {version} does not match its checksum "
+                    f"at capture ({got} != {want}): this engine's parameters are not the masters cast to their dtype; "
+                    "set deadpool.snapshot.derive_params to false to capture them")
+        if recorded and self.rank == 0:
+            log.info("restore: %d parameter buffer(s) re-derived from the masters and verified against their "
+                     "checksums at capture", len(recorded))
 
     def _fetch_diffs(self, plan: Any, ring_of: dict[int, int]) -> dict[int, int]:
         """Differentials of ranks restoring from a peer, into their ring (collective over all ranks, in the

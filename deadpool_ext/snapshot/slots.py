@@ -9,7 +9,8 @@ checksums (which go in the header) are known.
 Write protocol (:class:`SlotWriter`), in this order:
 
 1. ``invalidate``: zero MAGIC, so a crash from here on leaves a slot that is recognised as torn;
-2. ``copy``: tensor bytes, in chunks (the only phase that must finish before the next optimizer step);
+2. ``copy``: tensor bytes, in chunks, and the checksums of derived tensors (the only phase that must finish
+   before the next optimizer step);
 3. ``seal``: checksums of the copied bytes, header, length, and MAGIC last.
 """
 from __future__ import annotations
@@ -39,13 +40,20 @@ class PreparedSnapshot:
     entries: list[fmt.TensorEntry]
     data_nbytes: int
     meta: dict[str, Any]
+    derived: list[tuple[str, torch.Tensor]]
+    """Live tensors restore re-derives instead of copying: only their checksums are recorded, in the copy
+    phase (``meta["derived"]``), while they still hold this version."""
 
 
-def prepare(version: int, obj: Any, meta: dict[str, Any]) -> PreparedSnapshot:
+def prepare(version: int, obj: Any, meta: dict[str, Any],
+            derived: list[tuple[str, torch.Tensor]] | None = None) -> PreparedSnapshot:
     skeleton, tensors, names = fmt.flatten_state(obj)
     entries, data_nbytes = fmt.plan_layout(tensors, names)
+    derived = list(derived or [])
+    if derived:  # placeholders of the final length, so the header's size is known before hashing
+        meta = {**meta, "derived": {name: "0" * 16 for name, _ in derived}}
     return PreparedSnapshot(version=version, skeleton=skeleton, tensors=tensors, entries=entries,
-                            data_nbytes=data_nbytes, meta=meta)
+                            data_nbytes=data_nbytes, meta=meta, derived=derived)
 
 
 def header_reserve(snap: PreparedSnapshot) -> int:
@@ -90,6 +98,8 @@ class SlotWriter:
                 dst[off:end].copy_(src[off:end], non_blocking=stream is not None)
         if stream is not None:
             stream.synchronize()
+        for name, t in snap.derived:
+            snap.meta["derived"][name] = fmt.tensor_checksum(t)
 
     def seal(self, snap: PreparedSnapshot) -> int:
         """Checksum the copied bytes, write header and MAGIC; returns the blob length."""

@@ -35,7 +35,8 @@ class DeadpoolRuntime:
         self._restored_version = 0
         self._catch_up: tuple[int, float] | None = None
         self._factory: Callable[[], Any] | None = None
-        self.adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state)
+        self.adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state,
+                                             derive_params=config.snapshot.derive_params)
         self.snapshots = None
         if config.enabled:
             from ...snapshot.manager import SnapshotManager

@@ -1,5 +1,6 @@
 """Worker: train a few steps with snapshots on, then check the newest tier-1 snapshot equals the live state
-bit for bit (tensors after unflattening, counters, scheduler, RNG). Exits non-zero on any difference.
+bit for bit (tensors after unflattening, counters, scheduler, RNG; derived parameter buffers by their
+recorded checksums). Exits non-zero on any difference.
 
     torchrun --nproc-per-node 2 tests/integration/workers/snapshot_equality.py CONFIG STEPS
 """
@@ -12,6 +13,8 @@ import torch.distributed as dist
 
 import deadpool_ext.deepspeed as dpx
 from deadpool_ext.distributed import init_distributed
+from deadpool_ext.recovery.agree import RecoveryError
+from deadpool_ext.snapshot.format import tensor_checksum
 from deadpool_ext.snapshot.slots import restore_from
 from deadpool_ext.training.data import ByteLMData
 from deadpool_ext.training.models import build_gpt
@@ -36,9 +39,33 @@ def main(argv: list[str]) -> int:
     version, slot = mgr.latest
     assert version == steps, (version, steps)
     tensors, state, header = restore_from(mgr.slots[slot].buf, verify=True)
-    live = dict(engine.deadpool.adapter.tensors())
+    adapter = engine.deadpool.adapter
+    live = dict(adapter.captured())
+    derived = dict(adapter.derived())
     assert set(live) == set(tensors), (sorted(live), sorted(tensors))
+    assert set(live) | set(derived) == {name for name, _ in adapter.tensors()}
     assert any(k.startswith("optim.") for k in live) and any(k.startswith("master.") for k in live)
+    # The parameter buffers are not copied (derive_params, the default): the snapshot holds their checksums,
+    # and they are the masters cast to their dtype, which is what restore rebuilds.
+    assert derived and set(header["derived"]) == set(derived), (sorted(derived), header.get("derived"))
+    for name, t in derived.items():
+        assert header["derived"][name] == tensor_checksum(t), name
+        if adapter.zero_stage == 3:
+            master = tensors["master." + name.split(".")[1]]
+            assert torch.equal(master.to(t.dtype).view(torch.uint8), t.detach().view(torch.uint8)), name
+    # A re-derived buffer that differs from its capture is refused by name.
+    name, t = next(iter(derived.items()))
+    keep = t.detach().clone()
+    with torch.no_grad():
+        t.view(-1)[0] += 1
+    try:
+        mgr._verify_derived(header, version)
+        raise AssertionError("a wrong re-derived buffer was accepted")
+    except RecoveryError as exc:
+        assert name in str(exc), exc
+    with torch.no_grad():
+        t.copy_(keep)
+    mgr._verify_derived(header, version)
     for name, t in live.items():
         snap = tensors[name]
         assert snap.dtype == t.dtype and snap.shape == t.shape, name
@@ -49,8 +76,9 @@ def main(argv: list[str]) -> int:
         assert state[key] == meta[key], (key, state[key], meta[key])
     assert header["version"] == steps and header["rank"] == engine.global_rank
     assert mgr.committed_version == steps
-    dtypes = sorted({str(t.dtype) for t in live.values()})
-    print(f"rank {engine.global_rank}: {len(live)} tensors equal, dtypes {dtypes}", flush=True)
+    dtypes = sorted({str(t.dtype) for t in [*live.values(), *derived.values()]})
+    print(f"rank {engine.global_rank}: {len(live)} tensors equal, {len(derived)} derived verified, dtypes {dtypes}",
+          flush=True)
     engine.deadpool.close()
     dist.barrier()
     return 0
