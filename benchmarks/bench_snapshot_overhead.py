@@ -347,6 +347,7 @@ def worker(args: argparse.Namespace) -> int:
         blk["snapshots"] = {k: list(st[k][a:b]) for k in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s")}
     rank_info = {
         "rank": rank, "node": snaps.node, "state_bytes": state_bytes, "state_tensors": len(state_tensors),
+        "captured_bytes": sum(t.numel() * t.element_size() for _, t in adapter.captured()),
         "shm_bytes": snaps.memory_bytes(), "slot_bytes": [s.nbytes for s in snaps.slots if s is not None],
         "replica_bytes": snaps.peers.held_nbytes(), "replica_sources": list(snaps.peers.sources),
         "replica_buffers_per_source": getattr(snaps.peers, "nbuf", 1),
@@ -527,9 +528,16 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
                         round(rk["replica_bytes"] / (len(rk["replica_sources"]) * rk["slot_bytes"][0]))
                         if rk["replica_sources"] and rk["slot_bytes"] else 0),
                     "ratio": rk["shm_bytes"] / rk["state_bytes"], "rss_end": rk["memory_end"].get("rss"),
+                    # the tensor bytes alone: every buffer holds the captured state (runs before derive_params
+                    # captured all of it)
+                    "captured_bytes": rk.get("captured_bytes", rk["state_bytes"]),
+                    "data_ratio": (len(rk["slot_bytes"]) + rk["replica_bytes"] // max(rk["slot_bytes"][0], 1)
+                                   if rk["slot_bytes"] else 0) * rk.get("captured_bytes", rk["state_bytes"])
+                    / rk["state_bytes"],
                     "hwm": rk["memory_end"].get("hwm")})
     bound = 2 + res["layout"]["replication_factor"]
     out["memory"] = {"per_rank": mem, "bound_ratio": bound, "max_ratio": max(x["ratio"] for x in mem),
+                     "max_data_ratio": max(x["data_ratio"] for x in mem),
                      "shm_job_bytes_end": res.get("shm_job_bytes_end")}
     dp = out["modes"].get("deadpool", {})
     out["targets"] = {
@@ -629,9 +637,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      f" + replicas of {len(r0['replica_sources'])} source(s) x {r0.get('replica_buffers_per_source', 1)} "
                      f"buffer(s) {fmt_bytes(r0['replica_bytes'])}; max ratio over ranks "
                      f"{mem['max_ratio']:.4f} x state (bound {mem['bound_ratio']}); whole job's shm dir "
-                     f"{fmt_bytes(mem['shm_job_bytes_end'])}; each buffer exceeds the state by "
-                     f"{fmt_bytes(r0['slot_bytes'][0] - r0['state_bytes']) if r0['slot_bytes'] else None} "
-                     f"(header reserve).")
+                     f"{fmt_bytes(mem['shm_job_bytes_end'])}. Each buffer holds the captured state, "
+                     f"{fmt_bytes(r0['captured_bytes'])} ({r0['captured_bytes'] / r0['state_bytes']:.4f} of the state; "
+                     f"the parameter buffers are re-derived from the masters at restore), plus its header reserve "
+                     f"{fmt_bytes(r0['slot_bytes'][0] - r0['captured_bytes']) if r0['slot_bytes'] else None}; "
+                     f"tensor data alone: {mem['max_data_ratio']:.4f} x state.")
         lines.append("")
         lines.append("Targets (deadpool):")
         lines.append("")
@@ -646,7 +656,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"- blocking time <= {TARGET_BLOCKING_FRACTION:.0%} of a step: **{'met' if t['blocking']['met'] else 'not met'}** "
                      f"({fmt_pct(t['blocking']['value'], 2)} median, {fmt_pct(dpm['blocking_max_fraction_of_step'], 2) if dpm else None} max)")
         lines.append(f"- memory <= (2 + {res['layout']['replication_factor']}) x state: "
-                     f"**{'met' if t['memory']['met'] else 'not met'}** ({t['memory']['value']:.4f} x)")
+                     f"**{'met' if t['memory']['met'] else 'not met'}** ({t['memory']['value']:.4f} x; tensor data "
+                     f"{mem['max_data_ratio']:.4f} x, the rest is the buffers' headers)")
         lines.append("")
     return "\n".join(lines)
 
