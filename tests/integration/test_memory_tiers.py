@@ -64,13 +64,15 @@ def test_corrupt_tier1_falls_back_to_peer(tmp_path, shm_root):
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage,bf16,gas", [(1, False, 1), (2, True, 2), (3, False, 1), (3, True, 1)])
-def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas):
+@pytest.mark.parametrize("stage,bf16,gas,derive", [(1, False, 1, True), (2, True, 2, True), (3, False, 1, True),
+                                                   (3, True, 1, True), (3, False, 1, False)])
+def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive):
     from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
     extra = {"gradient_accumulation_steps": gas}
     if bf16:
         extra["bf16"] = {"enabled": True}
-    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root, "simulate_nodes": 2}}, **extra)
+    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root, "simulate_nodes": 2},
+                                                       "snapshot": {"derive_params": derive}}, **extra)
     res = run_job(torchrun_cmd(2, "tests/integration/workers/snapshot_equality.py", [cfg, "3"], port=free_port()),
                   timeout_s=300)
     errors = [l for l in res.output.splitlines() if "Error" in l or "assert" in l]
