@@ -92,9 +92,19 @@ class LocalConfig:
     and lost-node recovery can be exercised on one machine under torchrun. 0: one node per host. deadpool-run
     names nodes itself and ignores this."""
 
+    keep_after_exit_s: float = 0.0
+    """Keep the job's tier-1 memory this many seconds after its launcher exits, so that relaunching the same
+    job (same job id: the same ``--master_port``/``MASTER_ADDR``, or ``DEADPOOL_JOB_ID``) within that time
+    restores from memory. For launchers that end the whole job when a worker dies and do not restart it,
+    such as DeepSpeed's ``deepspeed`` launcher. 0 (default): removed as soon as the job ends. The node agent
+    holds the memory meanwhile, and removes it when the window passes with no relaunch."""
+
     def __post_init__(self) -> None:
         if isinstance(self.simulate_nodes, bool) or not isinstance(self.simulate_nodes, int) or self.simulate_nodes < 0:
             _fail("simulate_nodes", f"must be an integer >= 0, got {self.simulate_nodes!r}")
+        if (isinstance(self.keep_after_exit_s, bool) or not isinstance(self.keep_after_exit_s, (int, float))
+                or self.keep_after_exit_s < 0):
+            _fail("keep_after_exit_s", f"must be a number of seconds >= 0, got {self.keep_after_exit_s!r}")
         if not isinstance(self.shm_root, str) or not self.shm_root:
             _fail("shm_root", f"must be a directory path, got {self.shm_root!r}")
 

@@ -76,8 +76,9 @@ class SnapshotManager:
         os.makedirs(self.dir, exist_ok=True)
         launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", os.getppid()))
         if self._first_on_node():
-            claim_directory(self.dir, launcher)
-            ensure_agent(self.dir, launcher)
+            keep = float(config.local.keep_after_exit_s)
+            claim_directory(self.dir, launcher, keep_s=keep)
+            ensure_agent(self.dir, launcher, keep_s=keep)
         timeout = timedelta(seconds=max(config.replication.timeout_s, config.recovery.timeout_s))
         # Snapshot traffic never shares a communicator with training collectives (which may be NCCL).
         self.group = dist.new_group(backend="gloo", timeout=timeout)

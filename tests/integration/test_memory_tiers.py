@@ -92,3 +92,42 @@ def test_bf16_zero3_lost_node_identical(tmp_path, shm_root):
     assert res.returncode == 0, res.output[-4000:]
     assert any("fetched and verified" in l for l in _restored_lines(res.output))
     assert metrics == base and len(base) == 8
+
+
+def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, shm_root):
+    """DeepSpeed's launcher ends the whole job when a worker dies and never restarts it. With
+    local.keep_after_exit_s the node agent keeps tier 1 for a while; relaunching the same command (same master
+    port, hence the same job id) restores from it, losses identical to an uninterrupted run."""
+    import signal
+    import sys
+
+    from deadpool_ext.chaos import at_step
+    from deadpool_ext.chaos.at_step import StepFault
+    from deadpool_ext.memory.agent import PIDFILE
+    from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job
+
+    stage = 3
+    base = _baseline(tmp_path, stage, shm_root)
+    cfg = make_config(tmp_path, stage=stage, deadpool={
+        "snapshot": {"interval": 1}, "local": {"shm_root": shm_root, "keep_after_exit_s": 120}})
+    metrics = os.path.join(str(tmp_path), "ds_relaunch.jsonl")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(ITERS),
+           "--metrics-out", metrics]
+    env = base_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path), "ds.fault")).render()})
+    try:
+        first = run_job(cmd, timeout_s=300, env=env)
+        assert first.returncode != 0 and not first.timed_out, first.output[-3000:]
+        assert max(read_metrics(metrics)) < ITERS
+        second = run_job(cmd, timeout_s=300, env=env)  # the fault fires once per job (its marker exists)
+        assert second.returncode == 0, second.output[-4000:]
+        assert "adopting" in second.output, second.output[-4000:]
+        lines = _restored_lines(second.output)
+        assert any("from own memory" in l and "0 from peer" in l for l in lines), second.output[-4000:]
+        assert read_metrics(metrics) == base
+    finally:  # the agents would otherwise hold the memory for the whole window after the test
+        for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
+            try:
+                os.kill(int(open(pidfile).read().strip()), signal.SIGKILL)
+            except (ValueError, ProcessLookupError):
+                pass

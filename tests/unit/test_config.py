@@ -35,6 +35,8 @@ def test_unknown_key_names_key_and_allowed(section, key_path, allowed):
     ({"job_id": "has space"}, "deadpool.job_id"),
     ({"enabled": "yes"}, "deadpool.enabled: must be true or false"),
     ({"local": {"simulate_nodes": -2}}, "deadpool.local.simulate_nodes"),
+    ({"local": {"keep_after_exit_s": -1}}, "deadpool.local.keep_after_exit_s: must be a number of seconds >= 0"),
+    ({"snapshot": {"derive_params": "no"}}, "deadpool.snapshot.derive_params: must be true or false"),
     ({"snapshot": 3}, "deadpool.snapshot: must be a JSON object"),
 ])
 def test_bad_values(section, needle):

@@ -1,0 +1,138 @@
+"""The node agent (deadpool_ext.memory.agent) with real processes: it removes a job's tier-1 directory when the
+job's launcher exits, or, with a keep window, hands it to a relaunch of the job that claims it in time."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deadpool_ext.memory import agent
+
+
+def _launcher() -> subprocess.Popen:
+    """Stands in for a launcher process: something alive whose pid the agent watches."""
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+
+def _start_agent(directory: str, pid: int, keep_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.memory.agent", "--dir", directory, "--watch-pid",
+                             str(pid), "--keep-s", str(keep_s), "--poll-s", "0.05"])
+    with open(os.path.join(directory, agent.PIDFILE), "w") as fh:
+        fh.write(str(proc.pid))
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def _wait_gone(path: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def job_dir(tmp_path):
+    d = tmp_path / "deadpool.job.node0"
+    d.mkdir()
+    return str(d)
+
+
+def test_directory_removed_when_the_launcher_exits(job_dir):
+    first = _launcher()
+    agent.claim_directory(job_dir, first.pid)
+    ag = _start_agent(job_dir, first.pid, keep_s=0)
+    try:
+        open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"x")
+        time.sleep(0.3)
+        assert os.path.exists(job_dir)
+        _stop(first)
+        assert _wait_gone(job_dir, 10)
+        assert ag.wait(timeout=10) == 0
+    finally:
+        for p in (first, ag):
+            if p.poll() is None:
+                _stop(p)
+
+
+def test_relaunch_inside_the_keep_window_adopts_the_memory(job_dir):
+    first = _launcher()
+    agent.claim_directory(job_dir, first.pid, keep_s=30)
+    ag = _start_agent(job_dir, first.pid, keep_s=30)
+    second = None
+    try:
+        snap = os.path.join(job_dir, "snap.r0.0")
+        open(snap, "wb").write(b"version 7")
+        _stop(first)
+        time.sleep(0.5)  # the agent is now inside its keep window, the memory is still there
+        assert open(snap, "rb").read() == b"version 7"
+        second = _launcher()
+        assert agent.claim_directory(job_dir, second.pid, keep_s=30) is False  # adopted, not removed
+        assert open(snap, "rb").read() == b"version 7"
+        assert agent.ensure_agent(job_dir, second.pid, keep_s=30) == ag.pid  # the same agent carries on
+        time.sleep(0.5)
+        assert ag.poll() is None and os.path.exists(snap)
+        # It now watches the relaunch: when that ends and nobody relaunches within the window, it cleans up.
+        # (The window of this agent is 30 s; a second agent with a short one checks the same logic quickly.)
+        _stop(ag)
+        ag2 = _start_agent(job_dir, second.pid, keep_s=0.5)
+        _stop(second)
+        assert _wait_gone(job_dir, 10)
+        assert ag2.wait(timeout=10) == 0
+    finally:
+        for p in (first, second, ag):
+            if p is not None and p.poll() is None:
+                _stop(p)
+
+
+def test_without_a_keep_window_a_relaunch_starts_clean(job_dir):
+    first = _launcher()
+    agent.claim_directory(job_dir, first.pid)
+    open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"old")
+    _stop(first)  # no agent: as if it had been killed together with the job
+    second = _launcher()
+    try:
+        assert agent.claim_directory(job_dir, second.pid, keep_s=0) is True
+        assert os.listdir(job_dir) == [agent.LAUNCHER_FILE]
+    finally:
+        _stop(second)
+
+
+def test_keep_window_without_a_live_agent_does_not_adopt(job_dir):
+    """The agent is what guarantees the window; memory it no longer holds is stale and removed."""
+    first = _launcher()
+    agent.claim_directory(job_dir, first.pid, keep_s=30)
+    ag = _start_agent(job_dir, first.pid, keep_s=30)
+    open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"old")
+    _stop(ag)
+    _stop(first)
+    second = _launcher()
+    try:
+        assert agent.claim_directory(job_dir, second.pid, keep_s=30) is True
+        assert not os.path.exists(os.path.join(job_dir, "snap.r0.0"))
+    finally:
+        _stop(second)
+
+
+def test_window_passes_without_a_relaunch(job_dir):
+    first = _launcher()
+    agent.claim_directory(job_dir, first.pid, keep_s=1.0)
+    ag = _start_agent(job_dir, first.pid, keep_s=1.0)
+    try:
+        _stop(first)
+        time.sleep(0.4)
+        assert os.path.exists(job_dir)  # inside the window
+        assert _wait_gone(job_dir, 10)
+        assert ag.wait(timeout=10) == 0
+    finally:
+        for p in (first, ag):
+            if p.poll() is None:
+                _stop(p)
