@@ -110,4 +110,6 @@ def test_replay_in_place_equals_the_live_state(tmp_path, shm_root, stage):
     assert not res.timed_out and res.returncode == 0, res.output[-4000:]
     assert res.output.count("tensors equal after replaying 2 differentials") == 2, res.output[-3000:]
     sizes = re.findall(r"diff (\d+) B vs base (\d+) B", res.output)
-    assert sizes and all(int(d) <= 0.35 * int(b) for d, b in sizes), sizes
+    # A differential holds the gradients: one master-sized tensor, where a base holds three (master and Adam's
+    # two moments; the parameter buffers are re-derived, snapshot.derive_params). Headers add a little on tiny.
+    assert sizes and all(int(d) <= 0.38 * int(b) for d, b in sizes), sizes
