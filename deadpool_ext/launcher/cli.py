@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-rank", type=int, default=0, help="this launcher's index; 0 is the coordinator")
     p.add_argument("--shm-root", default=SHM_ROOT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
+    p.add_argument("--watch-s", type=float, default=0.1,
+                   help="how often each worker reads the published assignment, to leave a dead generation at once")
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
                    help="a worker whose heartbeat is older than this is declared hung and fenced")
     p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")
@@ -113,7 +115,8 @@ class Supervisor:
             DEADPOOL_STORE=self.store_url, DEADPOOL_STORE_TOKEN=self.token,
             DEADPOOL_JOB_ID=self.job_id, DEADPOOL_WORKER_ID=w.worker_id, DEADPOOL_NODE=w.node,
             DEADPOOL_ROLE=role, DEADPOOL_LAUNCHER_PID=str(os.getpid()),
-            DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
+            DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s),
+            DEADPOOL_WATCH_S=str(self.args.watch_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
             LOCAL_RANK=str(w.local_index), LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
         )
@@ -337,7 +340,14 @@ class Supervisor:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("DEADPOOL_LOG_LEVEL", "INFO"),
                         format="[deadpool-run] %(levelname)s %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("heartbeat_s", "watch_s", "detect_timeout_s"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+    if args.detect_timeout_s <= args.heartbeat_s:
+        parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
+                     f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

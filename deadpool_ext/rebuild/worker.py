@@ -39,7 +39,7 @@ class MembershipError(RuntimeError):
 
 class Membership:
     def __init__(self, *, store_url: str, token: str, job_id: str, worker_id: str, node: str,
-                 heartbeat_s: float = 0.5, timeout_s: float = 30.0) -> None:
+                 heartbeat_s: float = 0.5, watch_s: float = 0.1, timeout_s: float = 30.0) -> None:
         from ..store.base import connect
 
         self.worker_id, self.node, self.job_id = worker_id, node, job_id
@@ -47,6 +47,7 @@ class Membership:
         self.store = connect(store_url, token, job_id, timeout_s)
         self._hb_store = connect(store_url, token, job_id, timeout_s)
         self._hb_s = heartbeat_s
+        self._watch_s = min(watch_s, heartbeat_s)
         self._stop = threading.Event()
         self.assignment: Assignment | None = None
         threading.Thread(target=self._heartbeat, name="deadpool-heartbeat", daemon=True).start()
@@ -58,18 +59,26 @@ class Membership:
             return None
         return cls(store_url=url, token=os.environ["DEADPOOL_STORE_TOKEN"], job_id=os.environ["DEADPOOL_JOB_ID"],
                    worker_id=os.environ["DEADPOOL_WORKER_ID"], node=os.environ["DEADPOOL_NODE"],
-                   heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")))
+                   heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")),
+                   watch_s=float(os.environ.get("DEADPOOL_WATCH_S", "0.1")))
 
     def _heartbeat(self) -> None:
+        """One thread, one store client: a heartbeat every ``heartbeat_s``, and every ``watch_s`` (shorter) a
+        look at ``assignment``, so a survivor learns of a new generation (and cuts the old one) within
+        ``watch_s`` of its publication instead of within a heartbeat."""
         launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", "0"))
-        while not self._stop.wait(self._hb_s):
+        next_hb = 0.0
+        while not self._stop.wait(self._watch_s):
             if launcher and os.getppid() != launcher:
                 # Orphaned: the launcher is gone, nobody will ever assign or fence us. Leave instead of
                 # holding memory (and accelerators) forever; the node agent then frees the shared memory.
                 log.error("launcher (pid %d) is gone; worker %s exits", launcher, self.worker_id)
                 os._exit(70)
             try:
-                self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
+                now = time.monotonic()
+                if now >= next_hb:
+                    self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
+                    next_hb = now + self._hb_s
                 self._watch_generation()
             except Exception as exc:  # the launcher is gone: nothing left to tell
                 log.debug("heartbeat failed: %s", exc)
