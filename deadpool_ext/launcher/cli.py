@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-rank", type=int, default=0, help="this launcher's index; 0 is the coordinator")
     p.add_argument("--shm-root", default=SHM_ROOT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
-    p.add_argument("--watch-s", type=float, default=0.1,
-                   help="how often each worker reads the published assignment, to leave a dead generation at once")
+    p.add_argument("--watch-s", type=float, default=0.5,
+                   help="how often each worker reads the published assignment to leave a dead generation (capped "
+                        "at --heartbeat-s); every worker reads the store this often")
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
                    help="a worker whose heartbeat is older than this is declared hung and fenced")
     p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")

@@ -39,7 +39,7 @@ class MembershipError(RuntimeError):
 
 class Membership:
     def __init__(self, *, store_url: str, token: str, job_id: str, worker_id: str, node: str,
-                 heartbeat_s: float = 0.5, watch_s: float = 0.1, timeout_s: float = 30.0) -> None:
+                 heartbeat_s: float = 0.5, watch_s: float = 0.5, timeout_s: float = 30.0) -> None:
         from ..store.base import connect
 
         self.worker_id, self.node, self.job_id = worker_id, node, job_id
@@ -60,12 +60,12 @@ class Membership:
         return cls(store_url=url, token=os.environ["DEADPOOL_STORE_TOKEN"], job_id=os.environ["DEADPOOL_JOB_ID"],
                    worker_id=os.environ["DEADPOOL_WORKER_ID"], node=os.environ["DEADPOOL_NODE"],
                    heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")),
-                   watch_s=float(os.environ.get("DEADPOOL_WATCH_S", "0.1")))
+                   watch_s=float(os.environ.get("DEADPOOL_WATCH_S", "0.5")))
 
     def _heartbeat(self) -> None:
-        """One thread, one store client: a heartbeat every ``heartbeat_s``, and every ``watch_s`` (shorter) a
-        look at ``assignment``, so a survivor learns of a new generation (and cuts the old one) within
-        ``watch_s`` of its publication instead of within a heartbeat."""
+        """One thread, one store client: a heartbeat every ``heartbeat_s``, and every ``watch_s`` (at most the
+        heartbeat interval) a look at ``assignment``, so a survivor learns of a new generation (and cuts the
+        old one) within ``watch_s`` of its publication."""
         launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", "0"))
         next_hb = 0.0
         while not self._stop.wait(self._watch_s):
