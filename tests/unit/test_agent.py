@@ -30,6 +30,12 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def _stop_all(*procs: subprocess.Popen | None) -> None:
+    for p in procs:
+        if p is not None and p.poll() is None:
+            _stop(p)
+
+
 def _wait_gone(path: str, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -58,9 +64,7 @@ def test_directory_removed_when_the_launcher_exits(job_dir):
         assert _wait_gone(job_dir, 10)
         assert ag.wait(timeout=10) == 0
     finally:
-        for p in (first, ag):
-            if p.poll() is None:
-                _stop(p)
+        _stop_all(first, ag)
 
 
 def test_relaunch_inside_the_keep_window_adopts_the_memory(job_dir):
@@ -88,9 +92,7 @@ def test_relaunch_inside_the_keep_window_adopts_the_memory(job_dir):
         assert _wait_gone(job_dir, 10)
         assert ag2.wait(timeout=10) == 0
     finally:
-        for p in (first, second, ag):
-            if p is not None and p.poll() is None:
-                _stop(p)
+        _stop_all(first, second, ag)
 
 
 def test_without_a_keep_window_a_relaunch_starts_clean(job_dir):
@@ -133,6 +135,4 @@ def test_window_passes_without_a_relaunch(job_dir):
         assert _wait_gone(job_dir, 10)
         assert ag.wait(timeout=10) == 0
     finally:
-        for p in (first, ag):
-            if p.poll() is None:
-                _stop(p)
+        _stop_all(first, ag)
