@@ -88,16 +88,21 @@ def ensure_agent(directory: str, watch_pid: int, *, keep_s: float = 0.0) -> int:
     pid = _read_pid(pidfile)
     if pid and _alive(pid):
         return pid
+    # --daemon: the started process forks the agent, records its pid and exits, so the agent is nobody's
+    # descendant. Launchers that kill a failed job's process tree (DeepSpeed's launch.py walks the children
+    # of each worker) would otherwise take the agent with them, and with it a keep window.
     proc = subprocess.Popen(
         [sys.executable, "-m", "deadpool_ext.memory.agent", "--dir", directory, "--watch-pid", str(watch_pid),
-         "--keep-s", str(keep_s)],
+         "--keep-s", str(keep_s), "--daemon"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True,  # not in the workers' process group: a kill of the workers spares it
     )
-    _write_pid(pidfile, proc.pid)
-    log.info("started node agent pid %d for %s (removes it %s pid %d exits)", proc.pid, directory,
+    if proc.wait(timeout=60) != 0 or not _read_pid(pidfile):
+        raise RuntimeError(f"the node agent for {directory} did not start (exit code {proc.returncode})")
+    pid = _read_pid(pidfile)
+    log.info("started node agent pid %d for %s (removes it %s pid %d exits)", pid, directory,
              f"{keep_s:g}s after" if keep_s > 0 else "when", watch_pid)
-    return proc.pid
+    return pid
 
 
 def _new_owner(directory: str, watching: int) -> int:
@@ -112,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--watch-pid", type=int, required=True, help="remove --dir when this process exits")
     p.add_argument("--keep-s", type=float, default=0.0, help="wait this long for a relaunch before removing --dir")
     p.add_argument("--poll-s", type=float, default=0.5)
+    p.add_argument("--daemon", action="store_true", help="fork, record the agent's pid in the directory, return")
     args = p.parse_args(argv)
+    if args.daemon:
+        child = os.fork()
+        if child:
+            _write_pid(os.path.join(args.dir, PIDFILE), child)
+            os._exit(0)
     watching = args.watch_pid
     while True:
         while _alive(watching):

@@ -136,3 +136,22 @@ def test_window_passes_without_a_relaunch(job_dir):
         assert ag.wait(timeout=10) == 0
     finally:
         _stop_all(first, ag)
+
+
+def test_started_agent_is_nobodys_descendant(job_dir):
+    """DeepSpeed's launcher kills the process tree of a failed job; the agent must not be in it."""
+    import psutil
+
+    launcher = _launcher()
+    try:
+        pid = agent.ensure_agent(job_dir, launcher.pid, keep_s=5)
+        assert pid == int(open(os.path.join(job_dir, agent.PIDFILE)).read())
+        assert psutil.pid_exists(pid)
+        assert pid not in {p.pid for p in psutil.Process().children(recursive=True)}
+        assert agent.ensure_agent(job_dir, launcher.pid, keep_s=5) == pid  # one agent per directory
+        _stop(launcher)
+        time.sleep(0.8)
+        assert os.path.exists(job_dir)  # inside its 5 s keep window
+        os.kill(pid, 9)
+    finally:
+        _stop_all(launcher)
