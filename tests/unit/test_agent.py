@@ -95,31 +95,19 @@ def test_relaunch_inside_the_keep_window_adopts_the_memory(job_dir):
         _stop_all(first, second, ag)
 
 
-def test_without_a_keep_window_a_relaunch_starts_clean(job_dir):
+@pytest.mark.parametrize("keep_s,with_agent", [(0, False), (30, True)])
+def test_stale_memory_is_removed_at_a_relaunch(job_dir, keep_s, with_agent):
+    """Without a keep window, or with one whose agent is gone (the agent is what guarantees the window),
+    an earlier run's memory is stale: a relaunch's claim removes it."""
     first = _launcher()
-    agent.claim_directory(job_dir, first.pid)
+    agent.claim_directory(job_dir, first.pid, keep_s=keep_s)
+    ag = _start_agent(job_dir, first.pid, keep_s=keep_s) if with_agent else None
     open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"old")
-    _stop(first)  # no agent: as if it had been killed together with the job
+    _stop_all(ag, first)  # the agent, if any, dies too: as if killed together with the job
     second = _launcher()
     try:
-        assert agent.claim_directory(job_dir, second.pid, keep_s=0) is True
+        assert agent.claim_directory(job_dir, second.pid, keep_s=keep_s) is True
         assert os.listdir(job_dir) == [agent.LAUNCHER_FILE]
-    finally:
-        _stop(second)
-
-
-def test_keep_window_without_a_live_agent_does_not_adopt(job_dir):
-    """The agent is what guarantees the window; memory it no longer holds is stale and removed."""
-    first = _launcher()
-    agent.claim_directory(job_dir, first.pid, keep_s=30)
-    ag = _start_agent(job_dir, first.pid, keep_s=30)
-    open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"old")
-    _stop(ag)
-    _stop(first)
-    second = _launcher()
-    try:
-        assert agent.claim_directory(job_dir, second.pid, keep_s=30) is True
-        assert not os.path.exists(os.path.join(job_dir, "snap.r0.0"))
     finally:
         _stop(second)
 
