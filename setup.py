@@ -6,7 +6,7 @@ setup(
     name="deadpool_ext",
     version="0.1.0",
     description="Keeps DeepSpeed and Megatron-Core training jobs alive through failures",
-    packages=find_packages(include=["deadpool_ext", "deadpool_ext.*"]),
+    packages=find_packages(include=["deadpool_ext", "deadpool_ext.*", "patches"]),
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -115,7 +115,8 @@ class RecoveryConfig:
 
     restore_on_start: bool = True
     """On start-up, look for this job's snapshots in tier 1 / tier 2 and resume from the newest version that
-    every rank can restore."""
+    every rank can restore. A hot-swap (a generation after the first under deadpool-run) restores whatever
+    this says: a rebuilt engine has no other state to continue from."""
     timeout_s: float = 120.0
     """Deadline for the agreement and transfers of one restore."""
 

@@ -23,6 +23,8 @@ REGISTRY: dict[str, str] = {
     "megatron_core_cpu_clip_grads": "patches.megatron_core_cpu_clip_grads",
     "megatron_core_cpu_synchronize": "patches.megatron_core_cpu_synchronize",
     "megatron_lm_hooks": "patches.megatron_lm_hooks",
+    "deepspeed_zero3_quiet_init": "patches.deepspeed_zero3_quiet_init",
+    "deepspeed_unsynced_init": "patches.deepspeed_unsynced_init",
 }
 """Patch name -> module. Modules are imported only when a patch is requested."""
 

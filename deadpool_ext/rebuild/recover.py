@@ -62,6 +62,35 @@ def weights_will_be_restored() -> bool:
     return _restore_follows
 
 
+def in_hot_swap() -> bool:
+    """True in a generation after the first under deadpool-run: this process's engine was built for a world
+    rebuilt after a failure, and its state must come from the memory tiers (whatever
+    ``recovery.restore_on_start`` says, which is about starting a job)."""
+    return int(os.environ.get("DEADPOOL_GENERATION", "0")) > 0
+
+
+def every_rank_restores() -> bool:
+    """Whether every rank of this generation overwrites all of its training state from memory right after
+    building its engine, agreed by all ranks (one all-reduce; collective, so every rank calls it at the same
+    point: :func:`deadpool_ext.deepspeed.initialize` does). False outside a hot-swap (generation 0, or no
+    process group) without communicating.
+
+    A rank says yes when it rebuilds with a committed snapshot (:func:`weights_will_be_restored`) or when it
+    is a spare that just took a failed node's place (its state can only come from a peer replica). If none
+    can be agreed afterwards, the job stops (:class:`NoCommonVersionError`): it never trains on the unrestored
+    values, so the engine may be built without making them agree first
+    (``patches/deepspeed_unsynced_init.py``)."""
+    import torch
+    import torch.distributed as dist
+
+    if not in_hot_swap() or not dist.is_initialized():
+        return False
+    mine = _restore_follows or os.environ.get("DEADPOOL_ROLE") == "spare"
+    flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def build_for_restore(factory: Callable[[], T], restore_follows: bool) -> T:
     """Call ``factory()`` with :func:`weights_will_be_restored` answering ``restore_follows``."""
     global _restore_follows

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 from ...chaos import at_step
 from ...config import DeadpoolConfig
+from ...rebuild.recover import in_hot_swap
 from ...snapshot.state import DeepSpeedStateAdapter
 from .checkpoint_engine import DeadpoolCheckpointEngine
 
@@ -100,7 +101,7 @@ class DeadpoolRuntime:
         ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
         newer version, and a memory state no version of which every rank can rebuild falls back to that base
         (logged) instead of failing the job."""
-        if self.snapshots is None or not self.config.recovery.restore_on_start:
+        if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
             return int(self.engine.global_steps)
         from ...rebuild.recover import restore_from_memory
 

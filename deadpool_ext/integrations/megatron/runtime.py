@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ...chaos import at_step
 from ...config import DeadpoolConfig
+from ...rebuild.recover import in_hot_swap
 from . import parallel
 from .layout import Coordinates, Layout
 from .model import Built
@@ -110,7 +111,7 @@ class MegatronRuntime:
     # -- resume -------------------------------------------------------------------------------------
     def resume(self) -> int:
         """Restore from the memory tiers if this job has snapshots there; return the iteration to continue from."""
-        if self.snapshots is None or not self.config.recovery.restore_on_start:
+        if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
             return self.progress.iteration
         from ...rebuild.recover import restore_from_memory
 
