@@ -104,9 +104,13 @@ def build_for_restore(factory: Callable[[], T], restore_follows: bool) -> T:
 def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuilding communicators") -> Begun:
     from ..distributed import membership
 
+    from . import interrupt
+
     m = membership()
     gen = m.assignment.generation
-    log.warning("generation %d: collective failed at step %d (%s: %s); %s in-process", gen, step,
+    interrupt.forget(gen)
+    what_failed = "step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost) else "collective failed"
+    log.warning("generation %d: %s at step %d (%s: %s); %s in-process", gen, what_failed, step,
                 type(exc).__name__, " ".join(str(exc).split())[:600], what)
     faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s + 120,
                                       exit=True)

@@ -6,14 +6,15 @@ Call order (every worker started by deadpool-run; ``DEADPOOL_STORE`` is set):
    Active workers return at once; spares block here (heartbeating) until they replace a failed node.
 2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
    prefixed by the generation, so nothing of a dead generation is ever read.
-3. On a collective error: ``teardown()`` cuts the generation's connections (``rebuild.fence``: peers still
+3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's connections (``rebuild.fence``: peers still
    blocked in it get an error at once), destroys every process group and resets DeepSpeed's cached
    communicator state; then ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
    launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
    of the failure from the launcher instead of from a timeout.
 
 Messages (store keys under the job namespace): ``assignment`` (JSON of
-:class:`deadpool_ext.launcher.membership.Assignment`), ``hb/<worker_id>`` (heartbeat time),
+:class:`deadpool_ext.launcher.membership.Assignment`), ``gen/<g>`` (written with the assignment of
+generation g > 0: generation g-1 is dead), ``hb/<worker_id>`` (heartbeat time),
 ``failed/<generation>/<worker_id>`` (a worker reporting a collective error, for the timeline).
 """
 from __future__ import annotations
@@ -54,21 +55,31 @@ class Membership:
 
     @classmethod
     def from_env(cls) -> "Membership | None":
+        from . import interrupt
+
         url = os.environ.get("DEADPOOL_STORE")
         if not url:
             return None
+        interrupt.install()
         return cls(store_url=url, token=os.environ["DEADPOOL_STORE_TOKEN"], job_id=os.environ["DEADPOOL_JOB_ID"],
                    worker_id=os.environ["DEADPOOL_WORKER_ID"], node=os.environ["DEADPOOL_NODE"],
                    heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")),
                    watch_s=float(os.environ.get("DEADPOOL_WATCH_S", "0.5")))
 
     def _heartbeat(self) -> None:
-        """One thread, one store client: a heartbeat every ``heartbeat_s``, and every ``watch_s`` (at most the
-        heartbeat interval) a look at ``assignment``, so a survivor learns of a new generation (and cuts the
-        old one) within ``watch_s`` of its publication."""
+        """One thread, one store client: a heartbeat every ``heartbeat_s``; in between, a blocking wait (at most
+        ``watch_s`` at a time) for the launcher's notification that the current generation is dead (store key
+        ``gen/<g+1>``, written when generation g+1 is published). On it, this thread cuts the old generation's
+        connections (``rebuild.fence``) and stops the main thread's training step (``rebuild.interrupt``), so
+        a survivor leaves a dead generation within a store round trip of the publication, whether it is
+        blocked in a collective or computing."""
+        from ..store.base import StoreTimeout
+        from . import interrupt
+
         launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", "0"))
         next_hb = 0.0
-        while not self._stop.wait(self._watch_s):
+        notified: int | None = None
+        while not self._stop.is_set():
             if launcher and os.getppid() != launcher:
                 # Orphaned: the launcher is gone, nobody will ever assign or fence us. Leave instead of
                 # holding memory (and accelerators) forever; the node agent then frees the shared memory.
@@ -79,18 +90,23 @@ class Membership:
                 if now >= next_hb:
                     self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
                     next_hb = now + self._hb_s
-                self._watch_generation()
+                f = fence()
+                gen = f.generation
+                if gen is None or gen == notified:
+                    self._stop.wait(self._watch_s)  # a spare, or this generation's end is already handled
+                    continue
+                slice_s = max(0.01, min(self._watch_s, next_hb - time.monotonic()))
+                try:
+                    self._hb_store.wait([f"gen/{gen + 1}"], slice_s)
+                except StoreTimeout:
+                    continue
+                notified = gen
+                why = f"the launcher published generation {gen + 1}"
+                f.cut(gen, why)
+                interrupt.request(gen, why)
             except Exception as exc:  # the launcher is gone: nothing left to tell
                 log.debug("heartbeat failed: %s", exc)
                 return
-
-    def _watch_generation(self) -> None:
-        f = fence()
-        if f.generation is None:
-            return  # not in any generation yet (a spare)
-        raw = self._hb_store.get_json("assignment")
-        if raw is not None and int(raw.get("generation", -1)) > f.generation:
-            f.cut(f.generation, f"the launcher published generation {raw['generation']}")
 
     def join(self, min_generation: int, timeout_s: float | None = None) -> Assignment:
         """Block until an assignment of generation >= ``min_generation`` includes this worker."""

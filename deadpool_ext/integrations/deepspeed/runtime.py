@@ -73,15 +73,36 @@ class DeadpoolRuntime:
 
     # -- hooks --------------------------------------------------------------------------------------
     def _wrap_step(self) -> None:
+        """``engine.step`` runs the snapshot hooks around DeepSpeed's step. Under deadpool-run, DeepSpeed's own
+        forward, backward and step (never the hooks) may be stopped by the launcher's notice of a new
+        generation (``rebuild.interrupt``): that step is thrown away by the hot-swap anyway."""
+        from ...distributed import membership
+        from ...rebuild import interrupt
+        from ...rebuild.fence import fence
+
         engine = self.engine
         original = engine.step
         runtime = self
+        hot_swap = membership() is not None and self.config.hot_swap.enabled
+
+        def stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if not hot_swap:
+                return fn
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                with interrupt.armed(fence().generation):
+                    return fn(*args, **kwargs)
+            return call
+
+        engine.forward = stoppable(engine.forward)
+        engine.backward = stoppable(engine.backward)
+        deepspeed_step = stoppable(original)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary and runtime.snapshots is not None:
                 runtime.snapshots.before_optimizer_step()
-            out = original(*args, **kwargs)
+            out = deepspeed_step(*args, **kwargs)
             if boundary and runtime.snapshots is not None:
                 runtime.snapshots.after_step()
             if boundary:
