@@ -171,3 +171,40 @@ def test_megatron_lm_hook_refuses_without_megatron_lm_and_wraps_train_step(monke
         hook.revert()
         hook.configure(before=None, after=None)
     assert fake.train_step is original
+
+
+def test_zero3_quiet_init_names_parameters_by_count_not_value():
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as cls
+
+    from patches.deepspeed_zero3_quiet_init import QuietParamNames
+
+    p = torch.nn.Parameter(torch.ones(1000, 100))
+    names = QuietParamNames({p: "w"})
+    assert repr(names) == "<1 parameter names>" and "tensor" not in repr({"param_names": names})
+    assert names[p] == "w" and dict(names) == {p: "w"}
+    original = cls.__init__
+    patch = patches.get("deepspeed_zero3_quiet_init")
+    try:
+        patch.apply()
+        assert cls.__init__ is not original and cls.__init__.__wrapped__ is original
+        patch.apply()  # idempotent
+    finally:
+        patch.revert()
+    assert cls.__init__ is original
+
+
+def test_unsynced_init_is_scoped_to_its_block():
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    from patches.deepspeed_unsynced_init import unsynced_weights
+
+    before = (DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather)
+    with unsynced_weights(False) as on:
+        assert not on and (DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather) == before
+    with pytest.raises(RuntimeError, match="boom"):
+        with unsynced_weights() as on:
+            assert on and all(now is not b for now, b in
+                              zip((DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather), before))
+            raise RuntimeError("boom")
+    assert (DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather) == before
