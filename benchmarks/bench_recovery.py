@@ -820,12 +820,16 @@ def analyze_size(size: str, entry: dict[str, Any]) -> dict[str, Any]:
     targets["speedup_minus_step"] = {"target": TARGET_SPEEDUP, "value": an["speedup_minus_step"],
                                      "met": an["speedup_minus_step"] is not None
                                      and an["speedup_minus_step"] >= TARGET_SPEEDUP}
-    # The ceiling of the raw ratio: a recovery that took no time at all still redoes the interrupted step.
-    first_after, normal = an["hotswap"]["first_step_time_after_s"], an["hotswap"]["normal_step_s"]
-    an["raw_speedup_ceiling"] = {"with_first_step_after_recovery": ratio(bl_raw, first_after),
-                                 "with_normal_step": ratio(bl_raw, normal)}
+    an["raw_speedup_ceiling"] = raw_speedup_ceiling(an)
     an["targets"] = targets
     return an
+
+
+def raw_speedup_ceiling(an: dict[str, Any]) -> dict[str, float | None]:
+    """The ceiling of the raw ratio: a recovery that took no time at all still redoes the interrupted step."""
+    bl_raw = an["baseline"]["raw_s"]["median"]
+    return {"with_first_step_after_recovery": ratio(bl_raw, an["hotswap"]["first_step_time_after_s"]),
+            "with_normal_step": ratio(bl_raw, an["hotswap"]["normal_step_s"])}
 
 
 def _f(x: float | None, digits: int = 2) -> str | None:
@@ -950,7 +954,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         L.append(f"- >= {TARGET_SPEEDUP:.0f}x faster than the baseline: raw **{_met(t['speedup_raw'])}** "
                  f"({_x(t['speedup_raw']['value'])}); minus a step **{_met(t['speedup_minus_step'])}** "
                  f"({_x(t['speedup_minus_step']['value'])})")
-        c = an.get("raw_speedup_ceiling") or {}
+        c = an.get("raw_speedup_ceiling") or raw_speedup_ceiling(an)
         if c.get("with_normal_step"):
             L.append(f"- ceiling of the raw ratio on this machine: a recovery taking 0 s still redoes the interrupted "
                      f"step, so raw could be at most {_x(c.get('with_first_step_after_recovery'))} (baseline raw / "
@@ -1042,10 +1046,11 @@ def _where_time_goes(entry: dict[str, Any], an: dict[str, Any]) -> list[str]:
         pub = ev("assignment_published")
         out.append(
             f"Where the hot-swap time goes (medians, seconds after the kill): the launcher sees the exit at "
-            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors, busy computing, "
-            f"notice the dead peer only at their next collective ({_f(ev('survivor_noticed_first'))}-"
-            f"{_f(ev('survivor_noticed_last'))}), tear down and have the new process group at "
-            f"{_f(ev('survivor_pg_ready_last'))}. They build a new model and call `deepspeed.initialize` again (the "
+            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors leave generation 0 "
+            f"at {_f(ev('survivor_noticed_first'))}-{_f(ev('survivor_noticed_last'))} (their step stopped by the launcher's "
+            f"notice, or a collective with the dead peer failing, whichever comes first), tear down and have the new "
+            f"process group at {_f(ev('survivor_pg_ready_last'))}. They build a new model and call `deepspeed.initialize` "
+            f"again (without DeepSpeed's initial weight broadcast when every rank restores next; the "
             f"first DeepSpeed comm backend is up at {_f(op_first)}), then wait in its collectives for the last process, "
             f"whose backend is up at {_f(op_last)} ({_f(None if op_last is None or pub is None else op_last - pub)} s after "
             f"the assignment; the spare imported DeepSpeed and transformers, built its first model and loaded the comm op "

@@ -132,6 +132,8 @@ class Supervisor:
             DEADPOOL_WATCH_S=str(self.args.watch_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
             LOCAL_RANK=str(w.local_index), LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
             OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
+            # GPU path: on an NCCL error, abort the communicators but keep the process (it rebuilds in-process).
+            TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
         )
         if self.timeline is not None:
             env["DEADPOOL_TIMELINE"] = os.path.abspath(self.args.timeline)

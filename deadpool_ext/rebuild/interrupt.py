@@ -100,6 +100,16 @@ def armed(generation: int | None) -> Iterator[None]:
         _armed_generation = None
 
 
+def stoppable(enabled: bool) -> Any:
+    """``armed(current generation)`` when ``enabled`` (the integration runs under deadpool-run with hot-swap
+    on), else a no-op context: what an integration wraps around the framework's forward, backward and step."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from .fence import fence
+
+    return armed(fence().generation)
+
+
 def forget(generation: int) -> None:
     """Recovery of ``generation`` has begun: a request about it has nothing left to stop."""
     global _requested

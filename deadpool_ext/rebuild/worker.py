@@ -103,6 +103,7 @@ class Membership:
                 notified = gen
                 why = f"the launcher published generation {gen + 1}"
                 f.cut(gen, why)
+                _abort_nccl_groups(why)
                 interrupt.request(gen, why)
             except Exception as exc:  # the launcher is gone: nothing left to tell
                 log.debug("heartbeat failed: %s", exc)
@@ -149,6 +150,23 @@ class Membership:
 
     def close(self) -> None:
         self._stop.set()
+
+
+def _abort_nccl_groups(why: str) -> None:
+    """GPU path: a rank blocked in an NCCL collective with a dead peer is released by aborting its
+    communicators (the fence cuts TCP only, and NCCL's own transports do not see a FIN). No-op for gloo
+    (CPU). deadpool-run starts workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up, keep the
+    process) unless set, so NCCL's watchdog does not end a survivor that is about to rebuild in-process.
+    Not exercised on this project's CPU machines (no device was lent); guarded so it never runs there."""
+    if not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() != "nccl":
+            return
+        dist.distributed_c10d._abort_process_group()  # every group, the default one included
+        log.warning("aborted the NCCL communicators of the dead generation (%s)", why)
+    except Exception as exc:  # already destroyed by the main thread, or an older torch without the API
+        log.debug("NCCL abort: %s", exc)
 
 
 def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float) -> None:

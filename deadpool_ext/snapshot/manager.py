@@ -310,8 +310,9 @@ class SnapshotManager:
         return total + (self.dpeers.held_nbytes() if self.dpeers is not None else 0)
 
     # -- restore ----------------------------------------------------------------------------------------
-    def _scan(self) -> tuple[RankReport, dict[int, int], dict[int, int]]:
-        verify = self.config.snapshot.verify_on_restore
+    def _scan(self, verify: bool) -> tuple[RankReport, dict[int, int], dict[int, int]]:
+        """What this rank holds: own slots and ring entries, replicas held for others. ``verify``: checksums
+        of every buffer (else headers only: complete, sealed, which version)."""
         report = RankReport(rank=self.rank)
         slot_of: dict[int, int] = {}
         ring_of: dict[int, int] = {}
@@ -350,42 +351,63 @@ class SnapshotManager:
 
         restore_gate()  # fault injection only (DEADPOOL_RESTORE_GATE): no-op otherwise
         t0 = time.perf_counter()
-        report, slot_of, ring_of = self._scan()
-        reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
-        plan = choose_version(reports)
-        if plan is None:
-            log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
-            return None
-        if newer_than is not None and plan.version <= newer_than:
-            if self.rank == 0:
-                log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
-                         plan.version, newer_than)
-            return None
-        me = self.rank
-        if me == 0:
-            log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s%s", plan.version,
-                     self.world - len(plan.fetch), len(plan.fetch), {r: h for r, (h, _) in sorted(plan.fetch.items())},
-                     f"; bases {sorted(set(plan.base.values()))} + differentials replayed up to {plan.version}"
-                     if plan.replays else "")
-        base = plan.base.get(me, plan.version)
-        fetching = me in plan.fetch
-        if fetching:
-            self._open_slots(plan.fetch[me][1])
-            slot = 0
-        else:
-            slot = slot_of[base]
-            self._open_slots(self.slots_nbytes(slot))
-        self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if fetching else None,
-                                 versions=plan.base)
-        seg = self.slots[slot]
-        if fetching:
-            meta, why = probe_slot(seg.buf, verify=True)
-            if meta is None or int(meta["version"]) != base:
-                raise RecoveryError(f"rank {me}: replica of step {base} fetched from rank {plan.fetch[me][0]} is "
-                                    f"unusable ({why}); no other copy in memory")
-            log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
+        verify = self.config.snapshot.verify_on_restore
+        # Checksums only of what is used: every rank verifies the copy it restores from (its own slot, or the
+        # blob it fetched) and all ranks agree that every one of them was clean before anything is copied in.
+        # If one was not, everyone scans again checking every copy and chooses again, excluding it (the
+        # fallback to the next source). Differential mode keeps the full check up front.
+        lazy = verify and not self.tap and self.dpeers is None
+        while True:
+            report, slot_of, ring_of = self._scan(verify=verify and not lazy)
+            reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
+            plan = choose_version(reports)
+            if plan is None:
+                log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
+                return None
+            if newer_than is not None and plan.version <= newer_than:
+                if self.rank == 0:
+                    log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
+                             plan.version, newer_than)
+                return None
+            me = self.rank
+            if me == 0:
+                log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s%s", plan.version,
+                         self.world - len(plan.fetch), len(plan.fetch),
+                         {r: h for r, (h, _) in sorted(plan.fetch.items())},
+                         f"; bases {sorted(set(plan.base.values()))} + differentials replayed up to {plan.version}"
+                         if plan.replays else "")
+            base = plan.base.get(me, plan.version)
+            fetching = me in plan.fetch
+            if fetching:
+                self._open_slots(plan.fetch[me][1])
+                slot = 0
+            else:
+                slot = slot_of[base]
+                self._open_slots(self.slots_nbytes(slot))
+            self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if fetching else None,
+                                     versions=plan.base)
+            seg = self.slots[slot]
+            problem = None
+            if fetching or lazy:
+                meta, why = probe_slot(seg.buf, verify=True)
+                if meta is None or int(meta["version"]) != base:
+                    problem = (f"rank {me}: " + (f"replica of step {base} fetched from rank {plan.fetch[me][0]}"
+                                                 if fetching else f"tier-1 slot {slot} of step {base}")
+                               + f" is unusable ({why})")
+            if lazy:
+                problems = [p for p in allgather_json(problem, group=self.group) if p]
+                if problems:
+                    log.warning("restore of step %d refused before use: %s; checking the checksums of every copy "
+                                "and choosing again", plan.version, "; ".join(problems))
+                    lazy = False
+                    continue
+            elif problem is not None:
+                raise RecoveryError(f"{problem}; no other copy in memory")
+            if fetching:
+                log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
+            break
         ring_of = self._fetch_diffs(plan, ring_of)
-        tensors, state, header = restore_from(seg.buf, verify=False)  # verified during the scan / fetch above
+        tensors, state, header = restore_from(seg.buf, verify=False)  # verified above (scan, check before use, fetch)
         self.adapter.restore(tensors, state)
         del tensors
         self._verify_derived(header, base)

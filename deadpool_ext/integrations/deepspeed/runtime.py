@@ -78,7 +78,6 @@ class DeadpoolRuntime:
         generation (``rebuild.interrupt``): that step is thrown away by the hot-swap anyway."""
         from ...distributed import membership
         from ...rebuild import interrupt
-        from ...rebuild.fence import fence
 
         engine = self.engine
         original = engine.step
@@ -90,7 +89,7 @@ class DeadpoolRuntime:
                 return fn
 
             def call(*args: Any, **kwargs: Any) -> Any:
-                with interrupt.armed(fence().generation):
+                with interrupt.stoppable(True):
                     return fn(*args, **kwargs)
             return call
 

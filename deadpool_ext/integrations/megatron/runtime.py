@@ -92,9 +92,10 @@ class MegatronRuntime:
         """Optimizer + scheduler step with the snapshot hooks around it; returns (stepped, grad norm)."""
         if self.snapshots is not None:
             self.snapshots.before_optimizer_step()
-        ok, grad_norm, _ = self.built.optimizer.step()
-        if ok:
-            self.built.scheduler.step(increment=self.global_batch)
+        with self.stoppable():
+            ok, grad_norm, _ = self.built.optimizer.step()
+            if ok:
+                self.built.scheduler.step(increment=self.global_batch)
         # Megatron-LM counts skipped (overflow) iterations too; so do we, so the data position stays aligned.
         self.progress.iteration += 1
         self.progress.consumed_samples += self.global_batch
@@ -102,6 +103,14 @@ class MegatronRuntime:
             self.snapshots.after_step()
         self._after_step_hook()
         return bool(ok), None if grad_norm is None else float(grad_norm)
+
+    def stoppable(self) -> Any:
+        """Context for Megatron's own forward/backward and optimizer step: under deadpool-run, the launcher's
+        notice of a new generation stops them (``rebuild.interrupt``); the hot-swap throws that step away."""
+        from ...distributed import membership
+        from ...rebuild import interrupt
+
+        return interrupt.stoppable(membership() is not None and self.config.hot_swap.enabled)
 
     def wait_for_copy(self) -> None:
         """Block until the in-flight snapshot copy is done (before anything else writes the state in place)."""

@@ -137,7 +137,8 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         try:
             batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
                                    rt.coords.dp)
-            losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
+            with rt.stoppable():
+                losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
             _, grad_norm = rt.step()
             loss = global_mean_loss(losses, num_micro)
             if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
