@@ -363,12 +363,12 @@ class SnapshotManager:
             plan = choose_version(reports)
             if plan is None:
                 log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
-                return None
+                return self._unopened()
             if newer_than is not None and plan.version <= newer_than:
                 if self.rank == 0:
                     log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
                              plan.version, newer_than)
-                return None
+                return self._unopened()
             me = self.rank
             if me == 0:
                 log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s%s", plan.version,
@@ -424,6 +424,16 @@ class SnapshotManager:
         self._stats["restored_from"] = "peer" if fetching else "local"
         self._stats["replayed"] = replayed
         return plan.version
+
+    def _unopened(self) -> None:
+        """No restore after all (a copy refused before use left no common version): close slots an earlier
+        attempt of this restore opened, so the first snapshot sizes them as on a fresh start."""
+        if not self.header_reserved:
+            for i in (0, 1):
+                if self.slots[i] is not None:
+                    self.slots[i].close()
+                    self.slots[i] = None
+        return None
 
     def _verify_derived(self, header: dict[str, Any], version: int) -> None:
         """Tensors the restore re-derived (not stored) must hash to what they were at capture."""
