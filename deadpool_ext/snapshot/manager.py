@@ -360,7 +360,11 @@ class SnapshotManager:
         while True:
             report, slot_of, ring_of = self._scan(verify=verify and not lazy)
             reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
-            plan = choose_version(reports)
+            try:
+                plan = choose_version(reports)
+            except RecoveryError:
+                self._unopened()  # the caller may continue without memory (a tier-3 base): a clean start
+                raise
             if plan is None:
                 log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
                 return self._unopened()
