@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shm-root", default=SHM_ROOT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--watch-s", type=float, default=0.5,
-                   help="how often each worker reads the published assignment to leave a dead generation (capped "
-                        "at --heartbeat-s); every worker reads the store this often")
+                   help="longest single wait of a worker's heartbeat thread on the store for the launcher's notice "
+                        "of a new generation (capped at --heartbeat-s). The notice itself arrives at once: the wait "
+                        "blocks on the store and returns when the key appears")
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
                    help="a worker whose heartbeat is older than this is declared hung and fenced")
     p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")
