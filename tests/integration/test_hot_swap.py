@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from deadpool_ext.recovery.timeline import phases, read_events
-from deadpool_ext.testing.launch import read_metrics, run_job, wait_for_step
+from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
 from tests.conftest import make_config
 
 pytestmark = pytest.mark.slow
@@ -33,9 +33,11 @@ def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psu
     raise TimeoutError(f"no worker {worker_id} under {launcher_pid}")
 
 
-def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=()):
-    """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``."""
-    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}})
+def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=(),
+          env=None, **cfg):
+    """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``. ``env``: extra
+    environment of the job (e.g. ``DEADPOOL_INJECT``); ``cfg``: DeepSpeed config overrides."""
+    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", "1",
@@ -62,7 +64,7 @@ def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, fault
                                      "source": "injector"}) + "\n")
             target.send_signal(sig)
 
-    res = run_job(cmd, timeout_s=400, while_running=inject)
+    res = run_job(cmd, timeout_s=400, while_running=inject, env=base_env(env))
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
@@ -99,6 +101,26 @@ def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
     assert row["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
     assert len(row["spare_pids"]) == 1 and row["spare_pids"][0] not in pids.values()
     assert "tier 2: fetched and verified" in res.output
+
+
+def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, shm_root):
+    # ZeRO-1 with 96 micro-batches per step: a survivor's forward/backward passes run for a while without any
+    # collective (gradients are reduced at the boundary). Rank 1 dies right after step 4 (in-process fault, so
+    # the survivors are at the start of step 5's micro-batches): they must leave on the launcher's notice, not
+    # at the boundary's collective, and the losses stay identical to an uninterrupted run.
+    long = {"gradient_accumulation_steps": 96}
+    res0, base, _, _ = dprun(tmp_path, shm_root, stage=1, spares=0, iters=6, name="busy_base", **long)
+    assert res0.returncode == 0, res0.output[-3000:]
+    marker = os.path.join(str(tmp_path), "busy.fault")
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=6, name="busy", **long,
+                                       env={"DEADPOOL_INJECT": f"kill@step=4,rank=1,marker={marker}"})
+    assert res.returncode == 0, res.output[-4000:]
+    assert os.path.exists(marker)
+    stopped = {l.split("]")[0] + "]" for l in res.output.splitlines()
+               if "step stopped by the launcher's notice at step 4 (GenerationLost" in l}
+    assert stopped == {"[deadpool r0]", "[deadpool r2]"}, res.output[-4000:]
+    assert metrics == base
+    assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
 
 
 def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
