@@ -34,9 +34,8 @@ import threading
 import time
 from typing import Sequence
 
-from ..memory.shm import SHM_ROOT
-from ..snapshot.manager import job_shm_dir
-from .membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
+from ..memory.shm import SHM_ROOT, job_shm_dir
+from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -176,19 +175,13 @@ class Supervisor:
 
     # -- stores -------------------------------------------------------------------------------------
     def _new_c10d_store(self, world: int) -> int:
+        """A fresh c10d store for one generation, on ``--host``; the OS picks the port at bind time (no probe
+        then bind, so no race with another process taking it in between)."""
         import torch.distributed as dist
 
-        from ..testing.launch import free_port
-
-        for _ in range(5):
-            port = free_port()
-            try:
-                st = dist.TCPStore(self.args.host, port, world, is_master=True, wait_for_workers=False)
-                self.c10d_stores.append(st)
-                return port
-            except Exception as exc:  # the port was taken between probe and bind: try another
-                log.debug("c10d store on %d: %s", port, exc)
-        raise RuntimeError("could not start a c10d store for the next generation")
+        st = dist.TCPStore(self.args.host, 0, world, is_master=True, wait_for_workers=False)
+        self.c10d_stores.append(st)
+        return int(st.port)
 
     def publish(self, a: Assignment) -> Assignment:
         a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size),
@@ -202,7 +195,7 @@ class Supervisor:
 
     # -- main loop ----------------------------------------------------------------------------------
     def run(self) -> int:
-        from ..store.base import connect
+        from ..store import connect
 
         self.server = None
         if self.args.store_url:

@@ -62,6 +62,12 @@ class ShmSpaceError(OSError):
         self.available = available
 
 
+def job_shm_dir(root: str, job_id: str, node: str) -> str:
+    """The directory of one node's snapshots of one job: a lost node's memory is exactly one directory."""
+    safe_node = "".join(c if c.isalnum() or c in "_-" else "_" for c in node)
+    return os.path.join(root, f"deadpool.{job_id}.{safe_node}")
+
+
 def _check_id(what: str, value: str) -> None:
     if not isinstance(value, str) or not _ID_RE.fullmatch(value):
         raise ValueError(

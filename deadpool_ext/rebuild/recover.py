@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
 from ..config import HotSwapConfig
-from ..launcher.membership import Assignment
+from ..cluster.membership import Assignment
 from ..recovery.agree import NoCommonVersionError, RecoveryError
 
 log = logging.getLogger("deadpool_ext")

@@ -13,7 +13,7 @@ Call order (every worker started by deadpool-run; ``DEADPOOL_STORE`` is set):
    of the failure from the launcher instead of from a timeout.
 
 Messages (store keys under the job namespace): ``assignment`` (JSON of
-:class:`deadpool_ext.launcher.membership.Assignment`), ``gen/<g>`` (written with the assignment of
+:class:`deadpool_ext.cluster.membership.Assignment`), ``gen/<g>`` (written with the assignment of
 generation g > 0: generation g-1 is dead), ``hb/<worker_id>`` (heartbeat time),
 ``failed/<generation>/<worker_id>`` (a worker reporting a collective error, for the timeline).
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..launcher.membership import Assignment
+from ..cluster.membership import Assignment
 from .fence import fence
 
 log = logging.getLogger("deadpool_ext")
@@ -41,7 +41,7 @@ class MembershipError(RuntimeError):
 class Membership:
     def __init__(self, *, store_url: str, token: str, job_id: str, worker_id: str, node: str,
                  heartbeat_s: float = 0.5, watch_s: float = 0.5, timeout_s: float = 30.0) -> None:
-        from ..store.base import connect
+        from ..store import connect
 
         self.worker_id, self.node, self.job_id = worker_id, node, job_id
         self.timeout_s = timeout_s

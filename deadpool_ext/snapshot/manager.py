@@ -32,7 +32,7 @@ from ..cluster.comm import allgather_json
 from ..config import DeadpoolConfig
 from ..distributed import default_job_id, node_name
 from ..memory.agent import claim_directory, ensure_agent
-from ..memory.shm import ShmSegment, segment_name
+from ..memory.shm import ShmSegment, job_shm_dir, segment_name
 from ..recovery.agree import RankReport, RecoveryError, choose_version
 from .differential import DiffRing, GradTap
 from .format import tensor_checksum
@@ -45,11 +45,6 @@ log = logging.getLogger("deadpool_ext")
 
 class SnapshotWorkerError(RuntimeError):
     pass
-
-
-def job_shm_dir(root: str, job_id: str, node: str) -> str:
-    safe_node = "".join(c if c.isalnum() or c in "_-" else "_" for c in node)
-    return os.path.join(root, f"deadpool.{job_id}.{safe_node}")
 
 
 class _Job:

@@ -5,9 +5,8 @@
 """
 from __future__ import annotations
 
-from deadpool_ext.store.base import (
-    ALLOWED_SCHEMES, CoordinationStore, StoreAuthError, StoreError, StoreTimeout, connect,
-)
+from deadpool_ext.store.base import ALLOWED_SCHEMES, CoordinationStore, StoreAuthError, StoreError, StoreTimeout
+from deadpool_ext.store.connect import connect
 from deadpool_ext.store.embedded import EmbeddedStore, EmbeddedStoreServer
 from deadpool_ext.store.etcd import EtcdStore, bootstrap_etcd_auth
 

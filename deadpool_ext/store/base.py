@@ -72,7 +72,7 @@ def _check_value(value: bytes) -> None:
         raise TypeError(f"store values are bytes, got {type(value).__name__} (use set_json for structured data)")
 
 
-def _check_timeout(timeout_s: float, what: str) -> float:
+def check_timeout(timeout_s: float, what: str) -> float:
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
             or not math.isfinite(timeout_s) or timeout_s <= 0:
         raise ValueError(f"{what} must be a positive finite number of seconds, got {timeout_s!r}")
@@ -159,7 +159,7 @@ class CoordinationStore(abc.ABC):
             raise ValueError("wait() needs at least one key")
         for k in keys:
             _check_key(k)
-        timeout_s = _check_timeout(timeout_s, "wait() timeout_s")
+        timeout_s = check_timeout(timeout_s, "wait() timeout_s")
         full = [self._prefix + k for k in keys]
         found = self._wait(full, timeout_s)
         missing = [k for k, f in zip(keys, full) if f not in found]
@@ -243,21 +243,3 @@ def parse_store_url(url: str) -> tuple[str, str, int]:
     if not parts.hostname or port is None or port == 0 or parts.path not in ("", "/") or parts.query:
         raise ValueError(f"store URL must look like {allowed}; got {url!r}")
     return parts.scheme, parts.hostname, port
-
-
-def connect(url: str, token: str, namespace: str, timeout_s: float = 30.0) -> CoordinationStore:
-    """Open the store at `url` for job `namespace`, authenticating with the job's `token`.
-
-    `timeout_s` bounds every single network operation (connect, request, reply); `wait` has its own
-    deadline on top. Raises `StoreAuthError` for a wrong token and `StoreError` if nothing answers.
-    """
-    scheme, host, port = parse_store_url(url)
-    if not isinstance(token, str) or not token:
-        raise ValueError("the coordination store needs the job's token (got an empty one)")
-    timeout_s = _check_timeout(timeout_s, "store timeout_s")
-    if scheme == "dp":
-        from deadpool_ext.store.embedded import EmbeddedStore
-        return EmbeddedStore(host, port, token=token, namespace=namespace, timeout_s=timeout_s)
-    from deadpool_ext.store.etcd import EtcdStore
-    hostpart = f"[{host}]" if ":" in host else host
-    return EtcdStore(f"http://{hostpart}:{port}", token=token, namespace=namespace, timeout_s=timeout_s)

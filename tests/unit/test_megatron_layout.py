@@ -10,7 +10,7 @@ from deadpool_ext.cluster.placement import replica_holders
 from deadpool_ext.cluster.topology import Topology
 from deadpool_ext.integrations.megatron.layout import (Coordinates, Layout, LayoutError, coordinates, rank_of,
                                                        tp_groups_within_nodes)
-from deadpool_ext.launcher.membership import Worker, initial_assignment, replace_failed
+from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed
 
 
 def test_megatron_default_order_tp_dp_pp():

@@ -1,6 +1,6 @@
 import pytest
 
-from deadpool_ext.launcher.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
+from deadpool_ext.cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 
 
 def _workers(nodes, nproc):

@@ -7,7 +7,7 @@ at 1 (what this integration supports) the global rank is::
     rank = tp_rank + tp * dp_rank + tp * dp * pp_rank
 
 So the coordinates of a rank are a function of the rank alone. deadpool-run gives a spare the failed
-worker's global rank (``launcher.membership.replace_failed``), hence the spare takes exactly the failed
+worker's global rank (``cluster.membership.replace_failed``), hence the spare takes exactly the failed
 rank's (tp, pp, dp) coordinates; :func:`coordinates` is also checked against ``parallel_state`` at runtime.
 
 Tensor parallel groups should sit inside a node (they exchange every layer): :func:`tp_groups_within_nodes`
