@@ -63,7 +63,7 @@ def worker(args: argparse.Namespace) -> int:
     from deadpool_ext.config import PersistConfig
     from deadpool_ext.distributed import init_distributed
     from deadpool_ext.persist.layout import COMMIT, version_tag
-    from deadpool_ext.persist.tier3 import Tier3Persister
+    from deadpool_ext.integrations.deepspeed.tier3 import Tier3Persister
     from deadpool_ext.training.data import ByteLMData
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
     from deadpool_ext.training.pretrain import seed_everything

@@ -8,35 +8,68 @@ has its own key space. Users run plain torchrun and need not set any variable.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
+from collections.abc import Callable
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-log = logging.getLogger("deadpool_ext")
+from .config import HotSwapConfig
+from .launcher.contract import WorkerEnv, worker_env
 
-REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+if TYPE_CHECKING:
+    from .rebuild.worker import Membership
+
+log = logging.getLogger("deadpool_ext")
 
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-_membership = None
+_membership: Membership | None = None
+_spare_warmups: list[Callable[[], None]] = []
 
 
-def membership():
+def membership() -> Membership | None:
     """The hot-swap membership client when launched by deadpool-run, else None."""
     return _membership
 
 
-def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> None:
+def generation() -> int:
+    """The hot-swap generation this process is in (0 outside deadpool-run and before the first failure)."""
+    return _membership.generation if _membership is not None else 0
+
+
+def in_hot_swap() -> bool:
+    """True in a generation after the first under deadpool-run: this process's engine was built for a world
+    rebuilt after a failure, and its state must come from the memory tiers (whatever
+    ``recovery.restore_on_start`` says, which is about starting a job)."""
+    return generation() > 0
+
+
+def is_spare() -> bool:
+    """This process was started by deadpool-run as a spare (it keeps that role after taking a node's place)."""
+    return _membership is not None and _membership.role == "spare"
+
+
+def on_spare_wait(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` in a spare before it blocks for an assignment: what an integration can warm up before it
+    knows its ranks (DeepSpeed: lazy imports, the communication op). A failure is logged, never raised."""
+    if fn not in _spare_warmups:
+        _spare_warmups.append(fn)
+
+
+def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
     """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
     deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
-    to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node."""
+    to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node.
+
+    ``timeout_s``: the collective timeout; pass the config's ``hot_swap.collective_timeout_s`` (under
+    deadpool-run it is only the backstop: the launcher's next generation cuts a dead one). Default: that key's
+    default under deadpool-run, 300 s otherwise."""
     global _membership
     if dist.is_initialized():
         return
@@ -46,80 +79,70 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> No
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if os.environ.get("DEADPOOL_STORE"):
-        from .rebuild.worker import Membership, init_process_group
+    env = worker_env()
+    if env.hot_swap is not None:
+        from .rebuild.worker import Membership, init_process_group, teardown
 
-        _membership = Membership.from_env()
-        if os.environ.get("DEADPOOL_ROLE") == "spare":
+        _membership = Membership.start(env.hot_swap)
+        if env.hot_swap.role == "spare":
             _warm_up_spare()
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
-        # The first generation's collectives use the hot-swap budget (hot_swap.collective_timeout_s's default),
-        # not the generic 300 s: it is only the backstop, since the launcher's next generation cuts this one.
-        timeout_s = float(os.environ.get("DEADPOOL_COLLECTIVE_TIMEOUT_S", "60"))
+        timeout = HotSwapConfig().collective_timeout_s if timeout_s is None else timeout_s
         min_gen, wait_s = 0, None
         while True:
             assignment = _membership.join(min_gen, timeout_s=wait_s)
             try:
-                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout_s)
+                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout)
                 return
             except RuntimeError as exc:
                 # A peer died while this generation was forming (e.g. a spare joining as another node fails):
                 # wait for the launcher's next generation instead of leaving, which would cost a spare.
-                from .rebuild.worker import teardown
-
                 log.warning("generation %d: could not form the process group (%s); waiting for the next "
                             "assignment", assignment.generation, " ".join(str(exc).split())[:300])
                 _membership.report_failure(assignment.generation, repr(exc))
                 teardown()
-                min_gen, wait_s = assignment.generation + 1, 3 * timeout_s
-    missing = [k for k in REQUIRED_ENV if k not in os.environ]
+                min_gen, wait_s = assignment.generation + 1, 3 * timeout
+    _init_from_launcher(env, backend or default_backend(), 300.0 if timeout_s is None else timeout_s)
+
+
+def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
+    missing = env.missing_for_init()
     if missing:
         raise RuntimeError(
             f"deadpool_ext: cannot start torch.distributed: environment variables {missing} are not set. "
             "Launch with torchrun, the deepspeed launcher or deadpool-run, e.g. "
             "`torchrun --nproc-per-node 2 scripts/pretrain_gpt.py ...`"
         )
-    backend = backend or default_backend()
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    assert env.rank is not None and env.world_size is not None and env.master_addr and env.master_port
     timeout = timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                             is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"deadpool/attempt_{attempt}", base)
-        log.debug("process group on launcher store, prefix attempt_%s", attempt)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    if env.agent_store:
+        base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"deadpool/attempt_{env.restart_count}", base)
+        log.debug("process group on launcher store, prefix attempt_%s", env.restart_count)
+        dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(env.local_rank)
 
 
 def _warm_up_spare() -> None:
-    """What a spare can do before it knows its ranks, so that it is not the last one after an assignment:
-    DeepSpeed's lazy imports and its communication op (see :mod:`deadpool_ext.integrations.deepspeed.warmup`)."""
-    from .integrations.deepspeed.warmup import import_lazy_modules, preload_comm_op
-
-    try:
-        imports_s, op_s = import_lazy_modules(), preload_comm_op()
-    except Exception as exc:  # only an optimisation: deepspeed.initialize does it (or fails clearly) later
-        log.warning("spare: could not warm DeepSpeed up (%s); it does so after its assignment", exc)
-        return
-    if op_s is not None or imports_s > 0.01:
-        log.info("spare: DeepSpeed warmed up while waiting (lazy imports %.2f s, comm op %s)", imports_s,
-                 "n/a" if op_s is None else f"{op_s:.2f} s")
+    """What a spare can do before it knows its ranks, so that it is not the last one after an assignment
+    (the callbacks integrations registered with :func:`on_spare_wait`)."""
+    for fn in _spare_warmups:
+        try:
+            fn()
+        except Exception as exc:  # only an optimisation: the framework does it (or fails clearly) later
+            log.warning("spare: warm-up %s failed (%s); it happens after the assignment instead",
+                        getattr(fn, "__qualname__", fn), exc)
 
 
 def default_job_id() -> str:
     """A name shared by every rank of one job, stable across restarts of the job's workers."""
-    for key in ("DEADPOOL_JOB_ID", "TORCHELASTIC_RUN_ID"):
-        value = os.environ.get(key)
-        if value and value != "none":
-            return "".join(c if c.isalnum() or c in "_-" else "_" for c in value)[:64]
-    addr = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '0')}"
-    return "j" + hashlib.sha1(addr.encode()).hexdigest()[:12]
+    return worker_env().default_job_id()
 
 
 def node_name() -> str:
     """Failure-domain name of this process: the launcher's simulated node, else the host name."""
-    return os.environ.get("DEADPOOL_NODE") or os.uname().nodename
+    return worker_env().node_name()

@@ -8,7 +8,12 @@ step), whatever the host's load.
 
 It is configured through the environment, so an unchanged training script can be faulted::
 
-    DEADPOOL_INJECT="kill@step=6,rank=1,marker=/tmp/run/fault"
+    env = harness_env({ENV: "kill@step=6,rank=1,marker=/tmp/run/fault"})   # DEADPOOL_INJECT=...
+
+:func:`harness_env` also puts ``deadpool_ext/chaos/boot`` on ``PYTHONPATH``: its ``sitecustomize`` runs
+:func:`install` at interpreter start in every process of the job (whatever launched it), which registers the
+fault on the product's hook points (:mod:`deadpool_ext.hooks`). The product itself never reads these
+variables and never calls into this module.
 
 - the action before ``@``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``term`` (SIGTERM) or
   ``raise`` (a Python exception out of ``engine.step()``);
@@ -18,7 +23,8 @@ It is configured through the environment, so an unchanged training script can be
   fire once per job: a restarted or replacement worker that redoes step S finds the marker and goes on. A
   test waits for it to know the fault happened. Required.
 
-Both runtimes (DeepSpeed and Megatron) call :func:`after_step` from their after-step hook.
+The fault fires from the ``after_step`` hook point, which every integration's runtime fires after each
+optimizer step.
 """
 from __future__ import annotations
 
@@ -104,16 +110,18 @@ def configured() -> StepFault | None:
     return _fault  # type: ignore[return-value]
 
 
-def after_step(step: int, rank: int) -> None:
+def after_step(step: int, rank: int, **_: object) -> None:
     fault = configured()
     if fault is not None and fault.due(step, rank):
         fault.fire()
 
 
 GATE_ENV = "DEADPOOL_RESTORE_GATE"
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "boot")
+"""Folder holding the ``sitecustomize`` that calls :func:`install` in every process of a faulted job."""
 
 
-def restore_gate(timeout_s: float = 120.0) -> None:
+def restore_gate(generation: int, timeout_s: float = 120.0, **_: object) -> None:
     """Hold a hot-swap restore until a fault injector has done its work.
 
     ``DEADPOOL_RESTORE_GATE=PATH``: in generation >= 1 (a hot-swap; never at job start) the memory-tier
@@ -124,7 +132,7 @@ def restore_gate(timeout_s: float = 120.0) -> None:
     import time
 
     path = os.environ.get(GATE_ENV)
-    if not path or int(os.environ.get("DEADPOOL_GENERATION", "0")) < 1:
+    if not path or generation < 1:
         return
     deadline = time.time() + timeout_s
     while not os.path.exists(path):
@@ -132,3 +140,31 @@ def restore_gate(timeout_s: float = 120.0) -> None:
             log.warning("%s: %s did not appear within %.0f s; restoring anyway", GATE_ENV, path, timeout_s)
             return
         time.sleep(0.02)
+
+
+_installed = False
+
+
+def install() -> bool:
+    """Register the faults this process's environment names on the product's hook points (once per process).
+    Returns whether anything was registered. Called by ``boot/sitecustomize.py``; a test may call it directly."""
+    global _installed
+    if _installed:
+        return True
+    from .. import hooks
+
+    fault = configured()
+    if fault is not None:
+        hooks.register(hooks.AFTER_STEP, after_step)
+    if os.environ.get(GATE_ENV):
+        hooks.register(hooks.BEFORE_RESTORE, restore_gate)
+    _installed = fault is not None or bool(os.environ.get(GATE_ENV))
+    return _installed
+
+
+def harness_env(extra: dict[str, str], environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``extra`` (``ENV`` and/or ``GATE_ENV``) plus a ``PYTHONPATH`` that loads :func:`install` in every Python
+    process of the job, for a harness to merge into the job's environment."""
+    base = os.environ if environ is None else environ
+    path = [BOOT_DIR] + [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
+    return {**extra, "PYTHONPATH": os.pathsep.join(path)}

@@ -4,7 +4,7 @@ the job keeps). Builds on :mod:`deadpool_ext.testing.faults` (``corrupt_file``) 
 
 Timing inside a step (the ``slot_write`` / ``replica_write`` triggers) is done by watching the 8-byte MAGIC at
 the start of the shared-memory files: a writer zeroes it before the first byte of a new version and writes it
-last (``snapshot/slots.py``, ``snapshot/peer.py``), so a zero MAGIC in a file that held a version means a copy
+last (``snapshot/slots.py``, ``replicate/peer.py``), so a zero MAGIC in a file that held a version means a copy
 or a transfer is in progress. The injector polls it every ~0.5 ms and fires on the first zero; whether the kill
 landed inside the window is checked afterwards (``hit``) and reported, because on a loaded host the window can
 close before the signal arrives.

@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 from ..recovery.timeline import read_events
 from ..testing.launch import REPO, RunResult, base_env, read_metrics, run_job
-from .at_step import GATE_ENV
+from .at_step import GATE_ENV, harness_env
 from .catalogue import LAYOUTS, Layout
 from .inject import Injector, JobPaths
 from .plan import Scenario
@@ -154,7 +154,7 @@ class Runner:
                 # The restore waits for the corruption (chaos/at_step.py::restore_gate): a recovery faster than
                 # the injector must not scan the buffers before their bytes are flipped.
                 paths.restore_gate = os.path.join(d, "restore.gate")
-                env = {GATE_ENV: paths.restore_gate}
+                env = harness_env({GATE_ENV: paths.restore_gate})
             first = self._launch(cmd, paths, d, "job", inject=lambda proc: injector.run(proc, sc.actions), env=env)
             injector.release()
             relaunch = None

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["RankInfo", "Topology"]
+__all__ = ["NodePlacement", "RankInfo", "Topology", "node_placement"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,3 +134,36 @@ class Topology:
         return cls.from_node_list(
             [f"{prefix}{i:0{width}d}" for i in range(nnodes) for _ in range(nproc_per_node)]
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodePlacement:
+    """Where one rank's node-local memory lives and who looks after it; handed to the snapshot manager by the
+    integration (built by :func:`node_placement` from the launcher's variables and the config)."""
+
+    job_id: str
+    node: str
+    """This rank's failure domain."""
+    first_on_node: bool
+    """This rank claims the node's directory and starts its memory agent."""
+    shm_root: str
+    launcher_pid: int
+    """The process whose exit ends the job (the agent frees the memory then)."""
+
+
+def node_placement(*, job_id: str, host: str, launcher_node: str | None, local_rank: int, local_world_size: int,
+                   simulate_nodes: int, shm_root: str, launcher_pid: int) -> NodePlacement:
+    """Pure: the node of a rank. ``launcher_node`` (deadpool-run names each worker's node) wins; else with
+    ``simulate_nodes`` = n the host's processes are split into n simulated nodes of consecutive local ranks
+    (so tier 2 works on one host); else the host is the node."""
+    if launcher_node is not None:
+        node, first = launcher_node, local_rank == 0
+    elif simulate_nodes:
+        if local_world_size % simulate_nodes:
+            raise ValueError(f"deadpool config: deadpool.local.simulate_nodes={simulate_nodes} must divide the "
+                             f"{local_world_size} processes per host")
+        per = local_world_size // simulate_nodes
+        node, first = f"{host}-sim{local_rank // per}", local_rank % per == 0
+    else:
+        node, first = host, local_rank == 0
+    return NodePlacement(job_id=job_id, node=node, first_on_node=first, shm_root=shm_root, launcher_pid=launcher_pid)

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..persist.export import export_safetensors
+    from ..integrations.deepspeed.export import export_safetensors
     from ..persist.progress import Progress
 
     info = export_safetensors(args.url, args.out, version=args.version, cache_root=args.cache,

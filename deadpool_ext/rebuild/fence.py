@@ -129,18 +129,9 @@ _FENCE: GenerationFence | None = None
 
 
 def fence() -> GenerationFence:
-    """The process-wide fence; the coordination store's port is never cut."""
+    """The process-wide fence. The membership client adds the coordination store's port to
+    ``keep_remote_ports`` (that connection is never cut)."""
     global _FENCE
     if _FENCE is None:
-        keep: set[int] = set()
-        url = os.environ.get("DEADPOOL_STORE", "")
-        try:
-            from urllib.parse import urlsplit
-
-            port = urlsplit(url).port
-            if port:
-                keep.add(port)
-        except ValueError:
-            pass
-        _FENCE = GenerationFence(keep)
+        _FENCE = GenerationFence(set())
     return _FENCE

@@ -24,9 +24,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ..config import HotSwapConfig
+from .. import hooks
 from ..cluster.membership import Assignment
+from ..config import HotSwapConfig
+from ..distributed import generation, in_hot_swap, is_spare, membership
 from ..recovery.agree import NoCommonVersionError, RecoveryError
+from ..recovery.timeline import write_event
 
 log = logging.getLogger("deadpool_ext")
 T = TypeVar("T")
@@ -62,13 +65,6 @@ def weights_will_be_restored() -> bool:
     return _restore_follows
 
 
-def in_hot_swap() -> bool:
-    """True in a generation after the first under deadpool-run: this process's engine was built for a world
-    rebuilt after a failure, and its state must come from the memory tiers (whatever
-    ``recovery.restore_on_start`` says, which is about starting a job)."""
-    return int(os.environ.get("DEADPOOL_GENERATION", "0")) > 0
-
-
 def every_rank_restores() -> bool:
     """Whether every rank of this generation overwrites all of its training state from memory right after
     building its engine, agreed by all ranks (one all-reduce; collective, so every rank calls it at the same
@@ -85,7 +81,7 @@ def every_rank_restores() -> bool:
 
     if not in_hot_swap() or not dist.is_initialized():
         return False
-    mine = _restore_follows or os.environ.get("DEADPOOL_ROLE") == "spare"
+    mine = _restore_follows or is_spare()
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -102,11 +98,10 @@ def build_for_restore(factory: Callable[[], T], restore_follows: bool) -> T:
 
 
 def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuilding communicators") -> Begun:
-    from ..distributed import membership
-
     from . import interrupt
 
     m = membership()
+    assert m is not None, "hot-swap recovery outside deadpool-run"
     gen = m.assignment.generation
     interrupt.forget(gen)
     what_failed = "step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost) else "collective failed"
@@ -156,8 +151,6 @@ def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T],
 
 
 def finish(begun: Begun, r: Rejoined[Any], *, old_rank: int, **extra: Any) -> None:
-    from ..recovery.timeline import write_event
-
     faulthandler.cancel_dump_traceback_later()
     write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=old_rank,
                 rank=r.assignment.ranks[begun.membership.worker_id], pid=os.getpid(), failed_step=begun.failed_step,
@@ -167,11 +160,12 @@ def finish(begun: Begun, r: Rejoined[Any], *, old_rank: int, **extra: Any) -> No
 
 def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_than: int | None = None,
                         **extra: Any) -> tuple[int | None, bool]:
-    """``snapshots.restore_latest()`` with what every integration does around it: a RecoveryError is reported
-    to the launcher as fatal, unless a tier-3 base was already loaded (``newer_than``), which then stands;
-    a spare that just joined writes its ``recover`` timeline event (once). Returns (version, spare_logged)."""
-    from ..distributed import membership
-
+    """``snapshots.restore_latest()`` with what every integration does around it: the ``before_restore`` hook
+    point; a RecoveryError is reported to the launcher as fatal, unless a tier-3 base was already loaded
+    (``newer_than``), which then stands; a spare that just joined writes its ``recover`` timeline event (once).
+    Returns (version, spare_logged)."""
+    gen = generation()
+    hooks.fire(hooks.BEFORE_RESTORE, generation=gen, rank=rank)
     t0 = time.perf_counter()
     try:
         version = snapshots.restore_latest(newer_than=newer_than)
@@ -179,13 +173,11 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
         if newer_than is not None and isinstance(exc, NoCommonVersionError):
             log.warning("memory tiers: %s; continuing from the tier-3 base of step %d", exc, newer_than)
             return None, spare_logged
-        if membership() is not None:
-            membership().report_fatal(str(exc))
+        m = membership()
+        if m is not None:
+            m.report_fatal(str(exc))
         raise
-    gen = int(os.environ.get("DEADPOOL_GENERATION", "0"))
-    if gen > 0 and os.environ.get("DEADPOOL_ROLE") == "spare" and not spare_logged:
-        from ..recovery.timeline import write_event
-
+    if gen > 0 and is_spare() and not spare_logged:
         spare_logged = True
         write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
                     restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
@@ -197,8 +189,6 @@ def caught_up(catch: tuple[int, float] | None, step: int, rank: int, restored_ve
     """Write the ``caught_up`` event once ``step`` reaches the step that was in flight at the failure."""
     if catch is None or step < catch[0]:
         return False
-    from ..recovery.timeline import write_event
-
-    write_event(event="caught_up", generation=int(os.environ.get("DEADPOOL_GENERATION", "0")), rank=rank, step=step,
+    write_event(event="caught_up", generation=generation(), rank=rank, step=step,
                 recompute_s=time.time() - catch[1], recomputed_steps=catch[0] - restored_version)
     return True

@@ -1,14 +1,16 @@
 """Worker side of the hot-swap protocol: join a generation, heartbeat, tear down, join the next one.
 
-Call order (every worker started by deadpool-run; ``DEADPOOL_STORE`` is set):
+Call order (every worker started by deadpool-run; its variables are parsed once into
+:class:`deadpool_ext.launcher.contract.HotSwapEnv`):
 
-1. ``Membership.from_env()``; ``join(min_generation=0)`` blocks until an assignment includes this worker.
+1. ``Membership.start(hot_swap_env)``; ``join(min_generation=0)`` blocks until an assignment includes this worker.
    Active workers return at once; spares block here (heartbeating) until they replace a failed node.
 2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
    prefixed by the generation, so nothing of a dead generation is ever read.
 3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's connections (``rebuild.fence``: peers still
-   blocked in it get an error at once), destroys every process group and resets DeepSpeed's cached
-   communicator state; then ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
+   blocked in it get an error at once), destroys every process group and runs the teardown hooks the
+   integrations registered (:func:`on_teardown`; DeepSpeed: its cached communicator state); then
+   ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
    launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
    of the failure from the launcher instead of from a timeout.
 
@@ -24,11 +26,13 @@ import os
 import threading
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
 from ..cluster.membership import Assignment
+from ..launcher.contract import HotSwapEnv
 from .fence import fence
 
 log = logging.getLogger("deadpool_ext")
@@ -54,17 +58,19 @@ class Membership:
         threading.Thread(target=self._heartbeat, name="deadpool-heartbeat", daemon=True).start()
 
     @classmethod
-    def from_env(cls) -> "Membership | None":
+    def start(cls, env: HotSwapEnv) -> Membership:
+        """The membership client of a worker started by deadpool-run (installs the notice handler first)."""
         from . import interrupt
 
-        url = os.environ.get("DEADPOOL_STORE")
-        if not url:
-            return None
         interrupt.install()
-        return cls(store_url=url, token=os.environ["DEADPOOL_STORE_TOKEN"], job_id=os.environ["DEADPOOL_JOB_ID"],
-                   worker_id=os.environ["DEADPOOL_WORKER_ID"], node=os.environ["DEADPOOL_NODE"],
-                   heartbeat_s=float(os.environ.get("DEADPOOL_HEARTBEAT_S", "0.5")),
-                   watch_s=float(os.environ.get("DEADPOOL_WATCH_S", "0.5")))
+        return cls(store_url=env.store_url, token=env.token, job_id=env.job_id, worker_id=env.worker_id,
+                   node=env.node, heartbeat_s=env.heartbeat_s, watch_s=env.watch_s, role=env.role,
+                   launcher_pid=env.launcher_pid)
+
+    @property
+    def generation(self) -> int:
+        """The generation of this worker's current assignment (0 before its first)."""
+        return self.assignment.generation if self.assignment is not None else 0
 
     def _heartbeat(self) -> None:
         """One thread, one store client: a heartbeat every ``heartbeat_s``; in between, a blocking wait (at most
@@ -76,7 +82,7 @@ class Membership:
         from ..store.base import StoreTimeout
         from . import interrupt
 
-        launcher = int(os.environ.get("DEADPOOL_LAUNCHER_PID", "0"))
+        launcher = self._launcher_pid
         next_hb = 0.0
         notified: int | None = None
         while not self._stop.is_set():
@@ -172,8 +178,9 @@ def _abort_nccl_groups(why: str) -> None:
 def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float) -> None:
     rank = a.ranks[worker_id]
     port = a.master_port
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port),
-                      DEADPOOL_GENERATION=str(a.generation))
+    # For frameworks that read the world from the environment (DeepSpeed's init_distributed, device
+    # selection); deadpool_ext itself takes it from the assignment.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port))
     timeout = timedelta(seconds=timeout_s)
     fence().begin(a.generation)
     # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
@@ -229,10 +236,15 @@ def teardown(timeout_s: float = 30.0) -> None:
         if not done.wait(timeout_s):
             raise MembershipError(f"could not destroy the old process groups within {timeout_s:.0f}s (a transfer is "
                                   "blocked on a peer); leaving so the launcher replaces this node")
-    from ..integrations.deepspeed.rebuild import reset_deepspeed_comm_state
+    for hook in _TEARDOWN_HOOKS:
+        hook()
 
-    reset_deepspeed_comm_state()
+
+_TEARDOWN_HOOKS: list[Callable[[], None]] = []
 
 
-def current() -> dict[str, Any]:
-    return {"generation": int(os.environ.get("DEADPOOL_GENERATION", "0"))}
+def on_teardown(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` at every teardown, after the process groups are destroyed: a framework's process-wide
+    caches of the dead world (DeepSpeed registers the reset of its communicator state). Idempotent per fn."""
+    if fn not in _TEARDOWN_HOOKS:
+        _TEARDOWN_HOOKS.append(fn)

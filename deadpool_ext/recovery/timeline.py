@@ -18,7 +18,10 @@ from typing import Any, Iterable
 
 
 def write_event(**rec: Any) -> None:
-    path = os.environ.get("DEADPOOL_TIMELINE")
+    """Append one event to the job's timeline (``deadpool-run --timeline``); a no-op without one."""
+    from ..launcher.contract import worker_env
+
+    path = worker_env().timeline
     if not path:
         return
     rec.setdefault("time", time.time())

@@ -41,6 +41,24 @@ FORMAT_VERSION = 1
 CHECKSUM_ALGO = "xxh3_64"
 ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")  # MAGIC + header length
+# The framing, defined once: every module that touches a blob's first bytes uses these (slots, replicas).
+MAGIC_LEN = 8
+MAGIC_SLICE = slice(0, MAGIC_LEN)
+"""Bytes 0-7: MAGIC, cleared first and written last by every writer (a torn blob has zeros here)."""
+HEADER_LEN_SLICE = slice(MAGIC_LEN, _PREFIX.size)
+"""Bytes 8-15: the header length, u64 little-endian."""
+BODY_START = MAGIC_LEN
+"""A blob is shipped as its body ``[BODY_START:len]`` first, then its MAGIC."""
+PREFIX_LEN = _PREFIX.size
+
+
+def header_len_of(buf: Any) -> int:
+    """The header length recorded in a blob's prefix (no validation: callers probe the blob first)."""
+    return int(struct.unpack("<Q", bytes(buf[HEADER_LEN_SLICE]))[0])
+
+
+def pack_header_len(header_len: int) -> bytes:
+    return struct.pack("<Q", header_len)
 _PLACEHOLDER = "0" * 16  # xxh3_64 hex digests are always 16 chars, so header size is known before hashing
 
 # Enum classes are imported by name when decoding; restrict that to code we trust.
@@ -349,7 +367,7 @@ def write_blob(buf: memoryview, obj: Any, meta: dict | None = None) -> int:
         raise ValueError("write_blob needs a writable buffer")
     if len(mv) < total:
         raise ValueError(f"buffer too small for snapshot: need {total} bytes, have {len(mv)}")
-    mv[:8] = bytes(8)  # invalidate whatever blob was there before touching anything else
+    mv[MAGIC_SLICE] = bytes(MAGIC_LEN)  # invalidate whatever blob was there before touching anything else
     dst = torch.frombuffer(mv, dtype=torch.uint8, count=total)
     checksums: list[str] = []
     pos = _PREFIX.size + header_len
@@ -364,8 +382,8 @@ def write_blob(buf: memoryview, obj: Any, meta: dict | None = None) -> int:
     assert len(header) == header_len, "header size changed between planning and writing"
     mv[_PREFIX.size:_PREFIX.size + header_len] = header
     dst[_PREFIX.size + header_len:data_start].zero_()
-    mv[8:16] = struct.pack("<Q", header_len)
-    mv[:8] = MAGIC
+    mv[HEADER_LEN_SLICE] = pack_header_len(header_len)
+    mv[MAGIC_SLICE] = MAGIC
     return total
 
 
@@ -381,12 +399,12 @@ def _parse(buf: Any) -> tuple[dict, memoryview, int, list[TensorEntry]]:
     """Validate prefix/header/bounds; returns (header, byte view, data start, entries)."""
     mv = _as_bytes_mv(buf)
     if len(mv) < _PREFIX.size:
-        if len(mv) >= 8 and bytes(mv[:8]) == MAGIC:
+        if len(mv) >= MAGIC_LEN and bytes(mv[MAGIC_SLICE]) == MAGIC:
             raise CorruptSnapshotError(f"truncated snapshot: {len(mv)} bytes, prefix needs {_PREFIX.size}")
         raise SnapshotFormatError(f"not a deadpool snapshot ({len(mv)} bytes)")
     magic, header_len = _PREFIX.unpack_from(mv, 0)
     if magic != MAGIC:
-        if magic == bytes(8):  # we clear MAGIC first and write it last: zeros mean an unfinished write
+        if magic == bytes(MAGIC_LEN):  # we clear MAGIC first and write it last: zeros mean an unfinished write
             raise CorruptSnapshotError("torn snapshot write: MAGIC missing (blob never completed)")
         raise SnapshotFormatError(f"not a deadpool snapshot (magic {magic!r})")
     if _PREFIX.size + header_len > len(mv):

@@ -15,7 +15,6 @@ Write protocol (:class:`SlotWriter`), in this order:
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +22,6 @@ import torch
 
 from . import format as fmt
 
-_PREFIX = struct.Struct("<8sQ")
 
 
 def _align(n: int) -> int:
@@ -65,11 +63,11 @@ def header_reserve(snap: PreparedSnapshot) -> int:
 
 
 def slot_nbytes(header_reserved: int, data_nbytes: int) -> int:
-    return _align(_PREFIX.size + header_reserved) + data_nbytes
+    return _align(fmt.PREFIX_LEN + header_reserved) + data_nbytes
 
 
 def data_offset(header_reserved: int) -> int:
-    return _align(_PREFIX.size + header_reserved)
+    return _align(fmt.PREFIX_LEN + header_reserved)
 
 
 class SlotWriter:
@@ -81,7 +79,7 @@ class SlotWriter:
         self.chunk_bytes = max(1 << 16, chunk_bytes)
 
     def invalidate(self) -> None:
-        self.slot[:8].zero_()
+        self.slot[fmt.MAGIC_SLICE].zero_()
 
     def copy(self, snap: PreparedSnapshot, stream: Any = None) -> None:
         base = data_offset(self.header_reserved)
@@ -112,17 +110,18 @@ class SlotWriter:
         if len(header) > self.header_reserved:
             raise ValueError(f"snapshot header grew to {len(header)} bytes, over the {self.header_reserved} reserved")
         padded = header + b" " * (self.header_reserved - len(header))
-        self.slot[_PREFIX.size:_PREFIX.size + self.header_reserved].copy_(
+        self.slot[fmt.PREFIX_LEN:fmt.PREFIX_LEN + self.header_reserved].copy_(
             torch.frombuffer(bytearray(padded), dtype=torch.uint8))
-        self.slot[8:16].copy_(torch.frombuffer(bytearray(struct.pack("<Q", self.header_reserved)), dtype=torch.uint8))
-        self.slot[:8].copy_(torch.frombuffer(bytearray(fmt.MAGIC), dtype=torch.uint8))
+        self.slot[fmt.HEADER_LEN_SLICE].copy_(torch.frombuffer(bytearray(fmt.pack_header_len(self.header_reserved)),
+                                                               dtype=torch.uint8))
+        self.slot[fmt.MAGIC_SLICE].copy_(torch.frombuffer(bytearray(fmt.MAGIC), dtype=torch.uint8))
         return base + snap.data_nbytes
 
 
 def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | None]:
     """(header meta, None) for a complete (and, with ``verify``, checksum-clean) slot; (None, reason) otherwise.
     A buffer that was never written (allocated, all zero) gives (None, None): nothing to warn about."""
-    if not any(bytes(buf[:16])) and not _any_nonzero(buf):
+    if not any(bytes(buf[:fmt.PREFIX_LEN])) and not _any_nonzero(buf):
         return None, None
     try:
         header = fmt.read_header(buf)
@@ -131,7 +130,7 @@ def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | 
     except fmt.SnapshotFormatError as exc:
         return None, str(exc)
     meta = dict(header.get("meta") or {})
-    header_len = struct.unpack("<Q", bytes(buf[8:16]))[0]
+    header_len = fmt.header_len_of(buf)
     meta["blob_nbytes"] = data_offset(header_len) + int(header["data_nbytes"])
     return meta, None
 

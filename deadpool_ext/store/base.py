@@ -27,7 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
-    "StoreError", "StoreAuthError", "StoreTimeout", "CoordinationStore", "connect", "ALLOWED_SCHEMES",
+    "StoreError", "StoreAuthError", "StoreTimeout", "CoordinationStore", "ALLOWED_SCHEMES",
     "parse_store_url",
 ]
 

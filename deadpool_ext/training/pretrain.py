@@ -18,7 +18,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..config import split_deepspeed_config
 from ..distributed import init_distributed
+from ..integrations.loop import ResilientLoop
 from .data import ByteLMData
 from .models import MODEL_SIZES, build_bert, build_gpt, count_parameters, seq_len_for
 
@@ -97,14 +99,16 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     seed_everything(args.seed)
     build_model = {"gpt": build_gpt, "bert": build_bert}[objective]
     prebuilt = [build_model(args.model_size)]
-    init_distributed()
+    ds_config = _with_persist_flags(args)
+    # The collective timeout of the first generation is the section's (hot_swap.collective_timeout_s).
+    _, section = split_deepspeed_config(ds_config)
+    init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None)
     from ..snapshot.state import capture_rng, restore_rng
 
     import torch.distributed as dist
 
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0
-    ds_config = _with_persist_flags(args)
 
     def rng_client_state() -> dict[str, Any]:
         # Collective: every rank's RNG goes into the base, so a resume at another rank count still finds its own.
@@ -113,7 +117,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
         return {"deadpool_rng": {str(r): s for r, s in enumerate(rng)}}
 
     def attach_tier3(eng: Any) -> None:
-        from ..persist.tier3 import Tier3Persister, persister_of
+        from ..integrations.deepspeed.tier3 import Tier3Persister, persister_of
 
         if persister_of(eng) is None and args.save:
             # No deadpool section (or it is disabled): tier 3 on its own, driven from this loop.
@@ -151,7 +155,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
     start = 0
     if args.load:
-        from ..persist.resume import NoVerifiedBaseError, resume_from_tier3
+        from ..integrations.deepspeed.resume import NoVerifiedBaseError, resume_from_tier3
 
         try:
             version, client = resume_from_tier3(engine, args.load)
@@ -179,49 +183,48 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
         # (all ranks agree on both); if they cannot rebuild one, the tier-3 base stands (logged).
         start = max(start, engine.deadpool.resume(newer_than=start if args.load else None))
 
-    def layout():
+    def layout(engine: Any) -> tuple[int, int, int, int, int]:
         dp = engine.dp_world_size
         return (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(), dp,
                 dist.get_rank(group=engine.data_parallel_group) if dp > 1 else 0, engine.global_rank)
 
-    micro, gas, dp, dp_rank, rank = layout()
+    micro, gas, dp, dp_rank, rank = layout(engine)
     metrics = None
     step_times: list[float] = []
     loss_value = float("nan")
-    swaps = 0
     if rank == 0:
         print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, gas={gas}, "
               f"steps {start}->{args.train_iters}, corpus {data.fingerprint}", flush=True)
     engine.train()
-    while int(engine.global_steps) < args.train_iters:
+
+    def one_step(engine: Any) -> tuple[float, float]:
         t0 = time.perf_counter()
-        try:
-            base = int(engine.global_samples)
-            total = torch.zeros(1, dtype=torch.float64)
-            for m in range(gas):
-                first = base + (m * dp + dp_rank) * micro
-                ids, labels = data.gpt_batch(first, micro) if objective == "gpt" else data.bert_batch(first, micro)
-                loss = engine(input_ids=ids.to(engine.device), labels=labels.to(engine.device)).loss
-                engine.backward(loss)
-                total += loss.detach().to("cpu", torch.float64)
-                if m == gas - 1 and dp > 1:
-                    # Reduced before the optimizer step: a peer lost during this collective fails the step
-                    # before it is taken (and snapshotted), so every step a restore can resume after also
-                    # has its metrics line.
-                    dist.all_reduce(total, group=engine.data_parallel_group)
-                engine.step()
-        except Exception as exc:
-            # Hot-swap (deadpool-run): a peer died mid-step. Rebuild the world in-process and continue from the
-            # newest version every rank holds; anything else is re-raised.
-            if engine.deadpool is None or not engine.deadpool.can_recover(exc):
-                raise
-            engine = engine.deadpool.recover(exc)
-            engine.train()
-            micro, gas, dp, dp_rank, rank = layout()
-            swaps += 1
-            continue
-        loss_value = float(total.item() / (gas * dp))
-        dt = time.perf_counter() - t0
+        base = int(engine.global_samples)
+        total = torch.zeros(1, dtype=torch.float64)
+        for m in range(gas):
+            first = base + (m * dp + dp_rank) * micro
+            ids, labels = data.gpt_batch(first, micro) if objective == "gpt" else data.bert_batch(first, micro)
+            loss = engine(input_ids=ids.to(engine.device), labels=labels.to(engine.device)).loss
+            engine.backward(loss)
+            total += loss.detach().to("cpu", torch.float64)
+            if m == gas - 1 and dp > 1:
+                # Reduced before the optimizer step: a peer lost during this collective fails the step
+                # before it is taken (and snapshotted), so every step a restore can resume after also
+                # has its metrics line.
+                dist.all_reduce(total, group=engine.data_parallel_group)
+            engine.step()
+        return float(total.item() / (gas * dp)), time.perf_counter() - t0
+
+    def after_swap(new: Any) -> None:
+        # Hot-swap (deadpool-run): a peer died mid-step; the world was rebuilt in-process and the newest
+        # version every rank holds restored. The step is redone on the new engine.
+        nonlocal micro, gas, dp, dp_rank, rank
+        new.train()
+        micro, gas, dp, dp_rank, rank = layout(new)
+
+    loop = ResilientLoop(engine, runtime=lambda e: e.deadpool, done=lambda e: int(e.global_steps) >= args.train_iters,
+                         step=one_step, after_swap=after_swap)
+    for engine, (loss_value, dt) in loop:
         step_times.append(dt)
         step = int(engine.global_steps)
         if rank == 0 and args.metrics_out:
@@ -235,12 +238,14 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
                   flush=True)
         if getattr(engine, "deadpool_tier3", None) is not None:
             engine.deadpool_tier3.after_step()  # with a deadpool section the runtime's step hook does this
+    engine = loop.handle
+    swaps = loop.swaps
     summary = {
         "objective": objective, "model_size": args.model_size, "params": n_params, "world_size": dist.get_world_size(),
         "steps_run": len(step_times), "final_step": int(engine.global_steps), "final_loss": loss_value,
         "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
     }
-    from ..persist.tier3 import persister_of
+    from ..integrations.deepspeed.tier3 import persister_of
 
     tier3 = persister_of(engine)
     if tier3 is not None:

@@ -72,7 +72,8 @@ class KillAt:
         if os.path.exists(marker):
             os.unlink(marker)
         self.marker = marker
-        return {at_step.ENV: StepFault(self.fault.action, self.fault.step, self.fault.rank, marker).render()}
+        return at_step.harness_env({at_step.ENV: StepFault(self.fault.action, self.fault.step, self.fault.rank,
+                                                           marker).render()})
 
     def __call__(self, proc, metrics) -> None:
         deadline = time.time() + JOB_TIMEOUT_S

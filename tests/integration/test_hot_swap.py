@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 
+from deadpool_ext.chaos.at_step import ENV, harness_env
 from deadpool_ext.recovery.timeline import phases, read_events
 from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
 from tests.conftest import make_config
@@ -36,7 +37,7 @@ def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psu
 def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=(),
           env=None, **cfg):
     """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``. ``env``: extra
-    environment of the job (e.g. ``DEADPOOL_INJECT``); ``cfg``: DeepSpeed config overrides."""
+    environment of the job (e.g. ``chaos.at_step.harness_env(...)``); ``cfg``: DeepSpeed config overrides."""
     cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
@@ -113,7 +114,7 @@ def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, 
     assert res0.returncode == 0, res0.output[-3000:]
     marker = os.path.join(str(tmp_path), "busy.fault")
     res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=6, name="busy", **long,
-                                       env={"DEADPOOL_INJECT": f"kill@step=4,rank=1,marker={marker}"})
+                                       env=harness_env({ENV: f"kill@step=4,rank=1,marker={marker}"}))
     assert res.returncode == 0, res.output[-4000:]
     assert os.path.exists(marker)
     stopped = {l.split("]")[0] + "]" for l in res.output.splitlines()

@@ -114,7 +114,8 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
     cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
            str(free_port()), "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(ITERS),
            "--metrics-out", metrics]
-    env = base_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path), "ds.fault")).render()})
+    env = base_env(at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
+                                                                                         "ds.fault")).render()}))
     try:
         first = run_job(cmd, timeout_s=300, env=env)
         assert first.returncode != 0 and not first.timed_out, first.output[-3000:]

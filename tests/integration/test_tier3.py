@@ -165,7 +165,7 @@ RESHARD_CHECK = textwrap.dedent('''
     sys.path.insert(0, os.environ["REPO"])
     import deadpool_ext.deepspeed as dpx
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.persist.resume import resume_from_tier3
+    from deadpool_ext.integrations.deepspeed.resume import resume_from_tier3
     from deadpool_ext.training.models import build_gpt
     url, cfg_path = sys.argv[1:3]
     init_distributed()

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from deadpool_ext.chaos.at_step import ENV, InjectedFault, StepFault
+from deadpool_ext.chaos.at_step import ENV, InjectedFault, StepFault, harness_env
 
 
 def test_parse_and_render_round_trip():
@@ -41,16 +41,29 @@ def test_fires_once_per_job_on_the_named_rank_and_step(tmp_path):
     f.fire()                 # and a racing second claim does nothing
 
 
-def test_kill_is_a_real_sigkill_from_the_environment(tmp_path):
+def test_kill_is_a_real_sigkill_installed_by_the_harness_environment(tmp_path):
+    # The product only fires its hook point; the fault is installed at interpreter start by the harness's
+    # sitecustomize (harness_env puts it on PYTHONPATH), as in every process of a faulted job.
     marker = str(tmp_path / "fault")
-    code = ("from deadpool_ext.chaos import at_step\n"
-            "for s in range(1, 6):\n    at_step.after_step(s, 0)\n    print(s, flush=True)\n")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, ENV: f"kill@step=3,rank=0,marker={marker}"})
+    code = ("from deadpool_ext import hooks\n"
+            "for s in range(1, 6):\n    hooks.fire(hooks.AFTER_STEP, step=s, rank=0)\n    print(s, flush=True)\n")
+    env = {**os.environ, **harness_env({ENV: f"kill@step=3,rank=0,marker={marker}"})}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert res.returncode == -9 and res.stdout.split() == ["1", "2"], (res.returncode, res.stdout, res.stderr)
-    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, ENV: f"kill@step=3,rank=0,marker={marker}"})
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert again.returncode == 0 and again.stdout.split() == ["1", "2", "3", "4", "5"]
+
+
+def test_without_the_harness_the_variable_alone_does_nothing(tmp_path):
+    # The product never reads DEADPOOL_INJECT: set without the harness's PYTHONPATH, nothing is installed.
+    marker = str(tmp_path / "fault")
+    code = ("from deadpool_ext import hooks\n"
+            "for s in range(1, 4):\n    hooks.fire(hooks.AFTER_STEP, step=s, rank=0)\n"
+            "print(hooks.registered(hooks.AFTER_STEP), flush=True)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, ENV: f"kill@step=2,rank=0,marker={marker}"})
+    assert res.returncode == 0 and res.stdout.split() == ["0"], (res.returncode, res.stdout, res.stderr)
+    assert not os.path.exists(marker)
 
 
 def test_restore_gate_holds_only_a_hot_swap_restore(tmp_path, monkeypatch):
@@ -61,16 +74,14 @@ def test_restore_gate_holds_only_a_hot_swap_restore(tmp_path, monkeypatch):
 
     gate = tmp_path / "gate"
     monkeypatch.setenv(GATE_ENV, str(gate))
-    monkeypatch.setenv("DEADPOOL_GENERATION", "0")
     t0 = time.monotonic()
-    restore_gate(timeout_s=5)  # job start: never held
+    restore_gate(generation=0, timeout_s=5)  # job start: never held
     assert time.monotonic() - t0 < 1
-    monkeypatch.setenv("DEADPOOL_GENERATION", "1")
     threading.Timer(0.5, gate.write_text, args=("x",)).start()
     t0 = time.monotonic()
-    restore_gate(timeout_s=10)
+    restore_gate(generation=1, timeout_s=10)
     assert 0.4 < time.monotonic() - t0 < 5  # held until the injector opened it
     gate.unlink()
     t0 = time.monotonic()
-    restore_gate(timeout_s=0.3)  # bounded: goes on after the deadline
+    restore_gate(generation=1, timeout_s=0.3)  # bounded: goes on after the deadline
     assert time.monotonic() - t0 < 2

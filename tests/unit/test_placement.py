@@ -254,7 +254,7 @@ def test_spare_takes_the_failed_nodes_place_in_the_ring(per_node):
 
 def test_stale_replica_buffers_are_dropped_after_the_first_replication(tmp_path):
     from deadpool_ext.memory.shm import segment_name
-    from deadpool_ext.snapshot.peer import PeerReplicator
+    from deadpool_ext.replicate.peer import PeerReplicator
 
     held = {(src, b): segment_name("job1", "replica", src, f"h1b{b}") for src in (0, 2) for b in (0, 1)}
     for fname in [*held.values(), segment_name("job1", "replica", 0, "h3b0"), segment_name("job2", "replica", 2, "h1b0")]:

@@ -11,9 +11,19 @@ import os
 from typing import Any
 
 from ...config import DeadpoolConfig, split_deepspeed_config
+from ...distributed import on_spare_wait
+from ...rebuild.worker import on_teardown
+from .rebuild import reset_deepspeed_comm_state
 from .runtime import DeadpoolRuntime
+from .warmup import warm_up_spare
 
 log = logging.getLogger("deadpool_ext")
+
+# What a hot-swap needs from DeepSpeed beyond the engine: its process-wide communicator caches reset at every
+# teardown, and a spare's wait for an assignment used to warm DeepSpeed up. Registered here, so only jobs
+# that use this integration run them (a Megatron-Core job never imports DeepSpeed for them).
+on_teardown(reset_deepspeed_comm_state)
+on_spare_wait(warm_up_spare)
 
 
 def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None) -> DeadpoolRuntime:

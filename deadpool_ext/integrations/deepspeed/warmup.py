@@ -9,7 +9,8 @@ imports created). Loading the CPU shared-memory comm op (a JIT extension) cost a
 
 Call order: ``import_lazy_modules()`` once the script has imported DeepSpeed, then ``gc.freeze()`` (the
 script's choice: :func:`deadpool_ext.training.pretrain.run` does it), then ``preload_comm_op()`` while
-waiting for an assignment (:func:`deadpool_ext.distributed.init_distributed` does it for spares).
+waiting for an assignment (:func:`warm_up_spare`, which the DeepSpeed integration registers with
+``deadpool_ext.distributed.on_spare_wait``).
 """
 from __future__ import annotations
 
@@ -58,3 +59,15 @@ def preload_comm_op() -> float | None:
         return None
     builder.load(verbose=False)
     return time.perf_counter() - t0
+
+
+def warm_up_spare() -> None:
+    """A spare's wait for its assignment, put to use (registered with ``distributed.on_spare_wait`` by the
+    DeepSpeed integration): lazy imports and the communication op, logged with their cost."""
+    import logging
+
+    imports_s, op_s = import_lazy_modules(), preload_comm_op()
+    if op_s is not None or imports_s > 0.01:
+        logging.getLogger("deadpool_ext").info(
+            "spare: DeepSpeed warmed up while waiting (lazy imports %.2f s, comm op %s)", imports_s,
+            "n/a" if op_s is None else f"{op_s:.2f} s")

@@ -15,22 +15,23 @@ Call order (every rank, main thread):
    ``optimizer.step()``: waits for an in-flight snapshot copy before the optimizer overwrites the tensors it
    reads, steps optimizer and LR scheduler, advances the counters, schedules the next snapshot.
 6. A collective error inside the iteration: ``if runtime.can_recover(exc): runtime = runtime.recover(exc)``
-   and continue the loop from ``runtime.progress.iteration``.
+   and continue the loop from ``runtime.progress.iteration`` (``integrations.loop.ResilientLoop`` does it).
 7. ``runtime.close()``.
+
+Everything but the Megatron-specific parts (the adapter, the explicit step, releasing and re-initialising
+parallel state) is the :class:`~deadpool_ext.integrations.base.ResilientRuntime` contract.
 """
 from __future__ import annotations
 
-import atexit
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
-from ...chaos import at_step
 from ...config import DeadpoolConfig
-from ...rebuild.recover import in_hot_swap
+from ..base import ResilientRuntime
 from . import parallel
 from .layout import Coordinates, Layout
 from .model import Built
@@ -45,53 +46,31 @@ class Progress:
     consumed_samples: int = 0
 
 
-class MegatronRuntime:
+class MegatronRuntime(ResilientRuntime):
+    what_recovers = "rebuilding parallel state"
+    step_name = "iteration"
+
     def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
                  global_batch: int) -> None:
-        self.built = built
-        self.config = config
+        self.built: Built | None = built
         self.layout = layout
         self.coords = coords
         self.seed = seed
         self.global_batch = global_batch
-        self.rank = dist.get_rank()
         self.progress = Progress()
-        self._closed = False
-        self._client_get: Callable[[], dict[str, Any]] | None = None
-        self._client_set: Callable[[dict[str, Any]], None] | None = None
-        self._factory: Callable[[], "MegatronRuntime"] | None = None
-        self._restored_version = 0
-        self._catch_up: tuple[int, float] | None = None
-        self.adapter = MegatronStateAdapter(built.chunks, built.optimizer, built.scheduler, layout, coords,
-                                            self.progress, self._client_state, self._restore_client_state)
-        self.snapshots = None
-        if config.enabled:
-            from ...snapshot.manager import SnapshotManager
-
-            self.snapshots = SnapshotManager(self.adapter, config)
-        atexit.register(self.close)
+        adapter = MegatronStateAdapter(built.chunks, built.optimizer, built.scheduler, layout, coords,
+                                       self.progress, self._client_state, self._restore_client_state)
+        super().__init__(config, adapter, rank=dist.get_rank())
         if self.rank == 0:
             log.info("deadpool_ext attached to Megatron-Core: tp=%d pp=%d dp=%d, snapshots %s", layout.tp, layout.pp,
                      layout.dp, f"every {config.snapshot.interval} step(s), replication factor "
                      f"{config.replication.factor}" if self.snapshots else "off")
 
-    # -- client state -------------------------------------------------------------------------------
-    def set_client_state(self, get: Callable[[], dict[str, Any]], set: Callable[[dict[str, Any]], None]) -> None:
-        """JSON-able dict captured with every snapshot and handed back on restore."""
-        self._client_get, self._client_set = get, set
-
-    def _client_state(self) -> dict[str, Any]:
-        return self._client_get() if self._client_get else {}
-
-    def _restore_client_state(self, state: dict[str, Any]) -> None:
-        if self._client_set:
-            self._client_set(state)
-
     # -- the step -----------------------------------------------------------------------------------
     def step(self) -> tuple[bool, float | None]:
         """Optimizer + scheduler step with the snapshot hooks around it; returns (stepped, grad norm)."""
-        if self.snapshots is not None:
-            self.snapshots.before_optimizer_step()
+        assert self.built is not None, "step() on a runtime closed by a hot-swap: use the one recover() returned"
+        self._before_optimizer_step()
         with self.stoppable():
             ok, grad_norm, _ = self.built.optimizer.step()
             if ok:
@@ -99,100 +78,30 @@ class MegatronRuntime:
         # Megatron-LM counts skipped (overflow) iterations too; so do we, so the data position stays aligned.
         self.progress.iteration += 1
         self.progress.consumed_samples += self.global_batch
-        if self.snapshots is not None:
-            self.snapshots.after_step()
-        self._after_step_hook()
+        self._after_optimizer_step()
         return bool(ok), None if grad_norm is None else float(grad_norm)
 
-    def stoppable(self) -> Any:
-        """Context for Megatron's own forward/backward and optimizer step: under deadpool-run, the launcher's
-        notice of a new generation stops them (``rebuild.interrupt``); the hot-swap throws that step away."""
-        from ...distributed import membership
-        from ...rebuild import interrupt
+    def step_counter(self) -> int:
+        return self.progress.iteration
 
-        return interrupt.stoppable(membership() is not None and self.config.hot_swap.enabled)
-
-    def wait_for_copy(self) -> None:
-        """Block until the in-flight snapshot copy is done (before anything else writes the state in place)."""
-        if self.snapshots is not None:
-            self.snapshots.before_optimizer_step()
-
-    # -- resume -------------------------------------------------------------------------------------
-    def resume(self) -> int:
-        """Restore from the memory tiers if this job has snapshots there; return the iteration to continue from."""
-        if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
-            return self.progress.iteration
-        from ...rebuild.recover import restore_from_memory
-
-        t0 = time.perf_counter()
-        version, self._spare_logged = restore_from_memory(
-            self.snapshots, self.rank, getattr(self, "_spare_logged", False),
-            coords={"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp})
-        self._restored_version = version or 0
-        if version is None:
-            return self.progress.iteration
-        log.info("resumed from in-memory snapshot of iteration %d in %.2f s (tp %d, pp %d, dp %d)", version,
-                 time.perf_counter() - t0, self.coords.tp, self.coords.pp, self.coords.dp)
-        return version
+    def _timeline_fields(self) -> dict[str, Any]:
+        return {"coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp}}
 
     # -- hot-swap -----------------------------------------------------------------------------------
-    def set_rebuild(self, factory: Callable[[], "MegatronRuntime"]) -> None:
-        """``factory()`` builds model + optimizer on the current parallel state and returns a new runtime."""
-        self._factory = factory
-
-    def can_recover(self, exc: BaseException) -> bool:
-        from ...distributed import membership
-
-        return (membership() is not None and self.config.hot_swap.enabled and self._factory is not None
-                and isinstance(exc, (RuntimeError, OSError)))
-
-    def recover(self, exc: BaseException) -> "MegatronRuntime":
-        """Survivor side of hot-swap; returns the runtime of the rebuilt model and optimizer.
-
-        Order: stop snapshotting; drop the model and optimizer (they hold the dead world's group handles);
-        ``parallel.destroy()`` (Megatron's groups, memory buffer, RNG tracker); destroy every process group;
-        join the launcher's next generation (the spare has the failed rank's global rank, hence its TP/PP/DP
-        coordinates); ``initialize_model_parallel`` with the same sizes; ``factory()``; ``resume()``."""
-        from ...rebuild import recover
-
-        hc = self.config.hot_swap
-        begun = recover.begin(hc, exc, self.progress.iteration, "rebuilding parallel state")
-        rank = self.rank
-        if self.snapshots is not None:
-            self.snapshots.quiesce()
-        self._closed = True
-        factory, layout, seed = self._factory, self.layout, self.seed
-        self.built = None  # type: ignore[assignment]
-        self.adapter = None  # type: ignore[assignment]
+    def _release(self) -> None:
+        """Drop the model and optimizer (they hold the dead world's group handles) and Megatron's parallel state
+        (groups, memory buffer, RNG tracker). The spare has the failed rank's global rank, hence its TP/PP/DP
+        coordinates: the rebuild re-initialises with the same sizes."""
+        self.built = None
         parallel.destroy()
 
-        def build(_a: Any) -> "MegatronRuntime":
-            parallel.initialize(layout, seed)
-            return factory()
+    def _release_partial(self) -> None:
+        parallel.destroy()
 
-        r = recover.rejoin(hc, begun, build=build, resume=lambda rt: rt.resume(), release=parallel.destroy)
-        # Caught up once the iteration in flight when the failure hit (failed_step + 1) is done again.
-        r.result._catch_up = (begun.failed_step + 1, r.restored_at)
-        recover.finish(begun, r, old_rank=rank)
-        return r.result
+    def _rebuild(self, factory: Callable[[], Any]) -> Any:
+        parallel.initialize(self.layout, self.seed)
+        return factory()
 
-    def _after_step_hook(self) -> None:
-        from ...rebuild.recover import caught_up
-
-        if caught_up(self._catch_up, self.progress.iteration, self.rank, self._restored_version):
-            self._catch_up = None
-        at_step.after_step(self.progress.iteration, self.rank)
-
-    # -- misc ---------------------------------------------------------------------------------------
-    def stats(self) -> dict[str, Any]:
-        if self.snapshots is None:
-            return {}
-        self.snapshots.wait_idle()
-        return self.snapshots.stats()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.snapshots is not None:
-            self.snapshots.close()
+    def _runtime_of(self, handle: Any) -> ResilientRuntime:
+        assert isinstance(handle, MegatronRuntime), "the Megatron rebuild factory must return a MegatronRuntime"
+        return handle

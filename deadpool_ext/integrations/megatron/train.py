@@ -16,7 +16,6 @@ import time
 from typing import Any, Sequence
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
@@ -24,6 +23,7 @@ from ...distributed import init_distributed, membership
 from ...training.data import ByteLMData
 from ...training.models import MODEL_SIZES
 from ...training.pretrain import seed_everything
+from ..loop import ResilientLoop
 from . import parallel
 from .layout import Layout, coordinates
 from .model import ModelSpec, build, count_parameters
@@ -129,34 +129,33 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     metrics = open(args.metrics_out, "a") if rank == 0 and args.metrics_out else None
     step_times: list[float] = []
     loss = float("nan")
-    swaps = 0
     for c in rt.built.chunks:
         c.train()
-    while rt.progress.iteration < args.train_iters:
-        t0 = time.perf_counter()
-        try:
-            batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
-                                   rt.coords.dp)
-            with rt.stoppable():
-                losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
-            _, grad_norm = rt.step()
-            loss = global_mean_loss(losses, num_micro)
-            if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
-                from .checkpoint import save_base
 
-                save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, layout,
-                          keep_last=config.persist.keep_last)
-        except Exception as exc:
-            # Hot-swap (deadpool-run): a peer died mid-iteration. Rebuild parallel state in-process and continue
-            # from the newest version every rank holds; anything else is re-raised.
-            if not rt.can_recover(exc):
-                raise
-            rt = rt.recover(exc)
-            for c in rt.built.chunks:
-                c.train()
-            swaps += 1
-            continue
-        dt = time.perf_counter() - t0
+    def one_iteration(rt: MegatronRuntime) -> tuple[float, float | None, float]:
+        t0 = time.perf_counter()
+        batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
+                               rt.coords.dp)
+        with rt.stoppable():
+            losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
+        _, grad_norm = rt.step()
+        loss = global_mean_loss(losses, num_micro)
+        if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
+            from .checkpoint import save_base
+
+            save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, layout,
+                      keep_last=config.persist.keep_last)
+        return loss, grad_norm, time.perf_counter() - t0
+
+    def after_swap(new: MegatronRuntime) -> None:
+        # Hot-swap (deadpool-run): a peer died mid-iteration; parallel state was rebuilt in-process and the
+        # newest version every rank holds restored. The iteration is redone.
+        for c in new.built.chunks:
+            c.train()
+
+    loop = ResilientLoop(rt, runtime=lambda r: r, done=lambda r: r.progress.iteration >= args.train_iters,
+                         step=one_iteration, after_swap=after_swap)
+    for rt, (loss, grad_norm, dt) in loop:
         step_times.append(dt)
         step = rt.progress.iteration
         if metrics is not None:
@@ -167,6 +166,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if rank == 0 and (step % args.log_interval == 0 or step == args.train_iters):
             print(f"[pretrain_gpt_megatron] step {step}/{args.train_iters} loss {loss:.4f} ({dt*1000:.0f} ms)",
                   flush=True)
+    rt, swaps = loop.handle, loop.swaps
     summary = {"objective": "gpt", "framework": "megatron-core", "model_size": args.model_size,
                "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
                "steps_run": len(step_times), "final_step": rt.progress.iteration, "final_loss": loss,

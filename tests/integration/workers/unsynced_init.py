@@ -28,8 +28,14 @@ def main() -> None:
     rank = dist.get_rank()
     out: dict = {"rank": rank, "mode": mode}
     if mode.startswith("agree"):
-        os.environ["DEADPOOL_GENERATION"] = "1"
-        os.environ["DEADPOOL_ROLE"] = "spare" if (rank == 0 or mode == "agree_yes") else "active"
+        # What a hot-swap rebuild's membership says (generation 1; rank 0 a spare that took a node's place):
+        # only the agreement is under test here, not the launcher.
+        from types import SimpleNamespace
+
+        from deadpool_ext import distributed
+
+        role = "spare" if (rank == 0 or mode == "agree_yes") else "active"
+        distributed._membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
         out["every_rank_restores"] = recover.every_rank_restores()
         _write(out_dir, out)
         return

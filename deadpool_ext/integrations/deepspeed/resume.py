@@ -9,26 +9,24 @@ Call order (every rank, collective, after ``deepspeed.initialize`` and before tr
    is refused (each rank logs what it found) and the previous one is tried;
 3. the chosen base is loaded: same data-parallel size and ZeRO stage -> ``engine.load_checkpoint`` in place
    (a remote URL is first downloaded to a local cache by each node's local rank 0); different layout ->
-   :mod:`deadpool_ext.persist.reshard`.
+   :mod:`deadpool_ext.integrations.deepspeed.reshard`.
 
 Returns ``(version, client_state)``, or ``(None, {})`` when the URL holds no base with a commit record (the
 caller may then try a plain DeepSpeed checkpoint directory).
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 
-from .atomic import IncompleteCheckpointError, file_checksum
-from .layout import VersionInfo, load_candidates, read_commit, verify_version
-from .storage import Storage, open_storage
+from ...persist.download import cache_dir_for, download
+from ...persist.layout import VersionInfo, load_candidates, read_commit, verify_version
+from ...persist.storage import Storage, open_storage
+from ...launcher.contract import worker_env
 
 log = logging.getLogger("deadpool_ext")
 MAX_CANDIDATES = 64
@@ -51,40 +49,6 @@ def _all_ok(ok: bool, device: Any) -> bool:
     t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
-
-
-def cache_dir_for(url: str, cache_root: str | None = None) -> str:
-    root = cache_root or os.path.join(tempfile.gettempdir(), "deadpool-tier3-cache")
-    return os.path.join(root, hashlib.sha256(url.encode()).hexdigest()[:16])
-
-
-def download(storage: Storage, info: VersionInfo, dest_root: str) -> str:
-    """Copy base ``info`` (and DeepSpeed's recovery scripts) under ``dest_root``; returns ``dest_root``.
-
-    Every file ends up with the checksum the commit record names: a cached copy is reused only when its bytes
-    hash to it (a base rewritten at the same URL and step must not resume from stale local bytes), and a
-    download is hashed on the way and refused when it does not match."""
-    os.makedirs(os.path.join(dest_root, info.tag), exist_ok=True)
-    for name in sorted(info.commit["files"]):
-        entry = info.commit["files"][name]
-        dst = os.path.join(dest_root, info.tag, name)
-        if os.path.exists(dst) and os.path.getsize(dst) == int(entry["nbytes"]) \
-                and file_checksum(dst) == entry["xxh3_64"]:
-            continue
-        h = xxhash.xxh3_64()
-        with open(dst + ".part", "wb") as fh:
-            for block in storage.iter_chunks(f"{info.tag}/{name}"):
-                h.update(block)
-                fh.write(block)
-        if h.hexdigest() != entry["xxh3_64"]:
-            os.unlink(dst + ".part")
-            raise IncompleteCheckpointError(f"tier 3: {info.tag}/{name} changed while it was downloaded "
-                                            f"(xxh3 {h.hexdigest()}, the commit record says {entry['xxh3_64']})")
-        os.replace(dst + ".part", dst)
-    for name in ("deadpool_commit.json",):
-        with open(os.path.join(dest_root, info.tag, name), "wb") as fh:
-            fh.write(storage.read_bytes(f"{info.tag}/{name}"))
-    return dest_root
 
 
 def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None) -> tuple[int | None, dict[str, Any]]:
@@ -117,7 +81,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None) -
     local = storage.local_path()
     if local is None:
         local = cache_dir_for(url, cache_root)
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        if worker_env().local_rank == 0:
             download(storage, chosen, local)
         dist.barrier()
     commit = chosen.commit

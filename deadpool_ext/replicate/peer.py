@@ -1,10 +1,9 @@
 """Tier 2: copies of each rank's newest snapshot in other nodes' memory.
 
-Placement is :func:`deadpool_ext.cluster.placement.replica_holders` (never the rank's own node). Transfers run
-on the snapshot side group (gloo), from the background worker, after the local copy is sealed: the sender
-ships the blob body, then its 8-byte MAGIC; the receiver clears its replica's MAGIC first and writes the
-received MAGIC only after the body has fully arrived, so an interrupted transfer leaves a replica that is
-recognised as torn, never one that looks complete.
+Placement is :func:`deadpool_ext.cluster.placement.replica_holders` (never the rank's own node). Transfers go
+through a :class:`deadpool_ext.replicate.transport.Transport` (gloo point-to-point on the snapshot side group
+by default), from the background worker, after the local copy is sealed; the transport guarantees that an
+interrupted transfer leaves a replica that is recognised as torn, never one that looks complete.
 
 Replicas are double-buffered like the local slots (``replication.double_buffer``, default on): version v+1
 streams into the holder's other buffer while v stays complete. With a single buffer per source the memory
@@ -20,13 +19,14 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..cluster.comm import allgather_json
 from ..cluster.placement import PlacementError, replica_holders, replicas_held_by
 from ..cluster.topology import Topology
 from ..memory.shm import ShmSegment, segment_name
-from .slots import probe_slot
+from ..snapshot.slots import probe_slot
+from .gloo import GlooTransport
+from .transport import BlobReceive, BlobSend, Transport
 
 log = logging.getLogger("deadpool_ext")
 
@@ -37,12 +37,14 @@ class PeerReplicator:
     ``serve_fetches`` (all ranks, main thread)."""
 
     def __init__(self, *, rank: int, node: str, factor: int, group: Any, shm_dir: str, job_id: str,
-                 double_buffer: bool = True, kind: str = "replica", nbuf: int | None = None) -> None:
+                 double_buffer: bool = True, kind: str = "replica", nbuf: int | None = None,
+                 transport: Transport | None = None) -> None:
         # kind "replica": full snapshots (bases), rotating buffers; "dreplica": differentials, a ring of nbuf
         # entries indexed by the caller (the same index as the source's own ring).
         self.kind = kind
         self.nbuf = nbuf if nbuf is not None else (2 if double_buffer else 1)
         self.rank, self.group, self.dir, self.job_id = rank, group, shm_dir, job_id
+        self.transport = transport if transport is not None else GlooTransport(group)
         nodes = allgather_json(node, group=group)
         self.topology = Topology.from_node_list(nodes)
         n_nodes = len(self.topology.nodes)
@@ -85,26 +87,17 @@ class PeerReplicator:
         after the newest complete one)."""
         if not self.factor:
             return
-        ops = []
-        for h in self.holders[self.rank]:
-            ops.append(dist.P2POp(dist.isend, slot[8:blob_len], h, self.group))
-            ops.append(dist.P2POp(dist.isend, slot[:8].clone(), h, self.group))
-        magics: dict[int, torch.Tensor] = {}
+        sends = [BlobSend(h, slot[:blob_len]) for h in self.holders[self.rank]]
         targets: dict[int, int] = {}
+        receives = []
         for src in self.sources:
             target = buf if buf is not None else (self._latest.get(src, self.nbuf - 1) + 1) % self.nbuf
             targets[src] = target
-            rep = self.replicas[src][target].tensor()
-            rep[:8].zero_()
-            magics[src] = torch.zeros(8, dtype=torch.uint8)
             # The source's blob length, not ours: ranks' partitions and headers differ in size.
-            ops.append(dist.P2POp(dist.irecv, rep[8:self.sizes[src]], src, self.group))
-            ops.append(dist.P2POp(dist.irecv, magics[src], src, self.group))
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        for src, magic in magics.items():
-            self.replicas[src][targets[src]].tensor()[:8].copy_(magic)
-            self._latest[src] = targets[src]
+            receives.append(BlobReceive(src, self.replicas[src][target].tensor(), self.sizes[src]))
+        self.transport.exchange(sends, receives)
+        for src, target in targets.items():
+            self._latest[src] = target
         if not self._pruned:
             self._pruned = True
             self._drop_stale()
@@ -164,21 +157,12 @@ class PeerReplicator:
                       versions: dict[int, int] | None = None) -> None:
         """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one.
         ``versions``: per-destination version, where ranks restore different bases (differential mode)."""
-        ops = []
-        magic = torch.zeros(8, dtype=torch.uint8)
+        sends, receives = [], []
         for dst, (holder, nbytes) in sorted(fetch.items()):
             if holder == self.rank:
                 seg = ShmSegment.open(self._where[(dst, (versions or {}).get(dst, version))], root=self.dir)
-                buf = seg.tensor()
-                ops.append(dist.P2POp(dist.isend, buf[8:nbytes], dst, self.group))
-                ops.append(dist.P2POp(dist.isend, buf[:8].clone(), dst, self.group))
+                sends.append(BlobSend(dst, seg.tensor()[:nbytes]))
             if dst == self.rank:
                 assert into is not None
-                into[:8].zero_()
-                ops.append(dist.P2POp(dist.irecv, into[8:nbytes], holder, self.group))
-                ops.append(dist.P2POp(dist.irecv, magic, holder, self.group))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        if self.rank in fetch and into is not None:
-            into[:8].copy_(magic)
+                receives.append(BlobReceive(holder, into, nbytes))
+        self.transport.exchange(sends, receives)

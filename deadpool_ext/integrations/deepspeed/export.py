@@ -11,9 +11,9 @@ import io
 import os
 from typing import Callable
 
-from .layout import VersionInfo, load_candidates, read_commit, version_tag, verify_version
-from .resume import cache_dir_for, download
-from .storage import open_existing
+from ...persist.download import cache_dir_for, download
+from ...persist.layout import VersionInfo, load_candidates, read_commit, version_tag, verify_version
+from ...persist.storage import open_existing
 
 
 def pick_version(url: str, version: int | None, *, verify: bool = True,

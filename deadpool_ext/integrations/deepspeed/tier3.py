@@ -26,12 +26,13 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import PersistConfig
-from .capture import StagingPool, tensor_bytes
-from .layout import COMMIT, version_tag
-from .storage import open_storage
-from .throttle import Throttle
-from .writer import BaseJob, BaseWriter, CapturedFile
+from ...config import PersistConfig
+from ...persist.capture import StagingPool, tensor_bytes
+from ...persist.layout import COMMIT, version_tag
+from ...persist.storage import open_storage
+from ...persist.throttle import Throttle
+from ...persist.writer import BaseJob, BaseWriter, CapturedFile
+from .checkpoint_engine import DeadpoolCheckpointEngine
 
 log = logging.getLogger("deadpool_ext")
 
@@ -43,8 +44,6 @@ class Tier3Persister:
                  client_state: Callable[[], dict[str, Any]] | None = None) -> None:
         if not cfg.url:
             raise ValueError("Tier3Persister needs persist.url (or --save URL)")
-        from ..integrations.deepspeed.checkpoint_engine import DeadpoolCheckpointEngine
-
         self.engine = engine
         self.cfg = cfg
         self.url = cfg.url

@@ -25,6 +25,7 @@ import shutil
 from typing import Any
 
 import torch.distributed as dist
+from ...launcher.contract import worker_env
 
 log = logging.getLogger("deadpool_ext")
 DONE = ".deadpool_universal_done"
@@ -57,7 +58,7 @@ def load_resharded(engine: Any, local_root: str, tag: str, commit: dict[str, Any
         log.info("tier 3: %s was saved with dp=%s, ZeRO %s; this job has dp=%s, ZeRO %s: resharding through "
                  "DeepSpeed's universal checkpoint in %s", tag, commit.get("dp_world_size"), commit.get("zero_stage"),
                  engine.dp_world_size, engine.zero_optimization_stage(), out)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if worker_env().local_rank == 0:
         convert_to_universal(os.path.join(local_root, tag), out)
     dist.barrier()
     if hasattr(engine.checkpoint_engine, "mark_verified"):

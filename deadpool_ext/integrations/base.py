@@ -1,0 +1,231 @@
+"""The one runtime contract every framework integration implements (DeepSpeed, Megatron-Core, and the coming
+Hugging Face Trainer / Accelerate / Lightning ones).
+
+A :class:`ResilientRuntime` is attached to one training job's model and optimizer. It owns what every
+framework needs alike: the snapshot manager (tiers 1 and 2), client state, ``resume``, ``can_recover``, the
+survivor side of a hot-swap (``recover``), statistics and ``close``. A framework supplies only what is its
+own: the state adapter, its step hook, what to release before teardown, how to rebuild on a new world.
+
+Call order (every rank, main thread; "collective" = every rank calls it at the same point):
+
+1. ``__init__`` (subclass): build the :class:`~deadpool_ext.snapshot.state.RankStateAdapter`, then
+   ``super().__init__(config, adapter, rank=...)``. Collective when snapshots are on (side process group).
+2. ``set_client_state(get, set)``: a JSON-able dict captured with every snapshot, handed back on restore.
+   ``set_rebuild(factory)``: ``factory()`` rebuilds the framework's objects on the current world and returns
+   the handle the training loop holds (the engine, or the new runtime); hot-swap calls it on the new world.
+3. ``resume(newer_than=None)`` once before the loop (collective): restores the newest version every rank can
+   obtain from memory; returns the step to continue from.
+4. Per optimizer step, from the subclass's step hook: ``_before_optimizer_step()`` before the optimizer
+   overwrites the state in place, ``_after_optimizer_step()`` after it (schedules the next snapshot, fires the
+   ``after_step`` hook point). Framework calls that a launcher's notice may stop run inside ``stoppable()``.
+5. A failure inside a step: ``if runtime.can_recover(exc): handle = runtime.recover(exc)`` and redo the step
+   (:class:`deadpool_ext.integrations.loop.ResilientLoop` does this for a loop). ``recover``: begin (log,
+   deadline, tell the launcher) -> quiesce snapshots -> ``_release()`` -> teardown -> join the next
+   generation -> ``_rebuild(factory)`` -> the new runtime's ``resume()`` -> catch-up accounting. This runtime
+   is closed afterwards; the handle returned belongs to the new world.
+6. ``stats()`` (waits, bounded, for the snapshot in flight), ``close()`` (idempotent; also at exit).
+
+Subclasses implement :meth:`step_counter`, :meth:`_release`, :meth:`_rebuild` and :meth:`_runtime_of`;
+they may extend :meth:`_close` and :meth:`_timeline_fields`.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar, ContextManager
+
+from ..cluster.topology import NodePlacement, node_placement
+from ..config import DeadpoolConfig
+from ..distributed import in_hot_swap, membership
+from ..launcher.contract import WorkerEnv, worker_env
+from ..rebuild import interrupt
+from ..rebuild import recover as protocol
+from ..snapshot.manager import SnapshotManager
+from ..snapshot.state import RankStateAdapter
+
+log = logging.getLogger("deadpool_ext")
+
+ClientGet = Callable[[], dict[str, Any]]
+ClientSet = Callable[[dict[str, Any]], None]
+
+
+def placement_for(config: DeadpoolConfig, env: WorkerEnv) -> NodePlacement:
+    """Where this rank's node-local memory lives, from the launcher's variables and the config."""
+    hs = env.hot_swap
+    return node_placement(job_id=config.job_id or env.default_job_id(), host=env.node_name(),
+                          launcher_node=hs.node if hs is not None else None, local_rank=env.local_rank,
+                          local_world_size=env.local_world_size, simulate_nodes=config.local.simulate_nodes,
+                          shm_root=(hs.shm_root if hs is not None and hs.shm_root else config.local.shm_root),
+                          launcher_pid=env.launcher_pid)
+
+
+class ResilientRuntime(ABC):
+    """See the module docstring for the call order."""
+
+    what_recovers: ClassVar[str] = "rebuilding communicators"
+    """How the survivor's log line names the in-process rebuild."""
+    step_name: ClassVar[str] = "step"
+
+    def __init__(self, config: DeadpoolConfig, adapter: RankStateAdapter, *, rank: int) -> None:
+        self.config = config
+        self.adapter: RankStateAdapter | None = adapter
+        self.rank = rank
+        self._closed = False
+        self._client_get: ClientGet | None = None
+        self._client_set: ClientSet | None = None
+        self._factory: Callable[[], Any] | None = None
+        self._restored_version = 0
+        self._catch_up: tuple[int, float] | None = None
+        self._spare_logged = False
+        self._hot_swap = membership() is not None and config.hot_swap.enabled
+        self.snapshots: SnapshotManager | None = (
+            SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
+        atexit.register(self.close)
+
+    # -- what a framework supplies ------------------------------------------------------------------------
+    @abstractmethod
+    def step_counter(self) -> int:
+        """The optimizer-step counter (the version a snapshot taken now carries)."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Drop the framework objects that hold the dead world's process groups (engine, model, optimizer,
+        framework parallel state), before the teardown. Called once per recovery."""
+
+    @abstractmethod
+    def _rebuild(self, factory: Callable[[], Any]) -> Any:
+        """Build the framework's objects on the new world (its process group is up): at least ``factory()``;
+        returns the loop's handle."""
+
+    @abstractmethod
+    def _runtime_of(self, handle: Any) -> ResilientRuntime:
+        """The runtime attached to a handle that :meth:`_rebuild` returned."""
+
+    def _release_partial(self) -> None:
+        """Drop what a rebuild built on a generation that failed while forming (before its teardown)."""
+
+    def _timeline_fields(self) -> dict[str, Any]:
+        """Extra fields of this rank's ``recover`` timeline events (e.g. Megatron's tp/pp/dp coordinates)."""
+        return {}
+
+    def _close(self) -> None:
+        """Release what the subclass holds at close (called once)."""
+
+    # -- client state ---------------------------------------------------------------------------------
+    def set_client_state(self, get: ClientGet, set: ClientSet) -> None:
+        """Register callbacks whose JSON-able dict is captured with every snapshot and handed back on restore."""
+        self._client_get, self._client_set = get, set
+
+    def _client_state(self) -> dict[str, Any]:
+        return self._client_get() if self._client_get else {}
+
+    def _restore_client_state(self, state: dict[str, Any]) -> None:
+        if self._client_set:
+            self._client_set(state)
+
+    # -- the step -------------------------------------------------------------------------------------
+    def stoppable(self) -> ContextManager[None]:
+        """Context for the framework's own forward/backward and optimizer step: under deadpool-run, the
+        launcher's notice of a new generation stops them (``rebuild.interrupt``); the hot-swap throws that
+        step away. Outside deadpool-run (or with hot-swap off) it does nothing."""
+        return interrupt.stoppable(True) if self._hot_swap else contextlib.nullcontext()
+
+    def wait_for_copy(self) -> None:
+        """Block until the in-flight snapshot copy is done (before anything writes the state in place)."""
+        if self.snapshots is not None:
+            self.snapshots.before_optimizer_step()
+
+    def _before_optimizer_step(self) -> None:
+        self.wait_for_copy()
+
+    def _after_optimizer_step(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.after_step()
+        self._after_snapshot()
+
+    def _after_snapshot(self) -> None:
+        """After the step's snapshot was scheduled (and anything the subclass runs after it): the catch-up
+        accounting of a recovery and the ``after_step`` hook point."""
+        from .. import hooks
+
+        step = self.step_counter()
+        if protocol.caught_up(self._catch_up, step, self.rank, self._restored_version):
+            self._catch_up = None
+        hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank)
+
+    # -- resume ---------------------------------------------------------------------------------------
+    def resume(self, newer_than: int | None = None) -> int:
+        """Restore from the memory tiers if this job has snapshots there; return the step to continue from.
+
+        ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
+        newer version, and a memory state no version of which every rank can rebuild falls back to that base
+        (logged) instead of failing the job."""
+        if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
+            return self.step_counter()
+        t0 = time.perf_counter()
+        extra = self._timeline_fields()
+        version, self._spare_logged = protocol.restore_from_memory(self.snapshots, self.rank, self._spare_logged,
+                                                                   newer_than=newer_than, **extra)
+        self._restored_version = version or 0
+        if version is None:
+            return self.step_counter()
+        log.info("resumed from in-memory snapshot of %s %d in %.2f s%s", self.step_name, version,
+                 time.perf_counter() - t0, "".join(f", {k} {v}" for k, v in extra.items()))
+        return version
+
+    # -- hot-swap -------------------------------------------------------------------------------------
+    def set_rebuild(self, factory: Callable[[], Any]) -> None:
+        """``factory()`` rebuilds on the current world and returns the loop's handle (see the call order)."""
+        self._factory = factory
+
+    def can_recover(self, exc: BaseException) -> bool:
+        """Whether ``recover(exc)`` applies: under deadpool-run with hot-swap on, a rebuild factory set, and a
+        failure of the kind a lost peer causes (a collective error or the launcher's notice)."""
+        return self._hot_swap and self._factory is not None and isinstance(exc, (RuntimeError, OSError))
+
+    def recover(self, exc: BaseException) -> Any:
+        """Survivor side of hot-swap (``rebuild/recover.py``): returns the handle of the rebuilt world. The
+        process and everything outside the framework's objects (data, metrics files) stay."""
+        hc = self.config.hot_swap
+        factory = self._factory
+        if factory is None:
+            raise RuntimeError("recover() needs set_rebuild(factory) first") from exc
+        begun = protocol.begin(hc, exc, self.step_counter(), self.what_recovers)
+        old_rank = self.rank
+        if self.snapshots is not None:
+            self.snapshots.quiesce()
+        self._closed = True
+        restore_follows = self.snapshots is not None and (self.snapshots.committed_version or 0) > 0
+        self.adapter = None
+        self._release()
+        r = protocol.rejoin(hc, begun,
+                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), restore_follows),
+                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
+        # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
+        self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
+        protocol.finish(begun, r, old_rank=old_rank)
+        return r.result
+
+    def _expect_catch_up(self, step: int, since: float) -> None:
+        """Write the ``caught_up`` timeline event once ``step`` is completed again (after a recovery)."""
+        self._catch_up = (step, since)
+
+    # -- misc -----------------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Snapshot statistics; waits (bounded) for the in-flight snapshot so the counts are final."""
+        if self.snapshots is None:
+            return {}
+        self.snapshots.wait_idle()
+        return self.snapshots.stats()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._close()
+        if self.snapshots is not None:
+            self.snapshots.close()

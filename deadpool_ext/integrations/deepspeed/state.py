@@ -1,0 +1,182 @@
+"""The rank state of a DeepSpeed engine (ZeRO 0-3, fp32/bf16/fp16): the ``RankStateAdapter`` the snapshot
+manager copies and restores. The only place that knows where DeepSpeed keeps a rank's tensors."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ...snapshot.state import (RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value,
+                               restore_rng)
+
+
+class DeepSpeedStateAdapter(RankStateAdapter):
+    """Rank state of a DeepSpeed engine: ZeRO stage 0 (fp32), 1, 2 and 3; fp32, bf16 and fp16.
+
+    Tensors, for ZeRO-1/2: the flat low-precision parameter buffer (module parameters are views into it),
+    the rank's fp32 master partition and the inner optimizer's state of that partition. ZeRO-3: the rank's
+    parameter partitions (flat), fp32 master partitions and their optimizer state. Stage 0: module
+    parameters and optimizer state.
+
+    With ``derive_params`` (ZeRO 1-3, parameters in host memory) the parameter buffers (``params.<i>``) are
+    not captured: DeepSpeed sets them to the masters cast to their dtype at the end of every step, so restore
+    does the same (ZeRO-3: per partition; ZeRO-1/2: each rank casts its partition, then the data-parallel
+    all-gather DeepSpeed itself uses). For fp32 ZeRO that removes a quarter of the captured bytes.
+    """
+
+    def __init__(self, engine: Any, client_state: Callable[[], dict[str, Any]] | None = None,
+                 restore_client_state: Callable[[dict[str, Any]], None] | None = None, *,
+                 derive_params: bool = False) -> None:
+        self.engine = engine
+        self._client_state = client_state
+        self._restore_client_state = restore_client_state
+        self.zero_stage = int(engine.zero_optimization_stage())
+        opt = engine.optimizer
+        kind = type(opt).__name__
+        if self.zero_stage == 3:
+            self._bit16 = lambda: list(opt.fp16_partitioned_groups_flat)
+            self._master = lambda: list(opt.fp32_partitioned_groups_flat)
+        elif self.zero_stage in (1, 2):
+            self._bit16 = lambda: list(opt.bit16_groups_flat)
+            self._master = lambda: list(opt.single_partition_of_fp32_groups)
+        elif kind == "BF16_Optimizer":
+            self._bit16 = lambda: list(opt.bf16_groups_flat)
+            self._master = lambda: list(opt.fp32_groups_flat_partition)
+        elif isinstance(opt, torch.optim.Optimizer):
+            params = [p for g in opt.param_groups for p in g["params"]]
+            self._bit16 = lambda: []
+            self._master = lambda: params
+        else:
+            raise UnsupportedEngineError(
+                f"deadpool_ext has no state adapter for optimizer {kind} at ZeRO stage {self.zero_stage}; "
+                "supported: ZeRO stages 1-3 (fp32/bf16/fp16), stage 0 with fp32 or bf16")
+        self._inner = opt.optimizer if hasattr(opt, "optimizer") and self.zero_stage > 0 or kind == "BF16_Optimizer" else opt
+        # Host memory only: the capture-time checksum of a derived tensor is taken in place, and hashing a
+        # device tensor would need the very device-to-host copy that deriving saves.
+        self.derive_params = bool(derive_params and self.zero_stage in (1, 2, 3)
+                                  and all(t.device.type == "cpu" for t in self._bit16()))
+
+    # -- capture ---------------------------------------------------------------------------------
+    def step(self) -> int:
+        return int(self.engine.global_steps)
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for i, t in enumerate(self._bit16()):
+            out.append((f"params.{i}", t))
+        for i, t in enumerate(self._master()):
+            out.append((f"master.{i}", t))
+            for key, value in sorted(self._inner.state.get(t, {}).items()):
+                if torch.is_tensor(value):
+                    out.append((f"optim.{i}.{key}", value))
+        return out
+
+    def derived(self) -> list[tuple[str, torch.Tensor]]:
+        return [(f"params.{i}", t) for i, t in enumerate(self._bit16())] if self.derive_params else []
+
+    def meta(self) -> dict[str, Any]:
+        e = self.engine
+        opt = e.optimizer
+        scaler = getattr(opt, "loss_scaler", None)
+        meta: dict[str, Any] = {
+            "global_steps": int(e.global_steps),
+            "global_samples": int(e.global_samples),
+            "skipped_steps": int(e.skipped_steps),
+            "micro_steps": int(e.micro_steps),
+            "zero_stage": self.zero_stage,
+            "dp_world_size": int(e.dp_world_size),
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)} for g in opt.param_groups],
+            "optim_scalars": {str(i): {k: v for k, v in self._inner.state.get(t, {}).items() if not torch.is_tensor(v)}
+                              for i, t in enumerate(self._master())},
+            "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
+            "loss_scaler": {k: v for k, v in vars(scaler).items() if plain_value(v)} if scaler is not None else None,
+            "rng": capture_rng(),
+            "client": self._client_state() if self._client_state else {},
+        }
+        return meta
+
+    # -- differential checkpoints ------------------------------------------------------------------
+    def inner_optimizer(self) -> Any:
+        """The torch optimizer that updates the master tensors (what a differential replays)."""
+        return self._inner
+
+    def masters(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates, in snapshot order (``master.<i>``)."""
+        return self._master()
+
+    def sync_params_from_masters(self) -> None:
+        """After masters were changed outside a step (a replay): do what DeepSpeed does at the end of a step,
+        copying masters into the training parameters (collective for ZeRO-1/2 and bf16: an all-gather)."""
+        opt = self.engine.optimizer
+        with torch.no_grad():
+            if self.zero_stage == 3:
+                # Release gathered parameters first: the epilogue's all-gather skips parameters that are still
+                # "available", which would leave persistent (small, always gathered) parameters stale.
+                opt.checkpoint_event_prologue()
+                for bit16, master in zip(self._bit16(), self._master()):
+                    bit16.copy_(master)
+                opt.checkpoint_event_epilogue()
+            elif self._bit16():
+                opt.update_lp_params()
+
+    def restore_meta(self, meta: dict[str, Any]) -> None:
+        """Counters, scheduler, loss scaler, param-group scalars, RNG and client state of ``meta``."""
+        e = self.engine
+        opt = e.optimizer
+        for group, saved in zip(opt.param_groups, meta["param_groups"]):
+            group.update(saved)
+        if meta["lr_scheduler"] is not None and e.lr_scheduler is not None:
+            e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
+        scaler = getattr(opt, "loss_scaler", None)
+        if scaler is not None and meta["loss_scaler"]:
+            for k, v in meta["loss_scaler"].items():
+                setattr(scaler, k, v)
+        e.global_steps = meta["global_steps"]
+        e.global_samples = meta["global_samples"]
+        e.skipped_steps = meta["skipped_steps"]
+        e.micro_steps = meta["micro_steps"]
+        restore_rng(meta["rng"])
+        if self._restore_client_state is not None:
+            self._restore_client_state(meta.get("client", {}))
+
+    # -- restore ---------------------------------------------------------------------------------
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        e = self.engine
+        opt = e.optimizer
+        if meta["zero_stage"] != self.zero_stage or meta["dp_world_size"] != e.dp_world_size:
+            raise ValueError(
+                f"snapshot layout (ZeRO {meta['zero_stage']}, dp {meta['dp_world_size']}) differs from the engine's "
+                f"(ZeRO {self.zero_stage}, dp {e.dp_world_size}); in-memory restore needs the same layout")
+        derive = "params.0" not in tensors and bool(self._bit16())
+        if derive and not self.derive_params:
+            raise ValueError("snapshot has no parameter buffers (they were derived from the masters) but this engine "
+                             "cannot derive them (ZeRO 1-3 with parameters in host memory can)")
+        if self.zero_stage == 3:
+            opt.checkpoint_event_prologue()
+        masters = self._master()
+        with torch.no_grad():
+            if not derive:
+                for i, t in enumerate(self._bit16()):
+                    copy_into(t, tensors[f"params.{i}"], f"params.{i}")
+            for i, t in enumerate(masters):
+                copy_into(t, tensors[f"master.{i}"], f"master.{i}")
+                state = self._inner.state.setdefault(t, {})
+                prefix = f"optim.{i}."
+                for name, src in tensors.items():
+                    if name.startswith(prefix):
+                        key = name[len(prefix):]
+                        if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
+                            copy_into(state[key], src, name)
+                        else:
+                            state[key] = src.clone()
+                state.update(meta["optim_scalars"].get(str(i), {}))
+            if derive and self.zero_stage == 3:
+                for t, master in zip(self._bit16(), masters):
+                    t.copy_(master)  # what DeepSpeed's step does (stage3._post_step)
+        if self.zero_stage == 3:
+            # Re-gathers the persistent (small, unpartitioned) parameters from the restored partitions.
+            opt.checkpoint_event_epilogue()
+        elif derive:
+            with torch.no_grad():
+                opt.update_lp_params()  # cast own partition, all-gather the rest (collective over data parallel)
+        self.restore_meta(meta)

@@ -1,0 +1,6 @@
+"""Tier 2: replicas of every rank's snapshot in other nodes' memory.
+
+- :mod:`.peer`       ``PeerReplicator``: what goes where (placement, double buffers, scan, fetches)
+- :mod:`.transport`  ``Transport`` ABC: how a blob moves between two ranks (body, then MAGIC)
+- :mod:`.gloo`       ``GlooTransport``: point-to-point on the snapshot side group (the first implementation)
+"""
