@@ -6,7 +6,10 @@ setup(
     name="deadpool_ext",
     version="0.1.0",
     description="Keeps DeepSpeed and Megatron-Core training jobs alive through failures",
-    packages=find_packages(include=["deadpool_ext", "deadpool_ext.*", "patches"]),
+    # The repository's top-level patches/ installs as deadpool_ext.patches: nothing named "patches" lands on a
+    # user's path.
+    packages=find_packages(include=["deadpool_ext", "deadpool_ext.*"]) + ["deadpool_ext.patches"],
+    package_dir={"deadpool_ext.patches": "patches"},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.4",

@@ -115,7 +115,7 @@ def worker(args: argparse.Namespace) -> int:
     from deadpool_ext.distributed import init_distributed
     from deadpool_ext.training.data import ByteLMData
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.pretrain import seed_everything
+    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()

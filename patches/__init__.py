@@ -2,12 +2,12 @@
 
 Nothing is patched by importing this package. Use::
 
-    import patches
+    from deadpool_ext import patches
     patches.apply_all(patches.MEGATRON_CORE_CPU)      # the CPU shims, before building a Megatron model
     ...
     patches.revert_all(patches.MEGATRON_CORE_CPU)
 
-Every patch module exposes ``PATCH`` (a :class:`patches.base.Patch`), ``apply()`` and ``revert()``.
+Every patch module exposes ``PATCH`` (a :class:`deadpool_ext.patches.base.Patch`), ``apply()`` and ``revert()``.
 Dependencies point one way: patches may import third-party packages, never ``deadpool_ext``'s core.
 """
 from __future__ import annotations
@@ -17,16 +17,16 @@ import importlib
 from .base import Patch, PatchConflictError, UnsupportedVersionError
 
 REGISTRY: dict[str, str] = {
-    "megatron_core_cpu_device": "patches.megatron_core_cpu_device",
-    "megatron_core_cpu_rng": "patches.megatron_core_cpu_rng",
-    "megatron_core_cpu_factories": "patches.megatron_core_cpu_factories",
-    "megatron_core_cpu_clip_grads": "patches.megatron_core_cpu_clip_grads",
-    "megatron_core_cpu_synchronize": "patches.megatron_core_cpu_synchronize",
-    "megatron_lm_hooks": "patches.megatron_lm_hooks",
-    "deepspeed_zero3_quiet_init": "patches.deepspeed_zero3_quiet_init",
-    "deepspeed_unsynced_init": "patches.deepspeed_unsynced_init",
+    "megatron_core_cpu_device": "megatron_core_cpu_device",
+    "megatron_core_cpu_rng": "megatron_core_cpu_rng",
+    "megatron_core_cpu_factories": "megatron_core_cpu_factories",
+    "megatron_core_cpu_clip_grads": "megatron_core_cpu_clip_grads",
+    "megatron_core_cpu_synchronize": "megatron_core_cpu_synchronize",
+    "megatron_lm_hooks": "megatron_lm_hooks",
+    "deepspeed_zero3_quiet_init": "deepspeed_zero3_quiet_init",
+    "deepspeed_unsynced_init": "deepspeed_unsynced_init",
 }
-"""Patch name -> module. Modules are imported only when a patch is requested."""
+"""Patch name -> module of this package. Modules are imported only when a patch is requested."""
 
 MEGATRON_CORE_CPU: tuple[str, ...] = ("megatron_core_cpu_device", "megatron_core_cpu_rng", "megatron_core_cpu_factories",
                                        "megatron_core_cpu_clip_grads", "megatron_core_cpu_synchronize")
@@ -36,7 +36,7 @@ MEGATRON_CORE_CPU: tuple[str, ...] = ("megatron_core_cpu_device", "megatron_core
 def get(name: str) -> Patch:
     if name not in REGISTRY:
         raise KeyError(f"no patch named {name!r}; known patches: {sorted(REGISTRY)}")
-    return importlib.import_module(REGISTRY[name]).PATCH
+    return importlib.import_module(f"{__name__}.{REGISTRY[name]}").PATCH
 
 
 def apply_all(names: tuple[str, ...] | list[str]) -> list[Patch]:

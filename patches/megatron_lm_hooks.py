@@ -8,7 +8,7 @@ real Megatron-LM checkout. What is tested: the flags, the version guard, and tha
 
 Use in a copy of Megatron-LM's ``pretrain_gpt.py``::
 
-    from patches.megatron_lm_hooks import add_deadpool_args, TRAIN_STEP_HOOK
+    from deadpool_ext.patches.megatron_lm_hooks import add_deadpool_args, TRAIN_STEP_HOOK
     ...
     TRAIN_STEP_HOOK.configure(before=runtime.wait_for_copy, after=on_step_done)  # e.g. a MegatronRuntime's hooks
     TRAIN_STEP_HOOK.apply()

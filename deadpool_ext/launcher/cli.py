@@ -35,6 +35,8 @@ import time
 from typing import Sequence
 
 from ..memory.shm import SHM_ROOT, job_shm_dir
+from . import contract
+from .contract import HotSwapEnv
 from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -82,14 +84,14 @@ class Supervisor:
             raise SystemExit("deadpool-run: --spare-nodes must be >= 0")
         self.args = args
         self.job_id = args.job_id or f"dp{secrets.token_hex(4)}"
-        self.token = os.environ.get("DEADPOOL_STORE_TOKEN") or secrets.token_hex(16)
+        self.token = os.environ.get(contract.STORE_TOKEN) or secrets.token_hex(16)
         self.active_nodes = [f"node{i}" for i in range(args.nnodes)]
         self.spare_nodes = [f"spare{i}" for i in range(args.spare_nodes)]
         self.workers = [Worker(f"{n}.{i}", n, i) for n in self.active_nodes + self.spare_nodes
                         for i in range(args.nproc_per_node)]
         if not 0 <= args.host_rank < args.hosts:
             raise SystemExit(f"deadpool-run: --host-rank {args.host_rank} must be in [0, --hosts {args.hosts})")
-        if args.hosts > 1 and (not args.job_id or "DEADPOOL_STORE_TOKEN" not in os.environ):
+        if args.hosts > 1 and (not args.job_id or contract.STORE_TOKEN not in os.environ):
             raise SystemExit("deadpool-run: with --hosts > 1 every launcher needs the same --job-id and the same "
                              "DEADPOOL_STORE_TOKEN in its environment")
         if args.host_rank > 0 and not args.store_url:
@@ -124,20 +126,19 @@ class Supervisor:
     # -- processes ----------------------------------------------------------------------------------
     def _spawn(self, w: Worker, role: str) -> None:
         env = dict(os.environ)
-        env.update(
-            DEADPOOL_STORE=self.store_url, DEADPOOL_STORE_TOKEN=self.token,
-            DEADPOOL_JOB_ID=self.job_id, DEADPOOL_WORKER_ID=w.worker_id, DEADPOOL_NODE=w.node,
-            DEADPOOL_ROLE=role, DEADPOOL_LAUNCHER_PID=str(os.getpid()),
-            DEADPOOL_HEARTBEAT_S=str(self.args.heartbeat_s),
-            DEADPOOL_WATCH_S=str(self.args.watch_s), DEADPOOL_SHM_ROOT=self.args.shm_root,
-            LOCAL_RANK=str(w.local_index), LOCAL_WORLD_SIZE=str(self.args.nproc_per_node),
-            OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
+        env.update(HotSwapEnv(store_url=self.store_url, token=self.token, job_id=self.job_id, worker_id=w.worker_id,
+                              node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
+                              watch_s=self.args.watch_s, shm_root=self.args.shm_root).to_environ())
+        env.update({
+            contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
+            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
             # GPU path: on an NCCL error, abort the communicators but keep the process (it rebuilds in-process).
-            TORCH_NCCL_ASYNC_ERROR_HANDLING=env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
-        )
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
+        })
         if self.timeline is not None:
-            env["DEADPOOL_TIMELINE"] = os.path.abspath(self.args.timeline)
-        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+            env[contract.TIMELINE] = os.path.abspath(self.args.timeline)
+        for k in (contract.RANK, contract.WORLD_SIZE, contract.MASTER_ADDR, contract.MASTER_PORT,
+                  contract.USE_AGENT_STORE):
             env.pop(k, None)
         self.procs[w.worker_id] = subprocess.Popen([sys.executable, self.args.script, *self.args.script_args], env=env)
 

@@ -28,6 +28,7 @@ import time
 from datetime import timedelta
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
@@ -44,11 +45,19 @@ class MembershipError(RuntimeError):
 
 class Membership:
     def __init__(self, *, store_url: str, token: str, job_id: str, worker_id: str, node: str,
-                 heartbeat_s: float = 0.5, watch_s: float = 0.5, timeout_s: float = 30.0) -> None:
+                 heartbeat_s: float = 0.5, watch_s: float = 0.5, timeout_s: float = 30.0, role: str = "active",
+                 launcher_pid: int = 0) -> None:
         from ..store import connect
 
-        self.worker_id, self.node, self.job_id = worker_id, node, job_id
+        self.worker_id, self.node, self.job_id, self.role = worker_id, node, job_id, role
         self.timeout_s = timeout_s
+        self._launcher_pid = launcher_pid
+        try:  # the fence never cuts the coordination store's connections
+            port = urlsplit(store_url).port
+        except ValueError:
+            port = None
+        if port:
+            fence().keep_remote_ports.add(port)
         self.store = connect(store_url, token, job_id, timeout_s)
         self._hb_store = connect(store_url, token, job_id, timeout_s)
         self._hb_s = heartbeat_s

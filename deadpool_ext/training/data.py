@@ -17,6 +17,7 @@ import sysconfig
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 # Byte-level vocabulary: 256 byte values plus special tokens used by the BERT objective.
@@ -97,3 +98,12 @@ class ByteLMData:
         labels = torch.where(mask, ids, torch.full_like(ids, -100))
         ids = torch.where(mask, torch.full_like(ids, MASK_ID), ids)
         return ids, labels
+
+
+def seed_everything(seed: int) -> None:
+    """Python, NumPy and torch generators from one seed (model init draws from them)."""
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

@@ -11,7 +11,6 @@ import gc
 import json
 import logging
 import os
-import random
 import time
 from typing import Any, Sequence
 
@@ -21,7 +20,7 @@ import torch
 from ..config import split_deepspeed_config
 from ..distributed import init_distributed
 from ..integrations.loop import ResilientLoop
-from .data import ByteLMData
+from .data import ByteLMData, seed_everything
 from .models import MODEL_SIZES, build_bert, build_gpt, count_parameters, seq_len_for
 
 log = logging.getLogger("deadpool_ext")
@@ -65,12 +64,6 @@ def _with_persist_flags(args: argparse.Namespace) -> str | dict[str, Any]:
             persist["interval"] = args.save_interval
         cfg["deadpool"] = {**section, "persist": persist}
     return cfg
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:

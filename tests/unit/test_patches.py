@@ -1,16 +1,13 @@
 """patches/: explicit, idempotent, revertible, version-guarded."""
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-import patches  # noqa: E402
-from patches.base import Patch, PatchConflictError, UnsupportedVersionError  # noqa: E402
+from deadpool_ext import patches
+from deadpool_ext.patches.base import Patch, PatchConflictError, UnsupportedVersionError
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU shims refuse on a CUDA machine")
 
@@ -131,7 +128,7 @@ def test_base_class_restores_on_failed_apply():
 def test_megatron_lm_flags():
     import argparse
 
-    from patches.megatron_lm_hooks import add_deadpool_args, deadpool_section
+    from deadpool_ext.patches.megatron_lm_hooks import add_deadpool_args, deadpool_section
 
     from deadpool_ext.config import DeadpoolConfig
 
@@ -176,7 +173,7 @@ def test_megatron_lm_hook_refuses_without_megatron_lm_and_wraps_train_step(monke
 def test_zero3_quiet_init_names_parameters_by_count_not_value():
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as cls
 
-    from patches.deepspeed_zero3_quiet_init import QuietParamNames
+    from deadpool_ext.patches.deepspeed_zero3_quiet_init import QuietParamNames
 
     p = torch.nn.Parameter(torch.ones(1000, 100))
     names = QuietParamNames({p: "w"})
@@ -197,7 +194,7 @@ def test_unsynced_init_is_scoped_to_its_block():
     from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero.partition_parameters import Init
 
-    from patches.deepspeed_unsynced_init import unsynced_weights
+    from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
 
     before = (DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather)
     with unsynced_weights(False) as on:

@@ -63,14 +63,14 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
 
 def _patches() -> Any:
     try:
-        import patches
-    except ImportError:  # run from a checkout without the repository root on the path: plain DeepSpeed
+        from ... import patches
+    except ImportError:  # run from a checkout that was never installed (patches/ maps in at install): plain DeepSpeed
         return None
     return patches
 
 
 def _quiet_zero3_init() -> None:
-    """``patches/deepspeed_zero3_quiet_init.py`` (0.2-0.3 s per rank and engine build), when it supports the
+    """``deadpool_ext.patches.deepspeed_zero3_quiet_init`` (``patches/`` in the repository) (0.2-0.3 s per rank and engine build), when it supports the
     installed DeepSpeed; otherwise DeepSpeed as it is (logged at debug level)."""
     p = _patches()
     if p is None:
@@ -102,7 +102,7 @@ def _unsynced_if_every_rank_restores(ds_config: Any, with_deadpool: bool) -> Any
         return contextlib.nullcontext()
     log.info("hot-swap rebuild: every rank restores its state from memory next, so the engine is built without "
              "DeepSpeed's initial weight broadcast")
-    from patches.deepspeed_unsynced_init import unsynced_weights
+    from ...patches.deepspeed_unsynced_init import unsynced_weights
 
     return unsynced_weights()
 

@@ -26,14 +26,14 @@ log = logging.getLogger("deadpool_ext")
 
 
 def apply_cpu_shims() -> list[str]:
-    """Apply the Megatron-Core CPU shims (``patches.MEGATRON_CORE_CPU``) when CUDA is absent; return their names."""
+    """Apply the Megatron-Core CPU shims (``deadpool_ext.patches.MEGATRON_CORE_CPU``) when CUDA is absent; return their names."""
     if torch.cuda.is_available():
         return []
     try:
-        import patches
+        from ... import patches
     except ImportError as exc:
-        raise ImportError("deadpool_ext's Megatron-Core integration needs the repository's patches/ package on the "
-                          "Python path for CPU runs (run from the repository root, or add it to PYTHONPATH)") from exc
+        raise ImportError("deadpool_ext's Megatron-Core integration needs deadpool_ext.patches for CPU runs: install "
+                          "the package (`pip install -e .` maps the repository's patches/ there)") from exc
     patches.apply_all(patches.MEGATRON_CORE_CPU)
     return list(patches.MEGATRON_CORE_CPU)
 

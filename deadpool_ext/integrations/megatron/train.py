@@ -20,9 +20,8 @@ import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
 from ...distributed import init_distributed, membership
-from ...training.data import ByteLMData
+from ...training.data import ByteLMData, seed_everything
 from ...training.models import MODEL_SIZES
-from ...training.pretrain import seed_everything
 from ..loop import ResilientLoop
 from . import parallel
 from .layout import Layout, coordinates
@@ -98,7 +97,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     global_batch = spec.micro_batch * num_micro * layout.dp
     seed_everything(args.seed)
     data = ByteLMData(seq_len=spec.seq_len + 1, seed=args.seed)
-    coords = parallel.initialize(layout, args.seed)
+    parallel.initialize(layout, args.seed)
 
     def factory() -> MegatronRuntime:
         c = coordinates(dist.get_rank(), layout)

@@ -20,9 +20,9 @@ def main() -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed  # noqa: F401
 
-    import patches
+    from deadpool_ext import patches
     from deadpool_ext.rebuild import recover
-    from patches.deepspeed_unsynced_init import unsynced_weights
+    from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
