@@ -19,9 +19,13 @@ setup(
         "psutil",
         "transformers>=4.40",
     ],
+    # A training job needs only install_requires. The simulator's plots, the chaos/test harness and the gates
+    # are extras (``pip install -e .[tools,test]``); nothing in the product imports them.
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
-        "test": ["pytest>=8", "pytest-timeout", "s3fs", "moto[server]>=5"],
+        "s3": ["s3fs", "fsspec"],
+        "tools": ["matplotlib", "safetensors"],
+        "test": ["pytest>=8", "pytest-timeout", "s3fs", "moto[server]>=5", "ruff", "mypy", "import-linter"],
     },
     entry_points={"console_scripts": ["deadpool-run=deadpool_ext.launcher.cli:main", "deadpool=deadpool_ext.cli:main"]},
 )

@@ -1,0 +1,64 @@
+"""Two ranks, one Transport implementation (argv[1]), the contract every one must meet (argv[2]: the case):
+
+- ``both_ways``: one round, each rank sends its blob to the other and receives the other's (blobs of different
+  sizes, the receiving buffer larger than the blob and prefilled with an older valid blob); both arrive intact.
+- ``torn``: rank 0 leaves without sending; rank 1's receive fails and leaves its buffer torn (MAGIC zero),
+  never complete-looking, although it held a valid blob before.
+
+Writes ``rank<r>.json`` into argv[3].
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from deadpool_ext.replicate.gloo import GlooTransport
+from deadpool_ext.replicate.transport import BlobReceive, BlobSend
+from deadpool_ext.snapshot import format as fmt
+from deadpool_ext.snapshot.slots import probe_slot
+
+IMPLEMENTATIONS = {"gloo": lambda group: GlooTransport(group)}
+
+
+def blob(rank: int, n: int) -> torch.Tensor:
+    obj = {"w": torch.arange(n, dtype=torch.float32) + 1000 * rank, "step": rank}
+    return torch.frombuffer(bytearray(fmt.serialize(obj, {"rank": rank, "version": 7})), dtype=torch.uint8)
+
+
+def main(impl: str, case: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    rank = dist.get_rank()
+    transport = IMPLEMENTATIONS[impl](dist.new_group(backend="gloo", timeout=timedelta(seconds=20)))
+    mine, theirs = blob(rank, 100 + 900 * rank), blob(1 - rank, 100 + 900 * (1 - rank))
+    into = torch.zeros(theirs.numel() + 4096, dtype=torch.uint8)
+    old = blob(9, 10)
+    into[:old.numel()].copy_(old)
+    out: dict = {"rank": rank, "old_valid": probe_slot(into, verify=True)[0] is not None}
+    if case == "both_ways":
+        transport.exchange([BlobSend(1 - rank, mine)], [BlobReceive(1 - rank, into, theirs.numel())])
+        meta, why = probe_slot(into, verify=True)
+        out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why)
+    elif case == "torn":
+        if rank == 0:
+            dist.barrier()
+            os._exit(0)  # gone before sending anything
+        dist.barrier()
+        try:
+            transport.exchange([], [BlobReceive(0, into, theirs.numel())])
+            out["raised"] = None
+        except RuntimeError as exc:
+            out["raised"] = type(exc).__name__
+        meta, why = probe_slot(into, verify=True)
+        out.update(magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])), meta=meta, why=why)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump(out, fh)
+    os._exit(0)  # skip destroying a group whose peer is gone
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,70 @@
+"""The hook registry (deadpool_ext/hooks.py) and the resilient loop (integrations/loop.py), without processes."""
+from __future__ import annotations
+
+import pytest
+
+from deadpool_ext import hooks
+from deadpool_ext.integrations.loop import ResilientLoop
+
+
+def test_register_fire_unregister():
+    seen: list[dict] = []
+    undo = hooks.register(hooks.AFTER_STEP, lambda **kw: seen.append(kw))
+    try:
+        hooks.fire(hooks.AFTER_STEP, step=3, rank=1)
+        assert seen == [{"step": 3, "rank": 1}] and hooks.registered(hooks.AFTER_STEP) >= 1
+    finally:
+        undo()
+    hooks.fire(hooks.AFTER_STEP, step=4, rank=1)
+    assert len(seen) == 1
+
+
+def test_unknown_point_is_refused():
+    with pytest.raises(ValueError, match="unknown hook point 'before_lunch'"):
+        hooks.register("before_lunch", lambda **kw: None)
+
+
+class _Runtime:
+    """Stands in for a ResilientRuntime: the loop is under test, not the recovery."""
+
+    def __init__(self, recoverable: type[BaseException]) -> None:
+        self.recoverable, self.recovered = recoverable, 0
+
+    def can_recover(self, exc: BaseException) -> bool:
+        return isinstance(exc, self.recoverable)
+
+    def recover(self, exc: BaseException) -> dict:
+        self.recovered += 1
+        return {"step": 2, "gen": self.recovered}  # the rebuilt world restored step 2
+
+
+def test_loop_redoes_a_recovered_step_on_the_new_handle():
+    rt = _Runtime(RuntimeError)
+    failed = []
+
+    def step(h: dict) -> int:
+        if h["step"] == 3 and not failed:
+            failed.append(h["step"])
+            raise RuntimeError("peer lost")
+        h["step"] += 1
+        return h["step"]
+
+    swapped = []
+    loop = ResilientLoop({"step": 0, "gen": 0}, runtime=lambda h: rt, done=lambda h: h["step"] >= 5, step=step,
+                         after_swap=swapped.append)
+    done = [(h["gen"], out) for h, out in loop]
+    assert done == [(0, 1), (0, 2), (0, 3), (1, 3), (1, 4), (1, 5)]  # step 3 redone after the restore of 2
+    assert loop.swaps == 1 and swapped == [{"step": 5, "gen": 1}] and loop.handle["gen"] == 1
+
+
+def test_loop_reraises_what_it_cannot_recover():
+    rt = _Runtime(OSError)
+
+    def step(h: dict) -> None:
+        raise ValueError("a bug, not a lost peer")
+
+    with pytest.raises(ValueError, match="a bug"):
+        list(ResilientLoop({}, runtime=lambda h: rt, done=lambda h: False, step=step))
+    with pytest.raises(ValueError):
+        list(ResilientLoop({}, runtime=lambda h: None, done=lambda h: False, step=step))
+    assert rt.recovered == 0

@@ -1,0 +1,68 @@
+"""Packaging and layering facts a user relies on: nothing named ``patches`` on their path, patches import
+no deadpool_ext code, a training job pulls no tool dependency, fault injection lives only in the harness,
+modules stay small."""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import deadpool_ext
+
+PKG = os.path.dirname(os.path.abspath(deadpool_ext.__file__))
+REPO = os.path.dirname(PKG)
+
+
+def _run(code: str, cwd: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_patches_install_under_the_extensions_namespace_only(tmp_path):
+    res = _run("import deadpool_ext.patches as p; print(p.get('deepspeed_zero3_quiet_init').name)\n"
+               "try:\n    import patches\nexcept ImportError:\n    print('no top-level patches')\n", str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split("\n")[1] == "no top-level patches", res.stdout
+
+
+def test_patches_import_no_deadpool_ext_code():
+    offenders = []
+    for name in sorted(os.listdir(os.path.join(REPO, "patches"))):
+        if not name.endswith(".py"):
+            continue
+        tree = ast.parse(open(os.path.join(REPO, "patches", name)).read())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            offenders += [f"{name}: {m}" for m in mods if m.split(".")[0] == "deadpool_ext"]
+    assert offenders == []
+
+
+def test_a_training_job_pulls_no_tool_dependency(tmp_path):
+    code = ("import sys\nimport deadpool_ext, deadpool_ext.deepspeed, deadpool_ext.training.pretrain\n"
+            "import deadpool_ext.integrations.megatron.runtime\n"
+            "print(sorted(m for m in ('matplotlib', 'moto', 'hypothesis', 'deadpool_ext.chaos', "
+            "'deadpool_ext.testing', 'deadpool_ext.sim') if m in sys.modules))\n")
+    res = _run(code, str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def _sources() -> list[tuple[str, str]]:
+    out = []
+    for root, _, files in os.walk(PKG):
+        out += [(os.path.relpath(os.path.join(root, f), PKG), open(os.path.join(root, f)).read())
+                for f in sorted(files) if f.endswith(".py")]
+    return out
+
+
+def test_fault_injection_variables_are_read_only_by_the_harness():
+    found = sorted(rel for rel, text in _sources()
+                   if ("DEADPOOL_INJECT" in text or "DEADPOOL_RESTORE_GATE" in text)
+                   and not rel.startswith(("chaos" + os.sep, "testing" + os.sep)))
+    assert found == []
+
+
+def test_no_module_is_over_600_lines():
+    assert sorted((rel, n) for rel, text in _sources() if (n := text.count("\n")) > 600) == []
