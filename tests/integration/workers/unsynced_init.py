@@ -38,6 +38,10 @@ def main() -> None:
         distributed._membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
         out["every_rank_restores"] = recover.every_rank_restores()
         _write(out_dir, out)
+        # Leave the group cleanly: a process exiting while gloo's threads still run can abort
+        # ("terminate called without an active exception"), which torchrun reports as a failed job.
+        dist.barrier()
+        dist.destroy_process_group()
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
 
