@@ -47,7 +47,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                # gather buffers go back to the OS instead of fragmenting the heap. Measured 2026-11-29, 3 ranks,
                # 3 steps: plain ZeRO-3 medium 4.7-5.0 GB RSS per rank with glibc's defaults, 3.35 GB with these,
                # same losses. With snapshots (2.78 GB shared memory per rank) 6.0 GB per rank instead of the
-               # 7.2-7.4 GB of the trial in results/recovery_medium_trial.json, where hot-swap did not fit.
+               # 7.2-7.4 GB of the trial in results/archive/recovery_medium_trial.json, where hot-swap did not fit.
                "env": {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}},
 }
 READY_RE = re.compile(r"\[pretrain_gpt\] \S+: .*steps (\d+)->(\d+)")
