@@ -11,9 +11,12 @@ discovered by name and run as ``python bench_<name>.py [--quick] --out DIR`` und
 are sized for the whole machine), with a deadline. A script without ``--out`` is not run (it would overwrite the
 committed results of a full run); the report still reads the results it wrote itself.
 
-The report reads, per benchmark, the newest applicable file: this run's output first, then the committed full
-results in ``benchmarks/results``, then the committed quick ones; every figure names the file, machine, model,
-layout and command it came from, and says "not measured yet" where nothing is there.
+The report reads, per benchmark, the newest applicable file: this run's output first, then the current results
+in ``benchmarks/results`` (the files ``results/INDEX.md`` names, ``CURRENT`` in ``results_index.py``; recovery has
+two, small and medium), then a ``<name>.json`` / ``<name>_quick.json`` there; every figure names the file, machine,
+model, layout and command it came from, and says "not measured yet" where nothing is there. Paths in the report
+are relative to the repository (commands recorded with absolute paths are shown relative), so it names no machine
+path.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from common import RESULTS_DIR, machine_info, write_json, write_text  # noqa: E402
+from common import REPO, RESULTS_DIR, machine_info, write_json, write_text  # noqa: E402
+from results_index import current_stems  # noqa: E402
 
 ORDER = ("simulate", "snapshot_overhead", "peers", "recovery", "persist", "megatron")
 """Benchmarks run first to last in this order; others discovered later run after them, alphabetically."""
@@ -99,16 +103,76 @@ def run_benchmarks(benches: list[Bench], quick: bool, out_dir: str, deadline_s: 
 
 
 # -- results -------------------------------------------------------------------------------------------
-def find_result(name: str, out_dir: str, quick: bool, results_dir: str = RESULTS_DIR) -> tuple[str, dict] | None:
-    """(path, document) of the preferred results file of a benchmark, or None."""
-    first = [os.path.join(out_dir, f"{name}_quick.json" if quick else f"{name}.json")]
-    for path in first + [os.path.join(results_dir, f"{name}.json"), os.path.join(results_dir, f"{name}_quick.json")]:
-        try:
-            with open(path) as fh:
-                return path, json.load(fh)
-        except (OSError, ValueError):
-            continue
+class Found(tuple):
+    """``(path, document)`` of a benchmark's preferred results file, so figures unpack it as before; ``files``
+    holds every file the report uses for that benchmark, preferred first (the current recovery results are two
+    files: small and medium)."""
+
+    files: list[tuple[str, dict]]
+
+    def __new__(cls, files: list[tuple[str, dict]]) -> Found:
+        self = super().__new__(cls, files[0])
+        self.files = list(files)
+        return self
+
+
+def _read(path: str) -> tuple[str, dict] | None:
+    try:
+        with open(path) as fh:
+            return path, json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def find_results(name: str, out_dir: str, quick: bool, results_dir: str = RESULTS_DIR) -> Found | None:
+    """The results files of one benchmark the report reads, or None: this run's output (``<out>/<name>.json``,
+    ``<name>_quick.json`` with --quick) unless that is itself a current file; else the current files named in
+    results_index.CURRENT; else ``<name>.json`` or ``<name>_quick.json`` in ``results_dir``."""
+    current = [os.path.join(results_dir, f"{stem}.json") for stem in current_stems(name)]
+    fresh = os.path.join(out_dir, f"{name}_quick.json" if quick else f"{name}.json")
+    if os.path.abspath(fresh) not in {os.path.abspath(c) for c in current} and (r := _read(fresh)):
+        return Found([r])
+    docs = [r for c in current if (r := _read(c))]
+    if docs:
+        return Found(docs)
+    for path in (os.path.join(results_dir, f"{name}.json"), os.path.join(results_dir, f"{name}_quick.json")):
+        if r := _read(path):
+            return Found([r])
     return None
+
+
+def find_result(name: str, out_dir: str, quick: bool, results_dir: str = RESULTS_DIR) -> Found | None:
+    """The preferred results file of a benchmark, ``(path, document)`` (``.files``: all of them), or None."""
+    return find_results(name, out_dir, quick, results_dir)
+
+
+_REPO_PARTS = ("benchmarks", "configs", "scripts", "deadpool_ext", "tests", "docs")
+
+
+def clean(text: str) -> str:
+    """A recorded command or path without machine paths: an absolute path into a checkout (this one or another
+    engineer's) becomes repository-relative, the interpreter becomes ``python``, a scratch path under /tmp becomes
+    ``$TMPDIR/...``. The report is committed, and read on other machines."""
+    def one(tok: str) -> str:
+        if not tok.startswith("/"):
+            return tok
+        parts = tok.split("/")
+        for i, part in enumerate(parts):
+            if part in _REPO_PARTS and i > 1:
+                return "/".join(parts[i:])
+        if os.path.basename(tok).startswith("python"):
+            return "python"
+        if tok.startswith("/tmp/"):
+            return "$TMPDIR/" + tok[len("/tmp/"):]
+        return tok
+
+    return re.sub(r"(?<![\w.$])/[^\s`'\"]+", lambda m: one(m.group(0)), text)
+
+
+def _rel(path: str) -> str:
+    """A path as the report shows it: relative to the repository when inside it, never a machine path."""
+    rel = os.path.relpath(path, REPO)
+    return clean(path if rel.startswith("..") else rel)
 
 
 def _get(obj: Any, *path: str) -> Any:
@@ -136,7 +200,11 @@ def _walk(obj: Any, keys: tuple[str, ...]) -> list[dict]:
 
 def _machine(doc: dict) -> str:
     m = doc.get("machine") or {}
-    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, load {m.get('loadavg', '?')}"
+    if isinstance(m, str):  # a hand-written description
+        return m
+    load = m.get("loadavg")
+    load_text = ", ".join(f"{x:.1f}" for x in load) if isinstance(load, list) else "?"
+    return f"{m.get('cpu_model', '?')}, {m.get('cpu_count', '?')} cores, load {load_text}"
 
 
 # -- figures (each returns (png path or None, caption lines)) ---------------------------------------------
@@ -150,13 +218,16 @@ def _plt():
         return None
 
 
-def _save(fig, path: str, source: str, doc: dict, model: str) -> None:
+def _save(fig, path: str, source: str, doc: dict, model: str, more: list[tuple[str, dict]] = ()) -> None:
+    """Save a figure with a footer naming its data: file, machine, model, command (``more``: further files)."""
     import textwrap
 
     # Long machine/model/command lines wrap instead of running off the figure's edge.
     width = int(fig.get_figwidth() * 21)
-    text = "\n".join(textwrap.fill(part, width) for part in (f"{os.path.basename(source)}: {_machine(doc)}; {model}",
-                                                             f"command: {doc.get('command', '?')}"))
+    parts = [f"{os.path.basename(source)}: {_machine(doc)}; {model}", f"command: {clean(doc.get('command', '?'))}"]
+    for src, d in more:
+        parts += [f"{os.path.basename(src)}: {_machine(d)}", f"command: {clean(d.get('command', '?'))}"]
+    text = "\n".join(textwrap.fill(part, width) for part in parts)
     fig.text(0.01, 0.01, text, fontsize=6, va="bottom")
     fig.tight_layout(rect=(0, 0.04 + 0.035 * text.count("\n"), 1, 1))
     fig.savefig(path, dpi=120)
@@ -215,9 +286,9 @@ def fig_blocking(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     ax.set_xlabel("training thread blocked per checkpoint (s, median, log scale)")
     ax.invert_yaxis()
     _save(fig, os.path.join(out, f"{stem}_blocking.png"), path, doc,
-          "peers and snapshot_overhead runs (see their JSON for model and layout)")
+          "peers and snapshot_overhead runs (see their JSON for model and layout)", more=[snap] if src and snap else [])
     plt.close(fig)
-    files = [os.path.relpath(s[0], os.path.dirname(HERE)) for s in (src, snap) if s]
+    files = [_rel(s[0]) for s in (src, snap) if s]
     return os.path.join(out, f"{stem}_blocking.png"), "from " + ", ".join(f"`{f}`" for f in files)
 
 
@@ -225,14 +296,15 @@ def fig_recovery(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     plt = _plt()
     src = found.get("recovery")
     bars: list[tuple[str, dict[str, float]]] = []
-    for size, e in (_get(src[1], "sizes") or {}).items() if src else []:
+    for size, e in [(s_, e_) for _, d in (src.files if src else []) for s_, e_ in (_get(d, "sizes") or {}).items()]:
         for job in ("hotswap", "baseline"):
             ph = {k: v for k, v in (_get(e, "analysis", job, "phases_median") or {}).items()
                   if k != "total_s" and isinstance(v, (int, float))}
             if ph:
                 bars.append((f"{job} ({size})", ph))
     meg = found.get("megatron")
-    for row in (_get(meg[1], "recovery", "phases") or [])[:1] if meg else []:
+    meg_rows = (_get(meg[1], "recovery", "phases") or [])[:1] if meg else []
+    for row in meg_rows:
         bars.append(("hotswap (megatron)", {k: v for k, v in row.items() if k.endswith("_s") and k != "total_s"
                                             and isinstance(v, (int, float))}))
     if not bars or plt is None:
@@ -249,9 +321,11 @@ def fig_recovery(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     ax.set_xlabel("seconds from SIGKILL (median per phase)")
     ax.legend(fontsize=7, ncol=4)
     path, doc = src or meg
-    _save(fig, os.path.join(out, f"{stem}_recovery.png"), path, doc, "GPT small/medium, ZeRO-3, 3 nodes + 1 spare")
+    used = (src.files if src else []) + ([meg] if meg_rows else [])
+    _save(fig, os.path.join(out, f"{stem}_recovery.png"), path, doc, "GPT small/medium, ZeRO-3, 3 nodes + 1 spare",
+          more=used[1:])
     plt.close(fig)
-    return os.path.join(out, f"{stem}_recovery.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+    return os.path.join(out, f"{stem}_recovery.png"), "from " + ", ".join(f"`{_rel(p_)}`" for p_, _ in used)
 
 
 def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
@@ -296,7 +370,7 @@ def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
                                                    if dif else "")
     _save(fig, os.path.join(out, f"{stem}_persist.png"), path, doc, model)
     plt.close(fig)
-    files = [os.path.relpath(s_[0], os.path.dirname(HERE)) for s_ in (src, dif) if s_]
+    files = [_rel(s_[0]) for s_ in (src, dif) if s_]
     return os.path.join(out, f"{stem}_persist.png"), "from " + ", ".join(f"`{f}`" for f in files)
 
 
@@ -322,7 +396,7 @@ def fig_memory(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     ax.legend(fontsize=8)
     _save(fig, os.path.join(out, f"{stem}_memory.png"), path, doc, "GPT small/medium, ZeRO-3, 4 ranks, 2 sim. nodes")
     plt.close(fig)
-    return os.path.join(out, f"{stem}_memory.png"), f"from `{os.path.relpath(path, os.path.dirname(HERE))}`"
+    return os.path.join(out, f"{stem}_memory.png"), f"from `{_rel(path)}`"
 
 
 FIGURES = (("Failure-free overhead vs checkpoint interval", fig_overhead),
@@ -344,15 +418,30 @@ def _headlines(found: dict) -> list[str]:
                        f"blocking {1000 * (a['blocking_s']['median'] or 0):.1f} ms per checkpoint |")
     for note, text in (_get(peers[1], "result", "notes") or {}).items() if peers else []:
         out.append(f"| peers | {note} | {text} |")
+    snap = found.get("snapshot_overhead")
+    for path, doc in snap.files if snap else []:
+        for size, e in (_get(doc, "sizes") or {}).items():
+            a = _get(e, "analysis", "modes", "deadpool") or {}
+            if a.get("ratio_to_none") is not None:
+                ci = a.get("ratio_ci90")
+                ci_text = f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
+                out.append(f"| snapshot_overhead | deadpool, {size} (`{os.path.basename(path)}`) | step ratio "
+                           f"{a['ratio_to_none']:.3f}{ci_text}, paired {a.get('paired_ratio_median') or 0:.3f} |")
     rec = found.get("recovery")
-    for size, e in (_get(rec[1], "sizes") or {}).items() if rec else []:
-        hs, bl = _get(e, "analysis", "hotswap", "raw_s", "median"), _get(e, "analysis", "baseline", "raw_s", "median")
-        if hs or bl:
-            def fmt(v: float | None) -> str:
-                return f"{v:.1f} s" if v is not None else "not run"
+    for path, doc in rec.files if rec else []:
+        for size, e in (_get(doc, "sizes") or {}).items():
+            hs, bl = _get(e, "analysis", "hotswap", "raw_s", "median"), _get(e, "analysis", "baseline", "raw_s",
+                                                                              "median")
+            if hs or bl:
+                def fmt(v: float | None) -> str:
+                    return f"{v:.1f} s" if v is not None else "not run"
 
-            out.append(f"| recovery | {size} | hot-swap {fmt(hs)} vs relaunch + load {fmt(bl)} (SIGKILL to next "
-                       "step, median) |")
+                ready = _get(e, "analysis", "ready") or {}
+                ready_text = (f"; kill -> every rank ready to redo the step {ready['hotswap_s']:.2f} s vs "
+                              f"{ready['baseline_s']:.2f} s" if ready.get("hotswap_s") and ready.get("baseline_s")
+                              else "")
+                out.append(f"| recovery | {size} (`{os.path.basename(path)}`) | hot-swap {fmt(hs)} vs relaunch + "
+                           f"load {fmt(bl)} (SIGKILL to next step, median){ready_text} |")
     sim = found.get("simulate")
     for scen, s in (_get(sim[1], "scenarios") or {}).items() if sim else []:
         for gpus, rep in s.get("sizes", {}).items():
@@ -363,40 +452,72 @@ def _headlines(found: dict) -> list[str]:
     return out
 
 
+def _simulation_staleness(sim_doc: dict, results_dir: str) -> list[str]:
+    """Lines saying whether a simulation was calibrated from the costs the current results give: bench_simulate
+    is not rerun by --report-only, so its figures can lag behind the measurements."""
+    try:
+        if REPO not in sys.path:
+            sys.path.insert(0, REPO)
+        from deadpool_ext.sim.calibration import calibrate
+    except ImportError:
+        return []
+    used = _get(sim_doc, "calibration", "overrides") or {}
+    now = calibrate(results_dir)
+    def fmt(key: str, v: float) -> str:
+        return f"{v:.4f}" if key.endswith("_ratio") else f"{v:.2f} s"
+
+    diff = [f"`{k}` {fmt(k, used[k])} (now {fmt(k, v)}, from `{clean(now.files[k])}`)"
+            for k, v in now.overrides.items() if k in used and abs(used[k] - v) > 1e-3 * max(1.0, abs(v))]
+    if not diff:
+        return []
+    return ["**Stale:** this simulation was calibrated with " + "; ".join(diff) + ". Rerun "
+            "`python benchmarks/bench_simulate.py` to refresh it (`deadpool simulate` always calibrates from the "
+            "current results).", ""]
+
+
 def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_path: str, command_line: str,
                  results_dir: str = RESULTS_DIR, run_command: str | None = None) -> str:
     """Render REPORT.md (and its PNGs beside it) from whatever results exist."""
     fig_dir = os.path.dirname(os.path.abspath(report_path))
     os.makedirs(fig_dir, exist_ok=True)
     names = sorted({b.name for b in discover()} | set(ORDER))
-    found = {n: r for n in names if (r := find_result(n, out_dir, quick, results_dir)) is not None}
-    repo = os.path.dirname(HERE)
-    lines = ["# Benchmark report", "",
-             f"Written by `{command_line}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. "
-             f"Machine: {_machine({'machine': machine_info(())})}. This machine is shared with other engineers "
-             "running tests at the same time (loaded): absolute times are noisy; ratios come from A/B-interleaved "
-             "runs within one job. How to run and read this: `docs/benchmarks.md`.", ""]
+    found = {n: r for n in names if (r := find_results(n, out_dir, quick, results_dir)) is not None}
+    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
     if runs:
-        lines += ["## Runs", "", f"`{run_command or command_line}`, one benchmark at a time:", "",
+        intro = (f"Written by `{clean(command_line)}` on {when}. Machine: {_machine({'machine': machine_info(())})}. This "
+                 "machine is shared with other engineers running tests at the same time (loaded): absolute times "
+                 "are noisy; ratios come from A/B-interleaved runs within one job.")
+    else:
+        # Nothing ran: the machine rendering the report says nothing about the numbers, each file's machine does.
+        intro = (f"Written by `{clean(command_line)}` on {when} from the results already there; no benchmark was run by "
+                 "this command. What each file measured, when, with which command and on which machine: "
+                 "`benchmarks/results/INDEX.md`; every figure's footer names its files and machine. They were "
+                 "measured on a 2-core CPU host shared with other engineers' test runs: absolute times are noisy; "
+                 "ratios come from A/B-interleaved runs within one job.")
+    lines = ["# Benchmark report", "", intro + " How to run and read this: `docs/benchmarks.md`.", ""]
+    if runs:
+        lines += ["## Runs", "", f"`{clean(run_command or command_line)}`, one benchmark at a time:", "",
                   "| benchmark | result |", "|---|---|"]
         lines += [f"| {r['benchmark']} | " + (f"skipped: {r['skipped']}" if "skipped" in r else
                                                f"rc={r['returncode']} in {r['wall_s']:.0f} s, log `{r['log']}`") + " |"
                   for r in runs]
         lines.append("")
-    lines += ["## Sources", "", "| benchmark | file used | command |", "|---|---|---|"]
+    lines += ["## Sources", "", "| benchmark | file used | measured (UTC) | command |", "|---|---|---|---|"]
     for n in names:
-        if n in found:
-            lines.append(f"| {n} | `{os.path.relpath(found[n][0], repo)}` | `{found[n][1].get('command', '?')}` |")
-        else:
-            lines.append(f"| {n} | not measured yet | |")
+        for path, doc in found[n].files if n in found else []:
+            m = doc.get("machine")
+            t = m.get("time_utc", "?") if isinstance(m, dict) else "?"
+            lines.append(f"| {n} | `{_rel(path)}` | {t} | `{clean(doc.get('command', '?'))}` |")
+        if n not in found:
+            lines.append(f"| {n} | not measured yet | | |")
     lines += ["", "## Headlines", "", "| benchmark | case | result |", "|---|---|---|", *_headlines(found), ""]
     # A quick run's figures come from small models; the committed full runs, where present, say more.
-    full = {n: r for n in names if (r := find_result(n, results_dir, False, results_dir)) is not None
+    full = {n: r for n in names if (r := find_results(n, results_dir, False, results_dir)) is not None
             and n in found and os.path.abspath(r[0]) != os.path.abspath(found[n][0])
             and not r[0].endswith("_quick.json")}
     if full:
         lines += ["## Headlines of the committed full runs", "",
-                  "From " + ", ".join(f"`{os.path.relpath(r[0], repo)}`" for r in full.values()) + ".", "",
+                  "From " + ", ".join(f"`{_rel(p_)}`" for r in full.values() for p_, _ in r.files) + ".", "",
                   "| benchmark | case | result |", "|---|---|---|", *_headlines(full), ""]
     for title, fn in FIGURES:
         png, caption = fn(found, fig_dir, "report")
@@ -411,8 +532,9 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
             png = os.path.join(sim_dir, f"{stem}_{suffix}.png")
             if os.path.exists(png):
                 lines += [f"![{stem} {suffix}]({os.path.relpath(png, fig_dir)})", ""]
-        lines += [f"Simulated (not measured): `{os.path.relpath(sim[0], repo)}`, details in "
-                  f"`{os.path.relpath(sim[0][:-5] + '.md', repo)}` and `docs/simulator.md`.", ""]
+        lines += [f"Simulated (not measured): `{_rel(sim[0])}`, details in `{_rel(sim[0][:-5] + '.md')}` and "
+                  "`docs/simulator.md`.", ""]
+        lines += _simulation_staleness(sim[1], results_dir)
     if not sims:
         lines += ["not simulated yet (`python benchmarks/bench_simulate.py`)", ""]
     write_text(report_path, "\n".join(lines))

@@ -1,8 +1,8 @@
 """``deadpool simulate``: goodput of fault-tolerance policies on a large cluster, and which to choose.
 
 A discrete-event Monte Carlo model (deadpool_ext/sim, docs/simulator.md): failures at the Llama 3 report's
-rate, per-phase costs from this project's measured benchmarks (benchmarks/results/*.json) scaled by the stated
-bandwidths. Compares restart from persistent checkpoints (sync / async), Gemini-style in-memory checkpoints,
+rate, per-phase costs from this project's current measured benchmarks (the files benchmarks/results/INDEX.md
+names; the output says which file and JSON path each cost came from) scaled by the stated bandwidths. Compares restart from persistent checkpoints (sync / async), Gemini-style in-memory checkpoints,
 DeadPool hot-swap and TierCheck tiers, each at its best intervals found by sweep.
 
     deadpool simulate --gpus 16384                       # table + recommendation
@@ -117,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rep, indent=1))
     else:
         print(text_report(rep))
-        if cal.sources:
-            print("\ncalibrated from measured results: " + "; ".join(
-                f"{k}={cal.overrides[k]:g} ({v})" for k, v in cal.sources.items()))
+        # Say where every measured cost came from (file and JSON path), so a reader can tell a current result
+        # from a stale one; and what could not be read, since the built-in default was used instead.
+        if cal.overrides:
+            print("\ncalibrated from measured results (defaults < these < --params < flags < --set):")
+            print("\n".join(f"  {line}" for line in cal.lines(params)))
+        if cal.missing:
+            print("\nnot calibrated (built-in default kept):")
+            print("\n".join(f"  {line}" for line in cal.missing))
     return 0

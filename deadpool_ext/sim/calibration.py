@@ -1,28 +1,47 @@
-"""Take the simulator's fixed costs from this project's measured benchmark results.
+"""Take the simulator's fixed costs from this project's current measured benchmark results.
 
-Reads ``benchmarks/results/snapshot_overhead.json`` and ``recovery.json`` when present (the committed full runs,
-not the ``*_quick`` smoke runs) and returns overrides of :class:`~deadpool_ext.sim.params.Costs`, each with the
-JSON path it came from. Absent files or keys simply leave the defaults (which are these same measurements as
-of the commit that wrote them), and the provenance says so.
+Reads the current results that ``benchmarks/results/INDEX.md`` names (stable file names; older runs live in
+``benchmarks/results/archive/`` and are never read): ``snapshot_overhead.json`` and
+``snapshot_overhead_medium_ab.json`` for the interference ratios, ``recovery_small.json`` (then
+``recovery_medium.json``) for the recovery costs. Returns overrides of :class:`~deadpool_ext.sim.params.Costs`,
+each with the file and the JSON path it came from. Absent files or keys leave the defaults (which are these same
+measurements as of the commit that wrote them), and ``missing`` says so.
 
 What is taken, and why it transfers to a GPU cluster only roughly:
 
-* ``costs.snapshot_overhead_ratio`` - step-time ratio of ``deadpool`` (snapshot every iteration) over ``none``,
-  largest model measured. On 2 shared CPU cores the copy competes with compute; on GPUs it competes for PCIe
-  and host memory bandwidth only, so this is pessimistic (DeadPool reports 1.0).
+* ``costs.snapshot_overhead_ratio`` - step-time ratio of ``deadpool`` (snapshot every iteration) over ``none``:
+  the largest model measured, and of its measurements the best resolved one (narrowest 90% interval: the most
+  steps). On 2 shared CPU cores the copy competes with compute; on GPUs it competes for PCIe and host memory
+  bandwidth only, so this is pessimistic (DeadPool reports 1.0). A ratio measured just below 1 is noise around
+  "no overhead" and is taken as 1.
 * ``costs.persist_overhead_ratio`` - the same for ``dcp_async`` (a background persistent checkpoint).
-* ``costs.hotswap_fixed_s`` = agree + rebuild, ``costs.restore_fixed_s`` = restore, from the hot-swap timeline;
-  ``costs.startup_s`` = the relaunched job's start-up and load. Software fixed costs (imports, process groups,
-  ``deepspeed.initialize``); on a real cluster NCCL initialisation grows with the job, so treat them as floors.
+* ``costs.hotswap_fixed_s`` = agree + rebuild, ``costs.restore_fixed_s`` = restore, medians of the hot-swap
+  timeline's phases; ``costs.startup_s`` = the relaunched baseline's start-up and ``load_checkpoint``. The model
+  charges detection (``costs.detect_s``, an at-scale assumption) and the recomputed iteration separately, so the
+  measured end-to-end figures (which contain both) are not used as costs. Software fixed costs (imports, process
+  groups, ``deepspeed.initialize``); on a real cluster NCCL initialisation grows with the job, so treat them as
+  floors.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from .params import Params
+
+# The current results, relative to the results directory, in order of preference. These names are the stable
+# names of benchmarks/results/INDEX.md (CURRENT in benchmarks/results_index.py); a test checks that they agree.
+SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead.json", "snapshot_overhead_medium_ab.json")
+RECOVERY_FILES: tuple[str, ...] = ("recovery_small.json", "recovery_medium.json")
+# Model sizes of the recovery benchmark, most preferred first: small has 3 repeats, medium one.
+RECOVERY_SIZES: tuple[str, ...] = ("small", "medium", "tiny")
+
+# The checkout this module belongs to: file names are shown relative to it (benchmarks/results/...), so the
+# provenance printed by `deadpool simulate` names no machine path.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclass(slots=True)
@@ -30,15 +49,35 @@ class Calibration:
     overrides: dict[str, float] = field(default_factory=dict)
     """``costs.key`` -> value taken from the results."""
     sources: dict[str, str] = field(default_factory=dict)
-    """``costs.key`` -> where the value came from."""
+    """``costs.key`` -> ``"<file>: <JSON path>"``, where the value came from."""
+    files: dict[str, str] = field(default_factory=dict)
+    """``costs.key`` -> the results file alone (relative to the checkout when inside it)."""
     missing: list[str] = field(default_factory=list)
     """What could not be read (file absent, key absent), one line each."""
 
     def apply(self, params: Params) -> Params:
         return params.with_overrides(self.overrides) if self.overrides else params
 
+    def lines(self, effective: Params | None = None) -> list[str]:
+        """One line per calibrated cost, ``costs.hotswap_fixed_s = 0.596 (from <file>: <path>)``; with
+        ``effective`` (the parameters finally used), a value replaced later (--params, flags, --set) says so."""
+        def fmt(key: str, v: float) -> str:
+            return f"{v:.4f}" if key.endswith("_ratio") else f"{v:.3f}"
+
+        out = []
+        for key, value in self.overrides.items():
+            line = f"{key} = {fmt(key, value)} (from {self.sources[key]})"
+            if effective is not None:
+                section, name = key.split(".", 1)
+                used = getattr(getattr(effective, section), name)
+                if used != value:
+                    line += f"; overridden: {fmt(key, used)} used"
+            out.append(line)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        return {"overrides": dict(self.overrides), "sources": dict(self.sources), "missing": list(self.missing)}
+        return {"overrides": dict(self.overrides), "sources": dict(self.sources), "files": dict(self.files),
+                "missing": list(self.missing)}
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -49,64 +88,95 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
-def _load(path: str, cal: Calibration) -> dict | None:
-    try:
-        with open(path) as fh:
-            return json.load(fh)
-    except FileNotFoundError:
-        cal.missing.append(f"{os.path.basename(path)}: not found (defaults kept)")
-    except (OSError, ValueError) as exc:
-        cal.missing.append(f"{os.path.basename(path)}: unreadable ({exc}); defaults kept")
-    return None
+def _display(path: str) -> str:
+    full = os.path.abspath(path)
+    rel = os.path.relpath(full, _CHECKOUT)
+    return full if rel.startswith("..") else rel
 
 
-def _largest_size(doc: dict) -> str | None:
-    sizes = doc.get("sizes") or {}
-    ranked = [(_get(v, "result.params") or 0, name) for name, v in sizes.items()
-              if _get(v, "analysis.modes.deadpool.ratio_to_none") is not None]
-    return max(ranked)[1] if ranked else None
+def _load_group(results_dir: str, names: tuple[str, ...], cal: Calibration) -> list[tuple[str, dict]]:
+    """(display path, document) of each file of a group that exists and parses, in the group's order. Only a
+    group with no file at all counts as missing; an unreadable file is always reported."""
+    docs, absent = [], []
+    for name in names:
+        path = os.path.join(results_dir, name)
+        try:
+            with open(path) as fh:
+                doc = json.load(fh)
+        except FileNotFoundError:
+            absent.append(name)
+            continue
+        except (OSError, ValueError) as exc:
+            cal.missing.append(f"{_display(path)}: unreadable ({exc}); not used")
+            continue
+        if isinstance(doc, dict):
+            docs.append((_display(path), doc))
+        else:
+            cal.missing.append(f"{_display(path)}: not a results object; not used")
+    if not docs and absent:
+        cal.missing.append(f"{' / '.join(absent)}: not found in {_display(results_dir)} (defaults kept)")
+    return docs
 
 
-def _take(cal: Calibration, key: str, value: Any, source: str, lo: float) -> None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= lo:
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _take(cal: Calibration, key: str, value: Any, file: str, path: str, lo: float) -> None:
+    if _number(value) and value >= lo:
         cal.overrides[key] = float(value)
-        cal.sources[key] = source
+        cal.sources[key] = f"{file}: {path}"
+        cal.files[key] = file
     else:
-        cal.missing.append(f"{source}: absent or out of range ({value!r}); default kept for {key}")
+        cal.missing.append(f"{file}: {path} absent or out of range ({value!r}); default kept for {key}")
+
+
+def _best_ratio(docs: list[tuple[str, dict]], mode: str) -> tuple[str, str] | None:
+    """(file, JSON path) of the ``mode`` ratio to use: the largest model measured, and among its measurements (in
+    any of the files) the one with the narrowest 90% interval; earlier files win ties."""
+    ranked = []
+    for order, (file, doc) in enumerate(docs):
+        for size, entry in (doc.get("sizes") or {}).items():
+            base = f"sizes.{size}.analysis.modes.{mode}"
+            if not _number(_get(doc, f"{base}.ratio_to_none")):
+                continue
+            ci = _get(doc, f"{base}.ratio_ci90")
+            width = ci[1] - ci[0] if isinstance(ci, list) and len(ci) == 2 and all(map(_number, ci)) else math.inf
+            params = _get(entry, "result.params")
+            ranked.append((-(params if _number(params) else 0), width, order, file, f"{base}.ratio_to_none"))
+    return min(ranked)[3:] if ranked else None
 
 
 def calibrate(results_dir: str) -> Calibration:
-    """Overrides from the results in ``results_dir`` (usually ``benchmarks/results``)."""
+    """Overrides from the current results in ``results_dir`` (usually ``benchmarks/results``)."""
     cal = Calibration()
-    snap = _load(os.path.join(results_dir, "snapshot_overhead.json"), cal)
-    if snap is not None:
-        size = _largest_size(snap)
-        if size is None:
-            cal.missing.append("snapshot_overhead.json: no size with a deadpool ratio; defaults kept")
-        else:
-            base = f"sizes.{size}.analysis.modes"
-            for key, mode in (("costs.snapshot_overhead_ratio", "deadpool"), ("costs.persist_overhead_ratio",
-                                                                               "dcp_async")):
-                path = f"{base}.{mode}.ratio_to_none"
-                # A ratio measured below 1 is noise around "no overhead"; the model needs >= 1.
-                value = _get(snap, path)
-                if isinstance(value, (int, float)) and 0.9 <= value < 1.0:
-                    value = 1.0
-                _take(cal, key, value, f"snapshot_overhead.json: {path}", 1.0)
-    rec = _load(os.path.join(results_dir, "recovery.json"), cal)
-    if rec is not None:
-        sizes = [s for s in ("small", "medium", "tiny") if _get(rec, f"sizes.{s}.analysis.hotswap.phases_median")]
-        if not sizes:
-            cal.missing.append("recovery.json: no hot-swap phases; defaults kept")
-        else:
-            base = f"sizes.{sizes[0]}.analysis"
-            hs = _get(rec, f"{base}.hotswap.phases_median") or {}
-            agree, rebuild = hs.get("agree_s"), hs.get("rebuild_s")
-            fixed = agree + rebuild if isinstance(agree, (int, float)) and isinstance(rebuild, (int, float)) else None
-            _take(cal, "costs.hotswap_fixed_s", fixed, f"recovery.json: {base}.hotswap.phases_median agree_s + "
-                                                       "rebuild_s", 0.0)
-            _take(cal, "costs.restore_fixed_s", hs.get("restore_s"),
-                  f"recovery.json: {base}.hotswap.phases_median.restore_s", 0.0)
-            _take(cal, "costs.startup_s", _get(rec, f"{base}.baseline.phases_median.startup_and_load_s"),
-                  f"recovery.json: {base}.baseline.phases_median.startup_and_load_s", 0.0)
+    snaps = _load_group(results_dir, SNAPSHOT_FILES, cal)
+    if snaps:
+        for key, mode in (("costs.snapshot_overhead_ratio", "deadpool"), ("costs.persist_overhead_ratio",
+                                                                           "dcp_async")):
+            best = _best_ratio(snaps, mode)
+            if best is None:
+                cal.missing.append(f"{' / '.join(f for f, _ in snaps)}: no {mode} ratio; default kept for {key}")
+                continue
+            file, path = best
+            value = _get(dict(snaps)[file], path)
+            if 0.9 <= value < 1.0:  # noise around "no overhead"; the model needs >= 1
+                value, path = 1.0, f"{path} = {value:.4f}, taken as 1"
+            _take(cal, key, value, file, path, 1.0)
+    recs = _load_group(results_dir, RECOVERY_FILES, cal)
+    found = next(((file, doc, size) for file, doc in recs for size in RECOVERY_SIZES
+                  if _get(doc, f"sizes.{size}.analysis.hotswap.phases_median")), None)
+    if recs and found is None:
+        cal.missing.append(f"{' / '.join(f for f, _ in recs)}: no hot-swap phases; defaults kept")
+    elif found is not None:
+        file, doc, size = found
+        base = f"sizes.{size}.analysis"
+        hs = _get(doc, f"{base}.hotswap.phases_median")
+        agree, rebuild = hs.get("agree_s"), hs.get("rebuild_s")
+        fixed = agree + rebuild if _number(agree) and _number(rebuild) else None
+        _take(cal, "costs.hotswap_fixed_s", fixed, file, f"{base}.hotswap.phases_median agree_s + rebuild_s", 0.0)
+        _take(cal, "costs.restore_fixed_s", hs.get("restore_s"), file, f"{base}.hotswap.phases_median.restore_s",
+              0.0)
+        _take(cal, "costs.startup_s", _get(doc, f"{base}.baseline.phases_median.startup_and_load_s"), file,
+              f"{base}.baseline.phases_median.startup_and_load_s", 0.0)
     return cal

@@ -167,26 +167,33 @@ class Bandwidth:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Costs:
-    """Fixed software costs. Defaults are this project's measurements (benchmarks/results/, overridden by
-    :mod:`deadpool_ext.sim.calibration` when those files are present) or stated assumptions."""
+    """Fixed software costs. Defaults are this project's measurements (the current results named in
+    benchmarks/results/INDEX.md; :mod:`deadpool_ext.sim.calibration` re-reads them at every run and overrides these
+    when the files are present) or stated assumptions. Measured values as of 2026-11-30 (recovery_small.json:
+    GPT small, 3 CPU ranks; snapshot_overhead*.json: 4 CPU ranks)."""
 
     detect_s: float = 10.0
     """Failure to detection, every policy alike (assumption: heartbeat/collective timeouts at scale; a SIGKILL
-    was seen in 0.24 s by deadpool-run and 0.95 s by torchrun here)."""
+    was seen in 0.14 s by deadpool-run and 0.72 s by torchrun here, recovery_small.json)."""
     scheduler_s: float = 60.0
     """Relaunching a whole job: allocation, containers, process start (assumption)."""
-    startup_s: float = 15.0
-    """Process start-up to first step before loading state (measured: recovery.json baseline startup_and_load_s)."""
-    hotswap_fixed_s: float = 8.65
-    """Hot-swap agree + communicator and engine rebuild (measured: recovery.json hot-swap agree_s + rebuild_s)."""
-    restore_fixed_s: float = 1.1
-    """Fixed part of restoring from memory (measured: recovery.json restore_s); bytes / bandwidth come on top."""
-    snapshot_overhead_ratio: float = 1.0165
-    """Failure-free step-time ratio with an in-memory snapshot every iteration (measured on 2 CPU cores:
-    snapshot_overhead.json, deadpool, largest size). The DeadPool paper reports 1.0 on GPUs."""
-    persist_overhead_ratio: float = 1.152
+    startup_s: float = 10.6
+    """Process start-up to first step, loading state included (measured: recovery_small.json, baseline
+    startup_and_load_s)."""
+    hotswap_fixed_s: float = 0.60
+    """Hot-swap agree + communicator and engine rebuild (measured: recovery_small.json, hot-swap agree_s +
+    rebuild_s). Detection and the recomputed iteration are charged separately."""
+    restore_fixed_s: float = 0.50
+    """Fixed part of restoring from memory (measured: recovery_small.json, restore_s); bytes / bandwidth come on
+    top."""
+    snapshot_overhead_ratio: float = 1.0
+    """Failure-free step-time ratio with an in-memory snapshot every iteration (measured on 2 CPU cores: the
+    largest model's best-resolved ratio, snapshot_overhead_medium_ab.json, 0.984 with a 90% interval of
+    [0.92, 1.06], taken as 1). The DeadPool paper reports 1.0 on GPUs."""
+    persist_overhead_ratio: float = 1.21
     """Failure-free step-time ratio with a background persistent checkpoint every iteration (measured on 2 CPU
-    cores: snapshot_overhead.json, dcp_async); charged per background write to storage, by every policy."""
+    cores: snapshot_overhead.json, dcp_async, medium); charged per background write to storage, by every
+    policy."""
     replay_s_per_diff: float = 0.2
     """TierCheck: seconds to replay one differential during recovery (fused replay; assumption)."""
 

@@ -114,3 +114,53 @@ def test_report_with_results_draws_every_figure(tmp_path):
     assert "skipped: does not accept --out" in text
     assert "dlrover_flash_shim" in text and "hot-swap 9.0 s vs relaunch + load 20.0 s" in text
     assert "differential_quick.json" in text  # base vs differential sizes drawn from bench_differential
+
+
+# -- the current results and their index ----------------------------------------------------------------
+_ispec = importlib.util.spec_from_file_location("results_index", os.path.join(REPO, "benchmarks", "results_index.py"))
+results_index = importlib.util.module_from_spec(_ispec)
+sys.modules["results_index"] = results_index
+_ispec.loader.exec_module(results_index)
+
+
+def test_results_dir_holds_only_current_results_and_index_names_them():
+    """Every file at the top of benchmarks/results belongs to a CURRENT entry (older runs go to archive/), every
+    file an entry names exists, and INDEX.md has a section for each."""
+    assert results_index.unaccounted() == []
+    assert results_index.missing() == []
+    index = open(os.path.join(REPO, "benchmarks", "results", "INDEX.md")).read()
+    for e in results_index.CURRENT:
+        assert f"\n## {e.stem}\n" in index, e.stem
+    assert not any("/work/" in line or "/home/" in line for line in index.splitlines() if "--out /tmp" not in line)
+
+
+def test_calibration_reads_only_current_results():
+    from deadpool_ext.sim import calibration
+
+    current = {f"{e.stem}.json" for e in results_index.CURRENT if not e.md_only}
+    assert set(calibration.SNAPSHOT_FILES + calibration.RECOVERY_FILES) <= current
+
+
+def test_report_reads_every_current_file_of_a_benchmark(tmp_path):
+    for stem, v in (("recovery_small", "small"), ("recovery_medium", "medium")):
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"v": v}))
+    found = run_all.find_results("recovery", str(tmp_path), False, str(tmp_path))
+    assert [d["v"] for _, d in found.files] == ["small", "medium"] and found[1]["v"] == "small"
+    # This run's own output (not a current file) wins: a quick run's report shows the quick run, and a full run
+    # (bench_recovery.py writes recovery.json) shows the new numbers until they are filed under the stable names.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "recovery_quick.json").write_text('{"v": "this run"}')
+    assert run_all.find_results("recovery", str(tmp_path / "out"), True, str(tmp_path)).files[0][1]["v"] == "this run"
+    (tmp_path / "recovery.json").write_text('{"v": "new full run"}')
+    assert [d["v"] for _, d in run_all.find_results("recovery", str(tmp_path), False, str(tmp_path)).files] == [
+        "new full run"]
+
+
+def test_report_names_no_machine_paths():
+    assert run_all.clean("python benchmarks/bench_peers.py --quick --out /work/main/benchmarks/results/quick") == (
+        "python benchmarks/bench_peers.py --quick --out benchmarks/results/quick")
+    assert run_all.clean("nice -n 10 /work/main/.venv/bin/python /work/x/benchmarks/bench_a.py --out /tmp/pm") == (
+        "nice -n 10 python benchmarks/bench_a.py --out $TMPDIR/pm")
+    assert run_all.clean("`/srv/ck/configs/a.json`") == "`configs/a.json`"
+    report = open(os.path.join(REPO, "benchmarks", "results", "REPORT.md")).read()
+    assert "/work/" not in report and "/tmp/" not in report and "--quick" not in report.split("## Sources")[0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 
 import pytest
 
@@ -213,27 +214,102 @@ def _write(path, obj):
     path.write_text(json.dumps(obj))
 
 
-def test_calibration_reads_measured_results(tmp_path):
-    _write(tmp_path / "snapshot_overhead.json", {"sizes": {
-        "small": {"result": {"params": 10}, "analysis": {"modes": {"deadpool": {"ratio_to_none": 1.2},
-                                                                    "dcp_async": {"ratio_to_none": 1.5}}}},
-        "medium": {"result": {"params": 100}, "analysis": {"modes": {"deadpool": {"ratio_to_none": 0.98},
-                                                                      "dcp_async": {"ratio_to_none": 1.3}}}}}})
-    _write(tmp_path / "recovery.json", {"sizes": {"small": {"analysis": {
-        "hotswap": {"phases_median": {"agree_s": 1.0, "rebuild_s": 5.0, "restore_s": 0.5}},
-        "baseline": {"phases_median": {"startup_and_load_s": 12.0}}}}}})
+def _snap_size(params, deadpool, dcp=None):
+    modes = {"deadpool": {"ratio_to_none": deadpool[0], "ratio_ci90": deadpool[1]}}
+    if dcp is not None:
+        modes["dcp_async"] = {"ratio_to_none": dcp[0], "ratio_ci90": dcp[1]}
+    return {"result": {"params": params}, "analysis": {"modes": modes}}
+
+
+def _rec_size(agree, rebuild, restore, startup):
+    return {"analysis": {"hotswap": {"phases_median": {"agree_s": agree, "rebuild_s": rebuild, "restore_s": restore}},
+                         "baseline": {"phases_median": {"startup_and_load_s": startup}}}}
+
+
+def _current_results(d):
+    """The current-results layout of benchmarks/results (INDEX.md's stable names), with made-up numbers."""
+    _write(d / "snapshot_overhead.json", {"sizes": {
+        "small": _snap_size(10, (1.2, [1.1, 1.3]), (1.5, [1.4, 1.6])),
+        "medium": _snap_size(100, (1.15, [0.9, 1.4]), (1.3, [1.2, 1.4]))}})
+    # The longer medium A/B resolves the ratio better (narrower interval): it wins over the full run's medium.
+    _write(d / "snapshot_overhead_medium_ab.json", {"sizes": {"medium": _snap_size(100, (0.98, [0.95, 1.01]))}})
+    _write(d / "recovery_small.json", {"sizes": {"small": _rec_size(1.0, 5.0, 0.5, 12.0)}})
+    _write(d / "recovery_medium.json", {"sizes": {"medium": _rec_size(2.0, 9.0, 3.0, 30.0)}})
+
+
+def test_calibration_reads_the_current_result_files_and_names_them(tmp_path):
+    _current_results(tmp_path)
+    # Archived names are never read, even when present: they hold superseded runs.
+    _write(tmp_path / "recovery.json", {"sizes": {"small": _rec_size(50.0, 50.0, 50.0, 50.0)}})
     cal = calibrate(str(tmp_path))
-    assert cal.overrides == {"costs.snapshot_overhead_ratio": 1.0,  # largest size; noise below 1 clamps to 1
-                             "costs.persist_overhead_ratio": 1.3, "costs.hotswap_fixed_s": 6.0,
-                             "costs.restore_fixed_s": 0.5, "costs.startup_s": 12.0}
-    assert "sizes.medium" in cal.sources["costs.persist_overhead_ratio"] and not cal.missing
+    assert cal.overrides == {"costs.snapshot_overhead_ratio": 1.0,  # 0.98 from the A/B: noise below 1 -> 1
+                             "costs.persist_overhead_ratio": 1.3,   # largest model (the A/B has no dcp_async)
+                             "costs.hotswap_fixed_s": 6.0, "costs.restore_fixed_s": 0.5, "costs.startup_s": 12.0}
+    ab, snap, small = (str(tmp_path / n) for n in ("snapshot_overhead_medium_ab.json", "snapshot_overhead.json",
+                                                    "recovery_small.json"))
+    assert cal.files == {"costs.snapshot_overhead_ratio": ab, "costs.persist_overhead_ratio": snap,
+                         "costs.hotswap_fixed_s": small, "costs.restore_fixed_s": small, "costs.startup_s": small}
+    assert cal.sources["costs.snapshot_overhead_ratio"] == (
+        f"{ab}: sizes.medium.analysis.modes.deadpool.ratio_to_none = 0.9800, taken as 1")
+    assert cal.sources["costs.hotswap_fixed_s"] == (
+        f"{small}: sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s")
+    assert not cal.missing
     assert cal.apply(Params()).costs.startup_s == 12.0
+    assert cal.lines()[2] == (f"costs.hotswap_fixed_s = 6.000 (from {small}: "
+                              "sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s)")
+
+
+def test_calibration_falls_back_to_the_next_current_file(tmp_path):
+    _current_results(tmp_path)
+    (tmp_path / "recovery_small.json").unlink()
+    (tmp_path / "snapshot_overhead_medium_ab.json").unlink()
+    cal = calibrate(str(tmp_path))
+    medium = str(tmp_path / "recovery_medium.json")
+    assert cal.overrides["costs.hotswap_fixed_s"] == 11.0 and cal.files["costs.hotswap_fixed_s"] == medium
+    assert "sizes.medium.analysis.baseline" in cal.sources["costs.startup_s"]
+    # Without the A/B the full run's medium ratio (1.15) is the largest model's best.
+    assert cal.overrides["costs.snapshot_overhead_ratio"] == 1.15 and not cal.missing
 
 
 def test_calibration_without_results_keeps_defaults(tmp_path):
+    _write(tmp_path / "recovery.json", {"sizes": {"small": _rec_size(1.0, 1.0, 1.0, 1.0)}})  # an archived name
+    (tmp_path / "snapshot_overhead.json").write_text("{broken")
     cal = calibrate(str(tmp_path))
-    assert cal.overrides == {} and len(cal.missing) == 2 and "not found" in cal.missing[0]
+    assert cal.overrides == {} and cal.files == {}
+    assert len(cal.missing) == 3
+    assert "snapshot_overhead.json: unreadable" in cal.missing[0]
+    assert "snapshot_overhead_medium_ab.json: not found" in cal.missing[1]
+    assert "recovery_small.json / recovery_medium.json: not found" in cal.missing[2]
     assert cal.apply(Params()) == Params()
+
+
+def test_calibration_of_this_checkout_reads_the_files_index_md_names():
+    """The committed results: which file each cost comes from and the value read. Update the numbers (and
+    INDEX.md) when a current result is replaced; a cost read from an archived or missing file fails here."""
+    from deadpool_ext.testing.launch import REPO
+
+    results = os.path.join(REPO, "benchmarks", "results")
+    cal = calibrate(results)
+    assert not cal.missing
+    assert cal.files == {"costs.snapshot_overhead_ratio": "benchmarks/results/snapshot_overhead_medium_ab.json",
+                         "costs.persist_overhead_ratio": "benchmarks/results/snapshot_overhead.json",
+                         "costs.hotswap_fixed_s": "benchmarks/results/recovery_small.json",
+                         "costs.restore_fixed_s": "benchmarks/results/recovery_small.json",
+                         "costs.startup_s": "benchmarks/results/recovery_small.json"}
+    # recovery_small.json (2026-11-30, 3 repeats): agree 0.106 + rebuild 0.490, restore 0.504, relaunch start-up
+    # and load 10.58 s; snapshot_overhead_medium_ab.json: 0.984 (taken as 1); snapshot_overhead.json medium
+    # dcp_async 1.210.
+    assert cal.overrides == pytest.approx({"costs.snapshot_overhead_ratio": 1.0, "costs.persist_overhead_ratio": 1.2099,
+                                           "costs.hotswap_fixed_s": 0.5961, "costs.restore_fixed_s": 0.5041,
+                                           "costs.startup_s": 10.579}, abs=1e-3)
+    index = open(os.path.join(results, "INDEX.md")).read()
+    for file in set(cal.files.values()):
+        name = os.path.basename(file)
+        assert f"[`{name}`]({name})" in index, f"{name} is not a current result in INDEX.md"
+    # The built-in defaults are the same measurements, rounded (what --no-calibrate uses).
+    d = Params().costs
+    for key, value in cal.overrides.items():
+        assert getattr(d, key.split(".")[1]) == pytest.approx(value, abs=0.03), key
 
 
 # -- command ---------------------------------------------------------------------------------------------
@@ -266,6 +342,22 @@ def test_command_rejects_bad_parameters(capsys, tmp_path):
     bad.write_text('{"workload": {"params_b": -1}}')
     assert _cli(["--params", str(bad), "--no-calibrate"]) == 2
     assert "workload.params_b: must be > 0" in capsys.readouterr().err
+
+
+def test_command_prints_where_each_cost_came_from(capsys, tmp_path):
+    _current_results(tmp_path)
+    rc = _cli(["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "ckpt_sync,deadpool", "--quiet",
+               "--results-dir", str(tmp_path), "--set", "costs.startup_s=3"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    small = tmp_path / "recovery_small.json"
+    assert (f"  costs.hotswap_fixed_s = 6.000 (from {small}: sizes.small.analysis.hotswap.phases_median agree_s + "
+            "rebuild_s)\n") in out
+    assert f"  costs.startup_s = 12.000 (from {small}: " in out and "; overridden: 3.000 used" in out
+    assert "not calibrated" not in out
+    rc = _cli(["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "deadpool", "--quiet",
+               "--results-dir", str(tmp_path / "none")])
+    assert rc == 0 and "not calibrated (built-in default kept):" in capsys.readouterr().out
 
 
 # -- self-checks and recommendation ----------------------------------------------------------------------

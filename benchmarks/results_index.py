@@ -1,0 +1,328 @@
+#!/usr/bin/env python
+"""Which files in ``benchmarks/results/`` are the current results, and ``results/INDEX.md`` written from them.
+
+``results/`` holds one current result per measurement, under a stable name, plus ``REPORT.md``; every older or
+intermediate run lives in ``results/archive/`` under the name it was written with. ``CURRENT`` below is the one
+list of what is current: ``run_all.py`` reads the report's inputs from it, the simulator's calibration
+(``deadpool_ext/sim/calibration.py``) reads the files it names, and ``tests/unit/test_report.py`` checks that
+every file at the top of ``results/`` belongs to an entry (so a new run cannot silently sit beside the current
+one).
+
+    python benchmarks/results_index.py            # rewrite results/INDEX.md
+    python benchmarks/results_index.py --check    # exit 1 if a file is unaccounted for or INDEX.md is out of date
+
+When a new run replaces a current result: ``git mv`` the old files into ``results/archive/``, give the new ones
+the entry's stable name (``--name`` of the benchmark), update the entry here if its command or meaning changed,
+and rewrite INDEX.md. Nothing here runs a benchmark; it reads the JSON files (command, machine, time) and git.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from common import REPO, RESULTS_DIR  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Current:
+    stem: str
+    """``results/<stem>.json`` and ``<stem>.md`` (only the ``.md`` when ``md_only``)."""
+    benchmark: str
+    """The report's name for it (``bench_<benchmark>.py``; ``chaos``: ``deadpool chaos``; ``report``: run_all)."""
+    title: str
+    """A few words for the summary table."""
+    measures: str
+    """What it measures, in one or two sentences."""
+    companions: tuple[str, ...] = ()
+    """Other files (relative to results/) that belong to this result: job logs, figures."""
+    md_only: bool = False
+    command: str | None = None
+    """The command, where the result has no JSON that records it."""
+    note: str = ""
+    """Anything a reader must know: renamed from, stale, a quick run."""
+
+
+CURRENT: tuple[Current, ...] = (
+    Current("snapshot_overhead", "snapshot_overhead", "step-time overhead of a checkpoint every step, small + medium",
+            "Failure-free step time with a checkpoint every iteration, GPT small and medium, ZeRO-3, 4 CPU ranks: "
+            "deadpool snapshots vs DeepSpeed default / decoupled checkpoints and DCP async_save, A/B interleaved "
+            "in one job per size; blocking per checkpoint, CPU, snapshot memory.",
+            companions=("snapshot_overhead_small.log", "snapshot_overhead_medium.log")),
+    Current("snapshot_overhead_medium_ab", "snapshot_overhead", "longer A/B of the snapshot overhead, medium",
+            "Companion of snapshot_overhead for GPT medium: only `none` and `deadpool`, 12 measured steps each "
+            "(the full run has 4 per mode, which do not resolve a ratio of 1.03); the best-resolved medium ratio.",
+            companions=("snapshot_overhead_medium_ab_medium.log",)),
+    Current("recovery_small", "recovery", "SIGKILL -> next step: hot-swap vs relaunch + load, small",
+            "SIGKILL of one of 3 ranks to the next completed step, GPT small, ZeRO-3: deadpool hot-swap (3 nodes + "
+            "1 spare) vs kill + relaunch + DeepSpeed load_checkpoint; phases, kill -> ready to redo the step, "
+            "loss check against an uninterrupted run; 3 repeats.",
+            companions=("recovery_small_logs",),
+            note="Written as `recovery_small_final.*` (the command's `--name`), renamed to the stable name; the "
+                 "log paths inside the JSON were updated to match."),
+    Current("recovery_medium", "recovery", "the same, medium",
+            "The same for GPT medium (125M), 1 repeat, glibc malloc tuned in both jobs to fit 24 GiB.",
+            companions=("recovery_medium_logs",),
+            note="Written as `recovery_medium_final.*`, renamed like recovery_small. The older `recovery_medium.*` "
+                 "(code 3fc63fb7) is in archive/."),
+    Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
+            "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
+            "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",
+            companions=("peers.log",)),
+    Current("persist", "persist", "tier-3 persist throughput, small",
+            "Tier-3 bases persisted in the background, GPT small, 4 ranks: throughput against the disk bandwidth "
+            "measured in the same run, time to a persisted base, capture time.",
+            companions=("persist_small.log",)),
+    Current("persist_medium", "persist", "tier-3 persist throughput, medium", "The same for GPT medium (2 pairs).", companions=("persist_medium.log",),
+            note="Written into a scratch directory (`--out /tmp/pm`) and copied here under this name."),
+    Current("differential", "differential", "differential size and fused replay",
+            "TierCheck differentials, GPT small, ZeRO-3, 4 ranks, base every 10 steps: differential vs base size, "
+            "fused vs stepwise replay (both Adam kernels), blocking per checkpoint."),
+    Current("megatron", "megatron", "Megatron-Core: overhead and a hot-swap",
+            "Megatron-Core path: snapshot overhead (PP2 x DP2) and a hot-swap recovery (TP2), GPT small.",
+            companions=("megatron_logs",),
+            note="A `--quick` run, the only one: bench_megatron.py has no `--out`, so run_all.py does not run it."),
+    Current("chaos", "chaos", "chaos campaign, 12 trials",
+            "Chaos campaign: 12 seeded fault trials over ZeRO-1/2/3 and Megatron TP2 (kills in replication, "
+            "recovery and persist windows, corrupted copies), each checked against a fault-free baseline."),
+    Current("chaos_tier3_rerun", "chaos", "chaos tier-3 trials rerun after a fix",
+            "The three tier-3 trials of the chaos campaign (4, 5, 6) rerun after the fix of the tier-3 hook, which "
+            "made them inject nothing in chaos.md.", md_only=True,
+            command="deadpool chaos --seed 2 --trial 4 --trial 5 --trial 6"),
+    Current("simulate", "simulate", "simulated goodput, 512-16,384 GPUs (stale)",
+            "Simulated (not measured) goodput of every policy from 512 to 16,384 GPUs at Llama 3's failure rate, "
+            "costs calibrated from this project's results; Young/Daly checks.",
+            companions=("simulate_goodput.png", "simulate_breakdown.png", "simulate_young_daly.png"),
+            note="**Stale**: calibrated from the results of 2026-11-29 15:11 (hot-swap agree + rebuild 8.65 s, "
+                 "restore 1.10 s, start-up 15.0 s from the archived recovery.json; snapshot ratio 1.017). "
+                 "`deadpool simulate` calibrates from the current files at every run; rerun "
+                 "`python benchmarks/bench_simulate.py` (~2-3 min of CPU) to refresh this file."),
+    Current("REPORT", "report", "all of the above with figures",
+            "Everything above in one page with figures, rendered from the current results by "
+            "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,
+            companions=("report_overhead_vs_interval.png", "report_blocking.png", "report_recovery.png",
+                        "report_persist.png", "report_memory.png"),
+            command="python benchmarks/run_all.py --report-only"),
+)
+
+# Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
+# listed with the generic reason.
+ARCHIVE_NOTES: dict[str, str] = {
+    "recovery": "first full run (small x2 + medium baseline), code 24a8763c",
+    "recovery_code80fb1043": "run of deadpool_ext 80fb1043",
+    "recovery_small_rerun": "rerun of 80fb1043 (small)",
+    "recovery_hang_tiny_hotswap": "a tiny hot-swap recovery that hung (stacks in the .log); evidence for the hang "
+                                  "described in benchmarks/README.md",
+    "recovery_medium_trial": "medium trial that showed hot-swap did not fit 24 GiB without the malloc settings",
+    "recovery_small_fence": "after the fence and spare pre-warm",
+    "recovery_small_warm": "warm spares, init-free rebuild",
+    "recovery_medium": "GPT medium after the malloc setting (code 3fc63fb7); superseded by the current recovery_medium",
+    "recovery_small_derive": "derived parameter buffers",
+    "recovery_small_watch": "0.1 s assignment watch (no effect)",
+    "recovery_small_unsynced": "rebuild without DeepSpeed's weight broadcast",
+    "recovery_small_notice": "survivors stop their step on the launcher's notice",
+    "recovery_medium_notice": "GPT medium, same code as recovery_small_notice",
+    "recovery_quick": "--quick smoke run",
+    "persist_quick": "--quick smoke run",
+    "snapshot_overhead_quick": "--quick smoke run",
+    "snapshot_overhead_diag": "tier-1 vs tier-2 cost (deadpool_t1), older code 29a3d5d8",
+}
+QUICK_DIR_NOTE = ("`archive/quick/`: the `run_all.py --quick` smoke run of 2026-11-29 16:13 (every benchmark's "
+                  "--quick mode, tiny models) that the previous REPORT.md was rendered from")
+
+
+# -- reading the results ------------------------------------------------------------------------------
+def files_of(entry: Current) -> list[str]:
+    """Every file or folder (relative to results/) that belongs to an entry."""
+    own = [f"{entry.stem}.md"] if entry.md_only else [f"{entry.stem}.json", f"{entry.stem}.md"]
+    return own + list(entry.companions)
+
+
+def current_stems(benchmark: str) -> list[str]:
+    """Stems of the current results of one benchmark, in CURRENT's order (the report's inputs)."""
+    return [e.stem for e in CURRENT if e.benchmark == benchmark and not e.md_only]
+
+
+def unaccounted(results_dir: str = RESULTS_DIR) -> list[str]:
+    """Top-level entries of results/ that no CURRENT entry claims (INDEX.md and archive/ aside)."""
+    claimed = {f for e in CURRENT for f in files_of(e)} | {"INDEX.md", "archive"}
+    return sorted(n for n in os.listdir(results_dir) if n not in claimed)
+
+
+def missing(results_dir: str = RESULTS_DIR) -> list[str]:
+    """Files CURRENT names that are not there."""
+    return [f for e in CURRENT for f in files_of(e) if not os.path.exists(os.path.join(results_dir, f))]
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _git_last(path: str) -> str | None:
+    """Short hash and date of the last commit that touched ``path``, or None (no git, not committed). Used only for
+    results whose file records no time of its own (the chaos markdown): such files are written once, when run."""
+    try:
+        out = subprocess.run(["git", "log", "-1", "--format=%h %ad", "--date=format:%Y-%m-%d %H:%M", "--",
+                              os.path.relpath(path, REPO)], cwd=REPO, capture_output=True, text=True, timeout=20,
+                             check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out or None
+
+
+def _written_on(path: str) -> str | None:
+    """The date a report states it was written ("Written by `...` on 2026-11-30 10:00 UTC")."""
+    import re
+
+    try:
+        with open(path) as fh:
+            m = re.search(r"^Written by .*? on (\d{4}-\d\d-\d\d \d\d:\d\d UTC)", fh.read(), re.M)
+    except OSError:
+        return None
+    return m.group(1) if m else None
+
+
+def when_text(entry: Current, doc: dict[str, Any] | None, results_dir: str) -> str:
+    """When a result was produced: the JSON's own clock first, then what the file says, then git."""
+    t = run_time(doc)
+    if t:
+        return f"{t} (machine.time_utc in the JSON)"
+    path = os.path.join(results_dir, files_of(entry)[0])
+    w = _written_on(path)
+    if w:
+        return f"{w} (stated in the file)"
+    g = _git_last(path)
+    return f"not in the file; committed {g}" if g else "not recorded"
+
+
+def machine_text(m: Any) -> str:
+    """One line about the machine a result was measured on, from the ``machine`` field of its JSON."""
+    if isinstance(m, str):  # hand-written description (chaos.json)
+        return m
+    if not isinstance(m, dict):
+        return "not recorded"
+    v = m.get("versions") or {}
+    mem = m.get("mem_total_bytes")
+    load = m.get("loadavg") or []
+    parts = [f"{m.get('cpu_count', '?')} CPUs ({m.get('cpu_model', '?')})",
+             f"{mem / 2**30:.1f} GiB RAM" if mem else None,
+             f"load {load[0]:.1f} at start" if load else None,
+             ", ".join(f"{k} {x}" for k, x in v.items() if x) or None]
+    return "; ".join(p for p in parts if p)
+
+
+def run_time(doc: dict[str, Any] | None) -> str | None:
+    m = (doc or {}).get("machine")
+    return m.get("time_utc") if isinstance(m, dict) else None
+
+
+def code_text(doc: dict[str, Any] | None) -> str | None:
+    m = (doc or {}).get("machine")
+    if not isinstance(m, dict):
+        return (doc or {}).get("code")
+    commit = ((m.get("git") or {}).get("commit") or "")[:8]
+    digest = (m.get("source_digest") or {}).get("deadpool_ext")
+    dirty = " (dirty)" if (m.get("git") or {}).get("dirty") else ""
+    return f"git {commit}{dirty}, deadpool_ext digest {digest}" if commit or digest else None
+
+
+# -- INDEX.md -----------------------------------------------------------------------------------------
+def render_index(results_dir: str = RESULTS_DIR) -> str:
+    L = ["# Current benchmark results", "",
+         "One current result per measurement; older and intermediate runs are in [`archive/`](archive/) under "
+         "their original names (table at the end). Generated by `python benchmarks/results_index.py` from each "
+         "result's own JSON (command, machine, time) and `git log`; the list of what is current is `CURRENT` in "
+         "`benchmarks/results_index.py`. How each benchmark works: `benchmarks/README.md`. All machines: the "
+         "shared 2-core CPU host this project is developed on (other engineers' tests ran at the same time, so "
+         "absolute times are noisy; ratios come from A/B-interleaved runs within one job).", "",
+         "| result | benchmark | when (UTC) | what |", "|---|---|---|---|"]
+    docs = {e.stem: (None if e.md_only else _load(os.path.join(results_dir, f"{e.stem}.json"))) for e in CURRENT}
+    when = {e.stem: when_text(e, docs[e.stem], results_dir) for e in CURRENT}
+    for e in CURRENT:
+        L.append(f"| [`{e.stem}`](#{e.stem.lower()}) | {e.benchmark} | {when[e.stem].split(' (')[0]} | {e.title} |")
+    L.append("")
+    for e in CURRENT:
+        doc = docs[e.stem]
+        L += [f"## {e.stem}", ""]
+        L.append("Files: " + ", ".join(f"[`{f}`]({f})" for f in files_of(e)))
+        L.append("")
+        L.append(f"- **Measures:** {e.measures}")
+        L.append(f"- **When:** {when[e.stem]}")
+        cmd = e.command or (doc or {}).get("command")
+        L.append(f"- **Command:** `{cmd}`" if cmd else "- **Command:** not recorded")
+        if doc is not None:
+            L.append(f"- **Machine:** {machine_text(doc.get('machine'))}")
+            code = code_text(doc)
+            if code:
+                L.append(f"- **Code:** {code}")
+        elif e.stem == "REPORT":
+            L.append("- **Machine:** each figure's footer names the machine of its data (the results above)")
+        else:
+            L.append("- **Machine:** the same shared 2-core CPU host (see the file)")
+        if e.note:
+            L.append(f"- **Note:** {e.note}")
+        L.append("")
+    L += archive_section(results_dir)
+    return "\n".join(L)
+
+
+def archive_section(results_dir: str) -> list[str]:
+    arch = os.path.join(results_dir, "archive")
+    if not os.path.isdir(arch):
+        return []
+    stems = sorted({os.path.splitext(n)[0] for n in os.listdir(arch)
+                    if n.endswith((".json", ".md")) and os.path.isfile(os.path.join(arch, n))})
+    n_files = sum(len(fs) for _, _, fs in os.walk(arch))
+    L = ["## Archive", "",
+         f"`archive/` holds {n_files} files: superseded runs, kept as written (paths inside them name their "
+         "location at the time, `benchmarks/results/...`). Each stem has a `.json` and/or `.md`, most recovery "
+         "runs a `<stem>_logs/` folder; `bench_recovery.py --render-only archive/<stem>.json` re-renders one. "
+         + QUICK_DIR_NOTE + ".", "",
+         "| stem | measured (UTC) | code | why kept |", "|---|---|---|---|"]
+    for s in stems:
+        doc = _load(os.path.join(arch, f"{s}.json"))
+        L.append(f"| `{s}` | {run_time(doc) or '?'} | {code_text(doc) or '?'} | "
+                 f"{ARCHIVE_NOTES.get(s, 'superseded by the current result of its benchmark')} |")
+    L.append("")
+    return L
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--results", default=RESULTS_DIR, help="results directory (default benchmarks/results)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a file is unaccounted for or INDEX.md is stale")
+    args = p.parse_args(argv)
+    bad = [f"not in CURRENT (archive it or add an entry): {n}" for n in unaccounted(args.results)]
+    bad += [f"named in CURRENT but missing: {n}" for n in missing(args.results)]
+    text = render_index(args.results)
+    path = os.path.join(args.results, "INDEX.md")
+    if args.check:
+        try:
+            with open(path) as fh:
+                if fh.read() != text:
+                    bad.append("INDEX.md is out of date: run python benchmarks/results_index.py")
+        except OSError:
+            bad.append("INDEX.md is missing")
+        for line in bad:
+            print(line, file=sys.stderr)
+        return 1 if bad else 0
+    with open(path, "w") as fh:
+        fh.write(text)
+    print(f"wrote {os.path.relpath(path, REPO)}" + "".join(f"\nwarning: {b}" for b in bad))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""benchmarks/bench_recovery.py and its modules: rendering and analysis from a saved result, without running a
+job (the split into recovery_procs / recovery_run / recovery_analyse / recovery_render keeps the output)."""
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import sys
+
+from deadpool_ext.testing.launch import REPO
+
+BENCH = os.path.join(REPO, "benchmarks")
+RESULTS = os.path.join(BENCH, "results")
+sys.path.insert(0, BENCH)
+recovery_render = importlib.import_module("recovery_render")
+recovery_analyse = importlib.import_module("recovery_analyse")
+
+
+def _load(stem):
+    with open(os.path.join(RESULTS, f"{stem}.json")) as fh:
+        return json.load(fh)
+
+
+def test_render_from_saved_json_reproduces_the_committed_markdown():
+    for stem in ("recovery_small", "recovery_medium"):
+        with open(os.path.join(RESULTS, f"{stem}.md")) as fh:
+            assert recovery_render.render_markdown(_load(stem)) == fh.read(), stem
+
+
+def test_analysis_from_saved_runs_reproduces_the_saved_analysis():
+    doc = _load("recovery_small")
+    entry = doc["sizes"]["small"]
+    again = recovery_analyse.analyze_size("small", copy.deepcopy(entry))
+    assert again == entry["analysis"]
+    assert again["hotswap"]["raw_s"]["median"] > 0 and again["losses_identical"] is True
+
+
+def test_render_only_writes_the_markdown_and_leaves_the_json(tmp_path):
+    bench_recovery = importlib.import_module("bench_recovery")
+    src = os.path.join(RESULTS, "recovery_medium.json")
+    dst = tmp_path / "recovery_medium.json"
+    dst.write_bytes(open(src, "rb").read())
+    assert bench_recovery.main(["--render-only", str(dst)]) == 0
+    assert dst.read_bytes() == open(src, "rb").read()
+    assert (tmp_path / "recovery_medium.md").read_text() == open(os.path.join(RESULTS, "recovery_medium.md")).read()
