@@ -363,7 +363,7 @@ class Supervisor:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("DEADPOOL_LOG_LEVEL", "INFO"),
+    logging.basicConfig(level=os.environ.get(contract.LOG_LEVEL, "INFO"),
                         format="[deadpool-run] %(levelname)s %(message)s")
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -53,6 +53,9 @@ SHM_ROOT = "DEADPOOL_SHM_ROOT"
 TIMELINE = "DEADPOOL_TIMELINE"
 """JSON-lines file the workers append recovery events to (``deadpool-run --timeline``)."""
 
+LOG_LEVEL = "DEADPOOL_LOG_LEVEL"
+"""deadpool-run's own log level (INFO by default); workers take theirs from the config's ``log_level``."""
+
 ROLES = ("active", "spare")
 
 

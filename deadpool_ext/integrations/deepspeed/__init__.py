@@ -7,11 +7,11 @@ Either replace ``deepspeed.initialize`` with :func:`initialize` (same arguments 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from ...config import DeadpoolConfig, split_deepspeed_config
 from ...distributed import on_spare_wait
+from ...logs import configure_logging
 from ...rebuild.worker import on_teardown
 from .rebuild import reset_deepspeed_comm_state
 from .runtime import DeadpoolRuntime
@@ -31,7 +31,7 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     if getattr(engine, "deadpool", None) is not None:
         raise RuntimeError("deadpool_ext.register: this engine already has the extension attached")
     cfg = config if isinstance(config, DeadpoolConfig) else DeadpoolConfig.from_dict(config)
-    _configure_logging(cfg.log_level)
+    configure_logging(cfg.log_level)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
     return runtime
@@ -105,17 +105,6 @@ def _unsynced_if_every_rank_restores(ds_config: Any, with_deadpool: bool) -> Any
     from ...patches.deepspeed_unsynced_init import unsynced_weights
 
     return unsynced_weights()
-
-
-def _configure_logging(level: str) -> None:
-    logger = logging.getLogger("deadpool_ext")
-    logger.setLevel(level.upper())
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        rank = os.environ.get("RANK", "?")
-        handler.setFormatter(logging.Formatter(f"[deadpool r{rank}] %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
 
 
 __all__ = ["initialize", "register", "DeadpoolRuntime"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import time
 from typing import Any, Sequence
 
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
 from ...distributed import init_distributed, membership
+from ...logs import configure_logging
 from ...training.data import ByteLMData, seed_everything
 from ...training.models import MODEL_SIZES
 from ..loop import ResilientLoop
@@ -69,23 +69,12 @@ def load_deadpool_config(path: str | None) -> DeadpoolConfig:
     return DeadpoolConfig.from_dict(raw.get("deadpool", {}))
 
 
-def _configure_logging(level: str) -> None:
-    # Same format as the DeepSpeed integration's, without importing it (it imports DeepSpeed: seconds).
-    logger = logging.getLogger("deadpool_ext")
-    logger.setLevel(level.upper())
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(f"[deadpool r{os.environ.get('RANK', '?')}] %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-
-
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.save_interval and not args.save:
         raise SystemExit("--save-interval needs --save DIR")
     config = load_deadpool_config(args.deadpool_config)
-    _configure_logging(config.log_level)
+    configure_logging(config.log_level)
     shims = parallel.apply_cpu_shims()
     init_distributed(timeout_s=config.hot_swap.collective_timeout_s)
     layout = Layout(world_size=dist.get_world_size(), tp=args.tensor_model_parallel_size,
