@@ -8,7 +8,7 @@ and on a shared host, CPU taken from the spare that is joining. The launcher kno
 
 How (call order):
 
-1. ``install()`` in the main thread when the worker joins the job (``rebuild.worker.Membership.from_env``):
+1. ``install()`` in the main thread when the worker joins the job (``rebuild.worker.Membership.start``):
    a Python-level handler for ``SIGUSR2``. No OS signal is ever sent: ``request()`` uses
    ``_thread.interrupt_main(SIGUSR2)``, which runs the handler in the main thread at its next bytecode.
 2. The integration marks where an interruption is safe: ``with armed():`` around the framework's own
