@@ -25,6 +25,10 @@ from deadpool_ext.snapshot.slots import probe_slot
 IMPLEMENTATIONS = {"gloo": lambda group: GlooTransport(group)}
 
 
+def probe(t: torch.Tensor) -> tuple:
+    return probe_slot(memoryview(t.numpy()), verify=True)
+
+
 def blob(rank: int, n: int) -> torch.Tensor:
     obj = {"w": torch.arange(n, dtype=torch.float32) + 1000 * rank, "step": rank}
     return torch.frombuffer(bytearray(fmt.serialize(obj, {"rank": rank, "version": 7})), dtype=torch.uint8)
@@ -38,10 +42,10 @@ def main(impl: str, case: str, out_dir: str) -> None:
     into = torch.zeros(theirs.numel() + 4096, dtype=torch.uint8)
     old = blob(9, 10)
     into[:old.numel()].copy_(old)
-    out: dict = {"rank": rank, "old_valid": probe_slot(into, verify=True)[0] is not None}
+    out: dict = {"rank": rank, "old_valid": probe(into)[0] is not None}
     if case == "both_ways":
         transport.exchange([BlobSend(1 - rank, mine)], [BlobReceive(1 - rank, into, theirs.numel())])
-        meta, why = probe_slot(into, verify=True)
+        meta, why = probe(into)
         out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why)
     elif case == "torn":
         if rank == 0:
@@ -53,7 +57,7 @@ def main(impl: str, case: str, out_dir: str) -> None:
             out["raised"] = None
         except RuntimeError as exc:
             out["raised"] = type(exc).__name__
-        meta, why = probe_slot(into, verify=True)
+        meta, why = probe(into)
         out.update(magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])), meta=meta, why=why)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
