@@ -25,7 +25,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, RESULTS_DIR, machine_info, md_table, write_json, write_text  # noqa: E402
 
-
 KERNELS = {"single": "single-tensor", "fused": "fused (\"fused\": true)"}
 
 

@@ -27,8 +27,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from common import (RESULTS_DIR, bootstrap_ratio_ci, fmt_ratio, fmt_s, git_info, machine_info, md_table,  # noqa: E402
-                    median, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    bootstrap_ratio_ci,
+    fmt_ratio,
+    fmt_s,
+    git_info,
+    machine_info,
+    md_table,
+    median,
+    summarize,
+    write_json,
+    write_text,
+)
 
 
 # -- part 1: worker (runs under torchrun) ----------------------------------------------------------------

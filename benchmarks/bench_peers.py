@@ -36,8 +36,20 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, fmt_pct, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    process_memory, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    fmt_pct,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    process_memory,
+    summarize,
+    write_json,
+    write_text,
+)
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async", "dlrover_flash")
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
@@ -190,9 +202,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()

@@ -38,8 +38,20 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, fmt_bytes, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    ratio, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    ratio,
+    summarize,
+    write_json,
+    write_text,
+)
 
 NPROC = 4
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
@@ -62,11 +74,10 @@ def worker(args: argparse.Namespace) -> int:
 
     from deadpool_ext.config import PersistConfig
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.persist.layout import COMMIT, version_tag
     from deadpool_ext.integrations.deepspeed.tier3 import Tier3Persister
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.persist.layout import COMMIT, version_tag
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()
@@ -250,7 +261,7 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
-    out = [f"# Tier 3: base checkpoints persisted in the background\n",
+    out = ["# Tier 3: base checkpoints persisted in the background\n",
            f"Command: `{doc['command']}`  \nMachine: {m.get('cpu_model')}, {m.get('cpu_count')} CPUs, load "
            f"{m.get('loadavg')}; git {m.get('git', {}).get('commit', '?')[:10]}; shared with other engineers' "
            f"tests (noisy). 4 ranks (torchrun), ZeRO-3 fp32, torch Adam, tier 3 on local disk (fsync).\n"]

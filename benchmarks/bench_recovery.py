@@ -61,11 +61,27 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, busy_fraction, dir_bytes, fmt_bytes, fmt_s, machine_info, mapped_files, md_table,  # noqa: E402
-                    median, process_memory, ratio, summarize, system_cpu, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    busy_fraction,
+    dir_bytes,
+    fmt_bytes,
+    fmt_s,
+    machine_info,
+    mapped_files,
+    md_table,
+    median,
+    process_memory,
+    ratio,
+    summarize,
+    system_cpu,
+    write_json,
+    write_text,
+)
 
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
@@ -980,7 +996,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             L.append(f"- ceiling of the raw ratio on this machine: a recovery taking 0 s still redoes the interrupted "
                      f"step, so raw could be at most {_x(c.get('with_first_step_after_recovery'))} (baseline raw / "
                      f"the hot-swap's first step after recovery) or {_x(c['with_normal_step'])} (/ a normal step)")
-        L.append(f"- per-phase breakdown: above")
+        L.append("- per-phase breakdown: above")
         L.append("")
         L.append("Loss check (same seed, world size 3; floats compared exactly):")
         L.append("")

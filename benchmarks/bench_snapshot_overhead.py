@@ -43,8 +43,23 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, dir_bytes, fmt_bytes, fmt_pct, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    process_memory, ratio, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    dir_bytes,
+    fmt_bytes,
+    fmt_pct,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    process_memory,
+    ratio,
+    summarize,
+    write_json,
+    write_text,
+)
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async")
 # Diagnostic, not in the default set: deadpool with tier 2 switched off for the block (tier-1 cost alone).
@@ -113,13 +128,11 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()
-    import deepspeed
     import torch.distributed.checkpoint as dcp
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine, create_checkpoint_engine
     from deepspeed.utils import groups as ds_groups
@@ -699,7 +712,7 @@ def launcher(args: argparse.Namespace) -> int:
                           os.path.relpath(os.path.abspath(__file__), REPO), *sys.argv[1:]])
     doc: dict[str, Any] = {"benchmark": "snapshot_overhead", "command": command, "machine": machine_info(),
                            "targets": {"ratio": TARGET_RATIO, "blocking_fraction": TARGET_BLOCKING_FRACTION,
-                                       "memory": f"(2 + replication factor) x state"},
+                                       "memory": "(2 + replication factor) x state"},
                            "sizes": {}}
     rc = 0
     for size in sizes:

@@ -236,7 +236,7 @@ class DeadpoolConfig:
                   f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "DeadpoolConfig":
+    def from_dict(cls, data: dict[str, Any] | None) -> DeadpoolConfig:
         return _build(cls, data or {}, SECTION)
 
     def to_dict(self) -> dict[str, Any]:

@@ -24,7 +24,8 @@ does): ``deadpool_ext.rebuild.recover.every_rank_restores()`` agrees on it with 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

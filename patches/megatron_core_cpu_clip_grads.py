@@ -10,7 +10,7 @@ the name.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
 
 import torch
 

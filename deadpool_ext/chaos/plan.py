@@ -10,8 +10,8 @@ draw does not depend on PYTHONHASHSEED).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 from .catalogue import DEFAULT_LAYOUTS, FAULTS, LAYOUTS, TIER3_FAULTS, Action, Fault, Layout, Trigger
 

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..recovery.timeline import read_events
 from ..testing.launch import REPO, RunResult, base_env, read_metrics, run_job

@@ -41,7 +41,7 @@ class Assignment:
                 "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port, "master_addr": self.master_addr}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Assignment":
+    def from_json(cls, d: dict) -> Assignment:
         return cls(generation=int(d["generation"]), world_size=int(d["world_size"]),
                    ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
                    spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),

@@ -32,12 +32,12 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
+from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import SHM_ROOT, job_shm_dir
 from . import contract
 from .contract import HotSwapEnv
-from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 
 log = logging.getLogger("deadpool_ext.launcher")
 

@@ -19,7 +19,8 @@ import errno
 import os
 import shutil
 import uuid
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO
 
 
 class StorageFullError(OSError):

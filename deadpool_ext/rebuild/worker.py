@@ -25,8 +25,8 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 

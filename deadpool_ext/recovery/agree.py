@@ -40,7 +40,7 @@ class RankReport:
                 "local_diffs": _enc(self.local_diffs), "replica_diffs": _enc2(self.replica_diffs)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RankReport":
+    def from_json(cls, d: dict[str, Any]) -> RankReport:
         return cls(rank=int(d["rank"]), local=_dec(d["local"]), replicas=_dec2(d["replicas"]),
                    local_diffs=_dec(d.get("local_diffs", {})), replica_diffs=_dec2(d.get("replica_diffs", {})))
 

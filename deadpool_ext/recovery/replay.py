@@ -31,8 +31,8 @@ Two implementations, same results:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -57,7 +57,7 @@ class AdamHyper:
         return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
-    def from_json(cls, d: dict) -> "AdamHyper":
+    def from_json(cls, d: dict) -> AdamHyper:
         # Keys added after a differential was written take their defaults (older blobs had no ``fused``).
         return cls(**{k: d[k] for k in cls.__slots__ if k in d})
 

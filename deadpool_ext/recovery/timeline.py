@@ -14,7 +14,8 @@ import json
 import os
 import time
 from collections import defaultdict
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 
 def write_event(**rec: Any) -> None:

@@ -22,8 +22,9 @@ import math
 import struct
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import DeadpoolConfig
 from ..cluster.topology import NodePlacement
+from ..config import DeadpoolConfig
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, job_shm_dir, segment_name
-from .differential import DiffRing, GradTap
 from ..replicate.peer import PeerReplicator
+from .differential import DiffRing, GradTap
 from .restore import MemoryRestore
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter

@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,9 +97,9 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     # The collective timeout of the first generation is the section's (hot_swap.collective_timeout_s).
     _, section = split_deepspeed_config(ds_config)
     init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None)
-    from ..snapshot.state import capture_rng, restore_rng
-
     import torch.distributed as dist
+
+    from ..snapshot.state import capture_rng, restore_rng
 
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0

@@ -16,8 +16,20 @@ import torch
 
 from deadpool_ext.snapshot import format as fmt
 from deadpool_ext.snapshot.format import (
-    MAGIC, CorruptSnapshotError, SnapshotFormatError, TensorEntry, blob_nbytes, bytes_checksum, deserialize,
-    flatten_state, plan_layout, read_header, serialize, tensor_checksum, unflatten_state, verify_blob,
+    MAGIC,
+    CorruptSnapshotError,
+    SnapshotFormatError,
+    TensorEntry,
+    blob_nbytes,
+    bytes_checksum,
+    deserialize,
+    flatten_state,
+    plan_layout,
+    read_header,
+    serialize,
+    tensor_checksum,
+    unflatten_state,
+    verify_blob,
     write_blob,
 )
 

@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from deadpool_ext.persist.capture import StagingPool
-from deadpool_ext.persist.layout import (COMMIT, LATEST, VersionInfo, collect_garbage, list_versions, load_candidates,
-                                         read_commit, verify_version, version_tag)
+from deadpool_ext.persist.layout import (
+    COMMIT,
+    LATEST,
+    collect_garbage,
+    list_versions,
+    load_candidates,
+    read_commit,
+    verify_version,
+    version_tag,
+)
 from deadpool_ext.persist.storage import FsspecStorage, LocalStorage, open_storage
 from deadpool_ext.persist.throttle import MiB, Throttle
 from deadpool_ext.persist.writer import BaseJob, BaseWriter, CapturedFile

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...launcher.contract import worker_env
 from ...persist.download import cache_dir_for, download
 from ...persist.layout import VersionInfo, load_candidates, read_commit, verify_version
 from ...persist.storage import Storage, open_storage
-from ...launcher.contract import worker_env
 
 log = logging.getLogger("deadpool_ext")
 MAX_CANDIDATES = 64

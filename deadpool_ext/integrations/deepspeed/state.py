@@ -2,12 +2,12 @@
 manager copies and restores. The only place that knows where DeepSpeed keeps a rank's tensors."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ...snapshot.state import (RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value,
-                               restore_rng)
+from ...snapshot.state import RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value, restore_rng
 
 
 class DeepSpeedStateAdapter(RankStateAdapter):

@@ -22,7 +22,8 @@ optimizer step, ``restore`` after agreement on a version).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -13,7 +13,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist

@@ -21,8 +21,8 @@ def main() -> None:
     import deepspeed  # noqa: F401
 
     from deadpool_ext import patches
-    from deadpool_ext.rebuild import recover
     from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
+    from deadpool_ext.rebuild import recover
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
