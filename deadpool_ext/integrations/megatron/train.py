@@ -176,7 +176,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if metrics is not None:
         metrics.close()
     if rank == 0:
-        print("[pretrain_gpt_megatron] summary %s" % json.dumps(summary), flush=True)
+        print(f"[pretrain_gpt_megatron] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
     if membership() is not None:
         membership().mark_done()
