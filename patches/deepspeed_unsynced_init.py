@@ -39,7 +39,8 @@ def _no_broadcast(engine: Any) -> None:
 
 
 def _local_gather_supported(init: Any, param: Any) -> bool:
-    return (getattr(init, "zero_param_process_group", None) is None and getattr(param, "ds_secondary_tensor", None) is None
+    return (getattr(init, "zero_param_process_group", None) is None
+            and getattr(param, "ds_secondary_tensor", None) is None
             and not hasattr(param.ds_tensor, "ds_quant_scale"))
 
 

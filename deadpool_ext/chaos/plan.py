@@ -45,7 +45,8 @@ class Scenario:
         return "; ".join(a.describe() for a in self.actions)
 
     def reproduce(self) -> str:
-        cmd = f"deadpool chaos --seed {self.seed} --trial {self.trial} --layouts {','.join(self.layouts or [self.layout])}"
+        cmd = (f"deadpool chaos --seed {self.seed} --trial {self.trial} "
+               f"--layouts {','.join(self.layouts or [self.layout])}")
         return cmd + (f" --faults {','.join(self.only)}" if self.only else "")
 
     def to_json(self) -> dict:
@@ -115,7 +116,8 @@ def _expand(seed: int, trial: int, layout: Layout, fault: Fault, rng: random.Ran
         return Action(op="signal", target=target, sig=sig, trigger=trigger)
 
     if fault is Fault.WORKER:
-        return Scenario(**kw, spares=1, expect_swaps=1, actions=(signal(victim, Trigger(kind="step", value=step), sig),))
+        return Scenario(**kw, spares=1, expect_swaps=1,
+                        actions=(signal(victim, Trigger(kind="step", value=step), sig),))
     if fault is Fault.NODE:
         return Scenario(**kw, spares=1, expect_swaps=1,
                         actions=(signal(victim_node, Trigger(kind="step", value=step), sig),))

@@ -38,7 +38,8 @@ class Assignment:
 
     def to_json(self) -> dict:
         return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
-                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port, "master_addr": self.master_addr}
+                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced,
+                "master_port": self.master_port, "master_addr": self.master_addr}
 
     @classmethod
     def from_json(cls, d: dict) -> Assignment:

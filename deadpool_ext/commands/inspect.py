@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print("  no bases")
     for r in t3["versions"]:
         if r["complete"]:
-            print(f"  {r['tag']:<18} complete   {r['bytes'] / 1e6:10,.1f} MB  {r['files']:3d} files  world {r['world_size']}"
+            print(f"  {r['tag']:<18} complete   {r['bytes'] / 1e6:10,.1f} MB  {r['files']:3d} files  "
+                  f"world {r['world_size']}"
                   f" dp {r['dp_world_size']} ZeRO-{r['zero_stage']}  {r['published']}")
         else:
             print(f"  {r['tag']:<18} INCOMPLETE ({r['files']} files, {r['ranks_done']} rank manifests; never used)")

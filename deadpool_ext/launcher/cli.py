@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface the stores listen on (default loopback only)")
     p.add_argument("--store-url", default=None,
                    help="coordination store to use instead of the embedded one: etcd://HOST:PORT (many hosts), or "
-                        "the leader's dp://HOST:PORT for a follower launcher. The token comes from DEADPOOL_STORE_TOKEN")
+                        "the leader's dp://HOST:PORT for a follower launcher. The token comes from "
+                        "DEADPOOL_STORE_TOKEN")
     p.add_argument("--store-port", type=int, default=0, help="port of the embedded store (leader); 0 = any free port")
     p.add_argument("--hosts", type=int, default=1, help="launchers in the job, one per host; node i runs on host "
                                                         "i %% hosts, spare j on host j %% hosts")

@@ -128,7 +128,8 @@ class PeerReplicator:
         for fname in sorted(os.listdir(self.dir)):
             parts = fname.split(".")
             # deadpool.<job>.replica.r<src>.h<holder>b<buf>
-            if len(parts) == 5 and parts[1] == self.job_id and parts[2] == self.kind and ("." + parts[4]).startswith(tag):
+            if (len(parts) == 5 and parts[1] == self.job_id and parts[2] == self.kind
+                    and ("." + parts[4]).startswith(tag)):
                 out.append((int(parts[3][1:]), int(parts[4][len(tag) - 1:]), fname))
         return out
 

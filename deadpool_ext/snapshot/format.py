@@ -143,7 +143,8 @@ def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
             return o if math.isfinite(o) else {"__f__": repr(o)}
         if isinstance(o, torch.Tensor):
             if o.layout != torch.strided or o.dtype not in DTYPE_NAMES or o.device.type == "meta":
-                raise SnapshotFormatError(f"unsupported tensor ({o.dtype}, {o.layout}, {o.device}) at {_fmt_path(path)}")
+                raise SnapshotFormatError(f"unsupported tensor ({o.dtype}, {o.layout}, {o.device}) "
+                                          f"at {_fmt_path(path)}")
             return {"__t__": add(id(o), o, path)}
         if t is np.ndarray:
             if o.dtype.hasobject or o.dtype.fields is not None:
@@ -200,7 +201,8 @@ def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
 def _resolve_enum(spec: str) -> type[enum.Enum]:
     module, _, qualname = spec.partition(":")
     if not _enum_allowed(module):
-        raise SnapshotFormatError(f"enum type {module}.{qualname} is not from an allowed module {ALLOWED_ENUM_PREFIXES}")
+        raise SnapshotFormatError(f"enum type {module}.{qualname} is not from an allowed module "
+                                  f"{ALLOWED_ENUM_PREFIXES}")
     try:
         cls: Any = importlib.import_module(module)
         for part in qualname.split("."):

@@ -117,7 +117,8 @@ class SnapshotManager(MemoryRestore):
             t0 = time.perf_counter()
             if not job.copied.wait(self.config.replication.timeout_s):
                 raise SnapshotWorkerError(
-                    f"snapshot copy of step {job.snap.version} did not finish within {self.config.replication.timeout_s}s")
+                    f"snapshot copy of step {job.snap.version} did not finish within "
+                    f"{self.config.replication.timeout_s}s")
             self._stats["blocking_s"][-1] += time.perf_counter() - t0
         self._raise_worker_error()
 

@@ -249,7 +249,8 @@ class MemoryRestore:
                 for d in todo[b:b + batch_n]:
                     grads, state, header = restore_from(self.ring_segs[ring_of[d]].buf, verify=False)
                     if int(header["version"]) != d:
-                        raise RecoveryError(f"rank {self.rank}: ring entry for differential {d} holds {header['version']}")
+                        raise RecoveryError(f"rank {self.rank}: ring entry for differential {d} "
+                                            f"holds {header['version']}")
                     hypers = state["hypers"]
                     if len(hypers) != len(targets):
                         raise RecoveryError(f"rank {self.rank}: differential {d} covers {len(hypers)} of "

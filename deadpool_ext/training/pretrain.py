@@ -137,7 +137,8 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
             def client_set(state: dict[str, Any]) -> None:
                 if state.get("corpus", data.fingerprint) != data.fingerprint:
-                    raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, this run reads {data.fingerprint}")
+                    raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, "
+                                       f"this run reads {data.fingerprint}")
 
             eng.deadpool.set_client_state(client_get, client_set)
             eng.deadpool.set_rebuild(build_engine)
@@ -187,7 +188,8 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     step_times: list[float] = []
     loss_value = float("nan")
     if rank == 0:
-        print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, gas={gas}, "
+        print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, "
+              f"gas={gas}, "
               f"steps {start}->{args.train_iters}, corpus {data.fingerprint}", flush=True)
     engine.train()
 
@@ -251,7 +253,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if metrics is not None:
         metrics.close()
     if rank == 0:
-        print("[pretrain_%s] summary %s" % (objective, json.dumps(summary)), flush=True)
+        print(f"[pretrain_{objective}] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
     from ..distributed import membership
 

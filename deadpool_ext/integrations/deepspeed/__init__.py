@@ -70,8 +70,9 @@ def _patches() -> Any:
 
 
 def _quiet_zero3_init() -> None:
-    """``deadpool_ext.patches.deepspeed_zero3_quiet_init`` (``patches/`` in the repository) (0.2-0.3 s per rank and engine build), when it supports the
-    installed DeepSpeed; otherwise DeepSpeed as it is (logged at debug level)."""
+    """``deadpool_ext.patches.deepspeed_zero3_quiet_init`` (``patches/`` in the repository) (0.2-0.3 s per rank
+    and engine build), when it supports the installed DeepSpeed; otherwise DeepSpeed as it is (logged at debug
+    level)."""
     p = _patches()
     if p is None:
         return

@@ -26,7 +26,8 @@ log = logging.getLogger("deadpool_ext")
 
 
 def apply_cpu_shims() -> list[str]:
-    """Apply the Megatron-Core CPU shims (``deadpool_ext.patches.MEGATRON_CORE_CPU``) when CUDA is absent; return their names."""
+    """Apply the Megatron-Core CPU shims (``deadpool_ext.patches.MEGATRON_CORE_CPU``) when CUDA is absent; return
+    their names."""
     if torch.cuda.is_available():
         return []
     try:
