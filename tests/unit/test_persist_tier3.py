@@ -197,7 +197,8 @@ def test_disk_full_is_a_clear_error_and_training_continues(tmp_path, monkeypatch
         w0.submit(_job(5, 0, 1))
         assert w0.wait_idle(20)
     err = w0.history[-1]["error"]
-    assert "storage full" in err and str(tmp_path / "t3") in err and "needs 4000 bytes" in err and "100 bytes free" in err
+    assert ("storage full" in err and str(tmp_path / "t3") in err and "needs 4000 bytes" in err
+            and "100 bytes free" in err)
     assert "abandoned (not published), training continues" in caplog.text
     # ENOSPC in the middle of a write (free space unknown) is reported the same way.
     monkeypatch.setattr(storage, "free_bytes", lambda: None)
