@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir = os.path.join(RESULTS_DIR, "megatron_logs")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    result = {"benchmark": "megatron", "command": " ".join(["python", "benchmarks/bench_megatron.py", *(argv or sys.argv[1:])]),
+    result = {"benchmark": "megatron",
+              "command": " ".join(["python", "benchmarks/bench_megatron.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(("torch", "megatron.core", "numpy")), "git": git_info(),
               "overhead": overhead(args)}
     if not args.skip_recovery:

@@ -99,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     persister = Tier3Persister(engine, PersistConfig(url=url, interval=0, keep_last=2, adaptive=not args.no_adaptive,
                                                      max_mb_s=args.max_mb_s, timeout_s=600))
     data = ByteLMData(seq_len=seq_len_for(args.size), seed=args.seed)
-    micro, dp = engine.train_micro_batch_size_per_gpu(), engine.dp_world_size
+    micro = engine.train_micro_batch_size_per_gpu()
     dp_rank = dist.get_rank(group=engine.data_parallel_group)
 
     def slowest(x: float) -> float:
@@ -167,7 +167,8 @@ def worker(args: argparse.Namespace) -> int:
         dt = slowest(time.perf_counter() - t0)
         disk.append(rank_bytes * world / dt)
         os.unlink(path)
-        progress(f"disk write bandwidth {disk[-1] / 1e6:.0f} MB/s ({world} parallel writers x {rank_bytes / 1e6:.0f} MB, fsync)")
+        progress(f"disk write bandwidth {disk[-1] / 1e6:.0f} MB/s ({world} parallel writers x "
+                 f"{rank_bytes / 1e6:.0f} MB, fsync)")
         train_step()
         step = int(engine.global_steps)
         t_start = time.time()
@@ -334,7 +335,8 @@ def launcher(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {"torchrun_cmd": shlex.join(cmd), "job_wall_s": time.time() - t0,
                                  "returncode": job.returncode, "timed_out": job.timed_out}
         write_text(os.path.join(out_dir, f"{stem}_{size}.log"), job.output)
-        log_lines = [l for l in job.output.splitlines() if l.startswith("[bench_persist]") or "Error" in l]
+        log_lines = [line for line in job.output.splitlines()
+                     if line.startswith("[bench_persist]") or "Error" in line]
         entry["progress"] = log_lines[-60:]
         print("\n".join(log_lines), flush=True)
         if job.returncode == 0 and os.path.exists(result_file):
