@@ -76,7 +76,8 @@ def _post(opener: urllib.request.OpenerDirector, endpoint: str, path: str, body:
     req = urllib.request.Request(endpoint + path, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with opener.open(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read().decode() or "{}")
+            out: dict[str, Any] = json.loads(resp.read().decode() or "{}")
+            return out
     except urllib.error.HTTPError as exc:
         raw = exc.read().decode(errors="replace")
         try:
