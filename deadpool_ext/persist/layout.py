@@ -65,7 +65,8 @@ class VersionInfo:
 
 def read_json(storage: Storage, rel: str) -> dict[str, Any] | None:
     try:
-        return json.loads(storage.read_bytes(rel))
+        out: dict[str, Any] | None = json.loads(storage.read_bytes(rel))
+        return out
     except (FileNotFoundError, ValueError, OSError):
         return None
 

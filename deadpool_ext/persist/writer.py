@@ -189,7 +189,7 @@ class BaseWriter:
         target = self.storage.open_temp(rel)
         sink = _ChunkSink(target, self.throttle, self.chunk, job.deadline, f"{self.storage.url}/{rel}")
         try:
-            torch.save(f.state, sink)
+            torch.save(f.state, sink)  # type: ignore[arg-type]  # torch.save takes any object with write/flush
             target.publish()
         except BaseException:
             target.abort()
