@@ -121,7 +121,7 @@ class PeerReplicator:
 
     def _held_files(self) -> list[tuple[int, int, str]]:
         """(source, buffer, file name) of every replica buffer this rank holds on disk."""
-        out = []
+        out: list[tuple[int, int, str]] = []
         if not os.path.isdir(self.dir):
             return out
         tag = f".h{self.rank}b"
