@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import SHM_ROOT, job_shm_dir
@@ -100,9 +101,9 @@ class Supervisor:
         self.leader = args.host_rank == 0
         self.local_nodes = {n for i, n in enumerate(self.active_nodes) if i % args.hosts == args.host_rank} | \
                            {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
-        self.c10d_stores: list = []
+        self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
         self.timeline = open(args.timeline, "a") if args.timeline else None
         # A worker's exit wakes the watch loop at once instead of at its next 0.1 s tick: SIGCHLD writes a byte
         # to this pipe (signal.set_wakeup_fd, from C: no Python lock is taken in the handler).
@@ -116,7 +117,7 @@ class Supervisor:
             self._wake_r = r
 
     # -- events -------------------------------------------------------------------------------------
-    def event(self, **rec) -> None:
+    def event(self, **rec: Any) -> None:
         rec.setdefault("time", time.time())
         rec.setdefault("source", "launcher")
         log.info("%s", json.dumps(rec))
@@ -181,7 +182,9 @@ class Supervisor:
         then bind, so no race with another process taking it in between)."""
         import torch.distributed as dist
 
-        st = dist.TCPStore(self.args.host, 0, world, is_master=True, wait_for_workers=False)
+        # public torch API that torch.distributed does not re-export for type checkers
+        st = dist.TCPStore(  # type: ignore[attr-defined]
+            self.args.host, 0, world, is_master=True, wait_for_workers=False)
         self.c10d_stores.append(st)
         return int(st.port)
 
@@ -298,9 +301,9 @@ class Supervisor:
                     continue
                 if self.store.get(f"done/{wid}") is not None:
                     continue
-                raw = self.store.get(f"hb/{wid}")
-                if raw is not None:
-                    seen_hb[wid] = float(raw)
+                hb = self.store.get(f"hb/{wid}")
+                if hb is not None:
+                    seen_hb[wid] = float(hb)
                 if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                     failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
             for w in self.workers:

@@ -102,7 +102,7 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
     from . import interrupt
 
     m = membership()
-    assert m is not None, "hot-swap recovery outside deadpool-run"
+    assert m is not None and m.assignment is not None, "hot-swap recovery outside deadpool-run"
     gen = m.assignment.generation
     interrupt.forget(gen)
     what_failed = ("step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost)
