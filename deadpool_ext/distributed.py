@@ -116,10 +116,8 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
     assert env.rank is not None and env.world_size is not None and env.master_addr and env.master_port
     timeout = timedelta(seconds=timeout_s)
     if env.agent_store:
-        # TCPStore / PrefixStore: public torch API that torch.distributed does not re-export for type checkers
-        base = dist.TCPStore(  # type: ignore[attr-defined]
-            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"deadpool/attempt_{env.restart_count}", base)  # type: ignore[attr-defined]
+        base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"deadpool/attempt_{env.restart_count}", base)
         log.debug("process group on launcher store, prefix attempt_%s", env.restart_count)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:

@@ -182,9 +182,7 @@ class Supervisor:
         then bind, so no race with another process taking it in between)."""
         import torch.distributed as dist
 
-        # public torch API that torch.distributed does not re-export for type checkers
-        st = dist.TCPStore(  # type: ignore[attr-defined]
-            self.args.host, 0, world, is_master=True, wait_for_workers=False)
+        st = dist.TCPStore(self.args.host, 0, world, is_master=True, wait_for_workers=False)
         self.c10d_stores.append(st)
         return int(st.port)
 

@@ -194,10 +194,8 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     fence().begin(a.generation)
     # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
     # only released by that generation's collective timeout, and must still find the others waiting.
-    # TCPStore / PrefixStore: public torch API that torch.distributed does not re-export for type checkers
-    base = dist.TCPStore(  # type: ignore[attr-defined]
-        a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
-    store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)  # type: ignore[attr-defined]
+    base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
+    store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
     _reset_group_names()
     dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
