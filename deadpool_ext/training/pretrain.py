@@ -152,11 +152,12 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if args.load:
         from ..integrations.deepspeed.resume import NoVerifiedBaseError, resume_from_tier3
 
+        client: Any  # the checkpoint's client state; None when there was nothing to load
         try:
             version, client = resume_from_tier3(engine, args.load)
         except NoVerifiedBaseError as exc:
             raise SystemExit(str(exc)) from None
-        path = f"{args.load} (tier-3 base {version})"
+        path: str | None = f"{args.load} (tier-3 base {version})"
         if version is None:  # not written by tier 3: a plain DeepSpeed checkpoint directory
             has_latest = os.path.exists(os.path.join(args.load, "latest"))
             path, client = engine.load_checkpoint(args.load) if has_latest else (None, None)
@@ -257,6 +258,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     dist.barrier()
     from ..distributed import membership
 
-    if membership() is not None:
-        membership().mark_done()
+    current = membership()
+    if current is not None:
+        current.mark_done()
     return summary

@@ -63,7 +63,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
 
 def _patches() -> Any:
     try:
-        from ... import patches
+        from ... import patches  # type: ignore[attr-defined]  # patches/, mapped in at install (package_dir)
     except ImportError:  # run from a checkout that was never installed (patches/ maps in at install): plain DeepSpeed
         return None
     return patches

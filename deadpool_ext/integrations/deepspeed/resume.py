@@ -85,6 +85,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None) -
             download(storage, chosen, local)
         dist.barrier()
     commit = chosen.commit
+    assert commit is not None  # chosen only once its commit record was read and verified
     same_layout = (int(commit.get("dp_world_size", -1)) == int(engine.dp_world_size)
                    and int(commit.get("zero_stage", -1)) == int(engine.zero_optimization_stage()))
     ckpt = engine.checkpoint_engine

@@ -115,6 +115,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rt = factory()
     rank = dist.get_rank()
     start = rt.resume()
+    assert rt.built is not None  # a runtime is closed only by the hot-swap that replaces it
     if args.load and start == 0:
         from .checkpoint import load_base
 
@@ -134,6 +135,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def one_iteration(rt: MegatronRuntime) -> tuple[float, float | None, float]:
         t0 = time.perf_counter()
+        assert rt.built is not None
         batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
                                rt.coords.dp)
         with rt.stoppable():
@@ -150,6 +152,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def after_swap(new: MegatronRuntime) -> None:
         # Hot-swap (deadpool-run): a peer died mid-iteration; parallel state was rebuilt in-process and the
         # newest version every rank holds restored. The iteration is redone.
+        assert new.built is not None
         for c in new.built.chunks:
             c.train()
 
@@ -159,6 +162,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step_times.append(dt)
         step = rt.progress.iteration
         if metrics is not None:
+            assert rt.built is not None
             metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "time": time.time(),
                                       "lr": rt.built.optimizer.param_groups[0]["lr"],
                                       "samples": rt.progress.consumed_samples, "grad_norm": grad_norm}) + "\n")
@@ -178,6 +182,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if rank == 0:
         print(f"[pretrain_gpt_megatron] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
-    if membership() is not None:
-        membership().mark_done()
+    current = membership()
+    if current is not None:
+        current.mark_done()
     return summary
