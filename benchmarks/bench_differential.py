@@ -25,7 +25,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, RESULTS_DIR, machine_info, md_table, write_json, write_text  # noqa: E402
 
-
 KERNELS = {"single": "single-tensor", "fused": "fused (\"fused\": true)"}
 
 
@@ -155,7 +154,8 @@ def summarize_case(case: dict) -> dict:
     m_fused = median(min(rank["math_s"]["fused"], rank["math_s"]["fused_2"]) for rank in r)
     base = max(rank["base_blob_bytes"] for rank in r)
     diff = max(rank["diff_blob_bytes"] for rank in r)
-    return {"zero_stage": case["stage"], "adam_kernel": case["kernel"], "params": r[0]["params"], "n_diffs": r[0]["n_diffs"],
+    return {"zero_stage": case["stage"], "adam_kernel": case["kernel"], "params": r[0]["params"],
+            "n_diffs": r[0]["n_diffs"],
             "state_bytes_per_rank": max(rank["state_bytes"] for rank in r), "base_blob_bytes": base,
             "diff_blob_bytes": diff, "diff_over_base": diff / base, "step_time_s": median(x["step_time_s"] for x in r),
             "replay_stepwise_s": stepwise, "replay_fused_s": fused, "replay_speedup": stepwise / fused,
@@ -210,10 +210,12 @@ def main(argv: list[str] | None = None) -> int:
            "layout": "DeepSpeed ZeRO, 4 CPU ranks (gloo), 2 simulated nodes, replication factor 1", "base_interval": k,
            "results": rows}
     write_json(os.path.join(args.out, f"{name}.json"), doc)
-    table = md_table(["ZeRO", "Adam kernel", "params", "diff / base", "diff MB", "base MB", "replay stepwise s", "replay fused s",
+    table = md_table(["ZeRO", "Adam kernel", "params", "diff / base", "diff MB", "base MB", "replay stepwise s",
+                      "replay fused s",
                       "speedup", "math stepwise s", "math fused s", "math speedup", "step s",
                       "blocked per checkpoint", "memory / rank"],
-                     [[r["zero_stage"], KERNELS[r["adam_kernel"]], f"{r['params'] / 1e6:.1f}M", f"{r['diff_over_base']:.3f}",
+                     [[r["zero_stage"], KERNELS[r["adam_kernel"]], f"{r['params'] / 1e6:.1f}M",
+                       f"{r['diff_over_base']:.3f}",
                        f"{r['diff_blob_bytes'] / 1e6:.1f}", f"{r['base_blob_bytes'] / 1e6:.1f}",
                        f"{r['replay_stepwise_s']:.3f}", f"{r['replay_fused_s']:.3f}", f"{r['replay_speedup']:.2f}x",
                        f"{r['math_stepwise_s']:.3f}", f"{r['math_fused_s']:.3f}", f"{r['math_speedup']:.2f}x",
@@ -221,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                        f"{r['blocking_s_median'] * 1e3:.1f} ms ({r['blocking_over_step']:.2%} of a step)",
                        f"{r['memory_bytes_per_rank'] / 2**30:.2f} GiB"] for r in rows])
     write_text(os.path.join(args.out, f"{name}.md"),
-               f"# Differential checkpoints: size and replay\n\n`{cmd}` on {doc['machine'].get('cpu', 'this machine')}; "
+               f"# Differential checkpoints: size and replay\n\n`{cmd}` on "
+               f"{doc['machine'].get('cpu', 'this machine')}; "
                f"GPT {size}, {doc['layout']}; base every {k} steps, {k - 1} differentials replayed.\n\n{table}\n\n"
                "diff / base: bytes of one differential blob over one full snapshot blob of the same rank (largest "
                "rank). Replay: restoring the newest version in place, base + differentials; stepwise syncs "
@@ -229,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                "and syncs once. Both give the live state bit for bit (checked in the run). Math: the Adam "
                "replay alone on one rank. Blocked per checkpoint: the training thread's median wait per snapshot "
                "(base or differential, one after every step), i.e. checkpointing every iteration costs that "
-               "fraction of a step; memory / rank: snapshot memory (slots, replicas, rings). Adam kernel: the torch Adam implementation the job trained with (the "
+               "fraction of a step; memory / rank: snapshot memory (slots, replicas, rings). Adam kernel: the torch "
+               "Adam implementation the job trained with (the "
                "single-tensor default, or `\"fused\": true`); replay runs the same kernel, so each row is bit-exact "
                "with its own training run. The machine is shared and was loaded while this ran.\n")
     print(table)

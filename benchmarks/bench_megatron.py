@@ -27,8 +27,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from common import (RESULTS_DIR, bootstrap_ratio_ci, fmt_ratio, fmt_s, git_info, machine_info, md_table,  # noqa: E402
-                    median, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    RESULTS_DIR,
+    bootstrap_ratio_ci,
+    fmt_ratio,
+    fmt_s,
+    git_info,
+    machine_info,
+    md_table,
+    median,
+    summarize,
+    write_json,
+    write_text,
+)
 
 
 # -- part 1: worker (runs under torchrun) ----------------------------------------------------------------
@@ -164,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     workdir = os.path.join(RESULTS_DIR, "megatron_logs")
     os.makedirs(workdir, exist_ok=True)
     t0 = time.time()
-    result = {"benchmark": "megatron", "command": " ".join(["python", "benchmarks/bench_megatron.py", *(argv or sys.argv[1:])]),
+    result = {"benchmark": "megatron",
+              "command": " ".join(["python", "benchmarks/bench_megatron.py", *(argv or sys.argv[1:])]),
               "machine": machine_info(("torch", "megatron.core", "numpy")), "git": git_info(),
               "overhead": overhead(args)}
     if not args.skip_recovery:

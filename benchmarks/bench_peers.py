@@ -36,8 +36,20 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, fmt_pct, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    process_memory, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    fmt_pct,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    process_memory,
+    summarize,
+    write_json,
+    write_text,
+)
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async", "dlrover_flash")
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
@@ -190,9 +202,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()
@@ -314,7 +325,8 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     lines = ["# Peers: checkpoint cost side by side", "",
-             f"Command: `{doc['command']}`. Machine: {doc['machine'].get('cpu_model')}, {doc['machine'].get('cpu_count')} "
+             f"Command: `{doc['command']}`. Machine: {doc['machine'].get('cpu_model')}, "
+             f"{doc['machine'].get('cpu_count')} "
              "cores, shared with other engineers' test runs while this ran (loaded; ratios come from one A/B-"
              "interleaved job, absolute times are noisy).", ""]
     res = doc.get("result")
@@ -323,7 +335,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [f"Model: GPT {res['size']} ({res['params'] / 1e6:.1f}M parameters), DeepSpeed ZeRO-3 fp32, "
               f"{res['world_size']} CPU ranks as 2 simulated nodes, micro-batch {res['micro_batch']}.", ""]
     rows = []
-    for key, a in sorted(doc["analysis"].items(), key=lambda kv: (kv[1]["interval"], MODES.index(kv[1]["mode"]))):
+    for _key, a in sorted(doc["analysis"].items(), key=lambda kv: (kv[1]["interval"], MODES.index(kv[1]["mode"]))):
         ci = a["ratio_ci90"]
         rows.append([a["mode"], a["interval"], fmt_s(a["step_s"]["median"]), fmt_ratio(a["ratio_to_none"]),
                      f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else None, fmt_s(a["blocking_s"]["median"]),
@@ -331,13 +343,15 @@ def render_markdown(doc: dict[str, Any]) -> str:
                      a["step_s"]["n"]])
     lines.append(md_table(["mode", "interval", "median step", "ratio to none", "90% CI", "blocking / ckpt",
                            "blocking / step", "drain per block", "steps"], rows))
-    wide = [k for k, a in doc["analysis"].items() if a["ratio_ci90"] and a["ratio_ci90"][0] <= 1.0 <= a["ratio_ci90"][1]]
+    wide = [k for k, a in doc["analysis"].items()
+            if a["ratio_ci90"] and a["ratio_ci90"][0] <= 1.0 <= a["ratio_ci90"][1]]
     below = [k for k, a in doc["analysis"].items() if a["ratio_ci90"] and a["ratio_ci90"][1] < 1.0]
     if below:
         lines += ["", f"Ratios below 1 ({', '.join(below)}): no checkpoint makes a step faster; these blocks ran while "
                   "other jobs on the machine eased off. Load drift of this size swamps the step-time ratios here."]
     if wide:
-        lines += ["", f"Step-time ratios whose 90% interval includes 1.0 (not resolved by this run): {', '.join(wide)}. "
+        lines += ["", "Step-time ratios whose 90% interval includes 1.0 (not resolved by this run): "
+                  f"{', '.join(wide)}. "
                   "On a shared, loaded machine the blocking time per checkpoint is the robust comparison; the ratios "
                   "need more steps or a quiet machine."]
     if res.get("notes"):

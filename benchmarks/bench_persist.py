@@ -38,8 +38,20 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, fmt_bytes, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    ratio, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    ratio,
+    summarize,
+    write_json,
+    write_text,
+)
 
 NPROC = 4
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
@@ -62,11 +74,10 @@ def worker(args: argparse.Namespace) -> int:
 
     from deadpool_ext.config import PersistConfig
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.persist.layout import COMMIT, version_tag
     from deadpool_ext.integrations.deepspeed.tier3 import Tier3Persister
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.persist.layout import COMMIT, version_tag
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()
@@ -88,7 +99,7 @@ def worker(args: argparse.Namespace) -> int:
     persister = Tier3Persister(engine, PersistConfig(url=url, interval=0, keep_last=2, adaptive=not args.no_adaptive,
                                                      max_mb_s=args.max_mb_s, timeout_s=600))
     data = ByteLMData(seq_len=seq_len_for(args.size), seed=args.seed)
-    micro, dp = engine.train_micro_batch_size_per_gpu(), engine.dp_world_size
+    micro = engine.train_micro_batch_size_per_gpu()
     dp_rank = dist.get_rank(group=engine.data_parallel_group)
 
     def slowest(x: float) -> float:
@@ -156,7 +167,8 @@ def worker(args: argparse.Namespace) -> int:
         dt = slowest(time.perf_counter() - t0)
         disk.append(rank_bytes * world / dt)
         os.unlink(path)
-        progress(f"disk write bandwidth {disk[-1] / 1e6:.0f} MB/s ({world} parallel writers x {rank_bytes / 1e6:.0f} MB, fsync)")
+        progress(f"disk write bandwidth {disk[-1] / 1e6:.0f} MB/s ({world} parallel writers x "
+                 f"{rank_bytes / 1e6:.0f} MB, fsync)")
         train_step()
         step = int(engine.global_steps)
         t_start = time.time()
@@ -250,7 +262,7 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
 
 def render_markdown(doc: dict[str, Any]) -> str:
     m = doc["machine"]
-    out = [f"# Tier 3: base checkpoints persisted in the background\n",
+    out = ["# Tier 3: base checkpoints persisted in the background\n",
            f"Command: `{doc['command']}`  \nMachine: {m.get('cpu_model')}, {m.get('cpu_count')} CPUs, load "
            f"{m.get('loadavg')}; git {m.get('git', {}).get('commit', '?')[:10]}; shared with other engineers' "
            f"tests (noisy). 4 ranks (torchrun), ZeRO-3 fp32, torch Adam, tier 3 on local disk (fsync).\n"]
@@ -323,7 +335,8 @@ def launcher(args: argparse.Namespace) -> int:
         entry: dict[str, Any] = {"torchrun_cmd": shlex.join(cmd), "job_wall_s": time.time() - t0,
                                  "returncode": job.returncode, "timed_out": job.timed_out}
         write_text(os.path.join(out_dir, f"{stem}_{size}.log"), job.output)
-        log_lines = [l for l in job.output.splitlines() if l.startswith("[bench_persist]") or "Error" in l]
+        log_lines = [line for line in job.output.splitlines()
+                     if line.startswith("[bench_persist]") or "Error" in line]
         entry["progress"] = log_lines[-60:]
         print("\n".join(log_lines), flush=True)
         if job.returncode == 0 and os.path.exists(result_file):

@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args.sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     args.trials = args.trials or (4 if args.quick else 20)
     args.horizon_days = args.horizon_days or (10.0 if args.quick else 30.0)
-    args.command = ("python benchmarks/bench_simulate.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))).strip()
+    args.command = ("python benchmarks/bench_simulate.py "
+                    + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))).strip()
     stem = args.name or ("simulate_quick" if args.quick else "simulate")
     os.makedirs(args.out, exist_ok=True)
     res = run(args)

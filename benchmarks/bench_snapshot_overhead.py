@@ -43,8 +43,23 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (REPO, bootstrap_ratio_ci, dir_bytes, fmt_bytes, fmt_pct, fmt_ratio, fmt_s, machine_info, md_table, median,  # noqa: E402
-                    process_memory, ratio, summarize, write_json, write_text)
+from common import (  # noqa: E402
+    REPO,
+    bootstrap_ratio_ci,
+    dir_bytes,
+    fmt_bytes,
+    fmt_pct,
+    fmt_ratio,
+    fmt_s,
+    machine_info,
+    md_table,
+    median,
+    process_memory,
+    ratio,
+    summarize,
+    write_json,
+    write_text,
+)
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async")
 # Diagnostic, not in the default set: deadpool with tier 2 switched off for the block (tier-1 cost alone).
@@ -113,13 +128,11 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from deadpool_ext.distributed import init_distributed
-    from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.training.data import ByteLMData, seed_everything
     from deadpool_ext.training.models import build_gpt, count_parameters, seq_len_for
-    from deadpool_ext.training.data import seed_everything
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     init_distributed()
-    import deepspeed
     import torch.distributed.checkpoint as dcp
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine, create_checkpoint_engine
     from deepspeed.utils import groups as ds_groups
@@ -334,7 +347,8 @@ def worker(args: argparse.Namespace) -> int:
                 _progress(args, f"[bench] {args.size} round {r}{' (warm-up)' if warm else ''} {mode:>12}: "
                       f"median step {median(blk['step_s']):.3f} s, drain {blk['drain_s']:.3f} s, "
                       f"loss {blk['loss'][-1]:.3f}, rank-0 RSS {blk['memory'].get('rss', 0) / 2**30:.2f} GiB "
-                      f"(peak {blk['memory'].get('hwm', 0) / 2**30:.2f}), machine busy {blk['machine_busy_fraction']:.0%}")
+                      f"(peak {blk['memory'].get('hwm', 0) / 2**30:.2f}), "
+                      f"machine busy {blk['machine_busy_fraction']:.0%}")
     run_s = time.perf_counter() - t_run
 
     # Per-snapshot stats are appended by the manager (blocking_s of a snapshot grows when the *next* step
@@ -568,7 +582,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines.append(f"Machine: {m.get('cpu_count')} CPUs ({m.get('cpu_model')}), "
                  f"{fmt_bytes(m.get('mem_total_bytes'))} RAM, load at start {m.get('loadavg')}; "
                  f"torch {v.get('torch')}, deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}; "
-                 f"git {str((m.get('git') or {}).get('commit'))[:10]}{' (dirty)' if (m.get('git') or {}).get('dirty') else ''}; "
+                 f"git {str((m.get('git') or {}).get('commit'))[:10]}"
+                 f"{' (dirty)' if (m.get('git') or {}).get('dirty') else ''}; "
                  f"{m.get('time_utc')}.")
     lines.append("")
     lines.append("Step time = slowest rank's wall time around forward + backward + `engine.step` (+ the save call), "
@@ -587,7 +602,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             continue
         res, an = entry["result"], entry["analysis"]
         sch = res["schedule"]
-        lines.append(f"## {size}: {res['params'] / 1e6:.1f}M params, seq {res['seq_len']}, micro-batch {res['micro_batch']}"
+        lines.append(f"## {size}: {res['params'] / 1e6:.1f}M params, seq {res['seq_len']}, "
+                     f"micro-batch {res['micro_batch']}"
                      f"/rank, {res['world_size']} ranks ZeRO-{res['zero_stage']} {res['dtype']}, "
                      f"{res['layout']['simulated_nodes']} simulated nodes, replication factor "
                      f"{res['layout']['replication_factor']}")
@@ -596,10 +612,12 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append(f"ZeRO overrides: {zero or 'none'}; activation checkpointing: "
                      f"{'on' if res.get('activation_checkpointing') else 'off'}; deadpool section: "
                      f"`{json.dumps({k: v for k, v in res['deadpool_config'].items() if k != 'job_id'})}`"
-                     + (f"; effective replication settings `{json.dumps(res['deadpool_config_effective']['replication'])}`"
+                     + ("; effective replication settings "
+                        f"`{json.dumps(res['deadpool_config_effective']['replication'])}`"
                         if res.get("deadpool_config_effective") else "") + ".")
         lines.append("")
-        lines.append(f"{sch['rounds']} measured rounds x {sch['steps_per_block']} steps per mode (+ {sch['warmup_rounds']} "
+        lines.append(f"{sch['rounds']} measured rounds x {sch['steps_per_block']} steps per mode "
+                     f"(+ {sch['warmup_rounds']} "
                      f"warm-up round x {sch['warmup_steps']} steps); job wall time {entry.get('job_wall_s', 0):.0f} s.")
         lines.append("")
         rows = []
@@ -615,7 +633,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 fmt_bytes(mm["rank_rss_bytes_max"]),
                 fmt_bytes(mm["children_rss_bytes_max"]) if mm["children_rss_bytes_max"] else None,
             ])
-        lines.append(md_table(["mode", "median step", "p90 step", "ratio", "ratio 90% CI", "paired", "amortized", "blocking med / max",
+        lines.append(md_table(["mode", "median step", "p90 step", "ratio", "ratio 90% CI", "paired", "amortized",
+                               "blocking med / max",
                                "blocking % step", "drain", "CPU/step/rank", "rank RSS max", "writer RSS"], rows))
         lines.append("")
         for mode, note in res.get("notes", {}).items():
@@ -630,7 +649,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
             mm = an["modes"][name]
             bg = mm["background_s"]
             lines.append(f"- `{name}` background work per snapshot (medians): copy {fmt_s(bg['copy_s']['median'])}, "
-                         f"seal (checksums) {fmt_s(bg['seal_s']['median'])}, replicate {fmt_s(bg['replicate_s']['median'])}, "
+                         f"seal (checksums) {fmt_s(bg['seal_s']['median'])}, "
+                         f"replicate {fmt_s(bg['replicate_s']['median'])}, "
                          f"commit {fmt_s(bg['commit_s']['median'])}; snapshot thread CPU "
                          f"{fmt_s(mm['snapshot_thread_cpu_s_per_snapshot'])} per snapshot (excludes gloo's own "
                          f"threads); machine busy {fmt_pct(mm['machine_busy_fraction'], 0)} (none: "
@@ -638,8 +658,10 @@ def render_markdown(doc: dict[str, Any]) -> str:
         mem = an["memory"]
         r0 = mem["per_rank"][0]
         lines.append(f"- memory per rank: state {fmt_bytes(r0['state_bytes'])} ({r0['state_bytes']} B); /dev/shm "
-                     f"{fmt_bytes(r0['shm_bytes'])} = 2 slots x {fmt_bytes(r0['slot_bytes'][0] if r0['slot_bytes'] else None)}"
-                     f" + replicas of {len(r0['replica_sources'])} source(s) x {r0.get('replica_buffers_per_source', 1)} "
+                     f"{fmt_bytes(r0['shm_bytes'])} = 2 slots x "
+                     f"{fmt_bytes(r0['slot_bytes'][0] if r0['slot_bytes'] else None)}"
+                     f" + replicas of {len(r0['replica_sources'])} source(s) x "
+                     f"{r0.get('replica_buffers_per_source', 1)} "
                      f"buffer(s) {fmt_bytes(r0['replica_bytes'])}; max ratio over ranks "
                      f"{mem['max_ratio']:.4f} x state (bound {mem['bound_ratio']}); whole job's shm dir "
                      f"{fmt_bytes(mem['shm_job_bytes_end'])}. Each buffer holds the captured state, "
@@ -656,13 +678,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
             verdict += " (point estimate; the 90% CI straddles the target, so this run does not resolve it)"
         lines.append(f"- step-time ratio <= {TARGET_RATIO}: **{verdict}** "
                      f"({fmt_ratio(t['ratio']['value'])}, 90% bootstrap CI "
-                     f"{'[{:.3f}, {:.3f}]'.format(*dpm['ratio_ci90']) if dpm and dpm.get('ratio_ci90') else None}; paired {fmt_ratio(dpm['paired_ratio_median']) if dpm else None}, "
+                     f"{'[{:.3f}, {:.3f}]'.format(*dpm['ratio_ci90']) if dpm and dpm.get('ratio_ci90') else None}; "
+                     f"paired {fmt_ratio(dpm['paired_ratio_median']) if dpm else None}, "
                      f"amortized {fmt_ratio(dpm['amortized_ratio_to_none']) if dpm else None})")
-        lines.append(f"- blocking time <= {TARGET_BLOCKING_FRACTION:.0%} of a step: **{'met' if t['blocking']['met'] else 'not met'}** "
-                     f"({fmt_pct(t['blocking']['value'], 2)} median, {fmt_pct(dpm['blocking_max_fraction_of_step'], 2) if dpm else None} max)")
+        lines.append(f"- blocking time <= {TARGET_BLOCKING_FRACTION:.0%} of a step: "
+                     f"**{'met' if t['blocking']['met'] else 'not met'}** "
+                     f"({fmt_pct(t['blocking']['value'], 2)} median, "
+                     f"{fmt_pct(dpm['blocking_max_fraction_of_step'], 2) if dpm else None} max)")
         lines.append(f"- memory <= (2 + {res['layout']['replication_factor']}) x state: "
                      f"**{'met' if t['memory']['met'] else 'not met'}** for the state's bytes "
-                     f"({mem['max_data_ratio']:.4f} x); with each buffer's header and small state (counters, scheduler, "
+                     f"({mem['max_data_ratio']:.4f} x); with each buffer's header and small state "
+                     "(counters, scheduler, "
                      f"RNG: {fmt_bytes(r0['slot_bytes'][0] - r0['captured_bytes']) if r0['slot_bytes'] else None}) "
                      f"{mem['max_ratio']:.4f} x")
         lines.append("")
@@ -699,7 +725,7 @@ def launcher(args: argparse.Namespace) -> int:
                           os.path.relpath(os.path.abspath(__file__), REPO), *sys.argv[1:]])
     doc: dict[str, Any] = {"benchmark": "snapshot_overhead", "command": command, "machine": machine_info(),
                            "targets": {"ratio": TARGET_RATIO, "blocking_fraction": TARGET_BLOCKING_FRACTION,
-                                       "memory": f"(2 + replication factor) x state"},
+                                       "memory": "(2 + replication factor) x state"},
                            "sizes": {}}
     rc = 0
     for size in sizes:
@@ -748,7 +774,9 @@ def launcher(args: argparse.Namespace) -> int:
         else:
             rc = 1
             tail = "\n".join(job.output.splitlines()[-40:])
-            entry["error"] = (f"job {'timed out after ' + str(d['timeout_s']) + ' s' if job.timed_out else 'exited rc=' + str(job.returncode)}; "
+            how = ("timed out after " + str(d["timeout_s"]) + " s" if job.timed_out
+                   else "exited rc=" + str(job.returncode))
+            entry["error"] = (f"job {how}; "
                               f"log {entry['log']}; last lines:\n{tail}")
             print(entry["error"], flush=True)
         if not args.keep_scratch:
@@ -793,7 +821,8 @@ def _print_summary(size: str, entry: dict[str, Any]) -> None:
     for mode, mm in an["modes"].items():
         b = mm.get("blocking_s") or {}
         print(f"    {mode:>12}: median {mm['step_s']['median']:.3f} s  ratio {mm['ratio_to_none']:.3f}  "
-              f"paired {mm['paired_ratio_median'] or float('nan'):.3f}  amortized {mm['amortized_ratio_to_none'] or float('nan'):.3f}"
+              f"paired {mm['paired_ratio_median'] or float('nan'):.3f}  "
+              f"amortized {mm['amortized_ratio_to_none'] or float('nan'):.3f}"
               + (f"  blocking {b['median'] * 1000:.1f} ms ({100 * mm['blocking_fraction_of_step']:.2f}%)" if b else ""),
               flush=True)
     t = an["targets"]
@@ -820,7 +849,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=None, help="deadline of one size's job (default: per size)")
     p.add_argument("--name", default=None, help="results file stem (default snapshot_overhead[_quick])")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
-    p.add_argument("--scratch-root", default=None, help="parent of the local-disk checkpoint directory (default: $TMPDIR)")
+    p.add_argument("--scratch-root", default=None,
+                   help="parent of the local-disk checkpoint directory (default: $TMPDIR)")
     p.add_argument("--keep-scratch", action="store_true", help="keep checkpoint directories after the run")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--reanalyze", metavar="JSON", default=None,
@@ -828,7 +858,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zero-overrides", default=None,
                    help="JSON merged into the zero_optimization section (default: per size, see DEFAULTS)")
     p.add_argument("--deadpool-overrides", default=None,
-                   help='JSON deep-merged into the deadpool section, e.g. \'{"replication": {"double_buffer": false}}\'')
+                   help="JSON deep-merged into the deadpool section, "
+                        'e.g. \'{"replication": {"double_buffer": false}}\'')
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
                    help="recompute activations in backward (default: per size)")
     # worker mode (set by the launcher)

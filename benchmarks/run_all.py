@@ -334,7 +334,8 @@ def fig_persist(found: dict, out: str, stem: str) -> tuple[str | None, str]:
     tp = _walk(src[1], ("disk_bw_MB_s", "persist_idle_MB_s")) if src else []
     # Differential vs base sizes: bench_differential's blobs (one per ZeRO stage), else any pair in persist.json.
     sizes = [{"base_bytes": r["base_blob_bytes"], "diff_bytes": r["diff_blob_bytes"],
-              "label": f"ZeRO-{r.get('zero_stage', '?')}" + (f", {r['adam_kernel']} Adam" if "adam_kernel" in r else "")}
+              "label": f"ZeRO-{r.get('zero_stage', '?')}"
+                       + (f", {r['adam_kernel']} Adam" if "adam_kernel" in r else "")}
              for r in _walk(dif[1], ("base_blob_bytes", "diff_blob_bytes"))
              ] if dif else []
     sizes = sizes or (_walk(src[1], ("base_bytes", "diff_bytes")) if src else [])

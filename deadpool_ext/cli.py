@@ -9,12 +9,13 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from typing import Sequence
+import types
+from collections.abc import Sequence
 
 from . import commands
 
 
-def _modules() -> dict[str, object]:
+def _modules() -> dict[str, types.ModuleType]:
     out = {}
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
         if not info.name.startswith("_"):

@@ -21,9 +21,13 @@ import os
 import re
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 SECTION = "deadpool"
+_T = typing.TypeVar("_T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -236,7 +240,7 @@ class DeadpoolConfig:
                   f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "DeadpoolConfig":
+    def from_dict(cls, data: dict[str, Any] | None) -> DeadpoolConfig:
         return _build(cls, data or {}, SECTION)
 
     def to_dict(self) -> dict[str, Any]:
@@ -248,7 +252,7 @@ def _positive(path: str, value: Any) -> None:
         _fail(path, f"must be a positive number, got {value!r}")
 
 
-def _build(cls: type, data: Any, path: str) -> Any:
+def _build(cls: type[_T], data: Any, path: str) -> _T:
     if not isinstance(data, dict):
         _fail(path, f"must be a JSON object, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -268,7 +272,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
 
 def _coerce(hint: Any, value: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, path)
+        return _build(typing.cast(type, hint), value, path)  # a dataclass type: hints are types, not instances
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
@@ -295,7 +299,8 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
     return value
 
 
-def split_deepspeed_config(config: str | os.PathLike | dict[str, Any]) -> tuple[dict[str, Any], DeadpoolConfig | None]:
+def split_deepspeed_config(
+        config: str | os.PathLike[str] | dict[str, Any]) -> tuple[dict[str, Any], DeadpoolConfig | None]:
     """Load a DeepSpeed config (path or dict) and split off the ``deadpool`` section.
 
     Returns ``(deepspeed_config_without_section, DeadpoolConfig or None)``. The section is removed so that

@@ -28,8 +28,9 @@ REGISTRY: dict[str, str] = {
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 
-MEGATRON_CORE_CPU: tuple[str, ...] = ("megatron_core_cpu_device", "megatron_core_cpu_rng", "megatron_core_cpu_factories",
-                                       "megatron_core_cpu_clip_grads", "megatron_core_cpu_synchronize")
+MEGATRON_CORE_CPU: tuple[str, ...] = ("megatron_core_cpu_device", "megatron_core_cpu_rng",
+                                       "megatron_core_cpu_factories", "megatron_core_cpu_clip_grads",
+                                       "megatron_core_cpu_synchronize")
 """What Megatron-Core needs to train and checkpoint on a machine without CUDA."""
 
 

@@ -74,7 +74,7 @@ class Patch(ABC):
                     f"this version; check them and widen {type(self).__module__}.requires after testing")
         self._check_environment()
 
-    def _check_environment(self) -> None:
+    def _check_environment(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
         """Extra preconditions (e.g. "no CUDA"); raise RuntimeError with the reason."""
 
     # -- apply / revert ------------------------------------------------------------------------------

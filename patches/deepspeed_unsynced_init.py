@@ -24,7 +24,8 @@ does): ``deadpool_ext.rebuild.recover.every_rank_restores()`` agrees on it with 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -38,7 +39,8 @@ def _no_broadcast(engine: Any) -> None:
 
 
 def _local_gather_supported(init: Any, param: Any) -> bool:
-    return (getattr(init, "zero_param_process_group", None) is None and getattr(param, "ds_secondary_tensor", None) is None
+    return (getattr(init, "zero_param_process_group", None) is None
+            and getattr(param, "ds_secondary_tensor", None) is None
             and not hasattr(param.ds_tensor, "ds_quant_scale"))
 
 

@@ -10,7 +10,7 @@ the name.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -27,7 +27,8 @@ def clip_grad_by_total_norm_fp32_cpu(parameters: Iterable[torch.Tensor] | torch.
         grad = getattr(param, "decoupled_grad", None) if use_decoupled_grad else param.grad
         if grad is None:
             continue
-        if grad.dtype not in (torch.float32, torch.bfloat16) or (not use_decoupled_grad and grad.dtype != torch.float32):
+        if (grad.dtype not in (torch.float32, torch.bfloat16)
+                or (not use_decoupled_grad and grad.dtype != torch.float32)):
             raise AssertionError(f"clip_grad_by_total_norm_fp32: gradient of dtype {grad.dtype}, expected float32")
         grads.append(grad.detach())
     clip_coeff = max_norm / (total_norm + 1.0e-6)

@@ -14,7 +14,8 @@ to the CPU generator for the same reason.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -2,7 +2,8 @@
 
 Why: ``megatron.core.dist_checkpointing`` (torch_dist strategy, fully-parallel wrappers, async save) calls
 ``torch.cuda.synchronize()`` to make sure device tensors are final before it reads them, and the pipeline
-schedules' point-to-point exchange calls it after ``batch_isend_irecv``; on a CPU build the call raises. Without CUDA there is no asynchronous device work to wait for, so doing nothing is exact.
+schedules' point-to-point exchange calls it after ``batch_isend_irecv``; on a CPU build the call raises.
+Without CUDA there is no asynchronous device work to wait for, so doing nothing is exact.
 (Its ``torch.cuda.current_device()`` calls are covered by ``megatron_core_cpu_device``.)
 """
 from __future__ import annotations

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .base import Patch, UnsupportedVersionError
 from .megatron_core_cpu_device import SUPPORTED_MEGATRON_CORE

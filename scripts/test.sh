@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The whole test suite (what CI runs): installs into .venv/ if needed, then pytest.
+# The whole test suite (what CI runs): installs into .venv/ if needed, runs the gates, then pytest.
 #   bash scripts/test.sh            # everything
 #   bash scripts/test.sh -m 'not slow'   # unit tests only (seconds)
+#   DEADPOOL_SKIP_GATES=1 bash scripts/test.sh -m 'not slow'   # pytest only, for a quick local run
+# Gates, in this order, configured in pyproject.toml: `ruff check .` (lint), `mypy` (strict on the core
+# packages), `lint-imports` (layering contracts). Each prints one line; the first to fail stops the script
+# with that tool's output and its exit status. CI does not set DEADPOOL_SKIP_GATES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --no-run
@@ -16,5 +20,27 @@ if ! command -v etcd >/dev/null 2>&1; then
   fi
 fi
 . .venv/bin/activate
+gate() {
+  local name=$1 out
+  shift
+  if out=$("$@" 2>&1); then
+    echo "[test] $name: ok"
+  else
+    local rc=$?
+    printf '%s\n' "$out" >&2
+    echo "[test] $name: FAILED (exit $rc)" >&2
+    exit "$rc"
+  fi
+}
+if [ "${DEADPOOL_SKIP_GATES:-0}" = "1" ]; then
+  echo "[test] gates skipped (DEADPOOL_SKIP_GATES=1)"
+else
+  # This checkout's deadpool_ext first on the path for the type and import checks, whatever else is installed
+  # (the pytest run below keeps the environment as it was).
+  pp="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  gate ruff ruff check .
+  gate mypy env PYTHONPATH="$pp" mypy
+  gate lint-imports env PYTHONPATH="$pp" lint-imports
+fi
 export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 exec python -m pytest -q -p no:cacheprovider "$@"

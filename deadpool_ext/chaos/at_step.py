@@ -51,7 +51,7 @@ class StepFault:
     marker: str
 
     @classmethod
-    def parse(cls, spec: str) -> "StepFault":
+    def parse(cls, spec: str) -> StepFault:
         action, sep, rest = spec.strip().partition("@")
         if not sep or action not in ACTIONS:
             raise ValueError(f"{ENV}={spec!r}: expected ACTION@step=S,rank=R,marker=PATH with ACTION one of "

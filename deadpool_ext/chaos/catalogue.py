@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class Fault(str, enum.Enum):
@@ -64,7 +65,7 @@ class Layout:
         return f"node{(int(node[len('node'):]) + 1) % self.nnodes}"
 
 
-_DS = dict(framework="deepspeed", nnodes=3, nproc_per_node=1, iters=10)
+_DS: dict[str, Any] = dict(framework="deepspeed", nnodes=3, nproc_per_node=1, iters=10)
 LAYOUTS: dict[str, Layout] = {
     "zero1": Layout(name="zero1", zero_stage=1, **_DS),
     "zero2": Layout(name="zero2", zero_stage=2, **_DS),

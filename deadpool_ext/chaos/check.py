@@ -85,7 +85,8 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
     if waits_for_base and not any(r.get("fired") for r in tr.injected[:1]) and not tr.first.timed_out \
             and tr.first.returncode == 0:
         # Bases are due every save_interval steps: a whole run without one is a tier-3 failure, not bad luck.
-        v.problems.append(f"no tier-3 base was {'published' if waits_for_base[0].trigger.kind == 'base_published' else 'written'} "
+        what = "published" if waits_for_base[0].trigger.kind == "base_published" else "written"
+        v.problems.append(f"no tier-3 base was {what} "
                           f"at step >= {waits_for_base[0].trigger.value} in a {sc.iters}-step run with --save-interval "
                           f"{sc.save_interval} (see 'tier3' in the job's summary line)")
         return v

@@ -87,7 +87,7 @@ def segment_info(path: str) -> dict[str, Any] | None:
 
 def workers_of(launcher_pid: int, target: str) -> list[psutil.Process]:
     """Worker processes of ``target``: a worker id (``node1.0``) or a node (``node1``: all its workers)."""
-    out = []
+    out: list[psutil.Process] = []
     try:
         procs = psutil.Process(launcher_pid).children(recursive=True)
     except psutil.NoSuchProcess:

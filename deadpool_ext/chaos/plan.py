@@ -10,8 +10,9 @@ draw does not depend on PYTHONHASHSEED).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Any
 
 from .catalogue import DEFAULT_LAYOUTS, FAULTS, LAYOUTS, TIER3_FAULTS, Action, Fault, Layout, Trigger
 
@@ -45,7 +46,8 @@ class Scenario:
         return "; ".join(a.describe() for a in self.actions)
 
     def reproduce(self) -> str:
-        cmd = f"deadpool chaos --seed {self.seed} --trial {self.trial} --layouts {','.join(self.layouts or [self.layout])}"
+        cmd = (f"deadpool chaos --seed {self.seed} --trial {self.trial} "
+               f"--layouts {','.join(self.layouts or [self.layout])}")
         return cmd + (f" --faults {','.join(self.only)}" if self.only else "")
 
     def to_json(self) -> dict:
@@ -109,13 +111,14 @@ def _expand(seed: int, trial: int, layout: Layout, fault: Fault, rng: random.Ran
     # Late enough that both tier-1 slots and both replica buffers hold a version; early enough to recompute.
     step = rng.randint(3, layout.iters - 3)
     sig = rng.choice(["SIGKILL", "SIGSTOP"])
-    kw = dict(seed=seed, trial=trial, layout=layout.name, fault=fault, iters=layout.iters)
+    kw: dict[str, Any] = dict(seed=seed, trial=trial, layout=layout.name, fault=fault, iters=layout.iters)
 
     def signal(target: str, trigger: Trigger, sig: str = "SIGKILL") -> Action:
         return Action(op="signal", target=target, sig=sig, trigger=trigger)
 
     if fault is Fault.WORKER:
-        return Scenario(**kw, spares=1, expect_swaps=1, actions=(signal(victim, Trigger(kind="step", value=step), sig),))
+        return Scenario(**kw, spares=1, expect_swaps=1,
+                        actions=(signal(victim, Trigger(kind="step", value=step), sig),))
     if fault is Fault.NODE:
         return Scenario(**kw, spares=1, expect_swaps=1,
                         actions=(signal(victim_node, Trigger(kind="step", value=step), sig),))
@@ -157,7 +160,7 @@ def _expand(seed: int, trial: int, layout: Layout, fault: Fault, rng: random.Ran
             Action(op="corrupt", tier=2, rank=layout.rank(victim), which="newest",
                    trigger=Trigger(kind="assignment", value=1))))
     assert fault in TIER3_FAULTS
-    kw3 = dict(kw, spares=0, save_interval=SAVE_INTERVAL, relaunch=True)
+    kw3: dict[str, Any] = dict(kw, spares=0, save_interval=SAVE_INTERVAL, relaunch=True)
     first = 2 * SAVE_INTERVAL if rng.random() < 0.5 else SAVE_INTERVAL
     if fault is Fault.CORRUPT_TIER3:
         return Scenario(**kw3, actions=(

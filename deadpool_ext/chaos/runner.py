@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..recovery.timeline import read_events
 from ..testing.launch import REPO, RunResult, base_env, read_metrics, run_job
@@ -80,7 +81,8 @@ class Runner:
         return path
 
     def _command(self, layout: Layout, d: str, name: str, *, spares: int, iters: int, job_id: str,
-                 save: str | None = None, save_interval: int = 0, load: str | None = None) -> tuple[list[str], JobPaths]:
+                 save: str | None = None, save_interval: int = 0,
+                 load: str | None = None) -> tuple[list[str], JobPaths]:
         paths = JobPaths(shm_root=self.shm_root, job_id=job_id, metrics=os.path.join(d, f"{name}.metrics.jsonl"),
                          timeline=os.path.join(d, f"{name}.timeline.jsonl"), save_dir=save)
         cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(layout.nnodes),

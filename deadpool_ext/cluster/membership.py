@@ -5,7 +5,9 @@ calls :func:`initial_assignment` once and :func:`replace_failed` on every failur
 """
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class NoSpareError(RuntimeError):
@@ -36,12 +38,13 @@ class Assignment:
     master_addr: str = "127.0.0.1"
     """Address of that store: the coordinating launcher's --host."""
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
-                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced, "master_port": self.master_port, "master_addr": self.master_addr}
+                "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced,
+                "master_port": self.master_port, "master_addr": self.master_addr}
 
     @classmethod
-    def from_json(cls, d: dict) -> "Assignment":
+    def from_json(cls, d: dict[str, Any]) -> Assignment:
         return cls(generation=int(d["generation"]), world_size=int(d["world_size"]),
                    ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
                    spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),
@@ -69,8 +72,8 @@ def initial_assignment(workers: list[Worker], active_nodes: list[str], spare_nod
     return Assignment(generation=0, world_size=rank, ranks=ranks, nodes=nodes, spares=tuple(spare_nodes))
 
 
-def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: set[str],
-                   dead_spares: set[str] = frozenset()) -> Assignment:
+def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: AbstractSet[str],
+                   dead_spares: AbstractSet[str] = frozenset()) -> Assignment:
     """Next generation: each failed node's ranks go, in local-index order, to the next live spare node.
 
     Survivors keep their ranks, so their local snapshots stay theirs. Raises :class:`NoSpareError` when

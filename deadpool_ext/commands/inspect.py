@@ -61,7 +61,7 @@ def _slot_version(path: str) -> tuple[int | None, int]:
 
 
 def memory_report(shm_root: str) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     if not os.path.isdir(shm_root):
         return rows
     for d in sorted(os.listdir(shm_root)):
@@ -83,7 +83,7 @@ def memory_report(shm_root: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = {"tier3": tier3_report(args.url), "memory": memory_report(args.shm_root)}
+    report: dict[str, Any] = {"tier3": tier3_report(args.url), "memory": memory_report(args.shm_root)}
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print("  no bases")
     for r in t3["versions"]:
         if r["complete"]:
-            print(f"  {r['tag']:<18} complete   {r['bytes'] / 1e6:10,.1f} MB  {r['files']:3d} files  world {r['world_size']}"
+            print(f"  {r['tag']:<18} complete   {r['bytes'] / 1e6:10,.1f} MB  {r['files']:3d} files  "
+                  f"world {r['world_size']}"
                   f" dp {r['dp_world_size']} ZeRO-{r['zero_stage']}  {r['published']}")
         else:
             print(f"  {r['tag']:<18} INCOMPLETE ({r['files']} files, {r['ranks_done']} rank manifests; never used)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 HELP = "verify sizes and xxh3 checksums of tier-3 bases; non-zero exit naming any bad file"
 
@@ -27,10 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
     storage = open_existing(args.url)
     versions = [v for v in list_versions(storage) if args.version is None or v.version == args.version]
-    report = []
+    report: list[dict[str, Any]] = []
     bad = 0
     for info in versions:
-        if not info.complete:
+        if info.commit is None:  # not complete
             report.append({"tag": info.tag, "complete": False, "ok": None, "errors": []})
             continue
         errors = verify_version(storage, info, progress=Progress(f"verify {info.tag}",

@@ -36,7 +36,7 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any, ClassVar, ContextManager
+from typing import Any, ClassVar
 
 from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
@@ -105,14 +105,14 @@ class ResilientRuntime(ABC):
     def _runtime_of(self, handle: Any) -> ResilientRuntime:
         """The runtime attached to a handle that :meth:`_rebuild` returned."""
 
-    def _release_partial(self) -> None:
+    def _release_partial(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
         """Drop what a rebuild built on a generation that failed while forming (before its teardown)."""
 
     def _timeline_fields(self) -> dict[str, Any]:
         """Extra fields of this rank's ``recover`` timeline events (e.g. Megatron's tp/pp/dp coordinates)."""
         return {}
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
         """Release what the subclass holds at close (called once)."""
 
     # -- client state ---------------------------------------------------------------------------------
@@ -128,7 +128,7 @@ class ResilientRuntime(ABC):
             self._client_set(state)
 
     # -- the step -------------------------------------------------------------------------------------
-    def stoppable(self) -> ContextManager[None]:
+    def stoppable(self) -> contextlib.AbstractContextManager[None]:
         """Context for the framework's own forward/backward and optimizer step: under deadpool-run, the
         launcher's notice of a new generation stops them (``rebuild.interrupt``); the hot-swap throws that
         step away. Outside deadpool-run (or with hot-swap off) it does nothing."""
@@ -203,7 +203,8 @@ class ResilientRuntime(ABC):
         self.adapter = None
         self._release()
         r = protocol.rejoin(hc, begun,
-                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), restore_follows),
+                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory),
+                                                                        restore_follows),
                             resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
         # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)

@@ -32,12 +32,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
+from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import SHM_ROOT, job_shm_dir
 from . import contract
 from .contract import HotSwapEnv
-from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -52,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="interface the stores listen on (default loopback only)")
     p.add_argument("--store-url", default=None,
                    help="coordination store to use instead of the embedded one: etcd://HOST:PORT (many hosts), or "
-                        "the leader's dp://HOST:PORT for a follower launcher. The token comes from DEADPOOL_STORE_TOKEN")
+                        "the leader's dp://HOST:PORT for a follower launcher. The token comes from "
+                        "DEADPOOL_STORE_TOKEN")
     p.add_argument("--store-port", type=int, default=0, help="port of the embedded store (leader); 0 = any free port")
     p.add_argument("--hosts", type=int, default=1, help="launchers in the job, one per host; node i runs on host "
                                                         "i %% hosts, spare j on host j %% hosts")
@@ -99,9 +101,9 @@ class Supervisor:
         self.leader = args.host_rank == 0
         self.local_nodes = {n for i, n in enumerate(self.active_nodes) if i % args.hosts == args.host_rank} | \
                            {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
-        self.c10d_stores: list = []
+        self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
         self.timeline = open(args.timeline, "a") if args.timeline else None
         # A worker's exit wakes the watch loop at once instead of at its next 0.1 s tick: SIGCHLD writes a byte
         # to this pipe (signal.set_wakeup_fd, from C: no Python lock is taken in the handler).
@@ -115,7 +117,7 @@ class Supervisor:
             self._wake_r = r
 
     # -- events -------------------------------------------------------------------------------------
-    def event(self, **rec) -> None:
+    def event(self, **rec: Any) -> None:
         rec.setdefault("time", time.time())
         rec.setdefault("source", "launcher")
         log.info("%s", json.dumps(rec))
@@ -297,9 +299,9 @@ class Supervisor:
                     continue
                 if self.store.get(f"done/{wid}") is not None:
                     continue
-                raw = self.store.get(f"hb/{wid}")
-                if raw is not None:
-                    seen_hb[wid] = float(raw)
+                hb = self.store.get(f"hb/{wid}")
+                if hb is not None:
+                    seen_hb[wid] = float(hb)
                 if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                     failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
             for w in self.workers:

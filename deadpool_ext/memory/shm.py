@@ -206,7 +206,8 @@ class ShmSegment:
             nbytes = os.fstat(fd).st_size
             if nbytes == 0:
                 # The creator died between creating the file and sizing it.
-                raise OSError(errno.EINVAL, f"shared-memory segment {name!r} is empty (incomplete create)", os.fspath(path))
+                raise OSError(errno.EINVAL, f"shared-memory segment {name!r} is empty (incomplete create)",
+                              os.fspath(path))
             mm = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

@@ -10,7 +10,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import xxhash
 

@@ -51,6 +51,7 @@ class StagingPool:
             taken.append(buf)
             return buf
         if isinstance(obj, dict):
+            out: Any  # a dict subclass (OrderedDict, ...) when it can be built empty
             try:
                 out = type(obj)()
             except TypeError:

@@ -23,6 +23,7 @@ def download(storage: Storage, info: VersionInfo, dest_root: str) -> str:
     Every file ends up with the checksum the commit record names: a cached copy is reused only when its bytes
     hash to it (a base rewritten at the same URL and step must not resume from stale local bytes), and a
     download is hashed on the way and refused when it does not match."""
+    assert info.commit is not None  # a committed base, as verify_version() requires
     os.makedirs(os.path.join(dest_root, info.tag), exist_ok=True)
     for name in sorted(info.commit["files"]):
         entry = info.commit["files"][name]

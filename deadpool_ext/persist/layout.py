@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import xxhash
 
@@ -64,7 +65,8 @@ class VersionInfo:
 
 def read_json(storage: Storage, rel: str) -> dict[str, Any] | None:
     try:
-        return json.loads(storage.read_bytes(rel))
+        out: dict[str, Any] | None = json.loads(storage.read_bytes(rel))
+        return out
     except (FileNotFoundError, ValueError, OSError):
         return None
 

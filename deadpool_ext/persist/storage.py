@@ -19,7 +19,8 @@ import errno
 import os
 import shutil
 import uuid
-from typing import IO, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 
 class StorageFullError(OSError):
@@ -184,7 +185,7 @@ class LocalStorage(Storage):
 
 
 class _FsspecWriter(TempWriter):
-    def __init__(self, fs, final: str) -> None:
+    def __init__(self, fs: Any, final: str) -> None:  # an fsspec filesystem
         self.fs, self.final = fs, final
         self.tmp = _tmp_name(final)
         self.fh = fs.open(self.tmp, "wb")
@@ -230,7 +231,8 @@ class FsspecStorage(Storage):
         return _FsspecWriter(self.fs, self._p(rel))
 
     def open_read(self, rel: str) -> IO[bytes]:
-        return self.fs.open(self._p(rel), "rb")
+        fh: IO[bytes] = self.fs.open(self._p(rel), "rb")
+        return fh
 
     def exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._p(rel)))

@@ -20,7 +20,7 @@ import collections
 import statistics
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 MiB = 1 << 20
 

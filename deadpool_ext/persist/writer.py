@@ -21,14 +21,23 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import xxhash
 
-from .layout import (COMMIT, LATEST, VersionInfo, build_commit, collect_garbage, rank_manifest_name, read_json,
-                     verify_version)
+from .layout import (
+    COMMIT,
+    LATEST,
+    VersionInfo,
+    build_commit,
+    collect_garbage,
+    rank_manifest_name,
+    read_json,
+    verify_version,
+)
 from .storage import Storage, is_disk_full
 from .throttle import Throttle
 
@@ -62,7 +71,7 @@ class BaseJob:
     """Small files for the storage root (DeepSpeed's recovery scripts), written once by the coordinator."""
     submitted_at: float = field(default_factory=time.time)
     deadline: float = 0.0
-    on_done: Callable[["BaseJob"], None] | None = None
+    on_done: Callable[[BaseJob], None] | None = None
     result: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -180,7 +189,7 @@ class BaseWriter:
         target = self.storage.open_temp(rel)
         sink = _ChunkSink(target, self.throttle, self.chunk, job.deadline, f"{self.storage.url}/{rel}")
         try:
-            torch.save(f.state, sink)
+            torch.save(f.state, sink)  # type: ignore[arg-type]  # torch.save takes any object with write/flush
             target.publish()
         except BaseException:
             target.abort()

@@ -30,7 +30,8 @@ import _thread
 import contextlib
 import signal
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 SIGNAL = signal.SIGUSR2
 

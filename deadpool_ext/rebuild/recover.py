@@ -21,8 +21,9 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .. import hooks
 from ..cluster.membership import Assignment
@@ -101,10 +102,11 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
     from . import interrupt
 
     m = membership()
-    assert m is not None, "hot-swap recovery outside deadpool-run"
+    assert m is not None and m.assignment is not None, "hot-swap recovery outside deadpool-run"
     gen = m.assignment.generation
     interrupt.forget(gen)
-    what_failed = "step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost) else "collective failed"
+    what_failed = ("step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost)
+                   else "collective failed")
     log.warning("generation %d: %s at step %d (%s: %s); %s in-process", gen, what_failed, step,
                 type(exc).__name__, " ".join(str(exc).split())[:600], what)
     faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s + 120,

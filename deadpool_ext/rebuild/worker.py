@@ -7,10 +7,10 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
    Active workers return at once; spares block here (heartbeating) until they replace a failed node.
 2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
    prefixed by the generation, so nothing of a dead generation is ever read.
-3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's connections (``rebuild.fence``: peers still
-   blocked in it get an error at once), destroys every process group and runs the teardown hooks the
-   integrations registered (:func:`on_teardown`; DeepSpeed: its cached communicator state); then
-   ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
+3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's
+   connections (``rebuild.fence``: peers still blocked in it get an error at once), destroys every process
+   group and runs the teardown hooks the integrations registered (:func:`on_teardown`; DeepSpeed: its cached
+   communicator state); then ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
    launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
    of the failure from the launcher instead of from a timeout.
 
@@ -25,8 +25,8 @@ import logging
 import os
 import threading
 import time
-from datetime import timedelta
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 

@@ -4,8 +4,8 @@ Each rank reports the versions it holds complete and checksum-clean in its own t
 of the peer replicas it holds for other ranks (tier 2); in differential mode also the differentials, locally
 and as replicas. A version is obtainable from one source (own memory, or one holder) when that source holds
 its full snapshot, or a base plus every differential after it up to the version (a chain). The chosen
-version is the newest one that *every* rank can obtain, from its own memory or from a surviving holder. Ranks never restore different versions: that
-would be a silently wrong model, the failure users of other systems report most.
+version is the newest one that *every* rank can obtain, from its own memory or from a surviving holder. Ranks
+never restore different versions: that would be a silently wrong model, the failure users of other systems report most.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class RankReport:
                 "local_diffs": _enc(self.local_diffs), "replica_diffs": _enc2(self.replica_diffs)}
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "RankReport":
+    def from_json(cls, d: dict[str, Any]) -> RankReport:
         return cls(rank=int(d["rank"]), local=_dec(d["local"]), replicas=_dec2(d["replicas"]),
                    local_diffs=_dec(d.get("local_diffs", {})), replica_diffs=_dec2(d.get("replica_diffs", {})))
 

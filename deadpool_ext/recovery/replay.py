@@ -31,8 +31,9 @@ Two implementations, same results:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, cast
 
 import torch
 
@@ -57,7 +58,7 @@ class AdamHyper:
         return {k: getattr(self, k) for k in self.__slots__}
 
     @classmethod
-    def from_json(cls, d: dict) -> "AdamHyper":
+    def from_json(cls, d: dict[str, Any]) -> AdamHyper:
         # Keys added after a differential was written take their defaults (older blobs had no ``fused``).
         return cls(**{k: d[k] for k in cls.__slots__ if k in d})
 
@@ -98,7 +99,8 @@ def _check(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> None:
                                  "single-tensor Adam kernel inside one chain")
 
 
-def _fused_kernel_step(p: list, g: list, m: list, v: list, vmax: list, steps: list, h: AdamHyper) -> None:
+def _fused_kernel_step(p: list[torch.Tensor], g: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+                       vmax: list[torch.Tensor], steps: list[torch.Tensor], h: AdamHyper) -> None:
     """One step of torch's fused Adam over tensor lists, as ``torch.optim.adam._fused_adam`` calls it."""
     torch._foreach_add_(steps, 1)
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
@@ -119,7 +121,7 @@ def replay_naive(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> No
         for d in diffs:
             for s, grad, h in zip(states, d.grads, d.hypers):
                 if h.fused:
-                    vmax = [s.max_exp_avg_sq] if h.amsgrad else []
+                    vmax = [cast(torch.Tensor, s.max_exp_avg_sq)] if h.amsgrad else []  # (_check)
                     _fused_kernel_step([s.param], [grad], [s.exp_avg], [s.exp_avg_sq], vmax, [s.step], h)
                     continue
                 if h.maximize:
@@ -134,8 +136,9 @@ def replay_naive(states: Sequence[AdamTensors], diffs: Sequence[StepDiff]) -> No
                 s.exp_avg_sq.mul_(h.beta2).addcmul_(grad, grad, value=1 - h.beta2)
                 step_size, bc2_sqrt = _scalars(h, float(s.step.item()))
                 if h.amsgrad:
-                    torch.maximum(s.max_exp_avg_sq, s.exp_avg_sq, out=s.max_exp_avg_sq)
-                    denom = (s.max_exp_avg_sq.sqrt() / bc2_sqrt).add_(h.eps)
+                    vm = cast(torch.Tensor, s.max_exp_avg_sq)  # present for every amsgrad step (_check)
+                    torch.maximum(vm, s.exp_avg_sq, out=vm)
+                    denom = (vm.sqrt() / bc2_sqrt).add_(h.eps)
                 else:
                     denom = (s.exp_avg_sq.sqrt() / bc2_sqrt).add_(h.eps)
                 s.param.addcdiv_(s.exp_avg, denom, value=-step_size)
@@ -169,7 +172,7 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
             p = [flat[i][0][a:e] for i, a, e in batch]
             m = [flat[i][1][a:e] for i, a, e in batch]
             v = [flat[i][2][a:e] for i, a, e in batch]
-            vmax = [flat[i][3][a:e] if flat[i][3] is not None else None for i, a, e in batch]
+            vmax = [fm[a:e] if (fm := flat[i][3]) is not None else None for i, a, e in batch]
             for k, d in enumerate(diffs):
                 hs = [d.hypers[i] for i, _, _ in batch]
                 g = [grads[k][i][a:e] for i, a, e in batch]
@@ -185,10 +188,11 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
                 _foreach_by_scalar(torch._foreach_mul_, v, None, [h.beta2 for h in hs])
                 _foreach_by_scalar(torch._foreach_addcmul_, v, (g, g), [1 - h.beta2 for h in hs])
                 sc = [_scalars(h, start_steps[i] + k + 1) for h, (i, _, _) in zip(hs, batch)]
-                src = [vmax[j] if h.amsgrad else v[j] for j, h in enumerate(hs)]
+                # vmax[j] is a tensor for every amsgrad step (_check)
+                src = [cast(torch.Tensor, vmax[j]) if h.amsgrad else v[j] for j, h in enumerate(hs)]
                 for j, h in enumerate(hs):
                     if h.amsgrad:
-                        torch.maximum(vmax[j], v[j], out=vmax[j])
+                        torch.maximum(cast(torch.Tensor, vmax[j]), v[j], out=vmax[j])
                 denom = torch._foreach_sqrt(src)
                 _foreach_by_scalar(torch._foreach_div_, denom, None, [c[1] for c in sc])
                 _foreach_by_scalar(torch._foreach_add_, denom, None, [h.eps for h in hs])
@@ -197,7 +201,12 @@ def replay_fused(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], *, ch
             s.step += len(diffs)
 
 
-def _flat_views(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], chunk_elems: int):
+_FlatState = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+"""Flat views of (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None)."""
+
+
+def _flat_views(states: Sequence[AdamTensors], diffs: Sequence[StepDiff], chunk_elems: int) -> tuple[
+        list[tuple[int, int, int]], list[_FlatState], list[list[torch.Tensor]]]:
     """(tensor index, start, end) of every ``chunk_elems`` slice in order; flat views of each tensor's
     (param, exp_avg, exp_avg_sq, max_exp_avg_sq or None); flat views of every differential's gradients."""
     chunks = [(i, a, min(a + chunk_elems, s.param.numel())) for i, s in enumerate(states)
@@ -225,7 +234,7 @@ def _replay_fused_kernel(states: Sequence[AdamTensors], diffs: Sequence[StepDiff
             p = [flat[i][0][a:e] for i, a, e in batch]
             m = [flat[i][1][a:e] for i, a, e in batch]
             v = [flat[i][2][a:e] for i, a, e in batch]
-            vmax = [flat[i][3][a:e] if flat[i][3] is not None else None for i, a, e in batch]
+            vmax = [fm[a:e] if (fm := flat[i][3]) is not None else None for i, a, e in batch]
             steps = [states[i].step.detach().clone() for i, _, _ in batch]
             for k, d in enumerate(diffs):
                 groups: dict[AdamHyper, list[int]] = {}
@@ -234,12 +243,15 @@ def _replay_fused_kernel(states: Sequence[AdamTensors], diffs: Sequence[StepDiff
                 for h, js in groups.items():
                     _fused_kernel_step([p[j] for j in js], [grads[k][batch[j][0]][batch[j][1]:batch[j][2]] for j in js],
                                        [m[j] for j in js], [v[j] for j in js],
-                                       [vmax[j] for j in js] if h.amsgrad else [], [steps[j] for j in js], h)
+                                       [cast(torch.Tensor, vmax[j]) for j in js] if h.amsgrad else [],
+                                       [steps[j] for j in js], h)
     for s in states:
         s.step += len(diffs)
 
 
-def _foreach_by_scalar(op, targets: list, others, scalars: list[float]) -> None:
+def _foreach_by_scalar(op: Callable[..., Any], targets: Sequence[torch.Tensor],
+                       others: Sequence[torch.Tensor] | tuple[Sequence[torch.Tensor], ...] | None,
+                       scalars: list[float]) -> None:
     """``op`` over the batch with one scalar per tensor. Batches whose tensors share the scalar (the usual
     case: one parameter group) take the single-scalar overload, which is one call."""
     args = [] if others is None else (list(others) if isinstance(others, tuple) else [others])

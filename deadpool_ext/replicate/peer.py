@@ -121,14 +121,15 @@ class PeerReplicator:
 
     def _held_files(self) -> list[tuple[int, int, str]]:
         """(source, buffer, file name) of every replica buffer this rank holds on disk."""
-        out = []
+        out: list[tuple[int, int, str]] = []
         if not os.path.isdir(self.dir):
             return out
         tag = f".h{self.rank}b"
         for fname in sorted(os.listdir(self.dir)):
             parts = fname.split(".")
             # deadpool.<job>.replica.r<src>.h<holder>b<buf>
-            if len(parts) == 5 and parts[1] == self.job_id and parts[2] == self.kind and ("." + parts[4]).startswith(tag):
+            if (len(parts) == 5 and parts[1] == self.job_id and parts[2] == self.kind
+                    and ("." + parts[4]).startswith(tag)):
                 out.append((int(parts[3][1:]), int(parts[4][len(tag) - 1:]), fname))
         return out
 

@@ -142,7 +142,7 @@ class _Trial:
         self.needed = 0                      # nodes the job still waits for
         self.kind: FailureKind | None = None  # worst failure of the current recovery
         self.memory_ok = True
-        self.restore_plan = None
+        self.restore_plan: Any = None       # the current recovery's Restore (set by on_failure before use)
         self.exposed: dict[int, float] = {}  # lost node -> until when its state lives only on its peer
 
     # -- accounting --------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 # Llama 3 report (arXiv:2407.21783, section 3.3.4): 419 unexpected interruptions in a 54-day snapshot of
 # pre-training on 16,384 H100 GPUs (about one every 3 hours), ~78% attributed to hardware.
@@ -242,11 +243,11 @@ class Params:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Params":
+    def from_dict(cls, data: Mapping[str, Any]) -> Params:
         """Nested ``{section: {key: value}}``; missing keys keep their defaults, unknown ones are errors."""
         return cls().with_nested(data)
 
-    def with_nested(self, data: Mapping[str, Any]) -> "Params":
+    def with_nested(self, data: Mapping[str, Any]) -> Params:
         if not isinstance(data, Mapping):
             raise SimParamError(f"parameters must be a JSON object of sections, got {type(data).__name__}")
         flat: dict[str, Any] = {}
@@ -259,7 +260,7 @@ class Params:
                 flat[f"{section}.{key}"] = value
         return self.with_overrides(flat)
 
-    def with_overrides(self, flat: Mapping[str, Any]) -> "Params":
+    def with_overrides(self, flat: Mapping[str, Any]) -> Params:
         """Replace ``section.key`` values; validation runs again on every section touched."""
         changes: dict[str, dict[str, Any]] = {}
         for dotted, value in flat.items():

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .costs import Derived
@@ -252,7 +253,7 @@ POLICY_NAMES = ("ckpt_sync", "ckpt_async", "gemini", "deadpool", "tiercheck")
 def make_policy(name: str, **intervals: int) -> Policy:
     """Build a policy by name with its intervals (``make_policy("deadpool", memory_interval=1,
     persist_interval=500)``); unknown names or keys are clear errors."""
-    builders = {
+    builders: dict[str, Callable[..., Policy]] = {
         "ckpt_sync": lambda **kw: CheckpointRestart(asynchronous=False, **kw),
         "ckpt_async": lambda **kw: CheckpointRestart(asynchronous=True, **kw),
         "gemini": MemoryRestart, "deadpool": HotSwap, "tiercheck": Tiered,

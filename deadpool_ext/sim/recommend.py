@@ -7,7 +7,8 @@ policy, and optionally the self-checks of :mod:`deadpool_ext.sim.checks`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from .analytic import daly_interval, young_interval
 from .calibration import Calibration

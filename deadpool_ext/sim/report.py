@@ -54,7 +54,8 @@ def header_lines(rep: dict[str, Any]) -> list[str]:
     return [
         f"cluster: {c['gpus']:,} GPUs = {d['nodes']:,} nodes x {c['gpus_per_node']}, {d['spares']} spare node(s), "
         f"repair {c['node_repair_h']:g} h",
-        f"model: {w['params_b']:g}B parameters x {w['state_bytes_per_param']:g} B = {w['params_b'] * w['state_bytes_per_param'] / 1000:.2f} TB "
+        f"model: {w['params_b']:g}B parameters x {w['state_bytes_per_param']:g} B = "
+        f"{w['params_b'] * w['state_bytes_per_param'] / 1000:.2f} TB "
         f"of state, {d['node_bytes'] / 1e9:.2f} GB per node; iteration {w['iteration_s']:g} s",
         f"failures: one every {1 / d['failure_rate_per_s'] / 3600:.2f} h ({100 * f['node_lost_fraction']:.0f}% lose "
         f"the node)" + (f", a cluster-wide outage every {1 / outage:.0f} days" if outage > 0 else ", no outages"),

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 from .analytic import daly_interval
 from .costs import Derived, derive

@@ -77,7 +77,8 @@ class GradTap:
         self.clone_always = getattr(adapter, "zero_stage", 1) == 0
         self._pending: dict[int, tuple[torch.Tensor, AdamHyper]] = {}
         self._orig = inner.step
-        inner.step = self._step  # instance attribute: the class and other optimizers are untouched
+        # instance attribute: the class and other optimizers are untouched
+        inner.step = self._step  # type: ignore[method-assign]
 
     def _step(self, *args: Any, **kwargs: Any) -> Any:
         index = {id(t): i for i, t in enumerate(self.adapter.masters())}

@@ -22,8 +22,9 @@ import math
 import struct
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -105,7 +106,7 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _fmt_path(path: tuple) -> str:
+def _fmt_path(path: tuple[Any, ...]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
@@ -127,14 +128,14 @@ def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
     seen: dict[int, int] = {}  # id(tensor or ndarray) -> index; objects stay alive via `obj`
     active: set[int] = set()  # containers on the current recursion stack (cycle detection)
 
-    def add(key: int, t: torch.Tensor, path: tuple) -> int:
+    def add(key: int, t: torch.Tensor, path: tuple[Any, ...]) -> int:
         if key not in seen:
             seen[key] = len(tensors)
             tensors.append(t)
             names.append(".".join(str(k) for k in path))
         return seen[key]
 
-    def enc(o: Any, path: tuple) -> Any:
+    def enc(o: Any, path: tuple[Any, ...]) -> Any:
         t = type(o)
         if o is None or t is bool or t is int or t is str:
             return o
@@ -142,7 +143,8 @@ def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
             return o if math.isfinite(o) else {"__f__": repr(o)}
         if isinstance(o, torch.Tensor):
             if o.layout != torch.strided or o.dtype not in DTYPE_NAMES or o.device.type == "meta":
-                raise SnapshotFormatError(f"unsupported tensor ({o.dtype}, {o.layout}, {o.device}) at {_fmt_path(path)}")
+                raise SnapshotFormatError(f"unsupported tensor ({o.dtype}, {o.layout}, {o.device}) "
+                                          f"at {_fmt_path(path)}")
             return {"__t__": add(id(o), o, path)}
         if t is np.ndarray:
             if o.dtype.hasobject or o.dtype.fields is not None:
@@ -199,7 +201,8 @@ def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
 def _resolve_enum(spec: str) -> type[enum.Enum]:
     module, _, qualname = spec.partition(":")
     if not _enum_allowed(module):
-        raise SnapshotFormatError(f"enum type {module}.{qualname} is not from an allowed module {ALLOWED_ENUM_PREFIXES}")
+        raise SnapshotFormatError(f"enum type {module}.{qualname} is not from an allowed module "
+                                  f"{ALLOWED_ENUM_PREFIXES}")
     try:
         cls: Any = importlib.import_module(module)
         for part in qualname.split("."):
@@ -325,7 +328,7 @@ def plan_layout(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> tuple[
 
 
 def build_header(skeleton: Any, entries: Sequence[TensorEntry], data_nbytes: int, checksums: list[str],
-                 meta: dict | None = None) -> bytes:
+                 meta: dict[str, Any] | None = None) -> bytes:
     """Serialise the header as compact ASCII JSON (NaN/inf are rejected: they are not JSON)."""
     doc = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "skeleton": skeleton,
@@ -339,20 +342,20 @@ def build_header(skeleton: Any, entries: Sequence[TensorEntry], data_nbytes: int
 
 
 # ------------------------------------------------------------------------------------------------ writing
-def _prepare(obj: Any, meta: dict | None) -> tuple[Any, list[torch.Tensor], list[TensorEntry], int, int]:
+def _prepare(obj: Any, meta: dict[str, Any] | None) -> tuple[Any, list[torch.Tensor], list[TensorEntry], int, int]:
     skeleton, tensors, names = flatten_state(obj)
     entries, data_nbytes = plan_layout(tensors, names)
     header_len = len(build_header(skeleton, entries, data_nbytes, [_PLACEHOLDER] * len(entries), meta))
     return skeleton, tensors, entries, data_nbytes, header_len
 
 
-def blob_nbytes(obj: Any, meta: dict | None = None) -> int:
+def blob_nbytes(obj: Any, meta: dict[str, Any] | None = None) -> int:
     """Exact size of ``serialize(obj, meta)`` without copying tensor data (lets callers size shared memory)."""
     _, _, _, data_nbytes, header_len = _prepare(obj, meta)
     return _align(_PREFIX.size + header_len) + data_nbytes
 
 
-def write_blob(buf: memoryview, obj: Any, meta: dict | None = None) -> int:
+def write_blob(buf: memoryview, obj: Any, meta: dict[str, Any] | None = None) -> int:
     """Write the blob for ``obj`` into ``buf`` (e.g. shared memory), copying each tensor's bytes once.
 
     Order matters for crash safety: any old MAGIC is cleared first and the new MAGIC written last, so a
@@ -387,7 +390,7 @@ def write_blob(buf: memoryview, obj: Any, meta: dict | None = None) -> int:
     return total
 
 
-def serialize(obj: Any, meta: dict | None = None) -> bytes:
+def serialize(obj: Any, meta: dict[str, Any] | None = None) -> bytes:
     """Whole blob as ``bytes``; not for the hot path (one extra copy), shares write_blob's code for parity."""
     out = bytearray(blob_nbytes(obj, meta))
     write_blob(memoryview(out), obj, meta)
@@ -395,7 +398,7 @@ def serialize(obj: Any, meta: dict | None = None) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _parse(buf: Any) -> tuple[dict, memoryview, int, list[TensorEntry]]:
+def _parse(buf: Any) -> tuple[dict[str, Any], memoryview, int, list[TensorEntry]]:
     """Validate prefix/header/bounds; returns (header, byte view, data start, entries)."""
     mv = _as_bytes_mv(buf)
     if len(mv) < _PREFIX.size:
@@ -411,8 +414,8 @@ def _parse(buf: Any) -> tuple[dict, memoryview, int, list[TensorEntry]]:
         raise CorruptSnapshotError(f"truncated snapshot: header needs {header_len} bytes, buffer has {len(mv)}")
     try:
         header = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + header_len]))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise SnapshotFormatError(f"malformed snapshot header: {e}") from e
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise SnapshotFormatError(f"malformed snapshot header: {exc}") from exc
     if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
         raise SnapshotFormatError("header is not a deadpool snapshot header")
     if header.get("format_version") != FORMAT_VERSION:
@@ -426,26 +429,26 @@ def _parse(buf: Any) -> tuple[dict, memoryview, int, list[TensorEntry]]:
                                int(d["offset"]), int(d["nbytes"])) for d in header["tensors"]]
         if len(header["checksums"]) != len(entries) or "skeleton" not in header:
             raise ValueError("checksums/tensors mismatch or skeleton missing")
-    except (KeyError, TypeError, ValueError) as e:
-        raise SnapshotFormatError(f"malformed snapshot header: {e}") from e
-    for e in entries:
-        if e.dtype not in DTYPES:
-            raise SnapshotFormatError(f"unknown dtype {e.dtype!r} for tensor {e.name!r}")
-        expect = math.prod(e.shape) * DTYPES[e.dtype].itemsize
-        if e.nbytes != expect or e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes > data_nbytes:
-            raise SnapshotFormatError(f"inconsistent layout for tensor {e.name!r}: {e}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise SnapshotFormatError(f"malformed snapshot header: {exc}") from exc
+    for ent in entries:
+        if ent.dtype not in DTYPES:
+            raise SnapshotFormatError(f"unknown dtype {ent.dtype!r} for tensor {ent.name!r}")
+        expect = math.prod(ent.shape) * DTYPES[ent.dtype].itemsize
+        if ent.nbytes != expect or ent.offset < 0 or ent.offset % ALIGN or ent.offset + ent.nbytes > data_nbytes:
+            raise SnapshotFormatError(f"inconsistent layout for tensor {ent.name!r}: {ent}")
     if data_start + data_nbytes > len(mv):
         raise CorruptSnapshotError(
             f"truncated snapshot: need {data_start + data_nbytes} bytes, buffer has {len(mv)}")
     return header, mv, data_start, entries
 
 
-def read_header(buf: Any) -> dict:
+def read_header(buf: Any) -> dict[str, Any]:
     """Parse and validate the header (no data checksums); raises on foreign, malformed or truncated blobs."""
     return _parse(buf)[0]
 
 
-def _verify(header: dict, mv: memoryview, data_start: int, entries: list[TensorEntry]) -> None:
+def _verify(header: dict[str, Any], mv: memoryview, data_start: int, entries: list[TensorEntry]) -> None:
     for i, (e, want) in enumerate(zip(entries, header["checksums"])):
         got = _digest(mv[data_start + e.offset:data_start + e.offset + e.nbytes])
         if got != want:
@@ -457,7 +460,7 @@ def verify_blob(buf: Any) -> None:
     _verify(*_parse(buf))
 
 
-def deserialize(buf: Any, *, verify: bool = True, copy: bool = True) -> tuple[object, dict]:
+def deserialize(buf: Any, *, verify: bool = True, copy: bool = True) -> tuple[Any, dict[str, Any]]:
     """Decode a blob into ``(obj, meta)``.
 
     With ``verify`` all checksums pass before any object is built, so callers never see partially-corrupt

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import DeadpoolConfig
 from ..cluster.topology import NodePlacement
+from ..config import DeadpoolConfig
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, job_shm_dir, segment_name
-from .differential import DiffRing, GradTap
 from ..replicate.peer import PeerReplicator
+from .differential import DiffRing, GradTap
 from .restore import MemoryRestore
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter
@@ -98,7 +98,8 @@ class SnapshotManager(MemoryRestore):
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream() if torch.cuda.is_available() else None)  # type: ignore[no-untyped-call]
         self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
                                        "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
         self.active = True
@@ -117,7 +118,8 @@ class SnapshotManager(MemoryRestore):
             t0 = time.perf_counter()
             if not job.copied.wait(self.config.replication.timeout_s):
                 raise SnapshotWorkerError(
-                    f"snapshot copy of step {job.snap.version} did not finish within {self.config.replication.timeout_s}s")
+                    f"snapshot copy of step {job.snap.version} did not finish within "
+                    f"{self.config.replication.timeout_s}s")
             self._stats["blocking_s"][-1] += time.perf_counter() - t0
         self._raise_worker_error()
 
@@ -157,7 +159,7 @@ class SnapshotManager(MemoryRestore):
         self._last_version = version
         event = None
         if self._stream is not None and any(t.is_cuda for t in snap.tensors):
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
         job = _Job(snap, slot, event, kind)
         self._inflight = job
@@ -199,6 +201,7 @@ class SnapshotManager(MemoryRestore):
         elif self.latest is not None and self.latest[1] == job.slot:
             self.latest = None
         if job.event is not None:
+            assert self._stream is not None  # an event is recorded only with a side stream
             self._stream.wait_event(job.event)
             with torch.cuda.stream(self._stream):
                 writer.copy(job.snap, self._stream)
@@ -216,6 +219,7 @@ class SnapshotManager(MemoryRestore):
             self.latest = (job.snap.version, job.slot)
         t2 = time.perf_counter()
         if diff:
+            assert self.dpeers is not None  # differential mode
             self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
         else:
             self.peers.replicate(seg.tensor(), blob_len)
@@ -264,6 +268,7 @@ class SnapshotManager(MemoryRestore):
         self.ring_header_reserved = header_reserve(snap)
         nbytes = slot_nbytes(self.ring_header_reserved, snap.data_nbytes)
         self._open_ring(nbytes)
+        assert self.dpeers is not None  # differential mode
         self.dpeers.setup(nbytes)
         base = self.slots[0].nbytes if self.slots[0] is not None else 0
         log.info("differential memory: %d x %.1f MB per rank (%.0f%% of a %.1f MB base) plus %.1f MB of peer "
@@ -276,18 +281,21 @@ class SnapshotManager(MemoryRestore):
             if seg is None or seg.nbytes != nbytes:
                 if seg is not None:
                     seg.close()
-                self.ring_segs[j] = ShmSegment.create(segment_name(self.job_id, "diff", self.rank, j), nbytes,
-                                                      root=self.dir, touch=True)
-                _pin_for_cuda(self.ring_segs[j])
+                seg = ShmSegment.create(segment_name(self.job_id, "diff", self.rank, j), nbytes,
+                                        root=self.dir, touch=True)
+                self.ring_segs[j] = seg
+                _pin_for_cuda(seg)
 
     def _open_slots(self, nbytes: int) -> None:
         for i in (0, 1):
-            if self.slots[i] is None or self.slots[i].nbytes != nbytes:
-                if self.slots[i] is not None:
-                    self.slots[i].close()
-                self.slots[i] = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
-                                                  root=self.dir, touch=True)
-                _pin_for_cuda(self.slots[i])
+            seg = self.slots[i]
+            if seg is None or seg.nbytes != nbytes:
+                if seg is not None:
+                    seg.close()
+                seg = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
+                                        root=self.dir, touch=True)
+                self.slots[i] = seg
+                _pin_for_cuda(seg)
 
     def memory_bytes(self) -> int:
         total = sum(s.nbytes for s in [*self.slots, *self.ring_segs] if s is not None) + self.peers.held_nbytes()
@@ -339,7 +347,7 @@ def _pin_for_cuda(seg: ShmSegment) -> None:
     if not torch.cuda.is_available():
         return
     t = seg.tensor()
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)  # type: ignore[no-untyped-call]
     if int(rc) != 0:
         log.warning("cudaHostRegister of %s failed (error %s): snapshot copies fall back to pageable memory",
                     seg.name, int(rc))

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("deadpool_ext")
 
 
+def _opened(seg: ShmSegment | None) -> ShmSegment:
+    """A segment that ``_open_slots`` / ``_open_ring`` opened before this use."""
+    assert seg is not None, "shared-memory segment used before it was opened"
+    return seg
+
+
 class MemoryRestore:
     """The restore half of :class:`deadpool_ext.snapshot.manager.SnapshotManager` (a mixin: it works on the
     manager's slots, ring and replicators)."""
@@ -113,12 +119,14 @@ class MemoryRestore:
                 raise
             if plan is None:
                 log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
-                return self._unopened()
+                self._unopened()
+                return None
             if newer_than is not None and plan.version <= newer_than:
                 if self.rank == 0:
                     log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
                              plan.version, newer_than)
-                return self._unopened()
+                self._unopened()
+                return None
             me = self.rank
             if me == 0:
                 log.info("restoring step %d: %d rank(s) from own memory, %d from peer replicas %s%s", plan.version,
@@ -134,9 +142,9 @@ class MemoryRestore:
             else:
                 slot = slot_of[base]
                 self._open_slots(self.slots_nbytes(slot))
-            self.peers.serve_fetches(plan.version, plan.fetch, self.slots[slot].tensor() if fetching else None,
+            seg = _opened(self.slots[slot])
+            self.peers.serve_fetches(plan.version, plan.fetch, seg.tensor() if fetching else None,
                                      versions=plan.base)
-            seg = self.slots[slot]
             problem = None
             if fetching or lazy:
                 meta, why = probe_slot(seg.buf, verify=True)
@@ -180,10 +188,10 @@ class MemoryRestore:
         attempt of this restore opened, so the first snapshot sizes them as on a fresh start."""
         if not self.header_reserved:
             for i in (0, 1):
-                if self.slots[i] is not None:
-                    self.slots[i].close()
+                seg = self.slots[i]
+                if seg is not None:
+                    seg.close()
                     self.slots[i] = None
-        return None
 
     def _verify_derived(self, header: dict[str, Any], version: int) -> None:
         """Tensors the restore re-derived (not stored) must hash to what they were at capture."""
@@ -210,10 +218,11 @@ class MemoryRestore:
             self._open_ring(max(mine.values()))
         for d in sorted({v for vs in plan.fetch_diffs.values() for v in vs}):
             fetch = {r: (plan.fetch[r][0], vs[d]) for r, vs in plan.fetch_diffs.items() if d in vs}
-            into = self.ring_segs[self.ring.index(d)].tensor() if me in fetch else None
+            into = _opened(self.ring_segs[self.ring.index(d)]).tensor() if me in fetch else None
+            assert self.dpeers is not None  # differentials to fetch: differential mode
             self.dpeers.serve_fetches(d, fetch, into)
             if me in fetch:
-                meta, why = probe_slot(self.ring_segs[self.ring.index(d)].buf, verify=True)
+                meta, why = probe_slot(_opened(self.ring_segs[self.ring.index(d)]).buf, verify=True)
                 if meta is None or int(meta["version"]) != d:
                     raise RecoveryError(f"rank {me}: differential {d} fetched from rank {plan.fetch[me][0]} is "
                                         f"unusable ({why}); no other copy in memory")
@@ -247,9 +256,10 @@ class MemoryRestore:
             for b in range(0, len(todo), batch_n):
                 batch = []
                 for d in todo[b:b + batch_n]:
-                    grads, state, header = restore_from(self.ring_segs[ring_of[d]].buf, verify=False)
+                    grads, state, header = restore_from(_opened(self.ring_segs[ring_of[d]]).buf, verify=False)
                     if int(header["version"]) != d:
-                        raise RecoveryError(f"rank {self.rank}: ring entry for differential {d} holds {header['version']}")
+                        raise RecoveryError(f"rank {self.rank}: ring entry for differential {d} "
+                                            f"holds {header['version']}")
                     hypers = state["hypers"]
                     if len(hypers) != len(targets):
                         raise RecoveryError(f"rank {self.rank}: differential {d} covers {len(hypers)} of "

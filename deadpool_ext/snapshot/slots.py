@@ -23,7 +23,6 @@ import torch
 from . import format as fmt
 
 
-
 def _align(n: int) -> int:
     return (n + fmt.ALIGN - 1) // fmt.ALIGN * fmt.ALIGN
 

@@ -120,7 +120,7 @@ def server_handshake(sock: socket.socket, token: bytes, refused: Callable[[str],
     try:
         msg = recv_frame(sock, PREAUTH_FRAME_BYTES)
         client_nonce = unb64(msg.get("nonce"), "nonce")
-    except (FrameError, ValueError, socket.timeout) as exc:
+    except (TimeoutError, FrameError, ValueError) as exc:
         refused(f"bad handshake ({exc or 'timed out'})")
         return False
     if msg.get("op") != "auth" or len(client_nonce) != NONCE_BYTES \

@@ -20,6 +20,7 @@ Rules every backend keeps, so callers can rely on them:
 from __future__ import annotations
 
 import abc
+import builtins
 import json
 import math
 import re
@@ -146,7 +147,7 @@ class CoordinationStore(abc.ABC):
         n = len(self._prefix)
         return {k[n:]: v for k, v in self._list(self._prefix + prefix).items()}
 
-    def wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
+    def wait(self, keys: builtins.list[str], timeout_s: float) -> dict[str, bytes]:  # `list` is a method here
         """Block until every key in `keys` exists and return their values.
 
         The deadline is mandatory (no silent hang): past `timeout_s` seconds this raises
@@ -211,7 +212,7 @@ class CoordinationStore(abc.ABC):
     def _list(self, prefix: str) -> dict[str, bytes]: ...
 
     @abc.abstractmethod
-    def _wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
+    def _wait(self, keys: builtins.list[str], timeout_s: float) -> dict[str, bytes]:
         """Return the subset of `keys` present when all exist or when `timeout_s` ran out."""
 
     @abc.abstractmethod

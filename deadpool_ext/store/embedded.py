@@ -308,7 +308,7 @@ class EmbeddedStore(CoordinationStore):
             sock.settimeout(timeout)
             send_frame(sock, req)
             reply = recv_frame(sock)
-        except socket.timeout:
+        except TimeoutError:
             sock.close()
             raise StoreError(f"no reply from the coordination store at {self.where} to {op!r} "
                              f"within {timeout:g}s") from None

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import socket
 import threading
 import time
 import urllib.error
@@ -77,7 +76,8 @@ def _post(opener: urllib.request.OpenerDirector, endpoint: str, path: str, body:
     req = urllib.request.Request(endpoint + path, data=json.dumps(body).encode(), headers=headers, method="POST")
     try:
         with opener.open(req, timeout=timeout_s) as resp:
-            return json.loads(resp.read().decode() or "{}")
+            out: dict[str, Any] = json.loads(resp.read().decode() or "{}")
+            return out
     except urllib.error.HTTPError as exc:
         raw = exc.read().decode(errors="replace")
         try:
@@ -85,7 +85,7 @@ def _post(opener: urllib.request.OpenerDirector, endpoint: str, path: str, body:
         except (json.JSONDecodeError, AttributeError):
             message = raw
         raise _EtcdHTTPError(exc.code, str(message).strip()) from None
-    except (urllib.error.URLError, OSError, socket.timeout, json.JSONDecodeError) as exc:
+    except (TimeoutError, urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
         reason = getattr(exc, "reason", exc)
         raise StoreError(f"cannot reach etcd at {endpoint} ({path}, timeout {timeout_s:g}s): {reason}") from None
 

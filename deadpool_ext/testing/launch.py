@@ -13,8 +13,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import psutil
 
@@ -89,7 +89,9 @@ def run_job(cmd: Sequence[str], *, timeout_s: float, env: dict[str, str] | None 
     import threading
 
     chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(proc.stdout.readline, "")), daemon=True)
+    stdout = proc.stdout
+    assert stdout is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: chunks.extend(iter(stdout.readline, "")), daemon=True)
     reader.start()
     timed_out = False
     try:

@@ -45,7 +45,7 @@ def _tied(model: torch.nn.Module, init: bool) -> torch.nn.Module:
     # transformers ties the output embedding to the input one inside init_weights, which no_init_weights
     # skips: without this the model would have one more parameter than the model it restores into.
     if not init:
-        model.tie_weights()
+        model.tie_weights()  # type: ignore[operator]  # a transformers model: torch types its attributes as Tensor
     return model
 
 

@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -96,9 +97,9 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     # The collective timeout of the first generation is the section's (hot_swap.collective_timeout_s).
     _, section = split_deepspeed_config(ds_config)
     init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None)
-    from ..snapshot.state import capture_rng, restore_rng
-
     import torch.distributed as dist
+
+    from ..snapshot.state import capture_rng, restore_rng
 
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0
@@ -136,7 +137,8 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
             def client_set(state: dict[str, Any]) -> None:
                 if state.get("corpus", data.fingerprint) != data.fingerprint:
-                    raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, this run reads {data.fingerprint}")
+                    raise RuntimeError(f"snapshot was taken on corpus {state['corpus']}, "
+                                       f"this run reads {data.fingerprint}")
 
             eng.deadpool.set_client_state(client_get, client_set)
             eng.deadpool.set_rebuild(build_engine)
@@ -150,11 +152,12 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if args.load:
         from ..integrations.deepspeed.resume import NoVerifiedBaseError, resume_from_tier3
 
+        client: Any  # the checkpoint's client state; None when there was nothing to load
         try:
             version, client = resume_from_tier3(engine, args.load)
         except NoVerifiedBaseError as exc:
             raise SystemExit(str(exc)) from None
-        path = f"{args.load} (tier-3 base {version})"
+        path: str | None = f"{args.load} (tier-3 base {version})"
         if version is None:  # not written by tier 3: a plain DeepSpeed checkpoint directory
             has_latest = os.path.exists(os.path.join(args.load, "latest"))
             path, client = engine.load_checkpoint(args.load) if has_latest else (None, None)
@@ -186,7 +189,8 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     step_times: list[float] = []
     loss_value = float("nan")
     if rank == 0:
-        print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, gas={gas}, "
+        print(f"[pretrain_{objective}] {args.model_size}: {n_params/1e6:.2f}M params, dp={dp}, micro={micro}, "
+              f"gas={gas}, "
               f"steps {start}->{args.train_iters}, corpus {data.fingerprint}", flush=True)
     engine.train()
 
@@ -250,10 +254,11 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if metrics is not None:
         metrics.close()
     if rank == 0:
-        print("[pretrain_%s] summary %s" % (objective, json.dumps(summary)), flush=True)
+        print(f"[pretrain_{objective}] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
     from ..distributed import membership
 
-    if membership() is not None:
-        membership().mark_done()
+    current = membership()
+    if current is not None:
+        current.mark_done()
     return summary

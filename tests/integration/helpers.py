@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 
@@ -99,4 +99,5 @@ def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None,
     return KillAt(step, rank, then, action)
 
 
-__all__ = ["pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]
+__all__ = ["pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file",
+           "wait_for_step", "kill_rank"]

@@ -100,7 +100,6 @@ def test_corrupt_differential_falls_back_to_an_older_version(tmp_path, shm_root)
 def test_replay_in_place_equals_the_live_state(tmp_path, shm_root, stage):
     """Train 6 steps (base 4, differentials 5 and 6), wreck the live state, restore: every tensor, counter and
     a forward pass equal what they were, bit for bit."""
-    import sys
 
     from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
 

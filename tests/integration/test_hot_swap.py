@@ -117,8 +117,8 @@ def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, 
                                        env=harness_env({ENV: f"kill@step=4,rank=1,marker={marker}"}))
     assert res.returncode == 0, res.output[-4000:]
     assert os.path.exists(marker)
-    stopped = {l.split("]")[0] + "]" for l in res.output.splitlines()
-               if "step stopped by the launcher's notice at step 4 (GenerationLost" in l}
+    stopped = {line.split("]")[0] + "]" for line in res.output.splitlines()
+               if "step stopped by the launcher's notice at step 4 (GenerationLost" in line}
     assert stopped == {"[deadpool r0]", "[deadpool r2]"}, res.output[-4000:]
     assert metrics == base
     assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
@@ -141,7 +141,8 @@ def test_successive_failures_and_a_dead_spare(tmp_path, shm_root):
         (2, "spare0.0", signal.SIGKILL), (3, "node1.0", signal.SIGKILL), (6, "node0.0", signal.SIGKILL)])
     assert res.returncode == 0, res.output[-4000:]
     assert [e["node"] for e in events if e.get("event") == "spare_lost"] == ["spare0"]
-    assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node1": "spare1"}, {"node0": "spare2"}]
+    assert ([e["replaced"] for e in events if e.get("event") == "assignment"]
+            == [{"node1": "spare1"}, {"node0": "spare2"}])
     assert metrics == base
 
 
@@ -177,7 +178,7 @@ def test_node_and_its_replica_holder_lost_is_a_clear_error(tmp_path, shm_root):
 from tests.store_fixtures import etcd_server  # noqa: E402,F401  (pytest fixture)
 
 
-def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):
+def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):  # noqa: F811 - the fixture above
     """Multi-host shape on one machine: two deadpool-run launchers (hosts) share an etcd store; a worker on the
     follower host dies, the coordinator fences that node through the store and a spare on its own host takes
     over."""

@@ -67,8 +67,9 @@ def test_node_loss_hot_swap_identical_losses(tmp_path, shm_root, layout):
     spare = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
     assert sorted(e["rank"] for e in spare) == [2, 3]
     assert all(e["restored_from"] == "peer" for e in spare)
-    want = {2: {"tp": 0, "pp": 0, "dp": 1}, 3: {"tp": 1, "pp": 0, "dp": 1}} if "--tensor-model-parallel-size" in layout \
-        else {2: {"tp": 0, "pp": 1, "dp": 0}, 3: {"tp": 0, "pp": 1, "dp": 1}}
+    want = ({2: {"tp": 0, "pp": 0, "dp": 1}, 3: {"tp": 1, "pp": 0, "dp": 1}}
+            if "--tensor-model-parallel-size" in layout
+            else {2: {"tp": 0, "pp": 1, "dp": 0}, 3: {"tp": 0, "pp": 1, "dp": 1}})
     assert {e["rank"]: e["coords"] for e in spare} == want
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert sorted(e["rank"] for e in survivors) == [0, 1]

@@ -32,7 +32,7 @@ def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
                                inject=kill_at(4), name="fault")
     assert res.returncode == 0, res.output[-4000:]
     lines = _restored_lines(res.output)
-    assert any("from own memory" in l and "0 from peer" in l for l in lines), res.output[-4000:]
+    assert any("from own memory" in line and "0 from peer" in line for line in lines), res.output[-4000:]
     assert metrics == base
 
 
@@ -43,8 +43,8 @@ def test_lost_node_memory_restores_from_tier2(tmp_path, shm_root, stage):
                                inject=kill_at(4, then=lambda: drop_node_memory(shm_root, NODE1)), name="lost")
     assert res.returncode == 0, res.output[-4000:]
     lines = _restored_lines(res.output)
-    assert any("1 from peer replicas {1: 0}" in l for l in lines), res.output[-4000:]
-    assert any("tier 2: fetched and verified" in l for l in lines)
+    assert any("1 from peer replicas {1: 0}" in line for line in lines), res.output[-4000:]
+    assert any("tier 2: fetched and verified" in line for line in lines)
     assert metrics == base
 
 
@@ -59,8 +59,8 @@ def test_corrupt_tier1_falls_back_to_peer(tmp_path, shm_root):
                                inject=kill_at(4, then=corrupt_rank1_slots), name="corrupt")
     assert res.returncode == 0, res.output[-4000:]
     lines = _restored_lines(res.output)
-    assert any("tier 1: slot" in l and "unusable" in l and "checksum mismatch" in l for l in lines), lines
-    assert any("tier 2: fetched and verified" in l for l in lines), lines
+    assert any("tier 1: slot" in line and "unusable" in line and "checksum mismatch" in line for line in lines), lines
+    assert any("tier 2: fetched and verified" in line for line in lines), lines
     assert metrics == base
 
 
@@ -75,7 +75,7 @@ def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive
                                                        "snapshot": {"derive_params": derive}}, **extra)
     res = run_job(torchrun_cmd(2, "tests/integration/workers/snapshot_equality.py", [cfg, "3"], port=free_port()),
                   timeout_s=300)
-    errors = [l for l in res.output.splitlines() if "Error" in l or "assert" in l]
+    errors = [line for line in res.output.splitlines() if "Error" in line or "assert" in line]
     assert res.returncode == 0, "\n".join(errors[:40]) + res.output[-2000:]
     assert res.output.count("tensors equal") == 2
     if bf16:
@@ -90,7 +90,7 @@ def test_bf16_zero3_lost_node_identical(tmp_path, shm_root):
     res, metrics, _ = pretrain(tmp_path, cfg, iters=8, max_restarts=1, name="bf16lost",
                                inject=kill_at(3, then=lambda: drop_node_memory(shm_root, NODE1)))
     assert res.returncode == 0, res.output[-4000:]
-    assert any("fetched and verified" in l for l in _restored_lines(res.output))
+    assert any("fetched and verified" in line for line in _restored_lines(res.output))
     assert metrics == base and len(base) == 8
 
 
@@ -124,7 +124,7 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
         assert second.returncode == 0, second.output[-4000:]
         assert "adopting" in second.output, second.output[-4000:]
         lines = _restored_lines(second.output)
-        assert any("from own memory" in l and "0 from peer" in l for l in lines), second.output[-4000:]
+        assert any("from own memory" in line and "0 from peer" in line for line in lines), second.output[-4000:]
         assert read_metrics(metrics) == base
     finally:  # the agents would otherwise hold the memory for the whole window after the test
         for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):

@@ -25,7 +25,8 @@ def test_save_reload_continue_identical(tmp_path, shm_root, stage):
     res, full, _ = pretrain(tmp_path, cfg, iters=6, extra=["--save", ckpt, "--save-interval", "3"], name="full")
     assert res.returncode == 0, res.output[-3000:]
     assert sorted(full) == list(range(1, 7))
-    assert os.path.exists(os.path.join(ckpt, "global_step3")) and open(os.path.join(ckpt, "latest")).read() == "global_step6"
+    assert (os.path.exists(os.path.join(ckpt, "global_step3"))
+            and open(os.path.join(ckpt, "latest")).read() == "global_step6")
     manifests = [f for f in os.listdir(os.path.join(ckpt, "global_step3")) if f.startswith("deadpool_manifest")]
     assert len(manifests) == 2, manifests  # one per rank, written at commit
     # Resume from step 3 into a fresh job: steps 4-6 must match bit for bit.
@@ -63,7 +64,8 @@ def test_two_runs_same_seed_identical_and_bert_runs(tmp_path, shm_root):
         import json
         rec = json.loads(fh.readline())
     assert {"step", "loss", "step_time_s"} <= set(rec)
-    bert_cfg = make_config(tmp_path, stage=3, base="bert_tiny_zero3_cpu.json", deadpool={"local": {"shm_root": shm_root}})
+    bert_cfg = make_config(tmp_path, stage=3, base="bert_tiny_zero3_cpu.json",
+                           deadpool={"local": {"shm_root": shm_root}})
     res, bert, _ = pretrain(tmp_path, bert_cfg, iters=3, script="scripts/pretrain_bert.py", name="bert")
     assert res.returncode == 0, res.output[-3000:]
     assert sorted(bert) == [1, 2, 3] and all(v == v for v in bert.values())

@@ -96,7 +96,7 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
     from deadpool_ext.training.models import build_gpt
 
     model = build_gpt("tiny")
-    missing, unexpected = model.load_state_dict(load_file(st), strict=True), None
+    model.load_state_dict(load_file(st), strict=True)  # strict: a missing or unexpected key raises
     model.eval()
     ref = torch.load(out)
     with torch.no_grad():
@@ -173,7 +173,8 @@ RESHARD_CHECK = textwrap.dedent('''
     engine, *_ = dpx.initialize(model=model, config=cfg_path, model_parameters=model.parameters())
     version, client = resume_from_tier3(engine, url)
     assert engine.dp_world_size == 2 and version == 2, (engine.dp_world_size, version)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())) if engine.zero_optimization_stage() == 3 else torch.no_grad():
+    with (deepspeed.zero.GatheredParameters(list(engine.module.parameters()))
+          if engine.zero_optimization_stage() == 3 else torch.no_grad()):
         full = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
     # fp32 master partitions as the optimizer holds them after the load, consolidated by DeepSpeed itself
     tag = "global_step2"

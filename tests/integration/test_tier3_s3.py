@@ -28,8 +28,8 @@ from urllib.parse import urlparse
 import pytest
 import torch
 
-from deadpool_ext.persist.layout import COMMIT, LATEST, list_versions, load_candidates, read_commit, verify_version
 from deadpool_ext.persist.download import cache_dir_for, download
+from deadpool_ext.persist.layout import COMMIT, LATEST, list_versions, load_candidates, read_commit, verify_version
 from deadpool_ext.persist.storage import FsspecStorage, open_storage
 from deadpool_ext.testing.launch import base_env, free_port
 from tests.conftest import make_config

@@ -35,7 +35,8 @@ def test_many_seeds_cover_layouts_signals_and_variants():
     assert sigs == {"SIGKILL", "SIGSTOP"}
     assert {a.which for s in scenarios for a in s.actions if a.op == "corrupt" and a.tier == 1} == {"all", "newest"}
     replication_targets = {s.actions[0].target.split(".")[0] == f"node{s.actions[0].trigger.rank}"
-                           for s in scenarios if s.fault is Fault.IN_REPLICATION and LAYOUTS[s.layout].nproc_per_node == 1}
+                           for s in scenarios
+                           if s.fault is Fault.IN_REPLICATION and LAYOUTS[s.layout].nproc_per_node == 1}
     assert replication_targets == {True, False}  # the source and the holder are both killed mid-transfer
 
 

@@ -16,8 +16,20 @@ import torch
 
 from deadpool_ext.snapshot import format as fmt
 from deadpool_ext.snapshot.format import (
-    MAGIC, CorruptSnapshotError, SnapshotFormatError, TensorEntry, blob_nbytes, bytes_checksum, deserialize,
-    flatten_state, plan_layout, read_header, serialize, tensor_checksum, unflatten_state, verify_blob,
+    MAGIC,
+    CorruptSnapshotError,
+    SnapshotFormatError,
+    TensorEntry,
+    blob_nbytes,
+    bytes_checksum,
+    deserialize,
+    flatten_state,
+    plan_layout,
+    read_header,
+    serialize,
+    tensor_checksum,
+    unflatten_state,
+    verify_blob,
     write_blob,
 )
 
@@ -31,7 +43,8 @@ def assert_same(a, b, path="state"):
     assert type(a) is type(b), f"{path}: {type(a)} != {type(b)}"
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), path
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8),
+                           b.contiguous().reshape(-1).view(torch.uint8)), path
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
     elif isinstance(a, float):

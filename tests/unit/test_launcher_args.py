@@ -9,7 +9,8 @@ from deadpool_ext.launcher.cli import main
 @pytest.mark.parametrize("argv,needle", [
     (["--heartbeat-s", "0"], "--heartbeat-s must be a positive number of seconds"),
     (["--watch-s", "-1"], "--watch-s must be a positive number of seconds"),
-    (["--detect-timeout-s", "0.4", "--heartbeat-s", "0.5"], "--detect-timeout-s (0.4) must be longer than --heartbeat-s"),
+    (["--detect-timeout-s", "0.4", "--heartbeat-s", "0.5"],
+     "--detect-timeout-s (0.4) must be longer than --heartbeat-s"),
 ])
 def test_impossible_timing_is_refused(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -6,11 +6,17 @@ import itertools
 
 import pytest
 
+from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed
 from deadpool_ext.cluster.placement import replica_holders
 from deadpool_ext.cluster.topology import Topology
-from deadpool_ext.integrations.megatron.layout import (Coordinates, Layout, LayoutError, coordinates, rank_of,
-                                                       tp_groups_within_nodes)
-from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed
+from deadpool_ext.integrations.megatron.layout import (
+    Coordinates,
+    Layout,
+    LayoutError,
+    coordinates,
+    rank_of,
+    tp_groups_within_nodes,
+)
 
 
 def test_megatron_default_order_tp_dp_pp():

@@ -128,9 +128,8 @@ def test_base_class_restores_on_failed_apply():
 def test_megatron_lm_flags():
     import argparse
 
-    from deadpool_ext.patches.megatron_lm_hooks import add_deadpool_args, deadpool_section
-
     from deadpool_ext.config import DeadpoolConfig
+    from deadpool_ext.patches.megatron_lm_hooks import add_deadpool_args, deadpool_section
 
     args = add_deadpool_args(argparse.ArgumentParser()).parse_args(
         ["--deadpool-snapshot-interval", "2", "--deadpool-replication-factor", "0"])

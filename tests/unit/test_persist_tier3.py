@@ -10,8 +10,16 @@ import pytest
 import torch
 
 from deadpool_ext.persist.capture import StagingPool
-from deadpool_ext.persist.layout import (COMMIT, LATEST, VersionInfo, collect_garbage, list_versions, load_candidates,
-                                         read_commit, verify_version, version_tag)
+from deadpool_ext.persist.layout import (
+    COMMIT,
+    LATEST,
+    collect_garbage,
+    list_versions,
+    load_candidates,
+    read_commit,
+    verify_version,
+    version_tag,
+)
 from deadpool_ext.persist.storage import FsspecStorage, LocalStorage, open_storage
 from deadpool_ext.persist.throttle import MiB, Throttle
 from deadpool_ext.persist.writer import BaseJob, BaseWriter, CapturedFile
@@ -189,7 +197,8 @@ def test_disk_full_is_a_clear_error_and_training_continues(tmp_path, monkeypatch
         w0.submit(_job(5, 0, 1))
         assert w0.wait_idle(20)
     err = w0.history[-1]["error"]
-    assert "storage full" in err and str(tmp_path / "t3") in err and "needs 4000 bytes" in err and "100 bytes free" in err
+    assert ("storage full" in err and str(tmp_path / "t3") in err and "needs 4000 bytes" in err
+            and "100 bytes free" in err)
     assert "abandoned (not published), training continues" in caplog.text
     # ENOSPC in the middle of a write (free space unknown) is reported the same way.
     monkeypatch.setattr(storage, "free_bytes", lambda: None)

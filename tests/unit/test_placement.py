@@ -257,7 +257,8 @@ def test_stale_replica_buffers_are_dropped_after_the_first_replication(tmp_path)
     from deadpool_ext.replicate.peer import PeerReplicator
 
     held = {(src, b): segment_name("job1", "replica", src, f"h1b{b}") for src in (0, 2) for b in (0, 1)}
-    for fname in [*held.values(), segment_name("job1", "replica", 0, "h3b0"), segment_name("job2", "replica", 2, "h1b0")]:
+    for fname in [*held.values(), segment_name("job1", "replica", 0, "h3b0"),
+                  segment_name("job2", "replica", 2, "h1b0")]:
         (tmp_path / fname).write_bytes(b"x" * 4096)
     p = PeerReplicator.__new__(PeerReplicator)  # the file logic only: no process group needed
     p.rank, p.dir, p.job_id, p.kind, p.sources = 1, str(tmp_path), "job1", "replica", (0,)

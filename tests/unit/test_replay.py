@@ -11,7 +11,7 @@ def _train(opt_cls, kwargs, params, grads_per_step, fused=False):
     opt = opt_cls([{"params": ps[:1], **kwargs}, {"params": ps[1:], **{**kwargs, "lr": kwargs["lr"] * 0.5}}],
                   **({"fused": True} if fused else {"foreach": False}))
     diffs = []
-    for step, grads in enumerate(grads_per_step):
+    for grads in grads_per_step:
         for g in opt.param_groups:  # a schedule: lr changes every step, as a scheduler does
             g["lr"] = g["lr"] * 0.9
         hypers = []

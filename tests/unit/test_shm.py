@@ -39,7 +39,8 @@ def test_invalid_job_id_rejected(job_id: object, tmp_path: Path) -> None:
         list_segments(job_id, root=tmp_path)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("kind", "rank", "slot"), [("a.b", 0, 0), ("snap", -1, 0), ("snap", 0, -1), ("snap", 0, "x.y")])
+@pytest.mark.parametrize(("kind", "rank", "slot"),
+                         [("a.b", 0, 0), ("snap", -1, 0), ("snap", 0, -1), ("snap", 0, "x.y")])
 def test_invalid_name_fields_rejected(kind: str, rank: int, slot: int | str) -> None:
     with pytest.raises(ValueError):
         segment_name("job", kind, rank, slot)
@@ -70,7 +71,7 @@ def test_create_open_roundtrip_two_handles(tmp_path: Path) -> None:
         del ta, tb
     assert a.closed and b.closed
     with pytest.raises(ValueError, match="closed"):
-        a.buf
+        _ = a.buf  # the property access itself raises
     assert (tmp_path / name).exists(), "closing must not unlink"
 
 

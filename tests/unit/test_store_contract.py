@@ -16,7 +16,13 @@ from collections.abc import Iterator
 import pytest
 
 from deadpool_ext.store import (
-    CoordinationStore, EmbeddedStoreServer, StoreAuthError, StoreError, StoreTimeout, bootstrap_etcd_auth, connect,
+    CoordinationStore,
+    EmbeddedStoreServer,
+    StoreAuthError,
+    StoreError,
+    StoreTimeout,
+    bootstrap_etcd_auth,
+    connect,
 )
 from tests.store_fixtures import etcd_server, free_port  # noqa: F401  (etcd_server is a fixture)
 

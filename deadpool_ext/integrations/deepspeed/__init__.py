@@ -63,15 +63,16 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwar
 
 def _patches() -> Any:
     try:
-        from ... import patches
+        from ... import patches  # type: ignore[attr-defined]  # patches/, mapped in at install (package_dir)
     except ImportError:  # run from a checkout that was never installed (patches/ maps in at install): plain DeepSpeed
         return None
     return patches
 
 
 def _quiet_zero3_init() -> None:
-    """``deadpool_ext.patches.deepspeed_zero3_quiet_init`` (``patches/`` in the repository) (0.2-0.3 s per rank and engine build), when it supports the
-    installed DeepSpeed; otherwise DeepSpeed as it is (logged at debug level)."""
+    """``deadpool_ext.patches.deepspeed_zero3_quiet_init`` (``patches/`` in the repository) (0.2-0.3 s per rank
+    and engine build), when it supports the installed DeepSpeed; otherwise DeepSpeed as it is (logged at debug
+    level)."""
     p = _patches()
     if p is None:
         return

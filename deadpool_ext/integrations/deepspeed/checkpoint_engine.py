@@ -6,16 +6,17 @@ file names and ``torch.save`` payloads, so a checkpoint written here is a plain 
 ``load_checkpoint`` and ``zero_to_fp32.py`` read without the extension; what we add is write-to-temp-and-rename,
 a per-rank manifest with checksums written at commit, and verification of every file against it on load.
 
-Tier 3 (``deadpool_ext.integrations.deepspeed.tier3``) puts the engine in *capture mode* around its own ``save_checkpoint``
-call: between :meth:`begin_capture` and :meth:`end_capture` (training thread, every rank), ``save`` hands the
-state dict to a callback that copies it into host memory instead of writing, so the call returns in the time
-of a memory copy and the background writer persists and publishes the base later.
+Tier 3 (``deadpool_ext.integrations.deepspeed.tier3``) puts the engine in *capture mode* around its own
+``save_checkpoint`` call: between :meth:`begin_capture` and :meth:`end_capture` (training thread, every rank),
+``save`` hands the state dict to a callback that copies it into host memory instead of writing, so the call
+returns in the time of a memory copy and the background writer persists and publishes the base later.
 """
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine

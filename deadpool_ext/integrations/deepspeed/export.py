@@ -9,10 +9,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from typing import Callable
+from collections.abc import Callable
 
 from ...persist.download import cache_dir_for, download
-from ...persist.layout import VersionInfo, load_candidates, read_commit, version_tag, verify_version
+from ...persist.layout import VersionInfo, load_candidates, read_commit, verify_version, version_tag
 from ...persist.storage import open_existing
 
 

@@ -31,7 +31,8 @@ def reset_deepspeed_comm_state() -> None:
 
     version = Version(deepspeed.__version__.split("+")[0])
     if not (SUPPORTED[0] <= version < SUPPORTED[1]):
-        raise RuntimeError(f"deadpool_ext hot-swap supports DeepSpeed {SUPPORTED[0]} to <{SUPPORTED[1]}, found {version}")
+        raise RuntimeError(f"deadpool_ext hot-swap supports DeepSpeed {SUPPORTED[0]} to <{SUPPORTED[1]}, "
+                           f"found {version}")
     for name, default in _GROUP_DEFAULTS.items():
         if hasattr(groups, name):
             setattr(groups, name, default() if callable(default) else default)

@@ -25,6 +25,7 @@ import shutil
 from typing import Any
 
 import torch.distributed as dist
+
 from ...launcher.contract import worker_env
 
 log = logging.getLogger("deadpool_ext")

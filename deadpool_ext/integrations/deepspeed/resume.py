@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ...launcher.contract import worker_env
 from ...persist.download import cache_dir_for, download
 from ...persist.layout import VersionInfo, load_candidates, read_commit, verify_version
 from ...persist.storage import Storage, open_storage
-from ...launcher.contract import worker_env
 
 log = logging.getLogger("deadpool_ext")
 MAX_CANDIDATES = 64
@@ -85,6 +85,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None) -
             download(storage, chosen, local)
         dist.barrier()
     commit = chosen.commit
+    assert commit is not None  # chosen only once its commit record was read and verified
     same_layout = (int(commit.get("dp_world_size", -1)) == int(engine.dp_world_size)
                    and int(commit.get("zero_stage", -1)) == int(engine.zero_optimization_stage()))
     ckpt = engine.checkpoint_engine

@@ -2,12 +2,12 @@
 manager copies and restores. The only place that knows where DeepSpeed keeps a rank's tensors."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from ...snapshot.state import (RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value,
-                               restore_rng)
+from ...snapshot.state import RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value, restore_rng
 
 
 class DeepSpeedStateAdapter(RankStateAdapter):
@@ -50,7 +50,8 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             raise UnsupportedEngineError(
                 f"deadpool_ext has no state adapter for optimizer {kind} at ZeRO stage {self.zero_stage}; "
                 "supported: ZeRO stages 1-3 (fp32/bf16/fp16), stage 0 with fp32 or bf16")
-        self._inner = opt.optimizer if hasattr(opt, "optimizer") and self.zero_stage > 0 or kind == "BF16_Optimizer" else opt
+        self._inner = (opt.optimizer if hasattr(opt, "optimizer") and self.zero_stage > 0 or kind == "BF16_Optimizer"
+                       else opt)
         # Host memory only: the capture-time checksum of a derived tensor is taken in place, and hashing a
         # device tensor would need the very device-to-host copy that deriving saves.
         self.derive_params = bool(derive_params and self.zero_stage in (1, 2, 3)
@@ -85,7 +86,8 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             "micro_steps": int(e.micro_steps),
             "zero_stage": self.zero_stage,
             "dp_world_size": int(e.dp_world_size),
-            "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)} for g in opt.param_groups],
+            "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)}
+                             for g in opt.param_groups],
             "optim_scalars": {str(i): {k: v for k, v in self._inner.state.get(t, {}).items() if not torch.is_tensor(v)}
                               for i, t in enumerate(self._master())},
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,

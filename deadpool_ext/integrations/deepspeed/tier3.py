@@ -22,7 +22,8 @@ import os
 import shutil
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -132,7 +133,7 @@ class Tier3Persister:
                       world_size=torch.distributed.get_world_size(), coordinator=self.engine.global_rank == 0,
                       files=files, layout=self._layout(), root_files=root_files,
                       deadline=time.time() + self.cfg.timeout_s,
-                      on_done=lambda _job, _taken=taken: self.pool.release(_taken))
+                      on_done=lambda _job: self.pool.release(taken))
         self.writer.submit(job)
         self.captures.append({"version": step, "capture_s": capture_s, "bytes": job.estimate})
         return True

@@ -27,8 +27,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ...persist.atomic import (IncompleteCheckpointError, MANIFEST_PREFIX, atomic_write, read_manifests, verify_file,
-                               write_manifest)
+from ...persist.atomic import (
+    MANIFEST_PREFIX,
+    IncompleteCheckpointError,
+    atomic_write,
+    read_manifests,
+    verify_file,
+    write_manifest,
+)
 
 log = logging.getLogger("deadpool_ext")
 

@@ -26,11 +26,12 @@ log = logging.getLogger("deadpool_ext")
 
 
 def apply_cpu_shims() -> list[str]:
-    """Apply the Megatron-Core CPU shims (``deadpool_ext.patches.MEGATRON_CORE_CPU``) when CUDA is absent; return their names."""
+    """Apply the Megatron-Core CPU shims (``deadpool_ext.patches.MEGATRON_CORE_CPU``) when CUDA is absent; return
+    their names."""
     if torch.cuda.is_available():
         return []
     try:
-        from ... import patches
+        from ... import patches  # type: ignore[attr-defined]  # patches/, mapped in at install (package_dir)
     except ImportError as exc:
         raise ImportError("deadpool_ext's Megatron-Core integration needs deadpool_ext.patches for CPU runs: install "
                           "the package (`pip install -e .` maps the repository's patches/ there)") from exc

@@ -22,7 +22,8 @@ optimizer step, ``restore`` after agreement on a version).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -88,12 +89,15 @@ class MegatronStateAdapter(RankStateAdapter):
             "consumed_samples": int(self.progress.consumed_samples),
             "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp},
             "coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
-            "param_groups": [[{k: v for k, v in grp.items() if k != "params" and plain_value(v)} for grp in inner.param_groups]
+            "param_groups": [[{k: v for k, v in grp.items() if k != "params" and plain_value(v)}
+                              for grp in inner.param_groups]
                              for inner in inners],
-            "optim_scalars": {f"{k}.{g}.{i}": {key: v for key, v in inner.state.get(p, {}).items() if not torch.is_tensor(v)}
+            "optim_scalars": {f"{k}.{g}.{i}": {key: v for key, v in inner.state.get(p, {}).items()
+                                               if not torch.is_tensor(v)}
                               for k, inner in enumerate(inners) for g, grp in enumerate(inner.param_groups)
                               for i, p in enumerate(grp["params"])},
-            "scheduler": {k: v for k, v in self.scheduler.state_dict().items() if plain_value(v)} if self.scheduler else None,
+            "scheduler": ({k: v for k, v in self.scheduler.state_dict().items() if plain_value(v)}
+                          if self.scheduler else None),
             "grad_scaler": {k: v.clone() if torch.is_tensor(v) else v for k, v in scaler.state_dict().items()}
             if scaler is not None else None,
             "rng": capture_rng(),
@@ -139,7 +143,8 @@ class MegatronStateAdapter(RankStateAdapter):
 
             raise UnsupportedEngineError(
                 f"differential checkpoints support one non-distributed Megatron optimizer; this job has "
-                f"{type(self.optimizer).__name__} with {len(inners)} inner optimizer(s): turn deadpool.differential off")
+                f"{type(self.optimizer).__name__} with {len(inners)} inner optimizer(s): "
+                "turn deadpool.differential off")
         return inners[0]
 
     def masters(self) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ the labels), so the data position is the single integer ``consumed_samples``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,8 @@ import argparse
 import json
 import logging
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist
@@ -103,6 +104,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     rt = factory()
     rank = dist.get_rank()
     start = rt.resume()
+    assert rt.built is not None  # a runtime is closed only by the hot-swap that replaces it
     if args.load and start == 0:
         from .checkpoint import load_base
 
@@ -122,6 +124,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     def one_iteration(rt: MegatronRuntime) -> tuple[float, float | None, float]:
         t0 = time.perf_counter()
+        assert rt.built is not None
         batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
                                rt.coords.dp)
         with rt.stoppable():
@@ -138,6 +141,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def after_swap(new: MegatronRuntime) -> None:
         # Hot-swap (deadpool-run): a peer died mid-iteration; parallel state was rebuilt in-process and the
         # newest version every rank holds restored. The iteration is redone.
+        assert new.built is not None
         for c in new.built.chunks:
             c.train()
 
@@ -147,6 +151,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         step_times.append(dt)
         step = rt.progress.iteration
         if metrics is not None:
+            assert rt.built is not None
             metrics.write(json.dumps({"step": step, "loss": loss, "step_time_s": dt, "time": time.time(),
                                       "lr": rt.built.optimizer.param_groups[0]["lr"],
                                       "samples": rt.progress.consumed_samples, "grad_norm": grad_norm}) + "\n")
@@ -164,8 +169,9 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if metrics is not None:
         metrics.close()
     if rank == 0:
-        print("[pretrain_gpt_megatron] summary %s" % json.dumps(summary), flush=True)
+        print(f"[pretrain_gpt_megatron] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
-    if membership() is not None:
-        membership().mark_done()
+    current = membership()
+    if current is not None:
+        current.mark_done()
     return summary

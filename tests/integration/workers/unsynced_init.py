@@ -21,8 +21,8 @@ def main() -> None:
     import deepspeed  # noqa: F401
 
     from deadpool_ext import patches
-    from deadpool_ext.rebuild import recover
     from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
+    from deadpool_ext.rebuild import recover
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -51,12 +51,14 @@ def main() -> None:
     torch.manual_seed(100 + rank)  # rank-dependent weights: a broadcast would make them rank 0's
     model = build_gpt("tiny")
     wte = model.transformer.wte.weight.detach().clone().reshape(-1)
-    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+    cfg = {"train_micro_batch_size_per_gpu": 1,
+           "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": 3}}
     patches.get("deepspeed_zero3_quiet_init").apply()
     with unsynced_weights(mode == "unsynced") as skipped:
         engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    out["patch_reverted"] = DeepSpeedEngine._broadcast_model is original and not patches.get("deepspeed_unsynced_init").applied
+    out["patch_reverted"] = (DeepSpeedEngine._broadcast_model is original
+                             and not patches.get("deepspeed_unsynced_init").applied)
     out["skipped"] = skipped
     p = engine.module.transformer.wte.weight
     part = p.ds_tensor.detach().reshape(-1)
