@@ -42,6 +42,9 @@ class Begun:
     generation: int
     failed_step: int
     noticed_at: float
+    cause: str
+    """What stopped the step: ``"launcher_notice"`` (the launcher's notice of a new generation) or
+    ``"collective_failed"`` (a collective with a lost peer raised); the ``recover`` event's ``cause``."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -105,14 +108,15 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
     assert m is not None and m.assignment is not None, "hot-swap recovery outside deadpool-run"
     gen = m.assignment.generation
     interrupt.forget(gen)
-    what_failed = ("step stopped by the launcher's notice" if isinstance(exc, interrupt.GenerationLost)
-                   else "collective failed")
+    noticed = isinstance(exc, interrupt.GenerationLost)
+    what_failed = "step stopped by the launcher's notice" if noticed else "collective failed"
     log.warning("generation %d: %s at step %d (%s: %s); %s in-process", gen, what_failed, step,
                 type(exc).__name__, " ".join(str(exc).split())[:600], what)
     faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s + 120,
                                       exit=True)
     m.report_failure(gen, repr(exc))
-    return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time())
+    return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time(),
+                 cause="launcher_notice" if noticed else "collective_failed")
 
 
 def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
@@ -156,6 +160,7 @@ def finish(begun: Begun, r: Rejoined[Any], *, old_rank: int, **extra: Any) -> No
     faulthandler.cancel_dump_traceback_later()
     write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=old_rank,
                 rank=r.assignment.ranks[begun.membership.worker_id], pid=os.getpid(), failed_step=begun.failed_step,
+                cause=begun.cause,
                 restored_version=r.version, noticed_at=begun.noticed_at, assigned_at=r.assigned_at,
                 pg_ready_at=r.pg_ready_at, engine_ready_at=r.engine_ready_at, restored_at=r.restored_at, **extra)
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..cluster.comm import allgather_json
 from ..memory.shm import ShmSegment, segment_name
-from ..recovery.agree import RankReport, RecoveryError, choose_version
+from ..recovery.agree import NoCommonVersionError, RankReport, RecoveryError, choose_version
 from .format import header_len_of, tensor_checksum
 from .slots import probe_slot, restore_from
 
@@ -30,6 +30,13 @@ def _opened(seg: ShmSegment | None) -> ShmSegment:
     """A segment that ``_open_slots`` / ``_open_ring`` opened before this use."""
     assert seg is not None, "shared-memory segment used before it was opened"
     return seg
+
+
+def _unusable(p: dict[str, Any]) -> str:
+    """A copy refused by the check before use, as the log and the error name it."""
+    what = (f"replica of step {p['version']} fetched from rank {p['holder']}" if p["from"] == "peer"
+            else f"tier-1 slot {p['slot']} of step {p['version']}")
+    return f"rank {p['rank']}: {what} is unusable ({p['why']})"
 
 
 class MemoryRestore:
@@ -109,19 +116,27 @@ class MemoryRestore:
         # If one was not, everyone scans again checking every copy and chooses again, excluding it (the
         # fallback to the next source). Differential mode keeps the full check up front.
         lazy = verify and not self.tap and self.dpeers is None
+        # What this restore did, the same on every rank (stats()["restore"]): the outcome, the plan, and every
+        # copy refused by the check before use.
+        record: dict[str, Any] = {"outcome": None, "refused_before_use": []}
+        self._stats["restore"] = record
         while True:
             report, slot_of, ring_of = self._scan(verify=verify and not lazy)
             reports = [RankReport.from_json(r) for r in allgather_json(report.to_json(), group=self.group)]
             try:
                 plan = choose_version(reports)
-            except RecoveryError:
+            except RecoveryError as exc:
+                record.update(outcome="no_common_version" if isinstance(exc, NoCommonVersionError) else "failed",
+                              error=str(exc))
                 self._unopened()  # the caller may continue without memory (a tier-3 base): a clean start
                 raise
             if plan is None:
+                record["outcome"] = "fresh"
                 log.info("no snapshots of job %s in local or peer memory: fresh start", self.job_id)
                 self._unopened()
                 return None
             if newer_than is not None and plan.version <= newer_than:
+                record.update(outcome="kept_tier3_base", version=plan.version, tier3_base=newer_than)
                 if self.rank == 0:
                     log.info("memory tiers hold step %d, not newer than the tier-3 base of step %d: keeping the base",
                              plan.version, newer_than)
@@ -145,22 +160,23 @@ class MemoryRestore:
             seg = _opened(self.slots[slot])
             self.peers.serve_fetches(plan.version, plan.fetch, seg.tensor() if fetching else None,
                                      versions=plan.base)
-            problem = None
+            problem: dict[str, Any] | None = None
             if fetching or lazy:
                 meta, why = probe_slot(seg.buf, verify=True)
                 if meta is None or int(meta["version"]) != base:
-                    problem = (f"rank {me}: " + (f"replica of step {base} fetched from rank {plan.fetch[me][0]}"
-                                                 if fetching else f"tier-1 slot {slot} of step {base}")
-                               + f" is unusable ({why})")
+                    problem = {"rank": me, "version": base, "why": why,
+                               **({"from": "peer", "holder": plan.fetch[me][0]} if fetching
+                                  else {"from": "local", "slot": slot})}
             if lazy:
                 problems = [p for p in allgather_json(problem, group=self.group) if p]
                 if problems:
+                    record["refused_before_use"].extend(problems)
                     log.warning("restore of step %d refused before use: %s; checking the checksums of every copy "
-                                "and choosing again", plan.version, "; ".join(problems))
+                                "and choosing again", plan.version, "; ".join(map(_unusable, problems)))
                     lazy = False
                     continue
             elif problem is not None:
-                raise RecoveryError(f"{problem}; no other copy in memory")
+                raise RecoveryError(f"{_unusable(problem)}; no other copy in memory")
             if fetching:
                 log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
             break
@@ -181,6 +197,10 @@ class MemoryRestore:
         self._stats["restored_version"] = plan.version
         self._stats["restored_from"] = "peer" if fetching else "local"
         self._stats["replayed"] = replayed
+        record.update(outcome="restored", version=plan.version, tier3_base=newer_than,
+                      fetched_from={str(r): h for r, (h, _) in sorted(plan.fetch.items())},
+                      bases={str(r): plan.base.get(r, plan.version) for r in range(self.world)},
+                      fetched_diffs={str(r): sorted(vs) for r, vs in sorted(plan.fetch_diffs.items()) if vs})
         return plan.version
 
     def _unopened(self) -> None:

@@ -149,6 +149,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     rank = engine.global_rank
 
     start = 0
+    loaded_step: int | None = None  # the step of the checkpoint --load loaded (a tier-3 base or a DeepSpeed checkpoint)
     if args.load:
         from ..integrations.deepspeed.resume import NoVerifiedBaseError, resume_from_tier3
 
@@ -173,6 +174,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
             if str(rank) in rngs or "rng" in client:
                 restore_rng(rngs[str(rank)] if str(rank) in rngs else client["rng"])
             log.info("resumed from checkpoint %s at step %d", path, int(engine.global_steps))
+            loaded_step = int(engine.global_steps)
         start = int(engine.global_steps)
     if engine.deadpool is not None:
         # Across tiers: the memory tiers are used only for a version newer than the tier-3 base just loaded
@@ -241,6 +243,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
         "objective": objective, "model_size": args.model_size, "params": n_params, "world_size": dist.get_world_size(),
         "steps_run": len(step_times), "final_step": int(engine.global_steps), "final_loss": loss_value,
         "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
+        "loaded_step": loaded_step, "start_step": start,
     }
     from ..integrations.deepspeed.tier3 import persister_of
 

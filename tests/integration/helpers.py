@@ -1,6 +1,7 @@
 """Launch the pretraining scripts as real multi-process jobs for tests."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable
@@ -56,6 +57,21 @@ def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: s
         fh.write(res.output)
     assert not res.timed_out, f"job timed out after {JOB_TIMEOUT_S}s:\n{res.output[-4000:]}"
     return res, read_metrics(metrics), metrics
+
+
+def summary(res, script: str = "pretrain_gpt") -> dict:
+    """The summary JSON the job's rank 0 prints last (``[pretrain_gpt] summary {...}``): ``deadpool`` is the
+    runtime's ``stats()`` (``restore``: what the restore at start did), ``loaded_step``/``start_step`` where
+    training started. The last one printed: under torchrun restarts, the attempt that finished."""
+    tag = f"[{script}] summary "
+    lines = [line for line in res.output.splitlines() if line.startswith(tag)]
+    assert lines, f"no {tag!r} line: the job did not finish\n{res.output[-3000:]}"
+    return json.JSONDecoder().raw_decode(lines[-1][len(tag):])[0]  # (another rank's output may follow on the line)
+
+
+def restore_of(res) -> dict:
+    """``stats()["restore"]`` of the job's finishing attempt: outcome, version, bases, fetched_from, ..."""
+    return summary(res)["deadpool"]["restore"]
 
 
 class KillAt:

@@ -21,7 +21,7 @@ import torch
 
 from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job, torchrun_cmd
 from tests.conftest import make_config
-from tests.integration.helpers import JOB_TIMEOUT_S, pretrain
+from tests.integration.helpers import JOB_TIMEOUT_S, pretrain, summary
 
 pytestmark = pytest.mark.slow
 
@@ -154,6 +154,8 @@ def test_corrupt_newest_base_is_refused_and_previous_used(tmp_path):
         fh.write(b"\x00garbage\x00")
     res2, resumed, _ = pretrain(tmp_path, cfg, iters=4, extra=["--load", url], name="resumed")
     assert res2.returncode == 0, res2.output[-3000:]
+    assert summary(res2)["loaded_step"] == 2  # the newest base, 4, complete on disk, was refused
+    # The warning a user must see: which base was refused and why.
     assert "refusing base global_step4" in res2.output and "checksum does not match" in res2.output
     assert sorted(resumed) == [3, 4] and {s: full[s] for s in (3, 4)} == resumed
 

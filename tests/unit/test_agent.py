@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
 from deadpool_ext.memory import agent
+from deadpool_ext.testing.wait import holds_for, wait_until
 
 
 def _launcher() -> subprocess.Popen:
@@ -36,13 +36,13 @@ def _stop_all(*procs: subprocess.Popen | None) -> None:
             _stop(p)
 
 
-def _wait_gone(path: str, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not os.path.exists(path):
-            return True
-        time.sleep(0.05)
-    return False
+def _wait_gone(path: str, timeout_s: float, why: str) -> None:
+    wait_until(lambda: not os.path.exists(path), timeout_s, f"the agent to remove {path} ({why})")
+
+
+def _kept(path: str, window_s: float, why: str) -> None:
+    """``path`` is still there at every poll for ``window_s`` (the agent polls every 0.05 s, so it has looked)."""
+    holds_for(lambda: os.path.exists(path), window_s, f"{path} kept ({why})")
 
 
 @pytest.fixture
@@ -58,10 +58,9 @@ def test_directory_removed_when_the_launcher_exits(job_dir):
     ag = _start_agent(job_dir, first.pid, keep_s=0)
     try:
         open(os.path.join(job_dir, "snap.r0.0"), "wb").write(b"x")
-        time.sleep(0.3)
-        assert os.path.exists(job_dir)
+        _kept(job_dir, 0.3, "its launcher is alive")
         _stop(first)
-        assert _wait_gone(job_dir, 10)
+        _wait_gone(job_dir, 10, "its launcher exited")
         assert ag.wait(timeout=10) == 0
     finally:
         _stop_all(first, ag)
@@ -76,20 +75,20 @@ def test_relaunch_inside_the_keep_window_adopts_the_memory(job_dir):
         snap = os.path.join(job_dir, "snap.r0.0")
         open(snap, "wb").write(b"version 7")
         _stop(first)
-        time.sleep(0.5)  # the agent is now inside its keep window, the memory is still there
+        _kept(snap, 0.5, "the agent is inside its keep window")
         assert open(snap, "rb").read() == b"version 7"
         second = _launcher()
         assert agent.claim_directory(job_dir, second.pid, keep_s=30) is False  # adopted, not removed
         assert open(snap, "rb").read() == b"version 7"
         assert agent.ensure_agent(job_dir, second.pid, keep_s=30) == ag.pid  # the same agent carries on
-        time.sleep(0.5)
-        assert ag.poll() is None and os.path.exists(snap)
+        holds_for(lambda: ag.poll() is None and os.path.exists(snap), 0.5,
+                  "the agent runs on and keeps the memory for the relaunch")
         # It now watches the relaunch: when that ends and nobody relaunches within the window, it cleans up.
         # (The window of this agent is 30 s; a second agent with a short one checks the same logic quickly.)
         _stop(ag)
         ag2 = _start_agent(job_dir, second.pid, keep_s=0.5)
         _stop(second)
-        assert _wait_gone(job_dir, 10)
+        _wait_gone(job_dir, 10, "the relaunch exited and its 0.5 s window passed")
         assert ag2.wait(timeout=10) == 0
     finally:
         _stop_all(first, second, ag)
@@ -118,9 +117,8 @@ def test_window_passes_without_a_relaunch(job_dir):
     ag = _start_agent(job_dir, first.pid, keep_s=1.0)
     try:
         _stop(first)
-        time.sleep(0.4)
-        assert os.path.exists(job_dir)  # inside the window
-        assert _wait_gone(job_dir, 10)
+        _kept(job_dir, 0.4, "inside the 1 s keep window")
+        _wait_gone(job_dir, 10, "the keep window passed without a relaunch")
         assert ag.wait(timeout=10) == 0
     finally:
         _stop_all(first, ag)
@@ -138,8 +136,7 @@ def test_started_agent_is_nobodys_descendant(job_dir):
         assert pid not in {p.pid for p in psutil.Process().children(recursive=True)}
         assert agent.ensure_agent(job_dir, launcher.pid, keep_s=5) == pid  # one agent per directory
         _stop(launcher)
-        time.sleep(0.8)
-        assert os.path.exists(job_dir)  # inside its 5 s keep window
+        _kept(job_dir, 0.8, "inside its 5 s keep window")
         os.kill(pid, 9)
     finally:
         _stop_all(launcher)
