@@ -71,8 +71,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, machine_info, write_json, write_text  # noqa: E402
 from recovery_analyse import TARGET_E2E_S, TARGET_SPEEDUP, analyze_size  # noqa: E402
 from recovery_render import _f, render_markdown  # noqa: E402
-from recovery_run import (DEFAULTS, KILL_RANK, KILL_WORKER, NNODES, NPROC_PER_NODE, SPARE_NODES,  # noqa: E402
-                          params_from_logs, rss_end, run_baseline, run_hotswap, run_reference)
+from recovery_run import (  # noqa: E402
+    DEFAULTS,
+    KILL_RANK,
+    KILL_WORKER,
+    NNODES,
+    NPROC_PER_NODE,
+    SPARE_NODES,
+    params_from_logs,
+    rss_end,
+    run_baseline,
+    run_hotswap,
+    run_reference,
+)
 
 
 def slim(run: dict[str, Any]) -> dict[str, Any]:
@@ -109,7 +120,8 @@ def render_only(path: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="small,medium", help="comma-separated model sizes (tiny, small, medium)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, 1 repeat")
     p.add_argument("--repeats", type=int, default=None, help="repeats per size (default: small 2, medium 1)")
@@ -134,9 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-available-gib", type=float, default=1.5,
                    help="stop a job when the machine's MemAvailable falls below this (shared machine: keep the OOM "
                         "killer away from other people's processes)")
-    p.add_argument("--name", default=None, help="results file stem (default recovery[_quick]); must start with recovery")
+    p.add_argument("--name", default=None,
+                   help="results file stem (default recovery[_quick]); must start with recovery")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
-    p.add_argument("--scratch-root", default=None, help="parent of checkpoints and metrics (default $TMPDIR; a real disk)")
+    p.add_argument("--scratch-root", default=None,
+                   help="parent of checkpoints and metrics (default $TMPDIR; a real disk)")
     p.add_argument("--keep-scratch", action="store_true")
     p.add_argument("--rerender", metavar="JSON", default=None,
                    help="recompute analysis and markdown of an existing results file, run nothing")
@@ -187,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
 
             d = dict(DEFAULTS[size])
             for key, val in (("micro_batch", args.micro_batch), ("kill_step", args.kill_step),
-                             ("steps_after", args.steps_after), ("repeats", args.repeats), ("timeout_s", args.timeout_s)):
+                             ("steps_after", args.steps_after), ("repeats", args.repeats),
+                             ("timeout_s", args.timeout_s)):
                 if val is not None:
                     d[key] = val
             if d["kill_step"] < 3:
@@ -255,7 +270,8 @@ def _save(doc: dict[str, Any], entry: dict[str, Any], size: str, json_path: str,
 
 def _print_run(size: str, r: dict[str, Any]) -> None:
     if r.get("failed"):
-        print(f"[bench] {size} {r['tag']}: FAILED: {r['failed']} (log {r.get('log') or (r.get('job1') or {}).get('log')})",
+        print(f"[bench] {size} {r['tag']}: FAILED: {r['failed']} "
+              f"(log {r.get('log') or (r.get('job1') or {}).get('log')})",
               flush=True)
     if r.get("raw_s") is None:
         return

@@ -41,7 +41,8 @@ def redo_check(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in records:
         s = int(r["step"])
         if s in seen:
-            twice.append({"step": s, "before": seen[s], "after": float(r["loss"]), "equal": seen[s] == float(r["loss"])})
+            twice.append({"step": s, "before": seen[s], "after": float(r["loss"]),
+                          "equal": seen[s] == float(r["loss"])})
         seen[s] = float(r["loss"])
     return {"steps": twice, "all_equal": all(x["equal"] for x in twice)}
 
@@ -59,7 +60,8 @@ def loss_checks(hs: dict[str, Any] | None, bl: dict[str, Any], ref: dict[str, An
     out["hotswap_vs_baseline"] = compare(hs_l, bl_l)
     out["hotswap_redone_steps"] = redo_check(hs.get("records", []))
     out["steps_after_kill_compared"] = [s for s in out["hotswap_vs_baseline"]["steps"]
-                                        if s > min(hs.get("last_step_before_kill") or 0, bl.get("last_step_before_kill") or 0)]
+                                        if s > min(hs.get("last_step_before_kill") or 0,
+                                                   bl.get("last_step_before_kill") or 0)]
     if ref_l:
         out["hotswap_vs_reference"] = compare(hs_l, ref_l)
     return out
@@ -137,7 +139,8 @@ def ready_to_redo(hs_ok: list[dict[str, Any]], bl_ok: list[dict[str, Any]]) -> d
         vals = [(r.get(src) or {}).get(k) for k in keys]
         return None if any(v is None for v in vals) else sum(vals)
 
-    hs = [t for t in (total(r, "phases", ("detect_s", "agree_s", "rebuild_s", "restore_s")) for r in hs_ok) if t is not None]
+    hs = [t for t in (total(r, "phases", ("detect_s", "agree_s", "rebuild_s", "restore_s")) for r in hs_ok)
+          if t is not None]
     bl = [t for t in (total(r, "breakdown", ("detect_s", "relaunch_s", "startup_and_load_s")) for r in bl_ok)
           if t is not None]
     h, b = median(hs), median(bl)

@@ -108,7 +108,8 @@ class Monitor:
             if avail < self.min_available_bytes and self.low_memory is None:
                 # The machine is shared: stop this job before the kernel's OOM killer picks someone else's process.
                 self.low_memory = (f"stopped by the benchmark: MemAvailable {avail / 2**30:.2f} GiB < "
-                                   f"{self.min_available_bytes / 2**30:.2f} GiB (workers' RSS {rss_sum / 2**30:.2f} GiB)")
+                                   f"{self.min_available_bytes / 2**30:.2f} GiB "
+                                   f"(workers' RSS {rss_sum / 2**30:.2f} GiB)")
                 from deadpool_ext.testing.launch import kill_tree
 
                 kill_tree(self.root_pid)

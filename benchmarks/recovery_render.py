@@ -31,18 +31,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
     L.append(f"Machine: {m.get('cpu_count')} CPUs ({m.get('cpu_model')}), {fmt_bytes(m.get('mem_total_bytes'))} RAM, "
              f"load at start {m.get('loadavg')} (shared with other engineers' test runs); torch {v.get('torch')}, "
              f"deepspeed {v.get('deepspeed')}, transformers {v.get('transformers')}; git "
-             f"{str((m.get('git') or {}).get('commit'))[:10]}{' (dirty)' if (m.get('git') or {}).get('dirty') else ''}, "
-             f"deadpool_ext source digest {(m.get('source_digest') or {}).get('deadpool_ext')}; {m.get('time_utc')}; "
+             f"{str((m.get('git') or {}).get('commit'))[:10]}{' (dirty)' if (m.get('git') or {}).get('dirty') else ''}"
+             f", deadpool_ext source digest {(m.get('source_digest') or {}).get('deadpool_ext')}; {m.get('time_utc')}; "
              f"total wall {_f(doc.get('wall_s'), 0)} s.")
     L.append("")
-    L.append("Setup: GPT-2 (HF architecture), DeepSpeed ZeRO-3 fp32, torch Adam, 3 ranks, one per simulated node, on one "
-             "2-core host (`OMP_NUM_THREADS=1`). Hot-swap: `deadpool-run --nnodes 3 --nproc-per-node 1 --spare-nodes 1`, "
-             "snapshots every step, replication factor 1; the worker `node1.0` (rank 1) is SIGKILLed and its node's "
-             "memory is dropped by the launcher, so rank 1's state comes from a peer replica. Baseline: `torchrun` "
-             "with a DeepSpeed checkpoint to local disk every step, rank 1 SIGKILLed once checkpoint K is committed, "
-             "relaunched at once (no scheduler delay) with `--load`. "
-             f"Kill point in both: {doc['settings']['kill_delay_frac']} of a normal step after rank 0 logged step K "
-             "(mid step K+1).")
+    L.append("Setup: GPT-2 (HF architecture), DeepSpeed ZeRO-3 fp32, torch Adam, 3 ranks, one per simulated node, on "
+             "one 2-core host (`OMP_NUM_THREADS=1`). Hot-swap: `deadpool-run --nnodes 3 --nproc-per-node 1 "
+             "--spare-nodes 1`, snapshots every step, replication factor 1; the worker `node1.0` (rank 1) is SIGKILLed "
+             "and its node's memory is dropped by the launcher, so rank 1's state comes from a peer replica. Baseline: "
+             "`torchrun` with a DeepSpeed checkpoint to local disk every step, rank 1 SIGKILLed once checkpoint K is "
+             "committed, relaunched at once (no scheduler delay) with `--load`. Kill point in both: "
+             f"{doc['settings']['kill_delay_frac']} of a normal step after rank 0 logged step K (mid step K+1).")
     L.append("")
     L.append("**Definitions.** *raw* = wall time from the SIGKILL to the completion of the first step after the last "
              "step completed before the kill (\"SIGKILL to next completed step\", end to end; includes redoing the "
@@ -52,9 +51,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for size, entry in doc["sizes"].items():
         an = entry.get("analysis")
         s = entry["settings"]
-        L.append(f"## {size} ({_f((entry.get('params') or 0) / 1e6, 1)}M parameters, micro-batch {s['micro_batch']}/rank, "
-                 f"seq {entry.get('seq_len')}, kill after step {s['kill_step']} of {s['kill_step'] + s['steps_after']}, "
-                 f"{s['repeats']} repeat(s))")
+        L.append(f"## {size} ({_f((entry.get('params') or 0) / 1e6, 1)}M parameters, micro-batch "
+                 f"{s['micro_batch']}/rank, seq {entry.get('seq_len')}, kill after step {s['kill_step']} of "
+                 f"{s['kill_step'] + s['steps_after']}, {s['repeats']} repeat(s))")
         L.append("")
         if s.get("env"):
             L.append("Worker environment, both jobs: " + ", ".join(f"`{k}={v}`" for k, v in s["env"].items()) +
@@ -75,28 +74,33 @@ def render_markdown(doc: dict[str, Any]) -> str:
             [r for r in entry["runs"]["hotswap"] if not r.get("failed")],
             [r for r in entry["runs"]["baseline"] if not r.get("failed")])
         rows = [
-            ["end to end, raw (kill -> next completed step)", fmt_s(hs["raw_s"]["median"]), fmt_s(bl["raw_s"]["median"]),
+            ["end to end, raw (kill -> next completed step)",
+             fmt_s(hs["raw_s"]["median"]), fmt_s(bl["raw_s"]["median"]),
              _f(an["speedup_raw"], 1) + "x" if an["speedup_raw"] else None],
-            ["end to end minus one normal step", fmt_s(hs["minus_step_s"]["median"]), fmt_s(bl["minus_step_s"]["median"]),
+            ["end to end minus one normal step",
+             fmt_s(hs["minus_step_s"]["median"]), fmt_s(bl["minus_step_s"]["median"]),
              _f(an["speedup_minus_step"], 1) + "x" if an["speedup_minus_step"] else None],
             ["kill -> every rank ready to redo the step (measured, no step subtracted)",
-             fmt_s(rd.get("hotswap_s")), fmt_s(rd.get("baseline_s")), _f(rd.get("speedup"), 1) + "x" if rd.get("speedup") else None],
+             fmt_s(rd.get("hotswap_s")), fmt_s(rd.get("baseline_s")),
+             _f(rd.get("speedup"), 1) + "x" if rd.get("speedup") else None],
             ["raw, each repeat", ", ".join(f"{x:.2f}" for x in _vals(entry, "hotswap", "raw_s")),
              ", ".join(f"{x:.2f}" for x in _vals(entry, "baseline", "raw_s")), None],
             ["normal step time (steps 2..K)", fmt_s(hs["normal_step_s"]), fmt_s(bl["normal_step_s"]), None],
             ["first step after recovery (its own step time)", fmt_s(hs["first_step_time_after_s"]),
              fmt_s(bl["first_step_time_after_s"]), None],
-            ["later steps after recovery (median)", fmt_s(hs["step_time_after_s"]), fmt_s(bl["step_time_after_s"]), None],
+            ["later steps after recovery (median)",
+             fmt_s(hs["step_time_after_s"]), fmt_s(bl["step_time_after_s"]), None],
             ["last step before kill / state resumed from", f"{hs['last_step_before_kill']} / {hs['restored_version']}",
              f"{bl['last_step_before_kill']} / {bl['loaded_step']}", None],
-            ["machine busy during recovery", _pct(hs["busy_fraction_recovery"]), _pct(bl["busy_fraction_recovery"]), None],
+            ["machine busy during recovery",
+             _pct(hs["busy_fraction_recovery"]), _pct(bl["busy_fraction_recovery"]), None],
         ]
         L.append(md_table(["", "hot-swap", "baseline (relaunch + load)", "speedup"], rows))
         L.append("")
         if entry["runs"]["hotswap"]:
-            L.append("Hot-swap phases (timeline `phases()`, medians; detect = kill -> launcher detection, agree -> every "
-                     "survivor has its new process group, rebuild -> engine rebuilt, restore -> state restored (spare "
-                     "included), recompute -> failed step done again, total = kill -> caught up):")
+            L.append("Hot-swap phases (timeline `phases()`, medians; detect = kill -> launcher detection, agree -> "
+                     "every survivor has its new process group, rebuild -> engine rebuilt, restore -> state restored "
+                     "(spare included), recompute -> failed step done again, total = kill -> caught up):")
             L.append("")
             ph = hs["phases_median"]
             prow = [[r["tag"]] + [_f(r["phases"].get(p)) if r.get("phases") else None for p in
@@ -104,21 +108,23 @@ def render_markdown(doc: dict[str, Any]) -> str:
                     + [_f(r.get("raw_s"))] for r in entry["runs"]["hotswap"]]
             prow.append(["**median**"] + [_f(ph[p]) for p in ("detect_s", "agree_s", "rebuild_s", "restore_s",
                                                               "recompute_s", "total_s")] + [_f(hs["raw_s"]["median"])])
-            L.append(md_table(["run", "detect", "agree", "rebuild", "restore", "recompute", "total", "raw (metrics)"], prow))
+            L.append(md_table(["run", "detect", "agree", "rebuild", "restore", "recompute", "total", "raw (metrics)"],
+                              prow))
             L.append("")
             ev = [r["events"] for r in entry["runs"]["hotswap"] if r.get("events")]
             if ev:
                 e = {k: median([x[k] for x in ev if isinstance(x.get(k), (int, float))]) for k in ev[0]
                      if isinstance(ev[0].get(k), (int, float)) or ev[0].get(k) is None}
-                L.append("Hot-swap milestones, seconds after the kill (medians): "
-                         f"survivors notice the error {_f(e.get('survivor_noticed_first'))}-{_f(e.get('survivor_noticed_last'))}; "
-                         f"launcher detects {_f(e.get('launcher_detected'))}; assignment published "
-                         f"{_f(e.get('assignment_published'))}; last survivor has it {_f(e.get('survivor_assigned_last'))}, "
-                         f"process group {_f(e.get('survivor_pg_ready_last'))}, engine {_f(e.get('survivor_engine_ready_last'))}, "
-                         f"restored {_f(e.get('survivor_restored_last'))}; spare restored {_f(e.get('spare_restored'))} "
-                         f"(its restore call {_f(e.get('spare_restore_call_s'))} s, from "
-                         f"{', '.join(sorted({str(x) for r in ev for x in r.get('spare_restored_from') or []})) or '?'}); "
-                         f"caught up {_f(e.get('caught_up_last'))}.")
+                L.append("Hot-swap milestones, seconds after the kill (medians): survivors notice the error "
+                         f"{_f(e.get('survivor_noticed_first'))}-{_f(e.get('survivor_noticed_last'))}; launcher "
+                         f"detects {_f(e.get('launcher_detected'))}; assignment published "
+                         f"{_f(e.get('assignment_published'))}; last survivor has it "
+                         f"{_f(e.get('survivor_assigned_last'))}, process group {_f(e.get('survivor_pg_ready_last'))}, "
+                         f"engine {_f(e.get('survivor_engine_ready_last'))}, restored "
+                         f"{_f(e.get('survivor_restored_last'))}; spare restored {_f(e.get('spare_restored'))} (its "
+                         f"restore call {_f(e.get('spare_restore_call_s'))} s, from "
+                         f"{', '.join(sorted({str(x) for r in ev for x in r.get('spare_restored_from') or []})) or '?'}"
+                         f"); caught up {_f(e.get('caught_up_last'))}.")
                 L.append("")
                 L.append("Hot-swap output lines, seconds after the kill (" + "; ".join(
                     f"{r['tag']}: " + _milestone_text(r.get("log_milestones") or {}) for r in entry["runs"]["hotswap"]
@@ -128,7 +134,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
         L.append("Baseline breakdown (medians): " + ", ".join(
             f"{lbl} {fmt_s(bp[k])}" for k, lbl in (("detect_s", "detect (kill -> torchrun exits)"),
                                                    ("relaunch_s", "relaunch (exit -> new torchrun)"),
-                                                   ("startup_and_load_s", "startup + `load_checkpoint` (-> rank 0 ready)"),
+                                                   ("startup_and_load_s",
+                                                    "startup + `load_checkpoint` (-> rank 0 ready)"),
                                                    ("first_step_s", "first step"), ("total_s", "total"))) + ".")
         L.append("")
         L.append("Baseline relaunch output lines, seconds after the relaunch (" + "; ".join(
@@ -161,7 +168,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                 f"hot-swap vs baseline over steps {_span(hv['steps'])} "
                 f"(after the kill: {_span(c['steps_after_kill_compared'])}): "
                 f"**{'bit-identical' if hv['identical'] else 'DIFFERENT'}**"
-                + (f" ({len(hv['mismatches'])} steps differ, max |diff| {hv['max_abs_diff']:.3g})" if hv['mismatches'] else "")))
+                + (f" ({len(hv['mismatches'])} steps differ, max |diff| {hv['max_abs_diff']:.3g})"
+                   if hv['mismatches'] else "")))
             for key, lbl in (("hotswap_vs_reference", "hot-swap vs uninterrupted run"),
                              ("baseline_vs_reference", "baseline vs uninterrupted run")):
                 if key in c:
@@ -176,15 +184,17 @@ def render_markdown(doc: dict[str, Any]) -> str:
         mem_bl = [r["memory"].get("1") for r in entry["runs"]["baseline"] if r.get("memory") and r["memory"].get("1")]
         if mem_hs or mem_bl:
             L.append("Memory (max over the run): " + "; ".join(filter(None, [
-                (f"hot-swap sum of worker RSS {fmt_bytes(max(x['peak_rss_sum_bytes'] for x in mem_hs))} "
-                 f"(4 processes incl. the spare), largest worker peak "
-                 f"{fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_hs))}, deadpool shared memory "
-                 f"{fmt_bytes(max((x['peak_shm_root_bytes'] or 0) for x in mem_hs))}") if mem_hs else None,
-                (f"baseline sum of worker RSS {fmt_bytes(max(x['peak_rss_sum_bytes'] for x in mem_bl))}, largest worker "
-                 f"peak {fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_bl))}") if mem_bl else None,
+                (f"hot-swap sum of worker RSS {fmt_bytes(max(x['peak_rss_sum_bytes'] for x in mem_hs))} (4 processes "
+                 "incl. the spare), largest worker peak "
+                 f"{fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_hs))}, deadpool shared "
+                 f"memory {fmt_bytes(max((x['peak_shm_root_bytes'] or 0) for x in mem_hs))}") if mem_hs else None,
+                (f"baseline sum of worker RSS {fmt_bytes(max(x['peak_rss_sum_bytes'] for x in mem_bl))}, largest "
+                 f"worker peak {fmt_bytes(max(max(x['peak_hwm_bytes'].values(), default=0) for x in mem_bl))}")
+                if mem_bl else None,
             ])) + ".")
             L.append("")
-        surv = [(r["rss_before_kill"], r["rss_max_after_kill"], r.get("rss_end") or {}) for r in entry["runs"]["hotswap"]
+        surv = [(r["rss_before_kill"], r["rss_max_after_kill"], r.get("rss_end") or {})
+                for r in entry["runs"]["hotswap"]
                 if r.get("rss_before_kill") and r.get("rss_max_after_kill")]
         if surv:
             before, after, end = surv[0]
@@ -237,21 +247,22 @@ def _where_time_goes(entry: dict[str, Any], an: dict[str, Any]) -> list[str]:
         built = med_of(hs, lambda r: max(r["log_milestones"]["engine_built"]))
         pub = ev("assignment_published")
         out.append(
-            f"Where the hot-swap time goes (medians, seconds after the kill): the launcher sees the exit at "
-            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors leave generation 0 "
-            f"at {_f(ev('survivor_noticed_first'))}-{_f(ev('survivor_noticed_last'))} (their step stopped by the launcher's "
-            f"notice, or a collective with the dead peer failing, whichever comes first), tear down and have the new "
-            f"process group at {_f(ev('survivor_pg_ready_last'))}. They build a new model and call `deepspeed.initialize` "
-            f"again (without DeepSpeed's initial weight broadcast when every rank restores next; the "
-            f"first DeepSpeed comm backend is up at {_f(op_first)}), then wait in its collectives for the last process, "
-            f"whose backend is up at {_f(op_last)} ({_f(None if op_last is None or pub is None else op_last - pub)} s after "
-            f"the assignment; the spare imported DeepSpeed and transformers, built its first model and loaded the comm op "
-            f"while it waited, so after its assignment it only forms the process group). All engines are built at "
-            f"{_f(built)} (`deepspeed.initialize` on the new world, "
+            "Where the hot-swap time goes (medians, seconds after the kill): the launcher sees the exit at "
+            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors leave "
+            f"generation 0 at {_f(ev('survivor_noticed_first'))}-{_f(ev('survivor_noticed_last'))} (their step stopped "
+            "by the launcher's notice, or a collective with the dead peer failing, whichever comes first), tear down "
+            f"and have the new process group at {_f(ev('survivor_pg_ready_last'))}. They build a new model and call "
+            "`deepspeed.initialize` again (without DeepSpeed's initial weight broadcast when every rank restores next; "
+            f"the first DeepSpeed comm backend is up at {_f(op_first)}), then wait in its collectives for the last "
+            f"process, whose backend is up at {_f(op_last)} "
+            f"({_f(None if op_last is None or pub is None else op_last - pub)} s after the assignment; the spare "
+            "imported DeepSpeed and transformers, built its first model and loaded the comm op while it waited, so "
+            f"after its assignment it only forms the process group). All engines are built at {_f(built)} "
+            "(`deepspeed.initialize` on the new world, "
             f"{_f(None if built is None or op_last is None else built - op_last)} s after the last backend); state is "
-            f"restored at {_f(ev('survivor_restored_last'))} (restore phase {_f(an['hotswap']['phases_median']['restore_s'])} s: "
-            f"scan + checksums of every held buffer, fetch of rank 1's replica, restore); the redone step completes at "
-            f"{_f(an['hotswap']['raw_s']['median'])}.")
+            f"restored at {_f(ev('survivor_restored_last'))} (restore phase "
+            f"{_f(an['hotswap']['phases_median']['restore_s'])} s: scan + checksums of every held buffer, fetch of "
+            f"rank 1's replica, restore); the redone step completes at {_f(an['hotswap']['raw_s']['median'])}.")
         out.append("")
     bl = [r for r in entry["runs"]["baseline"] if not r.get("failed")]
     if bl:

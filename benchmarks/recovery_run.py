@@ -27,8 +27,18 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:  # imported from outside benchmarks/: common.py and recovery_procs.py live beside this file
     sys.path.insert(0, HERE)
 from common import REPO, busy_fraction, write_text  # noqa: E402
-from recovery_procs import (Monitor, _fresh, append_event, normal_step_s, read_records, remove_files,  # noqa: E402
-                            run_logged, settle, wait_and_kill, watch_recovery)
+from recovery_procs import (  # noqa: E402
+    Monitor,
+    _fresh,
+    append_event,
+    normal_step_s,
+    read_records,
+    remove_files,
+    run_logged,
+    settle,
+    wait_and_kill,
+    watch_recovery,
+)
 
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
@@ -127,8 +137,9 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     flags = ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC_PER_NODE), "--spare-nodes", str(SPARE_NODES),
              "--shm-root", shm_root, "--timeline", timeline, SCRIPT]
     cmd = launcher + flags + script_args(size, cfg_path, n, metrics, args.seed)
-    out: dict[str, Any] = {"kind": "hotswap", "tag": tag, "cmd": shlex.join(["deadpool-run"] + flags +
-                                                                           script_args(size, cfg_path, n, metrics, args.seed)),
+    out: dict[str, Any] = {"kind": "hotswap", "tag": tag,
+                           "cmd": shlex.join(["deadpool-run"] + flags +
+                                             script_args(size, cfg_path, n, metrics, args.seed)),
                            "train_iters": n, "kill_step": k, "settle": settle(args.settle_s, args.settle_busy)}
     mon_box: dict[str, Monitor] = {}
 
@@ -199,7 +210,8 @@ def hotswap_event_details(events: list[dict[str, Any]], t_kill: float) -> dict[s
     rel = lambda t: None if t is None else t - t_kill  # noqa: E731
     fail = next((e for e in events if e.get("event") == "failure" and e.get("generation") == 0), None)
     assign = next((e for e in events if e.get("event") == "assignment" and e.get("generation") == 1), None)
-    surv = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor" and e.get("generation") == 1]
+    surv = [e for e in events
+            if e.get("event") == "recover" and e.get("role") == "survivor" and e.get("generation") == 1]
     spare = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare" and e.get("generation") == 1]
     caught = [e for e in events if e.get("event") == "caught_up" and e.get("generation") == 1]
     mx = lambda xs: max(xs) if xs else None  # noqa: E731
@@ -219,7 +231,8 @@ def hotswap_event_details(events: list[dict[str, Any]], t_kill: float) -> dict[s
         "caught_up_last": rel(mx([e["time"] for e in caught])),
         "failed_step": mx([e.get("failed_step") for e in surv if e.get("failed_step") is not None]),
         "restored_version": mx([e.get("restored_version") or 0 for e in surv + spare]),
-        "recomputed_steps_reported": mx([e.get("recomputed_steps") for e in caught if e.get("recomputed_steps") is not None]),
+        "recomputed_steps_reported": mx([e.get("recomputed_steps") for e in caught
+                                         if e.get("recomputed_steps") is not None]),
     }
 
 

@@ -80,7 +80,8 @@ CURRENT: tuple[Current, ...] = (
             "Tier-3 bases persisted in the background, GPT small, 4 ranks: throughput against the disk bandwidth "
             "measured in the same run, time to a persisted base, capture time.",
             companions=("persist_small.log",)),
-    Current("persist_medium", "persist", "tier-3 persist throughput, medium", "The same for GPT medium (2 pairs).", companions=("persist_medium.log",),
+    Current("persist_medium", "persist", "tier-3 persist throughput, medium", "The same for GPT medium (2 pairs).",
+            companions=("persist_medium.log",),
             note="Written into a scratch directory (`--out /tmp/pm`) and copied here under this name."),
     Current("differential", "differential", "differential size and fused replay",
             "TierCheck differentials, GPT small, ZeRO-3, 4 ranks, base every 10 steps: differential vs base size, "

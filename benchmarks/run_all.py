@@ -485,12 +485,14 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
     found = {n: r for n in names if (r := find_results(n, out_dir, quick, results_dir)) is not None}
     when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
     if runs:
-        intro = (f"Written by `{clean(command_line)}` on {when}. Machine: {_machine({'machine': machine_info(())})}. This "
+        intro = (f"Written by `{clean(command_line)}` on {when}. "
+                 f"Machine: {_machine({'machine': machine_info(())})}. This "
                  "machine is shared with other engineers running tests at the same time (loaded): absolute times "
                  "are noisy; ratios come from A/B-interleaved runs within one job.")
     else:
         # Nothing ran: the machine rendering the report says nothing about the numbers, each file's machine does.
-        intro = (f"Written by `{clean(command_line)}` on {when} from the results already there; no benchmark was run by "
+        intro = (f"Written by `{clean(command_line)}` on {when} from the results already there; "
+                 "no benchmark was run by "
                  "this command. What each file measured, when, with which command and on which machine: "
                  "`benchmarks/results/INDEX.md`; every figure's footer names its files and machine. They were "
                  "measured on a 2-core CPU host shared with other engineers' test runs: absolute times are noisy; "

@@ -2,7 +2,8 @@
 
 A discrete-event Monte Carlo model (deadpool_ext/sim, docs/simulator.md): failures at the Llama 3 report's
 rate, per-phase costs from this project's current measured benchmarks (the files benchmarks/results/INDEX.md
-names; the output says which file and JSON path each cost came from) scaled by the stated bandwidths. Compares restart from persistent checkpoints (sync / async), Gemini-style in-memory checkpoints,
+names; the output says which file and JSON path each cost came from) scaled by the stated bandwidths. \
+Compares restart from persistent checkpoints (sync / async), Gemini-style in-memory checkpoints,
 DeadPool hot-swap and TierCheck tiers, each at its best intervals found by sweep.
 
     deadpool simulate --gpus 16384                       # table + recommendation
