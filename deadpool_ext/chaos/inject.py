@@ -73,13 +73,13 @@ def segment_info(path: str) -> dict[str, Any] | None:
             buf = fh.read()
     except OSError:
         return None
-    if len(buf) < 16 or not any(buf[:8]):
+    if len(buf) < fmt.PREFIX_LEN or not any(buf[fmt.MAGIC_SLICE]):
         return None
     try:
         header = fmt.read_header(memoryview(buf))
     except fmt.SnapshotFormatError:
         return None
-    header_len = int.from_bytes(buf[8:16], "little")
+    header_len = fmt.header_len_of(buf)
     meta = header.get("meta") or {}
     return {"version": int(meta.get("version", -1)), "data_offset": data_offset(header_len),
             "data_nbytes": int(header["data_nbytes"]), "size": len(buf)}
