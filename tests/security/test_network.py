@@ -30,7 +30,8 @@ from deadpool_ext.store.base import StoreError
 from deadpool_ext.store.c10d import serve_c10d_store
 from tests.security._proc_net import listeners
 
-pytestmark = pytest.mark.timeout(180)
+# Per test; the fuzz targets scale with the example count (DEADPOOL_FUZZ_EXAMPLES, 10,000 in the campaign).
+pytestmark = pytest.mark.timeout(180 + int(os.environ.get("DEADPOOL_FUZZ_EXAMPLES", "200")) // 10)
 
 REPO = Path(__file__).resolve().parents[2]
 

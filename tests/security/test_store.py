@@ -34,7 +34,8 @@ from deadpool_ext.store.auth import (
     unb64,
 )
 
-pytestmark = pytest.mark.timeout(120)
+# Per test; the fuzz targets scale with the example count (DEADPOOL_FUZZ_EXAMPLES, 10,000 in the campaign).
+pytestmark = pytest.mark.timeout(120 + int(os.environ.get("DEADPOOL_FUZZ_EXAMPLES", "200")) // 10)
 
 TOKEN = "job-token-for-tests"
 _HEADER = struct.Struct(">I")
