@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from .cluster.netif import pin_gloo_interface
 from .config import HotSwapConfig
 from .launcher.contract import WorkerEnv, worker_env
+from .store.c10d import serve_c10d_store
 
 if TYPE_CHECKING:
     from .rebuild.worker import Membership
@@ -105,6 +107,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
     _init_from_launcher(env, backend or default_backend(), 300.0 if timeout_s is None else timeout_s)
 
 
+_served_stores: list[object] = []   # the c10d store rank 0 serves (env:// launches), alive as long as the process
+
+
 def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
     missing = env.missing_for_init()
     if missing:
@@ -115,14 +120,22 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
         )
     assert env.rank is not None and env.world_size is not None and env.master_addr and env.master_port
     timeout = timedelta(seconds=timeout_s)
+    # gloo is unauthenticated: listen on the interface towards MASTER_ADDR only (docs/security.md).
+    pin_gloo_interface(env.master_addr)
     if env.agent_store:
         base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
         store = dist.PrefixStore(f"deadpool/attempt_{env.restart_count}", base)
         log.debug("process group on launcher store, prefix attempt_%s", env.restart_count)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
     else:
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+        # Not init_method="env://": its rank 0 serves the store on every interface (torch's TCPStore binds
+        # "::" whatever the host); here rank 0 serves it on MASTER_ADDR only.
+        if env.rank == 0:
+            base, _ = serve_c10d_store(env.master_addr, env.world_size, port=env.master_port, timeout_s=timeout_s)
+            _served_stores.append(base)
+        else:
+            base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=base, rank=env.rank, world_size=env.world_size, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
 

@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 from ..cluster.membership import Assignment
+from ..cluster.netif import pin_gloo_interface
 from ..launcher.contract import HotSwapEnv
 from .fence import fence
 
@@ -196,6 +197,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     # only released by that generation's collective timeout, and must still find the others waiting.
     base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
     store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
+    pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
     _reset_group_names()
     dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])

@@ -9,9 +9,14 @@ travel base64-encoded. No pickle: a peer cannot make the server or a client run 
 connection first completes the HMAC handshake in `deadpool_ext.store.auth` (the token never crosses
 the wire), then sends requests ``{"op": ..., ...}`` one at a time, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
+
+What an unauthenticated peer can cost the server (docs/security.md): one of `max_connections` slots
+for at most `auth_timeout_s` (a deadline on the whole handshake), a 4 KiB frame, and, past the first
+refusal in each `REFUSAL_LOG_INTERVAL_S`, a counter increment instead of a log line.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
@@ -19,16 +24,69 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-from deadpool_ext.store.auth import FrameError, b64, client_handshake, recv_frame, send_frame, server_handshake, unb64
-from deadpool_ext.store.base import CoordinationStore, StoreError, parse_counter
+from deadpool_ext.store.auth import (
+    MAX_FRAME_BYTES,
+    FrameError,
+    PeerClosed,
+    b64,
+    client_handshake,
+    encode_frame,
+    recv_frame,
+    server_handshake,
+    unb64,
+)
+from deadpool_ext.store.base import CoordinationStore, StoreError, check_timeout, parse_counter
 
 __all__ = ["EmbeddedStoreServer", "EmbeddedStore"]
 
 log = logging.getLogger("deadpool_ext")
 
 _MAX_IDLE_CONNECTIONS = 8
+DEFAULT_MAX_CONNECTIONS = 512   # a worker holds 2 clients of 1-2 connections each; ~128 workers fit
+REFUSAL_LOG_INTERVAL_S = 5.0    # at most one refusal line per interval; the rest are counted
+_COUNTER_MIN, _COUNTER_MAX = -(1 << 63), (1 << 63) - 1   # add() counters stay 64-bit, as on etcd/c10d
+
+
+def _check_count(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+class _RefusalLog:
+    """Refused connections, logged at most once per `interval_s`; the ones in between are counted and the
+    count (with the last peer and reason) goes into the next line, or into `flush()` at stop."""
+
+    def __init__(self, where: str, interval_s: float = REFUSAL_LOG_INTERVAL_S) -> None:
+        self.where, self.interval_s = where, interval_s
+        self._lock = threading.Lock()
+        self._last_line: float | None = None
+        self._suppressed = 0
+        self._last: tuple[str, str] = ("", "")
+        self.total = 0
+
+    def refused(self, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.total += 1
+            if self._last_line is not None and now - self._last_line < self.interval_s:
+                self._suppressed += 1
+                self._last = (peer, reason)
+                return
+            suppressed, self._suppressed, self._last_line = self._suppressed, 0, now
+        more = f" ({suppressed} more refused since the previous line, not logged one by one)" if suppressed else ""
+        log.warning("coordination store %s: refused connection from %s: %s%s", self.where, peer, reason, more)
+
+    def flush(self) -> None:
+        with self._lock:
+            suppressed, self._suppressed = self._suppressed, 0
+            peer, reason = self._last
+        if suppressed:
+            log.warning("coordination store %s: %d more connections refused since the previous line, not logged "
+                        "one by one (last from %s: %s)", self.where, suppressed, peer, reason)
 
 
 def _is_wildcard(host: str) -> bool:
@@ -61,7 +119,7 @@ class _KV:
             return self._wait(req)
         key = req.get("key")
         if not isinstance(key, str) or not key:
-            raise ValueError(f"{op!r} needs a non-empty str 'key'")
+            raise ValueError(f"{str(op)[:20]!r} needs a non-empty str 'key'")
         with self.cond:
             if op == "get":
                 v = self.data.get(key)
@@ -76,6 +134,8 @@ class _KV:
                     raise ValueError("add needs an int 'delta'")
                 old = self.data.get(key)
                 n = (0 if old is None else parse_counter(old, key, self.where)) + delta
+                if not _COUNTER_MIN <= n <= _COUNTER_MAX:
+                    raise ValueError(f"add on {key[:200]!r}: the counter would leave the signed 64-bit range")
                 self.data[key] = str(n).encode()
                 self.cond.notify_all()
                 return {"value": n}
@@ -89,17 +149,21 @@ class _KV:
                 return {"swapped": True}
             if op == "delete":
                 return {"deleted": self.data.pop(key, None) is not None}
-        raise ValueError(f"unknown op {op!r}")
+        raise ValueError(f"unknown op {str(op)[:20]!r}")
 
     def _wait(self, req: dict[str, Any]) -> dict[str, Any]:
         keys, timeout = req.get("keys"), req.get("timeout")
         if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
             raise ValueError("wait needs a non-empty list of str 'keys'")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) \
-                or timeout <= 0:
+        try:
+            seconds = float(timeout) if not isinstance(timeout, bool) and isinstance(timeout, (int, float)) else -1.0
+        except OverflowError:   # an int too large for a float
+            seconds = math.inf
+        if not math.isfinite(seconds) or seconds <= 0:
             raise ValueError("wait needs a positive finite 'timeout'")
+        seconds = min(seconds, threading.TIMEOUT_MAX)
         with self.cond:
-            self.cond.wait_for(lambda: self.stopping or all(k in self.data for k in keys), timeout)
+            self.cond.wait_for(lambda: self.stopping or all(k in self.data for k in keys), seconds)
             if self.stopping:
                 raise ConnectionAbortedError("server stopping")
             return {"items": {k: b64(self.data[k]) for k in keys if k in self.data}}
@@ -109,11 +173,34 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
+    request_queue_size = 128
     owner: EmbeddedStoreServer
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Runs on the accept thread: over the cap, the connection is closed before any thread is started.
+        if not self.owner._admit(client_address):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.owner._leave()
+            raise
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver's default prints a traceback to stderr; a failed connection is a refusal line here.
+        self.owner._refusals.refused(_peer(client_address), "could not serve the connection (no thread?)")
 
 
 class _TCPServer6(_TCPServer):
     address_family = socket.AF_INET6
+
+
+def _peer(client_address: Any) -> str:
+    try:
+        return f"{client_address[0]}:{client_address[1]}"
+    except (TypeError, IndexError, KeyError):
+        return repr(client_address)
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -135,10 +222,16 @@ class EmbeddedStoreServer:
     Binds only to `host` (default loopback). A wildcard host ("" / "0.0.0.0" / "::") listens on every
     interface, which the project forbids by default, so it is refused unless
     ``allow_all_interfaces=True`` is passed on purpose.
+
+    Limits: `auth_timeout_s` is a deadline on the whole handshake of a new connection; at most
+    `max_connections` connections at once (authenticated or not), the ones beyond are closed on accept;
+    an authenticated request frame is at most `max_frame_bytes` and must arrive within `frame_timeout_s`
+    of its header. Refusals are logged at most once per `REFUSAL_LOG_INTERVAL_S` with a count.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, allow_all_interfaces: bool = False,
-                 auth_timeout_s: float = 10.0) -> None:
+                 auth_timeout_s: float = 10.0, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, frame_timeout_s: float = 60.0) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("EmbeddedStoreServer needs a non-empty token: without it anyone could join the job")
         if not isinstance(host, str):
@@ -150,7 +243,15 @@ class EmbeddedStoreServer:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self.host, self.port = host, port
         self._token = token.encode()
-        self._auth_timeout_s = auth_timeout_s
+        self._auth_timeout_s = check_timeout(auth_timeout_s, "EmbeddedStoreServer auth_timeout_s")
+        self._frame_timeout_s = check_timeout(frame_timeout_s, "EmbeddedStoreServer frame_timeout_s")
+        self._max_connections = _check_count(max_connections, "EmbeddedStoreServer max_connections")
+        self._max_frame_bytes = _check_count(max_frame_bytes, "EmbeddedStoreServer max_frame_bytes")
+        if self._max_frame_bytes > MAX_FRAME_BYTES:
+            raise ValueError(f"EmbeddedStoreServer max_frame_bytes must be at most {MAX_FRAME_BYTES} (what clients "
+                             f"send), got {max_frame_bytes}")
+        self._active = 0                                   # admitted connections, counted on the accept thread
+        self._refusals = _RefusalLog(f"{host}:{port}")
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
         self._kv: _KV | None = None
@@ -169,6 +270,7 @@ class EmbeddedStoreServer:
         server.owner = self
         self._server = server
         self._kv = _KV(self.url)
+        self._refusals.where = self.url
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"deadpool-store {self.url}", daemon=True)
         self._thread.start()
@@ -208,6 +310,7 @@ class EmbeddedStoreServer:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=5.0)
+        self._refusals.flush()
         log.info("coordination store on %s stopped", self.url)
 
     def __enter__(self) -> EmbeddedStoreServer:
@@ -217,13 +320,26 @@ class EmbeddedStoreServer:
         self.stop()
 
     # -- per-connection --------------------------------------------------------------------------
+    def _admit(self, client_address: Any) -> bool:
+        with self._conns_lock:
+            if self._active < self._max_connections:
+                self._active += 1
+                return True
+        self._refusals.refused(_peer(client_address), f"{self._max_connections} connections already open "
+                                                      "(max_connections)")
+        return False
+
+    def _leave(self) -> None:
+        with self._conns_lock:
+            self._active -= 1
+
     def _handle(self, sock: socket.socket, client_address: Any) -> None:
-        peer = f"{client_address[0]}:{client_address[1]}"
+        peer = _peer(client_address)
         with self._conns_lock:
             self._conns.add(sock)
         try:
             if self._authenticate(sock, peer):
-                self._serve(sock)
+                self._serve(sock, peer)
         except (FrameError, OSError) as exc:
             log.debug("store connection from %s ended: %s", peer, exc)
         except Exception:  # noqa: BLE001 - one bad connection must not take the server's thread down loudly
@@ -231,25 +347,42 @@ class EmbeddedStoreServer:
         finally:
             with self._conns_lock:
                 self._conns.discard(sock)
+            self._leave()
 
     def _authenticate(self, sock: socket.socket, peer: str) -> bool:
         def refused(reason: str) -> None:
-            log.warning("coordination store %s: refused connection from %s: %s", self.url, peer, reason)
-        sock.settimeout(self._auth_timeout_s)
-        if not server_handshake(sock, self._token, refused):
+            self._refusals.refused(peer, reason)
+        if not server_handshake(sock, self._token, refused, timeout_s=self._auth_timeout_s):
             return False
         sock.settimeout(None)  # authenticated clients may idle in the pool; stop() shuts them down
         return True
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         assert self._kv is not None
         while True:
-            req = recv_frame(sock)
+            try:
+                req = recv_frame(sock, self._max_frame_bytes, body_timeout_s=self._frame_timeout_s)
+            except TimeoutError:
+                self._refusals.refused(peer, f"authenticated, but a request frame did not arrive within "
+                                             f"{self._frame_timeout_s:g}s of its header; connection closed")
+                return
+            except PeerClosed:
+                raise
+            except FrameError as exc:
+                self._refusals.refused(peer, f"authenticated, but sent a bad frame ({exc}); connection closed")
+                return
             try:
                 reply = {"ok": True, **self._kv.apply(req)}
             except (ValueError, StoreError) as exc:
-                reply = {"ok": False, "error": str(exc)}
-            send_frame(sock, reply)
+                reply = {"ok": False, "error": str(exc)[:1000]}
+            try:
+                frame = encode_frame(reply)
+            except FrameError as exc:
+                frame = encode_frame({"ok": False, "error": f"the reply to {str(req.get('op'))[:20]!r} is too "
+                                                            f"large to send ({exc})"})
+            sock.settimeout(self._frame_timeout_s)   # a client that stops reading its replies is dropped
+            sock.sendall(frame)
+            sock.settimeout(None)
 
 
 class EmbeddedStore(CoordinationStore):
@@ -281,7 +414,7 @@ class EmbeddedStore(CoordinationStore):
             raise StoreError(f"cannot reach the coordination store at {self.where}: {exc}") from exc
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            client_handshake(sock, self._token, self.where)
+            client_handshake(sock, self._token, self.where, timeout_s=self._timeout_s)
         except BaseException:
             sock.close()
             raise
@@ -295,19 +428,25 @@ class EmbeddedStore(CoordinationStore):
         sock.close()
 
     def _call(self, req: dict[str, Any], reply_timeout_s: float | None = None) -> dict[str, Any]:
+        op = req["op"]
+        try:
+            frame = encode_frame(req)
+        except FrameError as exc:
+            raise StoreError(f"{op!r} request to the coordination store at {self.where} is too large ({exc}); "
+                             "values that large belong in shared memory or storage, not the store") from None
         with self._lock:
             if self._closed:
                 raise StoreError(f"store client for {self.where} is closed")
             sock = self._idle.pop() if self._idle else None
         if sock is None:
             sock = self._open()
-        op = req["op"]
         timeout = self._timeout_s if reply_timeout_s is None else reply_timeout_s
         started = time.monotonic()
         try:
+            # One deadline for the request and its whole reply (not per recv: a trickle cannot stretch it).
             sock.settimeout(timeout)
-            send_frame(sock, req)
-            reply = recv_frame(sock)
+            sock.sendall(frame)
+            reply = recv_frame(sock, deadline=started + timeout)
         except TimeoutError:
             sock.close()
             raise StoreError(f"no reply from the coordination store at {self.where} to {op!r} "
@@ -324,32 +463,59 @@ class EmbeddedStore(CoordinationStore):
             raise StoreError(f"coordination store at {self.where} rejected {op!r}: {reply.get('error')}")
         return reply
 
+    @contextlib.contextmanager
+    def _reply_of(self, op: str) -> Iterator[None]:
+        """A reply missing its fields (a server that authenticated but misbehaves) is a `StoreError` too."""
+        try:
+            yield
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"malformed reply from the coordination store at {self.where} to {op!r}: "
+                             f"{str(exc)[:200]}") from None
+
     def _set(self, key: str, value: bytes) -> None:
         self._call({"op": "set", "key": key, "value": b64(value)})
 
     def _get(self, key: str) -> bytes | None:
-        v = self._call({"op": "get", "key": key})["value"]
-        return None if v is None else unb64(v, "value")
+        reply = self._call({"op": "get", "key": key})
+        with self._reply_of("get"):
+            v = reply["value"]
+            return None if v is None else unb64(v, "value")
 
     def _add(self, key: str, delta: int) -> int:
-        return int(self._call({"op": "add", "key": key, "delta": delta})["value"])
+        reply = self._call({"op": "add", "key": key, "delta": delta})
+        with self._reply_of("add"):
+            value = reply["value"]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"counter value {value!r:.50} is not an int")
+            return value
 
     def _compare_set(self, key: str, expected: bytes | None, new: bytes) -> bool:
-        return bool(self._call({"op": "cas", "key": key, "expected": None if expected is None else b64(expected),
-                                "new": b64(new)})["swapped"])
+        reply = self._call({"op": "cas", "key": key, "expected": None if expected is None else b64(expected),
+                            "new": b64(new)})
+        with self._reply_of("cas"):
+            return bool(reply["swapped"])
 
     def _delete(self, key: str) -> bool:
-        return bool(self._call({"op": "delete", "key": key})["deleted"])
+        reply = self._call({"op": "delete", "key": key})
+        with self._reply_of("delete"):
+            return bool(reply["deleted"])
+
+    def _items(self, reply: dict[str, Any], op: str) -> dict[str, bytes]:
+        with self._reply_of(op):
+            items = reply["items"]
+            if not isinstance(items, dict):
+                raise TypeError("'items' is not an object")
+            return {str(k): unb64(v, "value") for k, v in items.items()}
 
     def _list(self, prefix: str) -> dict[str, bytes]:
-        return {k: unb64(v, "value") for k, v in self._call({"op": "list", "prefix": prefix})["items"].items()}
+        return self._items(self._call({"op": "list", "prefix": prefix}), "list")
 
     def _wait(self, keys: list[str], timeout_s: float) -> dict[str, bytes]:
-        # The server enforces the deadline; the socket timeout adds one op timeout of slack so a dead
+        # The server enforces the deadline; the client's deadline adds one op timeout of slack so a dead
         # server still surfaces as StoreError rather than a hang.
         reply = self._call({"op": "wait", "keys": keys, "timeout": timeout_s},
                            reply_timeout_s=timeout_s + self._timeout_s)
-        return {k: unb64(v, "value") for k, v in reply["items"].items()}
+        return self._items(reply, "wait")
 
     def close(self) -> None:
         with self._lock:

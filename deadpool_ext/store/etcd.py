@@ -16,13 +16,16 @@ at authentication, so keep etcd on a trusted network (see docs/store.md).
 from __future__ import annotations
 
 import base64
+import functools
+import http.client
 import json
 import logging
 import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from deadpool_ext.store.base import CoordinationStore, StoreAuthError, StoreError, parse_counter
 
@@ -31,6 +34,7 @@ __all__ = ["EtcdStore", "bootstrap_etcd_auth"]
 log = logging.getLogger("deadpool_ext")
 
 _MAX_TXN_OPS = 128   # etcd's default --max-txn-ops
+_MAX_REPLY_BYTES = 256 << 20   # etcd's own request limit is 1.5 MiB; a larger reply is not etcd talking
 _POLL_MIN_S, _POLL_MAX_S = 0.01, 0.1
 
 
@@ -60,7 +64,29 @@ def _range_end(prefix: bytes) -> bytes:
 
 
 def _value(kv: dict[str, Any]) -> bytes:
-    return base64.b64decode(kv.get("value", ""))   # proto3 JSON omits empty values
+    return base64.b64decode(kv.get("value", ""), validate=True)   # proto3 JSON omits empty values
+
+
+def _read_reply(resp: Any, endpoint: str, path: str, deadline: float) -> dict[str, Any]:
+    """The body of an etcd reply, read in chunks under one deadline, bounded in size, JSON object or error."""
+    body = bytearray()
+    while True:
+        if time.monotonic() > deadline:
+            raise StoreError(f"etcd at {endpoint} ({path}): the reply did not arrive within the request timeout")
+        chunk = resp.read(1 << 16)
+        if not chunk:
+            break
+        body += chunk
+        if len(body) > _MAX_REPLY_BYTES:
+            raise StoreError(f"etcd at {endpoint} ({path}): reply larger than {_MAX_REPLY_BYTES} bytes; not etcd?")
+    try:
+        out = json.loads(body.decode() or "{}")
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise StoreError(f"etcd at {endpoint} ({path}) answered something that is not JSON: "
+                         f"{type(exc).__name__}") from None
+    if not isinstance(out, dict):
+        raise StoreError(f"etcd at {endpoint} ({path}) answered a JSON {type(out).__name__}, not an object")
+    return out
 
 
 def _opener() -> urllib.request.OpenerDirector:
@@ -74,18 +100,18 @@ def _post(opener: urllib.request.OpenerDirector, endpoint: str, path: str, body:
     if auth_token is not None:
         headers["Authorization"] = auth_token
     req = urllib.request.Request(endpoint + path, data=json.dumps(body).encode(), headers=headers, method="POST")
+    deadline = time.monotonic() + timeout_s
     try:
         with opener.open(req, timeout=timeout_s) as resp:
-            out: dict[str, Any] = json.loads(resp.read().decode() or "{}")
-            return out
+            return _read_reply(resp, endpoint, path, deadline)
     except urllib.error.HTTPError as exc:
-        raw = exc.read().decode(errors="replace")
+        raw = exc.read(4096).decode(errors="replace")
         try:
             message = json.loads(raw).get("message") or raw
-        except (json.JSONDecodeError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             message = raw
         raise _EtcdHTTPError(exc.code, str(message).strip()) from None
-    except (TimeoutError, urllib.error.URLError, OSError, json.JSONDecodeError) as exc:
+    except (TimeoutError, urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         reason = getattr(exc, "reason", exc)
         raise StoreError(f"cannot reach etcd at {endpoint} ({path}, timeout {timeout_s:g}s): {reason}") from None
 
@@ -105,6 +131,22 @@ def _authenticate(opener: urllib.request.OpenerDirector, endpoint: str, user: st
     if not isinstance(token, str) or not token:
         raise StoreError(f"etcd at {endpoint} answered /v3/auth/authenticate without a token: {reply}")
     return token
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _parsed(method: _F) -> _F:
+    """A reply without the fields etcd always sends (a proxy or an impostor answering) is a `StoreError`,
+    not a KeyError from deep inside a backend method."""
+    @functools.wraps(method)
+    def wrapper(self: EtcdStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            raise StoreError(f"malformed reply from etcd at {self.endpoint} to {method.__name__.strip('_')}(): "
+                             f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return wrapper  # type: ignore[return-value]
 
 
 def _check_endpoint(endpoint: str) -> str:
@@ -161,10 +203,12 @@ class EtcdStore(CoordinationStore):
     def _set(self, key: str, value: bytes) -> None:
         self._request("/v3/kv/put", {"key": _k(key), "value": _b64(value)})
 
+    @_parsed
     def _get(self, key: str) -> bytes | None:
         kvs = self._request("/v3/kv/range", {"key": _k(key)}).get("kvs") or []
         return _value(kvs[0]) if kvs else None
 
+    @_parsed
     def _add(self, key: str, delta: int) -> int:
         # CAS loop: the failure branch returns the current kv, so each retry is one round trip.
         deadline = time.monotonic() + self._timeout_s
@@ -186,6 +230,7 @@ class EtcdStore(CoordinationStore):
                                  f"{self._timeout_s:g}s")
             kvs = reply["responses"][0]["response_range"].get("kvs") or []
 
+    @_parsed
     def _compare_set(self, key: str, expected: bytes | None, new: bytes) -> bool:
         if expected is None:
             cmp = {"key": _k(key), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
@@ -194,14 +239,17 @@ class EtcdStore(CoordinationStore):
         reply = self._txn([cmp], [{"request_put": {"key": _k(key), "value": _b64(new)}}])
         return bool(reply.get("succeeded"))
 
+    @_parsed
     def _delete(self, key: str) -> bool:
         return int(self._request("/v3/kv/deleterange", {"key": _k(key)}).get("deleted", 0)) > 0
 
+    @_parsed
     def _list(self, prefix: str) -> dict[str, bytes]:
         p = prefix.encode()
         kvs = self._request("/v3/kv/range", {"key": _b64(p), "range_end": _b64(_range_end(p))}).get("kvs") or []
         return {base64.b64decode(kv["key"]).decode(): _value(kv) for kv in kvs}
 
+    @_parsed
     def _present(self, keys: list[str]) -> dict[str, bytes]:
         found: dict[str, bytes] = {}
         for i in range(0, len(keys), _MAX_TXN_OPS):

@@ -99,16 +99,16 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None)
     import torch.distributed as dist
 
-    from ..snapshot.state import capture_rng, restore_rng
+    from ..snapshot.rng_json import gather_rng_states
+    from ..snapshot.state import restore_rng
 
     data = ByteLMData(seq_len=seq_len_for(args.model_size), seed=args.seed)
     n_params = 0
 
     def rng_client_state() -> dict[str, Any]:
         # Collective: every rank's RNG goes into the base, so a resume at another rank count still finds its own.
-        rng = [None] * dist.get_world_size()
-        dist.all_gather_object(rng, capture_rng())
-        return {"deadpool_rng": {str(r): s for r, s in enumerate(rng)}}
+        # JSON over tensors, not all_gather_object (which unpickles what peers send); exact round trip.
+        return {"deadpool_rng": gather_rng_states()}
 
     def attach_tier3(eng: Any) -> None:
         from ..integrations.deepspeed.tier3 import Tier3Persister, persister_of
