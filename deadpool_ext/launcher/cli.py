@@ -470,6 +470,9 @@ def _script_error(path: str) -> str | None:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every flag in range before anything starts; a bad one exits through ``parser.error`` (one line, code 2)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, list) and dest != "script_args":  # argparse reads "--nnodes=--" as an empty list
+            parser.error(f"--{dest.replace('_', '-')}: expected one value, got none")
     for flag, value, low, high in (("--nnodes", args.nnodes, 1, MAX_NODES),
                                    ("--nproc-per-node", args.nproc_per_node, 1, MAX_PROCS_PER_NODE),
                                    ("--spare-nodes", args.spare_nodes, 0, MAX_NODES),
