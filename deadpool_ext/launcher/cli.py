@@ -49,6 +49,8 @@ log = logging.getLogger("deadpool_ext.launcher")
 
 MAX_NODES = 65536
 MAX_PROCS_PER_NODE = 1024
+MAX_WORKERS = 262144
+"""Upper bound of (active + spare nodes) x processes per node: the launcher holds one record per worker."""
 MAX_SECONDS = 7 * 24 * 3600
 """Upper bound of every duration flag (a week): beyond it is a typo or an ``inf`` that never fires."""
 RESOLVE_TIMEOUT_S = 10.0
@@ -480,6 +482,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                                    ("--store-port", args.store_port, 0, 65535)):
         if not low <= value <= high:
             parser.error(f"{flag} {value}: must be an integer in {low}..{high}")
+    workers = (args.nnodes + args.spare_nodes) * args.nproc_per_node
+    if workers > MAX_WORKERS:
+        parser.error(f"--nnodes {args.nnodes} + --spare-nodes {args.spare_nodes} nodes of --nproc-per-node "
+                     f"{args.nproc_per_node}: {workers} workers, at most {MAX_WORKERS}")
     if not 0 <= args.host_rank < args.hosts:
         parser.error(f"--host-rank {args.host_rank}: must be in 0..{args.hosts - 1} (--hosts {args.hosts})")
     for name in ("heartbeat_s", "watch_s", "detect_timeout_s"):

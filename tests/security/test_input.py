@@ -397,6 +397,7 @@ def test_store_port_out_of_range_is_refused(job, port):
     (["--nnodes", "1", "--nproc-per-node", "0"], "--nproc-per-node 0"),
     (["--nnodes", "1", "--nproc-per-node", "5000"], "--nproc-per-node 5000"),
     (["--nnodes", "1", "--spare-nodes", "-1"], "--spare-nodes -1"),
+    (["--nnodes", "60000", "--nproc-per-node", "1000"], "60000000 workers, at most"),
     (["--nnodes", "1", "--hosts", "0"], "--hosts 0"),
     (["--nnodes", "1", "--host-rank", "3"], "--host-rank 3"),
     (["--nnodes", "abc"], "--nnodes"),
