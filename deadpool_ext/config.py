@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -27,6 +29,11 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 SECTION = "deadpool"
+MAX_SECONDS = 7 * 24 * 3600
+"""Upper bound of every duration in the section (a week): a longer one is a typo, or an ``Infinity`` that would
+keep memory or a wait forever (Python's own waits overflow not far above it)."""
+MAX_CHUNK_MB = 4096
+"""Upper bound of ``snapshot.chunk_mb`` (4 GiB): the worker copies one chunk at a time."""
 _T = typing.TypeVar("_T", bound="DataclassInstance")
 
 
@@ -59,8 +66,8 @@ class SnapshotConfig:
     to copy, hash and replicate it. ZeRO 1-3 with parameters in host memory; other layouts capture them."""
 
     def __post_init__(self) -> None:
-        _positive("interval", self.interval)
-        _positive("chunk_mb", self.chunk_mb)
+        _integer("interval", self.interval, 1)
+        _integer("chunk_mb", self.chunk_mb, 1, MAX_CHUNK_MB)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,9 +85,8 @@ class ReplicationConfig:
     counted as replicated."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.factor, int) or self.factor < 0:
-            _fail("factor", f"must be an integer >= 0, got {self.factor!r}")
-        _positive("timeout_s", self.timeout_s)
+        _integer("factor", self.factor, 0)
+        _seconds("timeout_s", self.timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -104,13 +110,10 @@ class LocalConfig:
     holds the memory meanwhile, and removes it when the window passes with no relaunch."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.simulate_nodes, bool) or not isinstance(self.simulate_nodes, int) or self.simulate_nodes < 0:
-            _fail("simulate_nodes", f"must be an integer >= 0, got {self.simulate_nodes!r}")
-        if (isinstance(self.keep_after_exit_s, bool) or not isinstance(self.keep_after_exit_s, (int, float))
-                or self.keep_after_exit_s < 0):
-            _fail("keep_after_exit_s", f"must be a number of seconds >= 0, got {self.keep_after_exit_s!r}")
-        if not isinstance(self.shm_root, str) or not self.shm_root:
-            _fail("shm_root", f"must be a directory path, got {self.shm_root!r}")
+        _integer("simulate_nodes", self.simulate_nodes, 0)
+        _seconds("keep_after_exit_s", self.keep_after_exit_s, zero_ok=True)
+        if not isinstance(self.shm_root, str) or not self.shm_root or "\0" in self.shm_root:
+            _fail("shm_root", f"must be a directory path, got {_show(self.shm_root)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -125,7 +128,7 @@ class RecoveryConfig:
     """Deadline for the agreement and transfers of one restore."""
 
     def __post_init__(self) -> None:
-        _positive("timeout_s", self.timeout_s)
+        _seconds("timeout_s", self.timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -145,9 +148,9 @@ class HotSwapConfig:
     replaced like a failed node (never a silent hang)."""
 
     def __post_init__(self) -> None:
-        _positive("teardown_timeout_s", self.teardown_timeout_s)
-        _positive("assignment_timeout_s", self.assignment_timeout_s)
-        _positive("collective_timeout_s", self.collective_timeout_s)
+        _seconds("teardown_timeout_s", self.teardown_timeout_s)
+        _seconds("assignment_timeout_s", self.assignment_timeout_s)
+        _seconds("collective_timeout_s", self.collective_timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,14 +175,12 @@ class DifferentialConfig:
     does); same result, slower; kept as the benchmark's baseline."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.base_interval, bool) or not isinstance(self.base_interval, int) or self.base_interval < 2:
-            _fail("base_interval", f"must be an integer >= 2 (a base every K steps, differentials between), "
-                  f"got {self.base_interval!r}")
-        _positive("replay_batch", self.replay_batch)
-        if self.replay not in ("fused", "stepwise"):
-            _fail("replay", f"must be one of fused, stepwise; got {self.replay!r}")
-        if self.compression not in ("none", "bf16"):
-            _fail("compression", f"must be one of none, bf16; got {self.compression!r}")
+        _integer("base_interval", self.base_interval, 2, why=" (a base every K steps, differentials between)")
+        _integer("replay_batch", self.replay_batch, 1)
+        if not isinstance(self.replay, str) or self.replay not in ("fused", "stepwise"):
+            _fail("replay", f"must be one of fused, stepwise; got {_show(self.replay)}")
+        if not isinstance(self.compression, str) or self.compression not in ("none", "bf16"):
+            _fail("compression", f"must be one of none, bf16; got {_show(self.compression)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -203,12 +204,13 @@ class PersistConfig:
     published."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 0:
-            _fail("interval", f"must be an integer >= 0, got {self.interval!r}")
-        _positive("keep_last", self.keep_last)
-        if self.max_mb_s < 0:
-            _fail("max_mb_s", f"must be >= 0, got {self.max_mb_s!r}")
-        _positive("timeout_s", self.timeout_s)
+        if self.url is not None and (not isinstance(self.url, str) or "\0" in self.url):
+            _fail("url", f"must be a path or fsspec URL (or null: tier 3 off), got {_show(self.url)}")
+        _integer("interval", self.interval, 0)
+        _integer("keep_last", self.keep_last, 1)
+        if not _finite(self.max_mb_s) or self.max_mb_s < 0:
+            _fail("max_mb_s", f"must be a finite number >= 0 (0: no fixed cap), got {_show(self.max_mb_s)}")
+        _seconds("timeout_s", self.timeout_s)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,43 +233,89 @@ class DeadpoolConfig:
     persist: PersistConfig = field(default_factory=PersistConfig)
 
     def __post_init__(self) -> None:
-        if self.job_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", str(self.job_id)):
-            _fail("job_id", f"must be 1-64 characters of [A-Za-z0-9_-], got {self.job_id!r}")
-        if self.log_level not in ("debug", "info", "warning", "error"):
-            _fail("log_level", f"must be one of debug, info, warning, error; got {self.log_level!r}")
+        if self.job_id is not None and not (isinstance(self.job_id, str)
+                                            and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", self.job_id)):
+            _fail("job_id", f"must be 1-64 characters of [A-Za-z0-9_-], got {_show(self.job_id)}")
+        if not isinstance(self.log_level, str) or self.log_level not in ("debug", "info", "warning", "error"):
+            _fail("log_level", f"must be one of debug, info, warning, error; got {_show(self.log_level)}")
         if self.differential.enabled and self.snapshot.interval != 1:
             _fail("differential.enabled", "differentials chain consecutive steps: snapshot.interval must be 1 "
                   f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> DeadpoolConfig:
-        return _build(cls, data or {}, SECTION)
+    def from_dict(cls, data: Any) -> DeadpoolConfig:
+        """The section from its parsed JSON (a dict); anything else, ``None`` included, is a :class:`ConfigError`:
+        ``"deadpool": null`` is not a way to turn the extension off (``{"enabled": false}`` is)."""
+        if data is None:
+            _fail(SECTION, NULL_SECTION)
+        return _build(cls, data, SECTION)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _positive(path: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        _fail(path, f"must be a positive number, got {value!r}")
+NULL_SECTION = ('is null; to turn the extension off write "deadpool": {"enabled": false}, or remove the section '
+                "(no section: DeepSpeed without the extension)")
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = _REPR.maxlong = 60
+
+
+def _show(value: Any) -> str:
+    """The value in an error message: short, and never an error itself (a 5000-digit integer, a deep list)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    try:
+        return _REPR.repr(value)
+    except (ValueError, RecursionError):
+        return f"a {type(value).__name__}"
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool), not NaN or +-Infinity. Integers are finite however large."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def _integer(path: str, value: Any, low: int, high: int | None = None, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        _fail(path, f"must be an integer {bound}{why}, got {_show(value)}")
+
+
+def _seconds(path: str, value: Any, *, zero_ok: bool = False) -> None:
+    """A duration: a finite number of seconds > 0 (>= 0 with ``zero_ok``), at most :data:`MAX_SECONDS`."""
+    if not _finite(value) or value < 0 or (value == 0 and not zero_ok) or value > MAX_SECONDS:
+        _fail(path, f"must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, at most {MAX_SECONDS} "
+              f"(a week), got {_show(value)}")
 
 
 def _build(cls: type[_T], data: Any, path: str) -> _T:
     if not isinstance(data, dict):
         _fail(path, f"must be a JSON object, got {type(data).__name__}")
+    for key in data:
+        if not isinstance(key, str):
+            _fail(path, f"keys must be strings, got {_show(key)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        _fail(f"{path}.{unknown[0]}", f"unknown key; allowed keys are {sorted(fields)}")
+        key = unknown[0] if re.fullmatch(r"[A-Za-z0-9_]{1,64}", unknown[0]) else _show(unknown[0])
+        _fail(f"{path}.{key}", f"unknown key; allowed keys are {sorted(fields)}")
     kwargs: dict[str, Any] = {}
     for name, value in data.items():
         kwargs[name] = _coerce(hints[name], value, f"{path}.{name}")
     try:
-        return cls(**kwargs)
+        obj = cls(**kwargs)
     except ConfigError as exc:
         # __post_init__ names the bare field; prefix the section path so the user sees the full key.
         raise ConfigError(str(exc).replace("deadpool config: ", f"deadpool config: {path}.", 1)) from None
+    for name in kwargs:  # the backstop for a number field whose own check forgot NaN / Infinity
+        value = getattr(obj, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            _fail(f"{path}.{name}", f"must be a finite number, got {_show(value)}")
+    return obj
 
 
 def _coerce(hint: Any, value: Any, path: str) -> Any:
@@ -282,19 +330,22 @@ def _coerce(hint: Any, value: Any, path: str) -> Any:
         return _coerce(inner, value, path)
     if hint is bool:
         if not isinstance(value, bool):
-            _fail(path, f"must be true or false, got {value!r}")
+            _fail(path, f"must be true or false, got {_show(value)}")
         return value
     if hint is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(path, f"must be an integer, got {value!r}")
+            _fail(path, f"must be an integer, got {_show(value)}")
         return value
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            _fail(path, f"must be a number, got {value!r}")
-        return float(value)
+            _fail(path, f"must be a number, got {_show(value)}")
+        try:
+            return float(value)  # NaN and +-Infinity pass here: the field's own check names what it allows
+        except OverflowError:
+            _fail(path, f"must be a finite number, got {_show(value)}")
     if hint is str:
         if not isinstance(value, str):
-            _fail(path, f"must be a string, got {value!r}")
+            _fail(path, f"must be a string, got {_show(value)}")
         return value
     return value
 
@@ -307,12 +358,20 @@ def split_deepspeed_config(
     DeepSpeed never sees a key it does not know.
     """
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as fh:
-            config = json.load(fh)
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"DeepSpeed config {path}: cannot read it: {exc.strerror or exc}") from None
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError: both ValueErrors
+            raise ConfigError(f"DeepSpeed config {path}: not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(config, dict):
         raise ConfigError(f"DeepSpeed config must be a JSON object, got {type(config).__name__}")
     ds_config = dict(config)
-    section = ds_config.pop(SECTION, None)
-    if section is None:
+    if SECTION not in ds_config:
         return ds_config, None
+    section = ds_config.pop(SECTION)
+    if section is None:
+        _fail(SECTION, NULL_SECTION)
     return ds_config, DeadpoolConfig.from_dict(section)

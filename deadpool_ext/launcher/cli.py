@@ -21,31 +21,53 @@ waits ``--spare-wait-s`` for a spare to register (``wait``) before stopping.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import math
 import os
+import re
 import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import SHM_ROOT, job_shm_dir
+from ..store.base import parse_store_url
 from . import contract
 from .contract import HotSwapEnv
 
 log = logging.getLogger("deadpool_ext.launcher")
 
+MAX_NODES = 65536
+MAX_PROCS_PER_NODE = 1024
+MAX_WORKERS = 262144
+"""Upper bound of (active + spare nodes) x processes per node: the launcher holds one record per worker."""
+MAX_SECONDS = 7 * 24 * 3600
+"""Upper bound of every duration flag (a week): beyond it is a typo or an ``inf`` that never fires."""
+RESOLVE_TIMEOUT_S = 10.0
+"""Deadline for resolving ``--host`` (a name lookup may hang on a broken resolver)."""
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (``deadpool-run: MESSAGE``), without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deadpool-run", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="deadpool-run", description=__doc__.splitlines()[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nnodes", type=int, required=True, help="active nodes")
     p.add_argument("--nproc-per-node", type=int, default=1)
     p.add_argument("--spare-nodes", type=int, default=0, help="pre-started spare nodes")
@@ -72,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--keep-memory-on-failure", action="store_true",
                    help="do not drop a failed node's shared memory (a process crash on a healthy node)")
+    p.add_argument("--debug", action="store_true",
+                   help="show the traceback of an error at start-up (also DEADPOOL_LOG_LEVEL=DEBUG); by default it "
+                        "is one line")
     p.add_argument("script")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p
@@ -104,7 +129,12 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
         self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
-        self.timeline = open(args.timeline, "a") if args.timeline else None
+        self.started = False  # every local worker spawned: errors from here on are the job's, not start-up's
+        try:
+            self.timeline = open(args.timeline, "a") if args.timeline else None
+        except OSError as exc:
+            raise SystemExit(f"deadpool-run: --timeline {args.timeline}: cannot open it for appending: "
+                             f"{exc.strerror or exc}") from None
         # A worker's exit wakes the watch loop at once instead of at its next 0.1 s tick: SIGCHLD writes a byte
         # to this pipe (signal.set_wakeup_fd, from C: no Python lock is taken in the handler).
         self._wake_r: int | None = None
@@ -201,30 +231,32 @@ class Supervisor:
         from ..store import connect
 
         self.server = None
-        if self.args.store_url:
-            self.store_url = self.args.store_url
-            if self.leader and self.store_url.startswith("etcd://"):
-                from ..store.etcd import bootstrap_etcd_auth
+        try:  # from here on whatever was started (store, workers) is stopped again, start-up error or not
+            if self.args.store_url:
+                self.store_url = self.args.store_url
+                if self.leader and self.store_url.startswith("etcd://"):
+                    from ..store.etcd import bootstrap_etcd_auth
 
-                bootstrap_etcd_auth("http://" + self.store_url[len("etcd://"):], self.token)
-        else:
-            from ..store.embedded import EmbeddedStoreServer
+                    bootstrap_etcd_auth("http://" + self.store_url[len("etcd://"):], self.token)
+            else:
+                from ..store.embedded import EmbeddedStoreServer
 
-            self.server = EmbeddedStoreServer(host=self.args.host, port=self.args.store_port, token=self.token)
-            self.server.start()
-            self.store_url = self.server.url
-        self.store = connect(self.store_url, self.token, self.job_id, 30.0)
-        if self.leader:
-            a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
-            self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size, store=self.store_url,
-                       active_nodes=self.active_nodes, spare_nodes=self.spare_nodes, hosts=self.args.hosts)
-        else:
-            raw = self.store.wait(["assignment"], 120.0)["assignment"]
-            a0 = Assignment.from_json(json.loads(raw))
-        for w in self.workers:
-            if w.node in self.local_nodes:
-                self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
-        try:
+                self.server = EmbeddedStoreServer(host=self.args.host, port=self.args.store_port, token=self.token)
+                self.server.start()
+                self.store_url = self.server.url
+            self.store = connect(self.store_url, self.token, self.job_id, 30.0)
+            if self.leader:
+                a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
+                self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
+                           store=self.store_url, active_nodes=self.active_nodes, spare_nodes=self.spare_nodes,
+                           hosts=self.args.hosts)
+            else:
+                raw = self.store.wait(["assignment"], 120.0)["assignment"]
+                a0 = Assignment.from_json(json.loads(raw))
+            for w in self.workers:
+                if w.node in self.local_nodes:
+                    self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
+            self.started = True
             return self._loop() if self.leader else self._follow()
         finally:
             self._shutdown()
@@ -364,21 +396,156 @@ class Supervisor:
             self.timeline.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get(contract.LOG_LEVEL, "INFO"),
-                        format="[deadpool-run] %(levelname)s %(message)s")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _resolve(host: str) -> list[tuple[int, tuple[Any, ...]]]:
+    """``host``'s addresses (family, sockaddr), within :data:`RESOLVE_TIMEOUT_S`; OSError if there are none."""
+    out: list[Any] = []
+
+    def lookup() -> None:
+        try:
+            out.append([(i[0], i[4]) for i in socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)])
+        except (OSError, UnicodeError) as exc:  # gaierror is an OSError; a bad IDNA name a UnicodeError
+            out.append(exc)
+
+    t = threading.Thread(target=lookup, name="deadpool-run-resolve", daemon=True)
+    t.start()
+    t.join(RESOLVE_TIMEOUT_S)
+    if not out:
+        raise OSError(f"no answer from the resolver within {RESOLVE_TIMEOUT_S:g}s")
+    if isinstance(out[0], Exception):
+        raise OSError(getattr(out[0], "strerror", None) or str(out[0]))
+    return list(out[0])
+
+
+def _host_error(host: str) -> str | None:
+    """Why ``--host`` cannot serve the stores, or None: it must be one of this host's own addresses (binding a
+    socket to it is the test), never a wildcard that listens on every interface."""
+    wildcard = (f"--host {host!r}: a wildcard address listens on every interface; pass the address of the "
+                "interface the stores should listen on (127.0.0.1, the default, when the job runs on one host)")
+    if not host.strip():
+        return wildcard
+    try:
+        if ipaddress.ip_address(host).is_unspecified:
+            return wildcard
+    except ValueError:
+        pass  # a host name: resolved below
+    try:
+        addresses = _resolve(host)
+    except OSError as exc:
+        return f"--host {host}: cannot resolve it: {exc}"
+    last = "no address"
+    for family, sockaddr in addresses:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        if ipaddress.ip_address(str(sockaddr[0]).split("%", 1)[0]).is_unspecified:
+            return wildcard
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.bind((sockaddr[0], 0, *sockaddr[2:]))
+            return None
+        except OSError as exc:
+            last = exc.strerror or str(exc)
+    return (f"--host {host}: not an address of this host (binding to it fails: {last}); pass the address of one "
+            "of this host's interfaces")
+
+
+def _script_error(path: str) -> str | None:
+    """Why the training script cannot run, or None: it must be a readable file that Python compiles."""
+    if not os.path.exists(path):
+        return f"script {path}: no such file"
+    if os.path.isdir(path):
+        return f"script {path}: is a directory, not a Python script"
+    if not os.path.isfile(path):  # a FIFO or a device: opening it could block, running it makes no sense
+        return f"script {path}: not a regular file"
+    try:
+        with open(path, "rb") as fh:
+            source = fh.read()
+    except OSError as exc:
+        return f"script {path}: cannot read it: {exc.strerror or exc}"
+    try:
+        compile(source, path, "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        return f"script {path}: not a runnable Python script: {exc.msg} (line {exc.lineno})"
+    except ValueError as exc:  # null bytes
+        return f"script {path}: not a runnable Python script: {exc}"
+    return None
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every flag in range before anything starts; a bad one exits through ``parser.error`` (one line, code 2)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, list) and dest != "script_args":  # argparse reads "--nnodes=--" as an empty list
+            parser.error(f"--{dest.replace('_', '-')}: expected one value, got none")
+    for flag, value, low, high in (("--nnodes", args.nnodes, 1, MAX_NODES),
+                                   ("--nproc-per-node", args.nproc_per_node, 1, MAX_PROCS_PER_NODE),
+                                   ("--spare-nodes", args.spare_nodes, 0, MAX_NODES),
+                                   ("--hosts", args.hosts, 1, MAX_NODES),
+                                   ("--store-port", args.store_port, 0, 65535)):
+        if not low <= value <= high:
+            parser.error(f"{flag} {value}: must be an integer in {low}..{high}")
+    workers = (args.nnodes + args.spare_nodes) * args.nproc_per_node
+    if workers > MAX_WORKERS:
+        parser.error(f"--nnodes {args.nnodes} + --spare-nodes {args.spare_nodes} nodes of --nproc-per-node "
+                     f"{args.nproc_per_node}: {workers} workers, at most {MAX_WORKERS}")
+    if not 0 <= args.host_rank < args.hosts:
+        parser.error(f"--host-rank {args.host_rank}: must be in 0..{args.hosts - 1} (--hosts {args.hosts})")
     for name in ("heartbeat_s", "watch_s", "detect_timeout_s"):
-        if not getattr(args, name) > 0:
-            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds, got {getattr(args, name)}")
+        value = getattr(args, name)
+        if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+            parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds (finite, at most "
+                         f"{MAX_SECONDS}), got {value}")
     if args.detect_timeout_s <= args.heartbeat_s:
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")
+    if not (math.isfinite(args.spare_wait_s) and 0 <= args.spare_wait_s <= MAX_SECONDS):
+        parser.error(f"--spare-wait-s {args.spare_wait_s}: must be a finite number of seconds in 0..{MAX_SECONDS}")
+    if args.job_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", args.job_id):
+        parser.error(f"--job-id {args.job_id!r}: must be 1-64 characters of [A-Za-z0-9_-], the first a letter or "
+                     "digit (it names shared memory and store keys)")
+    if not args.shm_root:
+        parser.error("--shm-root '': must be a directory path")
+    if args.store_url is not None:
+        try:
+            parse_store_url(args.store_url)
+        except ValueError as exc:
+            parser.error(f"--store-url {args.store_url!r}: {exc}")
+    host_error = _host_error(args.host)
+    if host_error is not None:
+        parser.error(host_error)
+    script_error = _script_error(args.script)
+    if script_error is not None:
+        parser.error(script_error)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    return text if len(text) <= 500 else text[:497] + "..."
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    level = os.environ.get(contract.LOG_LEVEL, "INFO").upper()
+    if level not in _LOG_LEVELS:
+        print(f"deadpool-run: {contract.LOG_LEVEL}={os.environ[contract.LOG_LEVEL]!r}: must be one of "
+              f"{', '.join(_LOG_LEVELS)}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(level=level, format="[deadpool-run] %(levelname)s %(message)s")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.script_args and args.script_args[0] == "--":
         args.script_args = args.script_args[1:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    return Supervisor(args).run()
+    sup = Supervisor(args)
+    try:
+        return sup.run()
+    except Exception as exc:
+        # Before every worker runs, an error is the set-up's (a port taken, a store unreachable): one line.
+        # Afterwards, or with --debug / DEADPOOL_LOG_LEVEL=DEBUG, the traceback as before.
+        if sup.started or args.debug or level == "DEBUG":
+            raise
+        print(f"deadpool-run: cannot start the job: {_one_line(exc)} (--debug shows the traceback)",
+              file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_unknown_key_names_key_and_allowed(section, key_path, allowed):
 
 
 @pytest.mark.parametrize("section,needle", [
-    ({"snapshot": {"interval": 0}}, "deadpool.snapshot.interval: must be a positive number"),
+    ({"snapshot": {"interval": 0}}, "deadpool.snapshot.interval: must be an integer >= 1"),
     ({"snapshot": {"interval": "1"}}, "deadpool.snapshot.interval: must be an integer"),
     ({"snapshot": {"interval": True}}, "deadpool.snapshot.interval: must be an integer"),
     ({"replication": {"factor": -1}}, "deadpool.replication.factor: must be an integer >= 0"),
@@ -35,7 +35,7 @@ def test_unknown_key_names_key_and_allowed(section, key_path, allowed):
     ({"job_id": "has space"}, "deadpool.job_id"),
     ({"enabled": "yes"}, "deadpool.enabled: must be true or false"),
     ({"local": {"simulate_nodes": -2}}, "deadpool.local.simulate_nodes"),
-    ({"local": {"keep_after_exit_s": -1}}, "deadpool.local.keep_after_exit_s: must be a number of seconds >= 0"),
+    ({"local": {"keep_after_exit_s": -1}}, "deadpool.local.keep_after_exit_s: must be a finite number of seconds >= 0"),
     ({"snapshot": {"derive_params": "no"}}, "deadpool.snapshot.derive_params: must be true or false"),
     ({"snapshot": 3}, "deadpool.snapshot: must be a JSON object"),
 ])

@@ -30,7 +30,10 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     """Attach the extension to an initialised DeepSpeed engine; returns the runtime (also ``engine.deadpool``)."""
     if getattr(engine, "deadpool", None) is not None:
         raise RuntimeError("deadpool_ext.register: this engine already has the extension attached")
-    cfg = config if isinstance(config, DeadpoolConfig) else DeadpoolConfig.from_dict(config)
+    # No config argument: the defaults. A section read from a file goes through split_deepspeed_config, which
+    # refuses "deadpool": null (from_dict(None) too) instead of reading it as "off" or as "defaults".
+    cfg = (config if isinstance(config, DeadpoolConfig)
+           else DeadpoolConfig() if config is None else DeadpoolConfig.from_dict(config))
     configure_logging(cfg.log_level)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
