@@ -208,13 +208,13 @@ class Supervisor:
 
     # -- stores -------------------------------------------------------------------------------------
     def _new_c10d_store(self, world: int) -> int:
-        """A fresh c10d store for one generation, on ``--host``; the OS picks the port at bind time (no probe
-        then bind, so no race with another process taking it in between)."""
-        import torch.distributed as dist
+        """A fresh c10d store for one generation, listening on ``--host`` only (torch's own server would listen
+        on every interface); the OS picks the port at bind time (no probe-then-bind race)."""
+        from ..store.c10d import serve_c10d_store
 
-        st = dist.TCPStore(self.args.host, 0, world, is_master=True, wait_for_workers=False)
+        st, port = serve_c10d_store(self.args.host, world)
         self.c10d_stores.append(st)
-        return int(st.port)
+        return int(port)
 
     def publish(self, a: Assignment) -> Assignment:
         a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size),
