@@ -116,7 +116,7 @@ def read_manifest_records(directory: str, *, key: bytes | None = None,
         here = os.path.join(directory, fname)
         if not _MANIFEST_FILE.fullmatch(fname):
             raise BadRecordError(f"{here}: not a manifest name the writer writes ({MANIFEST_PREFIX}.<name>.json)")
-        with _open_regular(here) as fh:
+        with open_regular(here) as fh:
             out[fname] = parse_manifest(read_capped(fh, here), here, key=key, names=names, allowed=allowed)
     return out
 
@@ -132,7 +132,7 @@ def read_manifests(directory: str, *, key: bytes | None = None,
     return merged
 
 
-def _open_regular(path: str) -> IO[bytes]:
+def open_regular(path: str) -> IO[bytes]:
     """``path`` opened for reading, refusing a symbolic link or anything but a regular file."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -155,7 +155,7 @@ def open_verified(path: str, manifest: dict[str, dict[str, Any]]) -> IO[bytes]:
     if entry is None:
         raise IncompleteCheckpointError(f"{path}: not listed in any {MANIFEST_PREFIX}.*.json (incomplete checkpoint)")
     try:
-        fh = _open_regular(path)
+        fh = open_regular(path)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: listed in the manifest but missing") from None
     except OSError as exc:  # ELOOP: a symbolic link

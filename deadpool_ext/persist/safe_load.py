@@ -130,18 +130,25 @@ _PATCH_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def only_weights(allow: Iterable[SafeGlobal], *, opened: Callable[[str], None] | None = None) -> Iterator[None]:
+def only_weights(allow: Iterable[SafeGlobal], *, opened: Callable[[str], None] | None = None,
+                 refusals: list[CheckpointTrustError] | None = None) -> Iterator[None]:
     """Within the block, every ``torch.load`` call in this process is :func:`safe_load` with ``allow``,
     whatever ``weights_only`` or ``pickle_module`` the caller passed. ``opened(path)`` is called before each
-    file is read (a caller may refuse paths it did not verify by raising there)."""
+    file is read (a caller may refuse paths it did not verify by raising there). Each refusal raised is also
+    appended to ``refusals`` (for callers whose framework wraps exceptions in its own, to report ours)."""
     entries = list(allow)
 
     def load(f: Any, map_location: Any = None, pickle_module: Any = None, *, weights_only: bool | None = None,
              mmap: bool | None = None, **kwargs: Any) -> Any:
         del pickle_module, weights_only, kwargs  # never honoured: weights only, always
-        if opened is not None and isinstance(f, str | os.PathLike):
-            opened(os.fspath(f))
-        return safe_load(f, allow=entries, map_location=map_location, mmap=mmap)
+        try:
+            if opened is not None and isinstance(f, str | os.PathLike):
+                opened(os.fspath(f))
+            return safe_load(f, allow=entries, map_location=map_location, mmap=mmap)
+        except CheckpointTrustError as exc:
+            if refusals is not None:
+                refusals.append(exc)
+            raise
 
     with _PATCH_LOCK:
         before = torch.load
