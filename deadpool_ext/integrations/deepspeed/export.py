@@ -11,7 +11,8 @@ exactly the files its commit record lists, hashed on the way (what is consolidat
 each copy's pickle is checked against the DeepSpeed allowlist, and the consolidation runs with ``torch.load``
 swapped for the weights-only loader (:func:`~deadpool_ext.persist.safe_load.only_weights`), refusing any path
 outside that copy. The copy is removed afterwards. With a checkpoint key only bases whose commit record it
-signed are exported.
+signed are exported; the result says ``"authenticated": false`` when there was no key (integrity only).
+A failed export raises one line (:class:`ExportError`: the reason, or the first of several).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ...persist.download import download, private_cache_root
 from ...persist.layout import VersionInfo, load_candidates, read_version, verify_version, version_tag, where
 from ...persist.records import CheckpointTrustError, one_line
 from ...persist.safe_load import SafeGlobal, UntrustedCheckpointError, only_weights, scan
-from ...persist.sign import KEY_ENV, checkpoint_key
+from ...persist.sign import checkpoint_key
 from ...persist.storage import Storage, open_existing
 from .allowlist import deepspeed_globals
 
@@ -36,8 +37,16 @@ class ExportError(CheckpointTrustError):
     """No base can be exported (none complete, none verifies, or the one asked for is refused); one line."""
 
 
+def _summary(refused: list[str], fallback: str) -> str:
+    """One line for a failed export: the one reason, or the first of several."""
+    if not refused:
+        return fallback
+    return refused[0] + (f" (and {len(refused) - 1} more refusal(s))" if len(refused) > 1 else "")
+
+
 def _candidates(storage: Storage, url: str, version: int | None, key: bytes | None,
-                log: Callable[[str], None]) -> list[VersionInfo]:
+                refused: list[str]) -> list[VersionInfo]:
+    """Bases to try, newest first; the reasons for bases refused on their records go to ``refused``."""
     if version is not None:
         if version < 0:
             raise ExportError(f"--version {version}: a base's version is a step number (>= 0)")
@@ -47,12 +56,11 @@ def _candidates(storage: Storage, url: str, version: int | None, key: bytes | No
         if info.commit is None:
             raise ExportError(f"{url}: base {version_tag(version)} has no commit record (incomplete or absent)")
         return [info]
-    refused: list[VersionInfo] = []
-    cands = load_candidates(storage, key=key, refused=refused)
-    for r in refused:
-        log(f"refusing {r.tag}: {r.problem}")
+    bad: list[VersionInfo] = []
+    cands = load_candidates(storage, key=key, refused=bad)
+    refused.extend(f"refusing {r.tag}: {r.problem}" for r in bad)
     if not cands:
-        raise ExportError(f"{url}: no complete tier-3 base" + (" that can be used" if refused else ""))
+        raise ExportError(_summary(refused, f"{url}: no complete tier-3 base"))
     return cands
 
 
@@ -61,13 +69,15 @@ def pick_version(url: str, version: int | None, *, verify: bool = True,
                  log: Callable[[str], None] = print, key: str | bytes | None = None) -> VersionInfo:
     """The requested base (or the newest complete one whose files all verify, in place on the storage)."""
     storage = open_existing(url)
-    for info in _candidates(storage, url, version, checkpoint_key(key), log):
+    refused: list[str] = []
+    for info in _candidates(storage, url, version, checkpoint_key(key), refused):
         errors = verify_version(storage, info, progress=progress) if verify else []
         if not errors:
+            for r in refused:
+                log(r)
             return info
-        for e in errors:
-            log(f"refusing {info.tag}: {e}")
-    raise ExportError(f"{url}: no base verifies")
+        refused.extend(f"refusing {info.tag}: {e}" for e in errors)
+    raise ExportError(_summary(refused, f"{url}: no base verifies"))
 
 
 def _private_copy(storage: Storage, info: VersionInfo, work: str, allow: list[SafeGlobal],
@@ -89,19 +99,19 @@ def export_safetensors(url: str, out: str, *, version: int | None = None, cache_
     from safetensors.torch import save_file
 
     k = checkpoint_key(key)
-    allowlist = deepspeed_globals(allow)
     storage = open_existing(url)
-    if k is None:
-        log(f"note: no checkpoint key ({KEY_ENV}): the base is checked for integrity only, not authenticity")
+    refused: list[str] = []
+    cands = _candidates(storage, url, version, k, refused)
+    allowlist = deepspeed_globals(allow)
     state = None
     info: VersionInfo | None = None
-    for cand in _candidates(storage, url, version, k, log):
+    for cand in cands:
         work = tempfile.mkdtemp(prefix="export-", dir=private_cache_root(cache_root))
         try:
             try:
                 tag_dir = _private_copy(storage, cand, work, allowlist, progress)
             except (IncompleteCheckpointError, CheckpointTrustError) as exc:
-                log(f"refusing {cand.tag}: {exc}")
+                refused.append(f"refusing {cand.tag}: {exc}")
                 continue
             assert cand.commit is not None
             listed = {os.path.join(tag_dir, n) for n in cand.commit["files"]}
@@ -125,8 +135,9 @@ def export_safetensors(url: str, out: str, *, version: int | None = None, cache_
         finally:
             shutil.rmtree(work, ignore_errors=True)
     if state is None or info is None:
-        raise ExportError(f"{url}: no base verifies" + (f" ({version_tag(version)} was refused)"
-                                                        if version is not None else ""))
+        raise ExportError(_summary(refused, f"{url}: no base verifies"))
+    for r in refused:  # the export succeeded from an older base: say which were skipped and why
+        log(r)
     # Tied weights (GPT-2's lm_head / wte) share storage; safetensors refuses shared tensors, so each entry
     # gets its own contiguous copy. Hugging Face re-ties them on load.
     tensors = {k_: v.detach().float().contiguous().clone() for k_, v in state.items()}
@@ -135,4 +146,5 @@ def export_safetensors(url: str, out: str, *, version: int | None = None, cache_
     save_file(tensors, tmp, metadata={"format": "pt", "source": f"{url}/{info.tag}", "producer": "deadpool_ext"})
     os.replace(tmp, out)
     return {"version": info.version, "tag": info.tag, "tensors": len(tensors),
-            "parameters": int(sum(t.numel() for t in tensors.values())), "out": out, "bytes": os.path.getsize(out)}
+            "parameters": int(sum(t.numel() for t in tensors.values())), "out": out, "bytes": os.path.getsize(out),
+            "authenticated": k is not None}

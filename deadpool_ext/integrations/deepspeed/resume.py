@@ -17,9 +17,11 @@ Call order (every rank, collective, after ``deepspeed.initialize`` and before tr
    (our checkpoint engine for the load, ``torch.load`` swapped for DeepSpeed's direct calls), and only the
    files the commit record lists are opened.
 
-Returns ``(version, client_state)``, or ``(None, {})`` when the URL holds no base with a commit record (the
-caller may then try a plain DeepSpeed checkpoint directory). Every refusal is :class:`NoVerifiedBaseError` with
-one line (the pretraining scripts print it and exit).
+Returns ``(version, client_state)``, or ``(None, {})`` when the URL holds no base with a commit record at all
+(the caller may then try a plain DeepSpeed checkpoint directory: the engine is left with a
+:class:`DeadpoolCheckpointEngine`, so that load is weights-only too). Commit records that exist but are all
+refused are not "no base": every refusal is :class:`NoVerifiedBaseError` with one line (the pretraining
+scripts print it and exit).
 """
 from __future__ import annotations
 
@@ -71,6 +73,10 @@ def _agree_candidates(storage: Storage, device: Any, key: bytes | None) -> list[
         try:
             versions = [v.version for v in load_candidates(storage, key=key, refused=refused)][:MAX_CANDIDATES]
             buf[: len(versions)] = torch.tensor(versions, dtype=torch.int64)
+            if not versions and refused:  # commit records exist, every one refused: not "no base there"
+                message = (f"every base's commit record is refused ({len(refused)}); the newest: "
+                           f"{one_line(refused[-1].problem, 700)}")
+                buf[0] = _REFUSED
         except (CheckpointTrustError, OSError) as exc:
             message = one_line(exc, 900)
             buf[0] = _REFUSED
@@ -149,6 +155,11 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
     device = engine.device
     candidates = _agree_candidates(storage, device, k)
     if not candidates:
+        # No tier-3 base at all. The caller may try the URL as a plain DeepSpeed checkpoint directory next
+        # (engine.load_checkpoint): leave the engine with our checkpoint engine so that load, too, is
+        # weights-only with the allowlist and checked against any manifest (with a key: a signed one).
+        if not isinstance(engine.checkpoint_engine, DeadpoolCheckpointEngine):
+            engine.checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank, key=k, allow=allow)
         return None, {}
     if rank == 0 and k is None:
         log.info("tier 3: no checkpoint key (%s): the bases at %s are checked for integrity only, not "

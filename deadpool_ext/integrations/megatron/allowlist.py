@@ -8,7 +8,7 @@ file                                   how it is read
 ``.metadata``                          plain pickle (torch.distributed.checkpoint): :class:`~deadpool_ext.persist.
                                        safe_load.RestrictedUnpickler` with :func:`dcp_metadata_table` -
                                        ``torch.distributed.checkpoint`` metadata/planner dataclasses, ``torch.Size``,
-                                       torch dtypes, ``torch.serialization._get_layout``
+                                       torch dtypes, ``torch.serialization._get_layout``, ``pathlib.PosixPath``
 ``common.pt``, byte items in           ``torch.load(weights_only=True)`` + :func:`megatron_globals` (torch's own
 ``__R_I.distcp``                       weights-only set suffices: iteration, counters, scheduler and optimizer
                                        param-group dicts of numbers and strings)
@@ -17,6 +17,7 @@ file                                   how it is read
 """
 from __future__ import annotations
 
+import pathlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -42,6 +43,8 @@ def dcp_metadata_table() -> dict[str, Any]:
         fs._StorageInfo,
         pl.SavePlan, pl.TensorWriteData, pl.WriteItem, pl.WriteItemType,
         (torch.Size, "torch.Size"),
+        # StorageMeta.checkpoint_id when a caller passes a Path (torch.distributed.checkpoint's own save does)
+        (pathlib.PosixPath, "pathlib.PosixPath"), (pathlib.PosixPath, "pathlib._local.PosixPath"),
         (torch.serialization._get_layout, "torch.serialization._get_layout"),
     ]
     table = allow_table(entries)
