@@ -3,8 +3,9 @@
 The cache is the current user's own: ``cache_root`` if given, else ``$XDG_CACHE_HOME/deadpool/tier3``, else
 ``~/.cache/deadpool/tier3``, else ``<tmp>/deadpool-<uid>/tier3`` (:func:`private_cache_root`). Every directory
 of it is created mode 0700 without following symbolic links, and one that exists must be a real directory
-owned by this user (else :class:`CacheDirError`, one line). Nothing in it is trusted from an earlier run: no
-marker file skips a check, and every use re-hashes every file against the commit record (:func:`download`).
+owned by this user that nobody else can write to (else :class:`CacheDirError`, one line). Nothing in it is
+trusted from an earlier run: no marker file skips a check, and every use re-hashes every file against the
+commit record (:func:`download`).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def private_cache_root(cache_root: str | None = None) -> str:
 
 def ensure_private_dir(path: str) -> str:
     """Create ``path`` (and missing parents) with mode 0700, never through a symbolic link; check that the
-    directory itself is this user's, not a link, and make it 0700. Returns ``path``."""
+    directory itself is a real directory of this user that nobody else can write to. Returns ``path``."""
     path = os.path.abspath(path)
     missing = []
     cur = path
@@ -71,8 +72,9 @@ def ensure_private_dir(path: str) -> str:
         if st.st_uid != os.geteuid():
             raise CacheDirError(f"{path}: owned by uid {st.st_uid}, not by this user ({os.geteuid()}); refusing to "
                                 "use a cache directory someone else controls (remove it or give --cache)")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.fchmod(fd, 0o700)
+        if stat.S_IMODE(st.st_mode) & 0o022:
+            raise CacheDirError(f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):o}); a cache "
+                                "directory must be writable by its owner only (chmod go-w, or give another --cache)")
     finally:
         os.close(fd)
     return path

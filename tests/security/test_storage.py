@@ -639,6 +639,13 @@ def test_download_cache_planted_as_symlink_is_refused(tmp_path):
         ensure_private_dir(str(tmp_path / "cache"))
 
 
+def test_download_cache_writable_by_others_is_refused(tmp_path):
+    (tmp_path / "cache").mkdir()
+    os.chmod(tmp_path / "cache", 0o777)
+    with pytest.raises(CacheDirError, match="writable by group or others"):
+        ensure_private_dir(str(tmp_path / "cache"))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a directory owned by someone else")
 def test_download_cache_owned_by_someone_else_is_refused(tmp_path):
     (tmp_path / "cache").mkdir(mode=0o777)
