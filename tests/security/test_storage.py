@@ -210,6 +210,29 @@ def test_forged_newest_base_is_refused_and_previous_loaded(engine, tmp_path):
     assert version == 2 and not os.path.exists(marker)
 
 
+def test_forged_plain_directory_loaded_after_load_never_runs(engine, tmp_path):
+    """--load on a directory without commit records falls back to engine.load_checkpoint (pretrain.py): the
+    engine is left with our checkpoint engine, so that load is weights-only too."""
+    from deadpool_ext.integrations.deepspeed.checkpoint_engine import DeadpoolCheckpointEngine
+    from deadpool_ext.integrations.deepspeed.resume import resume_from_tier3
+
+    url, marker = str(tmp_path / "plain"), str(tmp_path / "PWNED")
+    os.makedirs(os.path.join(url, TAG))
+    with open(os.path.join(url, TAG, "mp_rank_00_model_states.pt"), "wb") as fh:
+        fh.write(evil_pt(marker))
+    with open(os.path.join(url, LATEST), "w") as fh:
+        fh.write(TAG)
+    before = engine.checkpoint_engine
+    try:
+        assert resume_from_tier3(engine, url) == (None, {})
+        assert isinstance(engine.checkpoint_engine, DeadpoolCheckpointEngine)
+        with pytest.raises(UntrustedCheckpointError, match="posix.system"):
+            engine.load_checkpoint(url)  # what pretrain.py does next
+    finally:
+        engine.checkpoint_engine = before
+    assert not os.path.exists(marker)
+
+
 def test_forged_pickle_never_runs_in_checkpoint_engine_load(tmp_path):
     """The load itself (after verification, e.g. a file swapped in between) unpickles weights-only."""
     from deadpool_ext.integrations.deepspeed.checkpoint_engine import DeadpoolCheckpointEngine
