@@ -2,7 +2,9 @@
 
 - tier 3 (URL): every ``global_stepN`` base with its size, file count, layout (world / dp size, ZeRO stage),
   whether it is complete (commit record present) and where ``latest`` points. Checksums are not read here
-  (that is ``deadpool verify``), so it is fast on large bases.
+  (that is ``deadpool verify``), so it is fast on large bases. A commit record or ``latest`` that is malformed
+  (or, with ``DEADPOOL_CHECKPOINT_KEY``, not signed by the key) is shown as REFUSED, named on stderr in one
+  line, and the exit status is 1.
 - tiers 1 and 2 (this host's shared memory, ``--shm-root``, default /dev/shm): the ``deadpool.<job>.<node>``
   directories, their snapshot slots (tier 1) and peer replicas (tier 2), with the version each complete slot
   holds (header only; torn or in-progress slots show as incomplete).
@@ -14,6 +16,7 @@ import json
 import mmap
 import os
 import re
+import sys
 import time
 from typing import Any
 
@@ -27,15 +30,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def tier3_report(url: str) -> dict[str, Any]:
+def tier3_report(url: str, key: bytes | None = None) -> dict[str, Any]:
     from ..persist.layout import list_versions, read_latest
+    from ..persist.records import BadRecordError
     from ..persist.storage import open_existing
 
     storage = open_existing(url)
     out = []
-    for v in list_versions(storage):
+    problems: list[str] = []
+    for v in list_versions(storage, key=key):
         row: dict[str, Any] = {"version": v.version, "tag": v.tag, "complete": v.complete}
-        if v.commit:
+        if v.problem is not None:
+            row.update(refused=v.problem)
+            problems.append(v.problem)
+        elif v.commit:
             c = v.commit
             row.update(bytes=v.nbytes, files=len(c["files"]), world_size=c.get("world_size"),
                        dp_world_size=c.get("dp_world_size"), zero_stage=c.get("zero_stage"),
@@ -45,7 +53,12 @@ def tier3_report(url: str) -> dict[str, Any]:
             row.update(files=len([n for n in names if not n.startswith(".tmp.")]),
                        ranks_done=len([n for n in names if n.startswith("deadpool_manifest.rank")]))
         out.append(row)
-    return {"url": url, "latest": read_latest(storage), "versions": out}
+    try:
+        latest = read_latest(storage)
+    except BadRecordError as exc:
+        latest = None
+        problems.append(str(exc))
+    return {"url": url, "latest": latest, "versions": out, "problems": problems}
 
 
 def _slot_version(path: str) -> tuple[int | None, int]:
@@ -83,16 +96,28 @@ def memory_report(shm_root: str) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    report: dict[str, Any] = {"tier3": tier3_report(args.url), "memory": memory_report(args.shm_root)}
+    from ..persist.records import CheckpointTrustError
+    from ..persist.sign import checkpoint_key
+
+    try:
+        t3 = tier3_report(args.url, checkpoint_key())
+    except CheckpointTrustError as exc:  # e.g. an unusable key: one line, not a traceback
+        print(f"deadpool inspect: {exc}", file=sys.stderr)
+        return 2
+    report: dict[str, Any] = {"tier3": t3, "memory": memory_report(args.shm_root)}
+    for p in t3["problems"]:
+        print(f"REFUSED {p}", file=sys.stderr)
+    status = 1 if t3["problems"] else 0
     if args.json:
         print(json.dumps(report, indent=1))
-        return 0
-    t3 = report["tier3"]
+        return status
     print(f"tier 3: {t3['url']}  (latest -> {t3['latest']})")
     if not t3["versions"]:
         print("  no bases")
     for r in t3["versions"]:
-        if r["complete"]:
+        if "refused" in r:
+            print(f"  {r['tag']:<18} REFUSED    (its commit record: see stderr; never used)")
+        elif r["complete"]:
             print(f"  {r['tag']:<18} complete   {r['bytes'] / 1e6:10,.1f} MB  {r['files']:3d} files  "
                   f"world {r['world_size']}"
                   f" dp {r['dp_world_size']} ZeRO-{r['zero_stage']}  {r['published']}")
@@ -103,4 +128,4 @@ def run(args: argparse.Namespace) -> int:
     for r in mem:
         state = f"version {r['version']}" if r["complete"] else "incomplete"
         print(f"  tier {r['tier']} {r['dir']}/r{r['rank']}.{r['slot']:<8} {r['bytes'] / 1e6:10,.1f} MB  {state}")
-    return 0
+    return status

@@ -3,19 +3,36 @@
 A checkpoint file is written to a temporary name in the same directory, fsynced, and renamed into place;
 the manifest listing every file with its size and checksum is written the same way, last. A reader that
 finds no manifest, or a file whose bytes do not match it, treats the checkpoint as incomplete.
+
+Manifests are read strictly (:mod:`deadpool_ext.persist.records`): bounded UTF-8 JSON objects whose file names
+are plain single components (or match the caller's ``names`` patterns) before any path join; with a checkpoint
+key (:mod:`deadpool_ext.persist.sign`) they are signed at write and an unsigned or forged one is refused.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 import xxhash
 
+from . import sign
+from .records import (
+    PLAIN_NAME,
+    BadRecordError,
+    check_name,
+    parse_file_entries,
+    parse_json_object,
+    read_capped,
+)
+
 MANIFEST_PREFIX = "deadpool_manifest"
+_MANIFEST_FILE = re.compile(rf"^{MANIFEST_PREFIX}\.[A-Za-z0-9_-]{{1,64}}\.json$", re.ASCII)
 
 
 class IncompleteCheckpointError(RuntimeError):
@@ -56,37 +73,108 @@ def atomic_write(path: str, write: Callable[[Any], None], *, fsync: bool = True)
         raise
 
 
-def write_manifest(directory: str, name: str, files: list[str], extra: dict[str, Any] | None = None) -> str:
-    """Record size and checksum of ``files`` (relative to ``directory``) in ``<MANIFEST_PREFIX>.<name>.json``."""
+def write_manifest(directory: str, name: str, files: list[str], extra: dict[str, Any] | None = None, *,
+                   key: bytes | None = None) -> str:
+    """Record size and checksum of ``files`` (relative to ``directory``) in ``<MANIFEST_PREFIX>.<name>.json``,
+    signed with ``key`` when one is given."""
     entries = {}
     for rel in sorted(files):
         full = os.path.join(directory, rel)
         entries[rel] = {"nbytes": os.path.getsize(full), "xxh3_64": file_checksum(full)}
-    body = json.dumps({"files": entries, **(extra or {})}, indent=1, sort_keys=True).encode()
+    rec = sign.sign({"files": entries, **(extra or {})}, sign.KIND_MANIFEST, key)
+    body = json.dumps(rec, indent=1, sort_keys=True).encode()
     path = os.path.join(directory, f"{MANIFEST_PREFIX}.{name}.json")
     atomic_write(path, lambda fh: fh.write(body))
     return path
 
 
-def read_manifests(directory: str) -> dict[str, dict[str, Any]]:
-    """All manifests in ``directory`` merged: relative file name -> {nbytes, xxh3_64}."""
-    merged: dict[str, dict[str, Any]] = {}
+PLAIN_ALLOWED = "a plain file name: letters, digits, '_', '-', '.'; not '.' or '..'"
+
+
+def parse_manifest(data: bytes, here: str, *, key: bytes | None = None,
+                   names: Sequence[re.Pattern[str]] = (PLAIN_NAME,), allowed: str = PLAIN_ALLOWED) -> dict[str, Any]:
+    """One manifest from its bytes: validated, names checked against ``names``, with ``key`` authenticated."""
+    rec = parse_json_object(data, here)
+    # A tier-3 base's per-rank manifests share the prefix and the shape: accepted as manifests of their files.
+    sign.check(rec, (sign.KIND_MANIFEST, sign.KIND_RANK_MANIFEST), key, here)
+    if "files" not in rec:
+        raise BadRecordError(f"{here}: field 'files' is missing")
+    files = parse_file_entries(rec["files"], here, lambda n: check_name(n, here, names, allowed))
+    return {**rec, "files": files}
+
+
+def read_manifest_records(directory: str, *, key: bytes | None = None,
+                          names: Sequence[re.Pattern[str]] = (PLAIN_NAME,),
+                          allowed: str = PLAIN_ALLOWED) -> dict[str, dict[str, Any]]:
+    """Every manifest in ``directory``, parsed (see :func:`parse_manifest`): manifest file name -> record."""
+    out: dict[str, dict[str, Any]] = {}
     if not os.path.isdir(directory):
-        return merged
+        return out
     for fname in sorted(os.listdir(directory)):
-        if fname.startswith(MANIFEST_PREFIX) and fname.endswith(".json"):
-            with open(os.path.join(directory, fname)) as fh:
-                merged.update(json.load(fh)["files"])
+        if not (fname.startswith(MANIFEST_PREFIX) and fname.endswith(".json")):
+            continue
+        here = os.path.join(directory, fname)
+        if not _MANIFEST_FILE.fullmatch(fname):
+            raise BadRecordError(f"{here}: not a manifest name the writer writes ({MANIFEST_PREFIX}.<name>.json)")
+        with open_regular(here) as fh:
+            out[fname] = parse_manifest(read_capped(fh, here), here, key=key, names=names, allowed=allowed)
+    return out
+
+
+def read_manifests(directory: str, *, key: bytes | None = None,
+                   names: Sequence[re.Pattern[str]] = (PLAIN_NAME,),
+                   allowed: str = PLAIN_ALLOWED) -> dict[str, dict[str, Any]]:
+    """All manifests in ``directory`` merged: relative file name -> {nbytes, xxh3_64}. Raises
+    :class:`~deadpool_ext.persist.records.BadRecordError` (or ``SignatureError`` with a key) naming a bad one."""
+    merged: dict[str, dict[str, Any]] = {}
+    for rec in read_manifest_records(directory, key=key, names=names, allowed=allowed).values():
+        merged.update(rec["files"])
     return merged
 
 
-def verify_file(path: str, manifest: dict[str, dict[str, Any]]) -> None:
-    """Raise :class:`IncompleteCheckpointError` unless ``path`` is listed and its bytes match."""
+def open_regular(path: str) -> IO[bytes]:
+    """``path`` opened for reading, refusing a symbolic link or anything but a regular file."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise IncompleteCheckpointError(f"{path}: not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_verified(path: str, manifest: dict[str, dict[str, Any]]) -> IO[bytes]:
+    """``path`` opened for reading once its bytes matched its manifest entry, positioned at the start.
+
+    The checksum is computed through the same open file that is returned, so what the caller reads is what
+    was checked even if the name is replaced in between (a rename swaps the name, not this file). Raises
+    :class:`IncompleteCheckpointError` unless ``path`` is listed, a regular file (not a link) and matches."""
     rel = os.path.basename(path)
     entry = manifest.get(rel)
     if entry is None:
         raise IncompleteCheckpointError(f"{path}: not listed in any {MANIFEST_PREFIX}.*.json (incomplete checkpoint)")
-    if not os.path.exists(path):
-        raise IncompleteCheckpointError(f"{path}: listed in the manifest but missing")
-    if os.path.getsize(path) != entry["nbytes"] or file_checksum(path) != entry["xxh3_64"]:
-        raise IncompleteCheckpointError(f"{path}: size or checksum does not match the manifest (corrupt file)")
+    try:
+        fh = open_regular(path)
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"{path}: listed in the manifest but missing") from None
+    except OSError as exc:  # ELOOP: a symbolic link
+        raise IncompleteCheckpointError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from None
+    try:
+        h = xxhash.xxh3_64()
+        n = 0
+        while block := fh.read(8 << 20):
+            h.update(block)
+            n += len(block)
+        if n != entry["nbytes"] or h.hexdigest() != entry["xxh3_64"]:
+            raise IncompleteCheckpointError(f"{path}: size or checksum does not match the manifest (corrupt file)")
+        fh.seek(0)
+        return fh
+    except BaseException:
+        fh.close()
+        raise
+
+
+def verify_file(path: str, manifest: dict[str, dict[str, Any]]) -> None:
+    """Raise :class:`IncompleteCheckpointError` unless ``path`` is listed and its bytes match."""
+    open_verified(path, manifest).close()

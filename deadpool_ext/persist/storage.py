@@ -9,8 +9,10 @@ record) is in :mod:`deadpool_ext.persist.layout`. Two implementations behind one
   through ``fsspec``; a "rename" is the backend's move (on object stores a copy + delete of an object whose
   upload is itself atomic).
 
-All paths given to a storage are relative to its root and use ``/``. Every method may be called from any
-thread; one writer handle is used by one thread.
+All paths given to a storage are relative to its root and use ``/``; a path that is absolute or has a ``..``
+component is refused (:class:`~deadpool_ext.persist.records.UnsafePathError`), and :class:`LocalStorage` reads
+no file through a symbolic link below its root (a link planted in a base must not make a reader open a file
+outside it). Every method may be called from any thread; one writer handle is used by one thread.
 """
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ import abc
 import errno
 import os
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 from typing import IO, Any
+
+from .records import UnsafePathError, one_line
 
 
 class StorageFullError(OSError):
@@ -102,6 +107,17 @@ class Storage(abc.ABC):
                 f"free; the previous base is untouched")
 
 
+def check_rel(rel: str, url: str) -> str:
+    """``rel`` if it stays under the root: relative, no empty, ``.`` or ``..`` component, no NUL or backslash."""
+    if rel == "":
+        return rel
+    parts = rel.split("/")
+    if rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        raise UnsafePathError(f"{url.rstrip('/')}: path {one_line(repr(rel), 80)} would leave the storage root "
+                              "(absolute, '..', empty or '.' components are refused)")
+    return rel
+
+
 def _tmp_name(rel: str) -> str:
     head, tail = os.path.split(rel)
     return os.path.join(head, f".tmp.{uuid.uuid4().hex[:12]}.{tail}")
@@ -148,19 +164,42 @@ class LocalStorage(Storage):
             os.makedirs(self.root, exist_ok=True)
 
     def _p(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
+        return os.path.join(self.root, check_rel(rel, self.url)) if rel else self.root
+
+    def _no_links(self, rel: str) -> str:
+        """The path of ``rel``, refusing it when a component below the root is a symbolic link."""
+        path = self._p(rel)
+        cur = self.root
+        for part in rel.split("/") if rel else []:
+            cur = os.path.join(cur, part)
+            try:
+                st = os.lstat(cur)
+            except FileNotFoundError:
+                break  # the caller's open/stat reports it
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(f"{self.url.rstrip('/')}/{rel}: {cur} is a symbolic link; a checkpoint "
+                                      "is read only from regular files below its root")
+        return path
 
     def open_temp(self, rel: str) -> TempWriter:
         return _LocalWriter(self._p(rel))
 
     def open_read(self, rel: str) -> IO[bytes]:
-        return open(self._p(rel), "rb")
+        path = self._no_links(rel)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
+            return os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
 
     def exists(self, rel: str) -> bool:
-        return os.path.exists(self._p(rel))
+        return os.path.lexists(self._p(rel))
 
     def size(self, rel: str) -> int:
-        return os.path.getsize(self._p(rel))
+        return os.path.getsize(self._no_links(rel))
 
     def listdir(self, rel: str = "") -> list[str]:
         try:
@@ -225,7 +264,7 @@ class FsspecStorage(Storage):
             pass  # object stores have no directories
 
     def _p(self, rel: str) -> str:
-        return f"{self.root}/{rel}" if rel else self.root
+        return f"{self.root}/{check_rel(rel, self.url)}" if rel else self.root
 
     def open_temp(self, rel: str) -> TempWriter:
         return _FsspecWriter(self.fs, self._p(rel))

@@ -8,8 +8,9 @@ Call order:
    through :class:`_ChunkSink` in chunks into a temporary name, hashed (xxh3-64) on the way, paced by the
    :class:`~deadpool_ext.persist.throttle.Throttle`, renamed into place; then this rank's manifest.
 3. (writer thread, coordinator = global rank 0 only) wait (bounded by ``persist.timeout_s``) until every rank's
-   manifest is there, check sizes, write the commit record, then ``latest``; re-read and verify the new base;
-   only then garbage-collect older bases.
+   manifest is there, parse each strictly (names, sizes; with a checkpoint key: its signature), check sizes,
+   write the commit record (signed with the key), then ``latest``; re-read and verify the new base; only then
+   garbage-collect older bases.
 
 The writer never raises into training: a failure (full disk, missed deadline, storage error) is logged naming
 the URL, the base is abandoned (never published), and the next base is tried as usual.
@@ -28,16 +29,21 @@ from typing import Any
 import torch
 import xxhash
 
+from . import sign
 from .layout import (
     COMMIT,
     LATEST,
     VersionInfo,
     build_commit,
+    check_file_name,
     collect_garbage,
+    parse_rank_manifest,
     rank_manifest_name,
-    read_json,
+    read_record_bytes,
     verify_version,
+    where,
 )
+from .records import CheckpointTrustError
 from .storage import Storage, is_disk_full
 from .throttle import Throttle
 
@@ -105,8 +111,11 @@ class _ChunkSink:
 
 class BaseWriter:
     def __init__(self, storage: Storage, throttle: Throttle, *, chunk_mb: int = 8, poll_s: float = 0.05,
-                 verify_after_publish: bool = True, keep_last: int = 2) -> None:
+                 verify_after_publish: bool = True, keep_last: int = 2, key: bytes | None = None) -> None:
         self.storage = storage
+        self.key = key
+        """Checkpoint key (:mod:`deadpool_ext.persist.sign`): manifests and commit records are signed with it,
+        and the coordinator merges only rank manifests it signed."""
         self.throttle = throttle
         self.chunk = chunk_mb << 20
         self.poll_s = poll_s
@@ -176,7 +185,8 @@ class BaseWriter:
         finally:
             self.throttle.end()
         write_s = time.time() - t0
-        manifest = {"files": entries, "rank": job.rank, "tag": job.tag, "version": job.version, "write_s": write_s}
+        manifest = sign.sign({"files": entries, "rank": job.rank, "tag": job.tag, "version": job.version,
+                              "write_s": write_s}, sign.KIND_RANK_MANIFEST, self.key)
         self.storage.write_bytes(f"{job.tag}/{rank_manifest_name(job.rank)}", json.dumps(manifest, indent=1).encode())
         nbytes = sum(e["nbytes"] for e in entries.values())
         job.result.update(ok=True, rank_bytes=nbytes, write_s=write_s,
@@ -185,6 +195,7 @@ class BaseWriter:
             self._publish(job, t0)
 
     def _write_file(self, job: BaseJob, f: CapturedFile) -> dict[str, Any]:
+        check_file_name(f.name, f"{self.storage.url.rstrip('/')}/{job.tag}")  # what readers accept, nothing else
         rel = f"{job.tag}/{f.name}"
         target = self.storage.open_temp(rel)
         sink = _ChunkSink(target, self.throttle, self.chunk, job.deadline, f"{self.storage.url}/{rel}")
@@ -204,8 +215,15 @@ class BaseWriter:
         while len(manifests) < job.world_size:
             for r in range(job.world_size):
                 if r not in manifests:
-                    rec = read_json(self.storage, f"{job.tag}/{rank_manifest_name(r)}")
-                    if rec is not None and rec.get("version") == job.version:
+                    rel = f"{job.tag}/{rank_manifest_name(r)}"
+                    raw = read_record_bytes(self.storage, rel)
+                    if raw is None:
+                        continue
+                    try:  # written atomically: a manifest that is there is complete, so a bad one is final
+                        rec = parse_rank_manifest(raw, where(self.storage, rel), key=self.key)
+                    except CheckpointTrustError as exc:
+                        raise BaseAbandoned(f"{exc}; the base is not published") from None
+                    if rec["version"] == job.version and rec["rank"] == r:
                         manifests[r] = rec
             if len(manifests) < job.world_size:
                 if time.time() > job.deadline:
@@ -219,7 +237,7 @@ class BaseWriter:
                 if size != entry["nbytes"]:
                     raise BaseAbandoned(f"{self.storage.url}/{job.tag}/{name}: {size} bytes on storage, rank {r} "
                                         f"wrote {entry['nbytes']}")
-        commit = build_commit(job.version, manifests, job.layout, time.time() - t0)
+        commit = build_commit(job.version, manifests, job.layout, time.time() - t0, key=self.key)
         # The commit record is the single point at which the base becomes visible; `latest` follows it.
         self.storage.write_bytes(f"{job.tag}/{COMMIT}", json.dumps(commit, indent=1, sort_keys=True).encode())
         self.storage.write_bytes(LATEST, job.tag.encode())

@@ -240,7 +240,8 @@ def test_gc_never_deletes_newest_complete_and_removes_abandoned(tmp_path):
     def fake(v: int, complete: bool) -> None:
         storage.write_bytes(f"{version_tag(v)}/f.pt", b"x")
         if complete:
-            rec = {"format": "deadpool-tier3/1", "files": {"f.pt": {"nbytes": 1, "xxh3_64": "0"}}, "total_bytes": 1}
+            rec = {"format": "deadpool-tier3/1", "total_bytes": 1,  # names and checksums are validated on read
+                   "files": {"mp_rank_00_model_states.pt": {"nbytes": 1, "xxh3_64": "0" * 16}}}
             storage.write_bytes(f"{version_tag(v)}/{COMMIT}", json.dumps(rec).encode())
 
     fake(1, True), fake(2, False), fake(3, True), fake(4, False)

@@ -4,7 +4,14 @@ DeepSpeed's save calls, per rank: ``create(info)``, ``save(state_dict, path)`` f
 ``commit(info)``; rank 0 then writes ``latest``. A load calls ``load(path)`` per file. We keep DeepSpeed's own
 file names and ``torch.save`` payloads, so a checkpoint written here is a plain DeepSpeed checkpoint that
 ``load_checkpoint`` and ``zero_to_fp32.py`` read without the extension; what we add is write-to-temp-and-rename,
-a per-rank manifest with checksums written at commit, and verification of every file against it on load.
+a per-rank manifest with checksums written at commit (signed with the checkpoint key when one is set,
+:mod:`deadpool_ext.persist.sign`), and verification of every file against it on load.
+
+Every load deserialises with ``torch.load(weights_only=True)`` and the DeepSpeed allowlist
+(:mod:`.allowlist`): a file naming any other class is refused (``UntrustedCheckpointError``), its code never
+runs. The bytes unpickled are the bytes checksummed (one open file, hashed then read). In a directory the
+tier-3 loader verified (:meth:`DeadpoolCheckpointEngine.mark_verified`) only the files its commit record lists
+are opened. With a checkpoint key, a directory without a signed manifest is refused.
 
 Tier 3 (``deadpool_ext.integrations.deepspeed.tier3``) puts the engine in *capture mode* around its own
 ``save_checkpoint`` call: between :meth:`begin_capture` and :meth:`end_capture` (training thread, every rank),
@@ -15,28 +22,35 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from ...persist.atomic import IncompleteCheckpointError, atomic_write, read_manifests, verify_file, write_manifest
+from ...persist.atomic import IncompleteCheckpointError, atomic_write, open_verified, read_manifests, write_manifest
+from ...persist.layout import FILE_PATTERNS, FILES_ALLOWED
+from ...persist.safe_load import SafeGlobal, UntrustedCheckpointError, safe_load
+from ...persist.sign import KEY_ENV, SignatureError, checkpoint_key
+from .allowlist import deepspeed_globals
 
 log = logging.getLogger("deadpool_ext")
 ENGINE_NAME = "DeadpoolCheckpointEngine"
 
 
 class DeadpoolCheckpointEngine(CheckpointEngine):
-    def __init__(self, rank: int, *, before_io: Callable[[], None] | None = None, fsync: bool = True) -> None:
+    def __init__(self, rank: int, *, before_io: Callable[[], None] | None = None, fsync: bool = True,
+                 key: str | bytes | None = None, allow: Iterable[SafeGlobal] = ()) -> None:
         super().__init__(None)
         self.name = ENGINE_NAME
         self.rank = rank
         self._before_io = before_io
         self._fsync = fsync
+        self._key = checkpoint_key(key)
+        self._allow = deepspeed_globals(allow)
         self._pending: dict[str, list[str]] = {}
         self._capture: Callable[[Any, str], None] | None = None
-        self._verified: set[str] = set()
+        self._verified: dict[str, dict[str, dict[str, Any]] | None] = {}
 
     # -- tier-3 capture mode (training thread) --------------------------------------------------------
     def begin_capture(self, sink: Callable[[Any, str], None]) -> None:
@@ -46,10 +60,12 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
     def end_capture(self) -> None:
         self._capture = None
 
-    def mark_verified(self, directory: str) -> None:
-        """Files under ``directory`` were verified against their manifest by the tier-3 loader (all ranks
-        together): ``load`` does not hash them a second time."""
-        self._verified.add(os.path.abspath(directory))
+    def mark_verified(self, directory: str, files: dict[str, dict[str, Any]] | None = None) -> None:
+        """``directory`` holds a base the tier-3 loader verified (all ranks together) against its commit record,
+        whose ``files`` entries are given: ``load`` opens only those names and checks each file's bytes against
+        its entry as it reads them (no manifest in the directory is consulted). ``files=None``: a private
+        directory derived from verified files (the universal-checkpoint conversion); loaded weights-only."""
+        self._verified[os.path.abspath(directory)] = None if files is None else dict(files)
 
     def create(self, info: CheckpointCommitInfo) -> None:
         # A tier-3 capture only reads the live tensors, like the snapshot copy: no need to wait for it.
@@ -69,15 +85,28 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
     def load(self, path: str, map_location: Any = None) -> Any:
         if self._before_io is not None:
             self._before_io()
-        if os.path.abspath(os.path.dirname(path)) in self._verified:
-            return torch.load(path, map_location=map_location, weights_only=False)
-        manifest = read_manifests(os.path.dirname(path))
+        directory = os.path.abspath(os.path.dirname(path))
+        if directory in self._verified:
+            entries = self._verified[directory]
+            if entries is None:
+                return safe_load(path, allow=self._allow, map_location=map_location)
+            if os.path.basename(path) not in entries:
+                raise UntrustedCheckpointError(f"{path}: not listed in the verified commit record of this base; "
+                                               "not opened")
+            return self._load_checked(path, entries, map_location)
+        manifest = read_manifests(directory, key=self._key, names=FILE_PATTERNS, allowed=FILES_ALLOWED)
         if manifest:
-            verify_file(path, manifest)
-        else:
-            log.warning("no deadpool manifest beside %s: loading without verification (not written by deadpool_ext?)",
-                        path)
-        return torch.load(path, map_location=map_location, weights_only=False)
+            return self._load_checked(path, manifest, map_location)
+        if self._key is not None:
+            raise SignatureError(f"{path}: no signed deadpool manifest beside it, and a checkpoint key is set "
+                                 f"({KEY_ENV}); refusing a checkpoint the key did not sign")
+        log.warning("no deadpool manifest beside %s: loading without verification (not written by deadpool_ext?)",
+                    path)
+        return safe_load(path, allow=self._allow, map_location=map_location)
+
+    def _load_checked(self, path: str, entries: dict[str, dict[str, Any]], map_location: Any) -> Any:
+        with open_verified(path, entries) as fh:  # the bytes unpickled are the bytes hashed
+            return safe_load(fh, allow=self._allow, what=path, map_location=map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         if self._capture is not None:
@@ -87,8 +116,8 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
         if files:
             directory = os.path.dirname(files[0])
             write_manifest(directory, f"rank{self.rank}", [os.path.relpath(f, directory) for f in files],
-                           extra={"tag": info.tag, "rank": self.rank})
+                           extra={"tag": info.tag, "rank": self.rank}, key=self._key)
         return True
 
 
-__all__ = ["DeadpoolCheckpointEngine", "IncompleteCheckpointError"]
+__all__ = ["DeadpoolCheckpointEngine", "IncompleteCheckpointError", "UntrustedCheckpointError"]

@@ -10,7 +10,8 @@ Call order (every rank, training thread):
    foreground never waits for tier 3), then call ``engine.save_checkpoint(stage, tag, save_latest=False)``
    with the checkpoint engine in capture mode: DeepSpeed builds its usual state dicts and file names, the
    engine copies them into host memory, and the call returns. The writer thread does the rest
-   (:mod:`deadpool_ext.persist.writer`).
+   (:mod:`deadpool_ext.persist.writer`); with a checkpoint key (``key=`` or ``$DEADPOOL_CHECKPOINT_KEY``,
+   :mod:`deadpool_ext.persist.sign`) it signs every manifest and the commit record.
 3. ``close()`` at the end: waits (bounded by ``timeout_s``) for the base in flight to be published.
 
 The step time the adaptive throttle needs is measured here, boundary to boundary, excluding the capture itself.
@@ -30,6 +31,7 @@ import torch
 from ...config import PersistConfig
 from ...persist.capture import StagingPool, tensor_bytes
 from ...persist.layout import COMMIT, version_tag
+from ...persist.sign import KEY_ENV, checkpoint_key
 from ...persist.storage import open_storage
 from ...persist.throttle import Throttle
 from ...persist.writer import BaseJob, BaseWriter, CapturedFile
@@ -42,22 +44,23 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 class Tier3Persister:
     def __init__(self, engine: Any, cfg: PersistConfig, *, checkpoint_engine: Any = None,
-                 client_state: Callable[[], dict[str, Any]] | None = None) -> None:
+                 client_state: Callable[[], dict[str, Any]] | None = None, key: str | bytes | None = None) -> None:
         if not cfg.url:
             raise ValueError("Tier3Persister needs persist.url (or --save URL)")
+        self.key = checkpoint_key(key)
         self.engine = engine
         self.cfg = cfg
         self.url = cfg.url
         if checkpoint_engine is None:
             checkpoint_engine = engine.checkpoint_engine
             if not isinstance(checkpoint_engine, DeadpoolCheckpointEngine):
-                checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank)
+                checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank, key=self.key)
                 engine.checkpoint_engine = checkpoint_engine
         self.ckpt = checkpoint_engine
         self.client_state = client_state
         self.storage = open_storage(cfg.url)
         self.throttle = Throttle(cfg.max_mb_s, cfg.adaptive)
-        self.writer = BaseWriter(self.storage, self.throttle, keep_last=cfg.keep_last)
+        self.writer = BaseWriter(self.storage, self.throttle, keep_last=cfg.keep_last, key=self.key)
         self.pool = StagingPool()
         self.stage = tempfile.mkdtemp(prefix=f"deadpool-tier3-stage-r{engine.global_rank}-")
         self._last_boundary: float | None = None
@@ -67,8 +70,9 @@ class Tier3Persister:
         self.enabled_steps = True
         """Benchmarks flip this to take A/B blocks without and with tier 3 in one run."""
         if engine.global_rank == 0:
-            log.info("tier 3: base every %s step(s) to %s (keep_last=%d, max_mb_s=%s, adaptive=%s)",
-                     cfg.interval or "no", cfg.url, cfg.keep_last, cfg.max_mb_s or "none", cfg.adaptive)
+            log.info("tier 3: base every %s step(s) to %s (keep_last=%d, max_mb_s=%s, adaptive=%s, records %s)",
+                     cfg.interval or "no", cfg.url, cfg.keep_last, cfg.max_mb_s or "none", cfg.adaptive,
+                     "signed" if self.key is not None else f"unsigned: no {KEY_ENV}")
 
     # -- training thread --------------------------------------------------------------------------
     def set_client_state(self, fn: Callable[[], dict[str, Any]] | None) -> None:
