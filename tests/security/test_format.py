@@ -244,8 +244,16 @@ def test_shape_of_the_wrong_type_is_a_format_error(shape):
 
 
 @pytest.mark.parametrize("dtype", ["float128", "object", ["float32"], None, 4, "torch.float32"])
-def test_unknown_dtype_is_a_format_error(dtype):
+def test_unknown_tensor_dtype_is_a_format_error(dtype):
     assert_refused(reforged(_set_tensor(_entry_index("w"), dtype=dtype)), match="dtype")
+
+
+@pytest.mark.parametrize("dtype", ["|O", "i4,f8", "(2,)<f4", "<U0", "V0", "|b1", 4])
+def test_unplain_numpy_dtype_is_a_format_error(dtype):
+    # A numpy array over raw bytes: object, structured, sub-array or empty dtypes are refused before numpy sees
+    # them ("|b1" is plain: it is refused because tensor 0 does not hold raw bytes).
+    raw = {"__np__": 0, "dtype": dtype, "shape": [8]}
+    assert_decode_refused(with_skeleton({"tensors": {}, "state": {"x": raw}}), match="dtype|raw bytes")
 
 
 def test_overlapping_offsets_are_a_format_error():
@@ -262,11 +270,14 @@ def test_bad_offset_is_a_format_error(offset):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("data_nbytes", 256.0), ("data_nbytes", "256"), ("data_nbytes", -1), ("format_version", True),
-    ("checksums", "x" * 16), ("tensors", {}), ("meta", "version"), ("meta", [["version", 3]]),
-])
+    ("data_nbytes", float), ("data_nbytes", str), ("data_nbytes", lambda n: -1), ("format_version", lambda v: True),
+    ("checksums", lambda c: "".join(c)), ("tensors", lambda t: {}), ("meta", lambda m: "version"),
+    ("meta", lambda m: [["version", 3]]),
+], ids=["data_nbytes-float", "data_nbytes-str", "data_nbytes-negative", "format_version-bool", "checksums-str",
+        "tensors-object", "meta-str", "meta-list"])
 def test_header_field_of_the_wrong_type_is_a_format_error(field, value):
-    assert_refused(reforged(lambda h: h.__setitem__(field, value)))
+    # The value is made from the real one (e.g. the right data_nbytes as a float), so only its type is wrong.
+    assert_refused(reforged(lambda h: h.__setitem__(field, value(h[field]))))
 
 
 def test_tensor_and_checksum_counts_must_agree():
