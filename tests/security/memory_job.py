@@ -4,6 +4,7 @@ the security tests to forge or replace what the first run left and watch the res
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -70,9 +71,9 @@ def run_steps(root: str, steps: int) -> None:
     m = manager(root, a)
     assert m.restore_latest() is None
     for step in range(1, steps + 1):
+        m.before_optimizer_step()  # the copy of the previous version is done: the "optimizer" may write
         a.w.fill_(step)
         a.steps = step
-        m.before_optimizer_step()
         m.after_step()
     m.close()
 
@@ -96,7 +97,7 @@ def rewrite_header(path: str, mutate: Any) -> None:
         n = fmt.header_len_of(blob)
         header = fmt.read_header(blob)
         mutate(header)
-        raw = fmt.json.dumps(header, separators=(",", ":")).encode()
+        raw = json.dumps(header, separators=(",", ":")).encode()
         assert len(raw) <= n, "the forged header must fit the slot's reserved header"
         fh.seek(fmt.PREFIX_LEN)
         fh.write(raw + b" " * (n - len(raw)))

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import deadpool_ext  # noqa: F401  (its __path__ is extended by a fixture)
 from deadpool_ext.snapshot import format as fmt
+from deadpool_ext.snapshot import skeleton as skeleton_codec
 from deadpool_ext.snapshot.format import (
     MAGIC,
     MAX_DEPTH,
@@ -128,6 +129,18 @@ def test_forged_enum_naming_an_unimported_module_never_imports_it(planted_module
     assert_decode_refused(blob, match="not an Enum type a snapshot may hold")
     assert not marker.exists(), "decoding a blob ran a module's import-time code"
     assert name not in sys.modules
+
+
+def test_codec_modules_have_no_dynamic_import_pickle_or_eval():
+    import ast
+
+    for module in (fmt, skeleton_codec):
+        tree = ast.parse(open(module.__file__).read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"importlib", "pickle", "cPickle", "dill", "cloudpickle", "marshal", "runpy"}, module
+        called = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert not called & {"__import__", "eval", "exec", "compile"}, module
 
 
 def test_loaded_enum_outside_the_table_is_refused():
@@ -348,9 +361,9 @@ _BASE_HEADER, _BASE_DATA = _split(_BASE)
 
 _json_scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
                  | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=12)
-                 | st.sampled_from(sorted(fmt._MARKERS) + ["float32", "<f8", "|O", "cpu", "nan", "inf"]))
+                 | st.sampled_from(sorted(skeleton_codec._MARKERS) + ["float32", "<f8", "|O", "cpu", "nan", "inf"]))
 _json = st.recursive(_json_scalars, lambda inner: st.lists(inner, max_size=4)
-                     | st.dictionaries(st.text(max_size=6) | st.sampled_from(sorted(fmt._MARKERS)), inner,
+                     | st.dictionaries(st.text(max_size=6) | st.sampled_from(sorted(skeleton_codec._MARKERS)), inner,
                                        max_size=4), max_leaves=30)
 
 
