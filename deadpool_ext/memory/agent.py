@@ -107,7 +107,8 @@ def claim_directory(directory: str, launcher_pid: int, *, keep_s: float = 0.0) -
                     "agent (pid %d) for local.keep_after_exit_s=%gs; a restore may resume from it", directory,
                     previous[0], agent[0], keep_s)
         return False
-    log.warning("removing %s: left by an earlier job whose launcher (pid %d) has exited%s", directory, previous[0],
+    whose = f"whose launcher (pid {previous[0]}) has exited" if previous != _INVALID else "that recorded no launcher"
+    log.warning("removing %s: left by an earlier job %s%s", directory, whose,
                 "" if keep_s > 0 else " (set local.keep_after_exit_s to resume from it after a relaunch)")
     _remove(directory)
     ensure_private_dir(directory)

@@ -240,7 +240,9 @@ def _parse(buf: Any) -> tuple[dict[str, Any], memoryview, int, list[TensorEntry]
     try:
         header = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + header_len]).decode("ascii"),
                             parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+    except RecursionError:
+        raise SnapshotFormatError(f"malformed snapshot header: nested deeper than {MAX_DEPTH} levels") from None
+    except (UnicodeDecodeError, ValueError) as exc:
         raise SnapshotFormatError(f"malformed snapshot header: {type(exc).__name__}: {_short(str(exc))}") from exc
     if type(header) is not dict or header.get("format") != FORMAT_NAME:
         raise SnapshotFormatError("header is not a deadpool snapshot header")
