@@ -10,18 +10,21 @@ Which source wins:
 - hot-swap (``DEADPOOL_STORE`` set, i.e. started by deadpool-run): the launcher's variables; the generation
   and the worker's current rank come from the membership protocol (``rebuild.worker.Membership``), never from
   the environment;
-- the job id: ``DEADPOOL_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``, else a hash of
-  ``MASTER_ADDR:MASTER_PORT`` (stable across restarts of the same launch); the config's ``job_id`` beats all;
+- the job id: ``DEADPOOL_JOB_ID``, else torchrun's ``TORCHELASTIC_RUN_ID``, else :func:`job_id_from` this
+  user's secret key (:func:`deadpool_ext.memory.trust.user_key`) and ``MASTER_ADDR:MASTER_PORT``: stable across
+  restarts and relaunches of the same launch, unknown to other users of the node (who could otherwise create
+  the job's shared-memory directory before it does); the config's ``job_id`` beats all;
 - timeouts come from the config section (``hot_swap.*``, ``recovery.*``), not from the environment.
 
 No torch import: the launcher and the command-line tools use this module too.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from ..memory.trust import derive_id, user_key
 
 # -- set by any launcher (torchrun, the deepspeed launcher, deadpool-run) ---------------------------------
 RANK = "RANK"
@@ -144,17 +147,31 @@ class WorkerEnv:
                                          (MASTER_ADDR, self.master_addr), (MASTER_PORT, self.master_port))
                 if value is None]
 
-    def default_job_id(self) -> str:
-        """A name shared by every rank of one job, stable across restarts of the job's workers."""
+    def default_job_id(self, key: bytes | None = None) -> str:
+        """A name shared by every rank of one job on a node, stable across restarts of the job's workers: the
+        launcher's id if it gives one, else :func:`job_id_from` ``key`` (default: this user's secret key,
+        :func:`deadpool_ext.memory.trust.user_key`) and the master address. Without the key nobody can tell
+        the name from what is public (the master address and port): a hash of those alone let another user
+        of the node create the job's directory first."""
         for value in (self.job_id, self.run_id):
             if value and value != "none":
                 return "".join(c if c.isalnum() or c in "_-" else "_" for c in value)[:64]
         addr = f"{self.master_addr or 'localhost'}:{self.master_port or 0}"
-        return "j" + hashlib.sha1(addr.encode()).hexdigest()[:12]
+        return job_id_from(user_key() if key is None else key, addr)
 
     def node_name(self) -> str:
         """Failure-domain name of this process: the launcher's simulated node, else the host name."""
         return self.hot_swap.node if self.hot_swap is not None else os.uname().nodename
+
+
+def job_id_from(secret_material: bytes | str, public: str = "") -> str:
+    """A job id (``j`` + 24 hex digits, HMAC-SHA256 of ``public`` under ``secret_material``): the same for
+    everyone holding the same secret and ``public``, unguessable without the secret. ``secret_material``: at
+    least 16 bytes (a key, or a random token the job's ranks share through the launcher's store)."""
+    raw = secret_material.encode() if isinstance(secret_material, str) else bytes(secret_material)
+    if len(raw) < 16:
+        raise ValueError(f"job_id_from: secret material must be at least 16 bytes, got {len(raw)}")
+    return derive_id(raw, public)
 
 
 _CURRENT: WorkerEnv | None = None

@@ -14,6 +14,11 @@ survive. Lifetime is instead managed explicitly, per job, with `cleanup_job`.
 Names carry the job id (``deadpool.<job_id>.<kind>.r<rank>.<slot>``) and the
 id's alphabet excludes the ``.`` separator, so two jobs sharing a host can
 never open, overwrite or clean up each other's segments.
+
+Trust (:mod:`.trust`): the job directory is created 0700 (`ensure_private_dir`) and segments 0600; both are
+opened without following symbolic links (segments relative to their directory's descriptor), and an existing
+one is adopted only if this user owns it and nobody else may write it: anything else is refused with
+:class:`~.trust.UntrustedPathError`, one line naming it.
 """
 
 from __future__ import annotations
@@ -22,16 +27,21 @@ import errno
 import mmap
 import os
 import re
+import stat
 from pathlib import Path
 from types import TracebackType
 
 import torch
 
+from .trust import UntrustedPathError, check_adopted, ensure_private_dir
+
 __all__ = [
     "SHM_ROOT",
     "ShmSegment",
     "ShmSpaceError",
+    "UntrustedPathError",
     "cleanup_job",
+    "ensure_private_dir",
     "list_segments",
     "segment_name",
 ]
@@ -63,7 +73,9 @@ class ShmSpaceError(OSError):
 
 
 def job_shm_dir(root: str, job_id: str, node: str) -> str:
-    """The directory of one node's snapshots of one job: a lost node's memory is exactly one directory."""
+    """The directory of one node's snapshots of one job: a lost node's memory is exactly one directory.
+    Create it with `ensure_private_dir` (0700, never through a symlink, refused if another user made it)."""
+    _check_id("job_id", job_id)
     safe_node = "".join(c if c.isalnum() or c in "_-" else "_" for c in node)
     return os.path.join(root, f"deadpool.{job_id}.{safe_node}")
 
@@ -98,6 +110,39 @@ def _segment_path(name: str, root: str | os.PathLike[str]) -> Path:
     if not isinstance(name, str) or not name or "/" in name or "\0" in name or name.startswith("."):
         raise ValueError(f"invalid segment name {name!r}: must be a plain file name without '/'")
     return Path(root) / name
+
+
+_OPEN_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+def _open_root(root: str | os.PathLike[str]) -> int:
+    # The root itself is configured (a job directory made by ensure_private_dir, or a test's directory):
+    # segments are opened relative to its descriptor, so the name is resolved in exactly that directory.
+    return os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _open_segment(name: str, dfd: int, path: Path, *, create: bool) -> tuple[int, bool]:
+    """(descriptor, created) of segment ``name`` in the directory open as ``dfd``: created 0600 (with
+    ``create``) or an existing one that passes `check_adopted`. Symbolic links are never followed."""
+    try:
+        if create:
+            try:
+                fd = os.open(name, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dfd)
+                os.fchmod(fd, 0o600)
+                return fd, True
+            except FileExistsError:
+                pass
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dfd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR, errno.EOPNOTSUPP):
+            raise UntrustedPathError(path, "it is not a regular file (symbolic links are never followed)") from None
+        raise
+    try:
+        check_adopted(fd, path, directory=False)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, False
 
 
 def _free_bytes(root: str | os.PathLike[str]) -> int:
@@ -151,23 +196,20 @@ class ShmSegment:
             # mmap cannot map zero bytes; a zero-size segment is always a bug.
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
         path = _segment_path(name, root)
-
+        dfd = _open_root(root)
         try:
-            st = os.stat(path)
-            already = st.st_blocks * 512  # bytes actually allocated, not the apparent size
-        except FileNotFoundError:
-            already = 0
-        needed = max(0, nbytes - already)
-        available = _free_bytes(root)
-        if needed > available:
-            raise ShmSpaceError(path, needed, available)
-
-        created = False
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            created = True
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
+            try:
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                already = st.st_blocks * 512 if stat.S_ISREG(st.st_mode) else 0  # allocated, not apparent size
+            except FileNotFoundError:
+                already = 0
+            needed = max(0, nbytes - already)
+            available = _free_bytes(root)
+            if needed > available:
+                raise ShmSpaceError(path, needed, available)
+            fd, created = _open_segment(name, dfd, path, create=True)
+        finally:
+            os.close(dfd)
         try:
             try:
                 if os.fstat(fd).st_size != nbytes:
@@ -194,7 +236,11 @@ class ShmSegment:
         """Map an existing segment at its current size."""
         path = _segment_path(name, root)
         try:
-            fd = os.open(path, os.O_RDWR)
+            dfd = _open_root(root)
+            try:
+                fd, _ = _open_segment(name, dfd, path, create=False)
+            finally:
+                os.close(dfd)
         except FileNotFoundError:
             raise FileNotFoundError(
                 errno.ENOENT,

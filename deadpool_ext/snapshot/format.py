@@ -10,30 +10,45 @@ Blob layout::
     MAGIC (8) | u64 LE header length | header JSON (ASCII) | zero pad to 64 | data section
 
 MAGIC is written last by :func:`write_blob`, so a torn write is never recognised as a blob.
+
+Reading trusts nothing in the bytes: decoding never imports or calls anything named by a blob (enum types come
+from the explicit table :data:`ENUM_TYPES`, dtypes from :data:`DTYPES`), nesting is bounded (:data:`MAX_DEPTH`),
+and every malformed header, shape, dtype, offset or count raises :class:`SnapshotFormatError` (damage:
+:class:`CorruptSnapshotError`), never another exception.
 """
 from __future__ import annotations
 
-import argparse
-import base64
-import enum
-import importlib
 import json
 import math
 import struct
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import xxhash
+
+from .skeleton import (
+    DTYPE_NAMES,
+    DTYPES,
+    ENUM_TYPES,
+    MAX_DEPTH,
+    MAX_NDIM,
+    CorruptSnapshotError,
+    SnapshotFormatError,
+    _dims,
+    _json_depth,
+    _short,
+    flatten_state,
+    unflatten_state,
+)
 
 __all__ = [
     "MAGIC", "SnapshotFormatError", "CorruptSnapshotError", "TensorEntry", "flatten_state", "unflatten_state",
     "plan_layout", "build_header", "tensor_checksum", "bytes_checksum", "serialize", "write_blob", "blob_nbytes",
-    "read_header", "deserialize", "verify_blob",
+    "read_header", "deserialize", "verify_blob", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES", "MAX_DEPTH", "MAX_NDIM",
+    "MAX_HEADER_BYTES",
 ]
 
 MAGIC = b"DPSNAP01"
@@ -62,33 +77,8 @@ def pack_header_len(header_len: int) -> bytes:
     return struct.pack("<Q", header_len)
 _PLACEHOLDER = "0" * 16  # xxh3_64 hex digests are always 16 chars, so header size is known before hashing
 
-# Enum classes are imported by name when decoding; restrict that to code we trust.
-ALLOWED_ENUM_PREFIXES = ("deepspeed.", "torch.", "megatron.", "deadpool_ext.", "enum")
-
-_DTYPE_NAMES = (
-    "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
-    "uint64", "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-)
-#: dtype name <-> torch.dtype (only those this torch build has).
-DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _DTYPE_NAMES if isinstance(getattr(torch, n, None), torch.dtype)
-}
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
-
-# Skeleton markers: a JSON object whose FIRST key is one of these is an encoded value, not a user dict.
-_MARKERS = frozenset({
-    "__t__", "__np__", "__nps__", "__tuple__", "__dict__", "__odict__", "__f__", "__bytes__", "__bytearray__",
-    "__size__", "__dtype__", "__device__", "__enum__", "__ns__",
-})
-
-
-class SnapshotFormatError(Exception):
-    """Malformed header, unsupported/unknown type, or a buffer that is not one of our blobs."""
-
-
-class CorruptSnapshotError(SnapshotFormatError):
-    """The blob was ours but is damaged: checksum mismatch, truncation or a torn (unfinished) write."""
+MAX_HEADER_BYTES = 1 << 28
+"""A header longer than this (256 MiB of JSON, ~10^6 tensors) is refused before it is parsed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,179 +94,6 @@ class TensorEntry:
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
-
-
-def _fmt_path(path: tuple[Any, ...]) -> str:
-    return "state" + "".join(f"[{k!r}]" for k in path)
-
-
-def _enum_allowed(module: str) -> bool:
-    """``"torch."`` allows ``torch`` and its submodules; ``"enum"`` allows ``enum`` and ``enum.*`` only."""
-    return any(module == p.rstrip(".") or module.startswith(p.rstrip(".") + ".") for p in ALLOWED_ENUM_PREFIXES)
-
-
-# --------------------------------------------------------------------------------------------- flattening
-def flatten_state(obj: Any) -> tuple[object, list[torch.Tensor], list[str]]:
-    """Split a nested state into a JSON-serialisable skeleton plus the tensors it references.
-
-    Types are checked exactly (not via isinstance on builtins) so that everything that goes in comes back out
-    as the same type; anything we cannot round-trip faithfully is rejected with its path rather than silently
-    degraded. The same tensor object referenced twice is stored once and decodes to one shared object.
-    """
-    tensors: list[torch.Tensor] = []
-    names: list[str] = []
-    seen: dict[int, int] = {}  # id(tensor or ndarray) -> index; objects stay alive via `obj`
-    active: set[int] = set()  # containers on the current recursion stack (cycle detection)
-
-    def add(key: int, t: torch.Tensor, path: tuple[Any, ...]) -> int:
-        if key not in seen:
-            seen[key] = len(tensors)
-            tensors.append(t)
-            names.append(".".join(str(k) for k in path))
-        return seen[key]
-
-    def enc(o: Any, path: tuple[Any, ...]) -> Any:
-        t = type(o)
-        if o is None or t is bool or t is int or t is str:
-            return o
-        if t is float:
-            return o if math.isfinite(o) else {"__f__": repr(o)}
-        if isinstance(o, torch.Tensor):
-            if o.layout != torch.strided or o.dtype not in DTYPE_NAMES or o.device.type == "meta":
-                raise SnapshotFormatError(f"unsupported tensor ({o.dtype}, {o.layout}, {o.device}) "
-                                          f"at {_fmt_path(path)}")
-            return {"__t__": add(id(o), o, path)}
-        if t is np.ndarray:
-            if o.dtype.hasobject or o.dtype.fields is not None:
-                raise SnapshotFormatError(f"unsupported numpy dtype {o.dtype} at {_fmt_path(path)}")
-            if id(o) not in seen:  # store raw bytes; numpy dtypes need not exist in torch (e.g. '>f8', 'U5')
-                raw = np.ascontiguousarray(o).reshape(-1).view(np.uint8)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # read-only arrays: we never write through this view
-                    add(id(o), torch.from_numpy(raw), path)
-            return {"__np__": seen[id(o)], "dtype": o.dtype.str, "shape": list(o.shape)}
-        if isinstance(o, enum.Enum):
-            cls = t
-            if not _enum_allowed(cls.__module__) or "<locals>" in cls.__qualname__:
-                raise SnapshotFormatError(
-                    f"enum type {cls.__module__}.{cls.__qualname__} at {_fmt_path(path)} is not from an allowed "
-                    f"module {ALLOWED_ENUM_PREFIXES}")
-            return {"__enum__": f"{cls.__module__}:{cls.__qualname__}", "v": enc(o.value, path)}
-        if isinstance(o, np.generic):
-            if o.dtype.hasobject:
-                raise SnapshotFormatError(f"unsupported numpy scalar {t.__name__} at {_fmt_path(path)}")
-            return {"__nps__": o.dtype.str, "b64": base64.b64encode(o.tobytes()).decode("ascii")}
-        if t is bytes or t is bytearray:
-            return {f"__{t.__name__}__": base64.b64encode(o).decode("ascii")}
-        if t is torch.Size:
-            return {"__size__": list(o)}
-        if t is torch.dtype:
-            if o not in DTYPE_NAMES:
-                raise SnapshotFormatError(f"unsupported dtype {o} at {_fmt_path(path)}")
-            return {"__dtype__": DTYPE_NAMES[o]}
-        if t is torch.device:
-            return {"__device__": str(o)}
-        if t not in (list, tuple, dict, OrderedDict, argparse.Namespace):
-            raise SnapshotFormatError(f"unsupported type {t.__module__}.{t.__qualname__} at {_fmt_path(path)}")
-        if id(o) in active:
-            raise SnapshotFormatError(f"reference cycle at {_fmt_path(path)}")
-        active.add(id(o))
-        try:
-            if t is list:
-                return [enc(v, path + (i,)) for i, v in enumerate(o)]
-            if t is tuple:
-                return {"__tuple__": [enc(v, path + (i,)) for i, v in enumerate(o)]}
-            if t is argparse.Namespace:
-                return {"__ns__": {k: enc(v, path + (k,)) for k, v in vars(o).items()}}
-            if t is dict and all(type(k) is str for k in o) and next(iter(o), None) not in _MARKERS:
-                return {k: enc(v, path + (k,)) for k, v in o.items()}
-            tag = "__dict__" if t is dict else "__odict__"
-            return {tag: [[enc(k, path + ("<key>",)), enc(v, path + (k,))] for k, v in o.items()]}
-        finally:
-            active.discard(id(o))
-
-    return enc(obj, ()), tensors, names
-
-
-def _resolve_enum(spec: str) -> type[enum.Enum]:
-    module, _, qualname = spec.partition(":")
-    if not _enum_allowed(module):
-        raise SnapshotFormatError(f"enum type {module}.{qualname} is not from an allowed module "
-                                  f"{ALLOWED_ENUM_PREFIXES}")
-    try:
-        cls: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            cls = getattr(cls, part)
-    except (ImportError, AttributeError) as e:
-        raise SnapshotFormatError(f"cannot resolve enum type {module}.{qualname}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, enum.Enum)):
-        raise SnapshotFormatError(f"{module}.{qualname} is not an Enum type")
-    return cls
-
-
-def unflatten_state(skeleton: Any, tensors: Sequence[torch.Tensor]) -> object:
-    """Exact inverse of :func:`flatten_state`; numpy entries become arrays viewing the given tensors."""
-    np_cache: dict[int, np.ndarray] = {}
-
-    def tensor(i: Any) -> torch.Tensor:
-        if type(i) is not int or not 0 <= i < len(tensors):
-            raise SnapshotFormatError(f"skeleton references tensor {i!r}, only {len(tensors)} present")
-        return tensors[i]
-
-    def dec(o: Any) -> Any:
-        if type(o) is list:
-            return [dec(v) for v in o]
-        if type(o) is not dict:
-            return o
-        tag = next(iter(o), None)
-        if tag not in _MARKERS:
-            return {k: dec(v) for k, v in o.items()}
-        val = o[tag]
-        if tag == "__t__":
-            return tensor(val)
-        if tag == "__np__":
-            if val not in np_cache:
-                dt = np.dtype(o["dtype"])
-                if dt.hasobject:
-                    raise SnapshotFormatError(f"refusing numpy object dtype {dt}")
-                np_cache[val] = tensor(val).detach().cpu().numpy().view(dt).reshape(o["shape"])
-            return np_cache[val]
-        if tag == "__tuple__":
-            return tuple(dec(v) for v in val)
-        if tag == "__dict__":
-            return {dec(k): dec(v) for k, v in val}
-        if tag == "__odict__":
-            return OrderedDict((dec(k), dec(v)) for k, v in val)
-        if tag == "__f__":
-            return float(val)
-        if tag == "__bytes__":
-            return base64.b64decode(val)
-        if tag == "__bytearray__":
-            return bytearray(base64.b64decode(val))
-        if tag == "__size__":
-            return torch.Size(val)
-        if tag == "__dtype__":
-            if val not in DTYPES:
-                raise SnapshotFormatError(f"unknown dtype {val!r}")
-            return DTYPES[val]
-        if tag == "__device__":
-            return torch.device(val)
-        if tag == "__enum__":
-            return _resolve_enum(val)(dec(o["v"]))
-        if tag == "__ns__":
-            return argparse.Namespace(**{k: dec(v) for k, v in val.items()})
-        # "__nps__": numpy scalar from its raw bytes
-        dt = np.dtype(val)
-        if dt.hasobject:
-            raise SnapshotFormatError(f"refusing numpy object dtype {dt}")
-        return np.frombuffer(base64.b64decode(o["b64"]), dtype=dt)[0]
-
-    try:
-        return dec(skeleton)
-    except SnapshotFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
-        raise SnapshotFormatError(f"malformed skeleton: {type(e).__name__}: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------- tensors/bytes
@@ -330,15 +147,20 @@ def plan_layout(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> tuple[
 def build_header(skeleton: Any, entries: Sequence[TensorEntry], data_nbytes: int, checksums: list[str],
                  meta: dict[str, Any] | None = None) -> bytes:
     """Serialise the header as compact ASCII JSON (NaN/inf are rejected: they are not JSON)."""
+    if _json_depth(meta or {}, MAX_DEPTH) > MAX_DEPTH:
+        raise SnapshotFormatError(f"header meta nested deeper than {MAX_DEPTH} levels")
     doc = {
         "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "skeleton": skeleton,
         "tensors": [dict(asdict(e), shape=list(e.shape)) for e in entries], "data_nbytes": data_nbytes,
         "checksum_algo": CHECKSUM_ALGO, "checksums": list(checksums), "meta": meta or {},
     }
     try:
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
-    except (TypeError, ValueError) as e:
+        out = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode("ascii")
+    except (TypeError, ValueError, RecursionError) as e:
         raise SnapshotFormatError(f"header is not JSON-serialisable (check meta): {e}") from e
+    if len(out) > MAX_HEADER_BYTES:
+        raise SnapshotFormatError(f"header of {len(out)} bytes is over the {MAX_HEADER_BYTES} allowed")
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ writing
@@ -410,37 +232,78 @@ def _parse(buf: Any) -> tuple[dict[str, Any], memoryview, int, list[TensorEntry]
         if magic == bytes(MAGIC_LEN):  # we clear MAGIC first and write it last: zeros mean an unfinished write
             raise CorruptSnapshotError("torn snapshot write: MAGIC missing (blob never completed)")
         raise SnapshotFormatError(f"not a deadpool snapshot (magic {magic!r})")
+    if header_len > MAX_HEADER_BYTES:
+        raise SnapshotFormatError(f"malformed snapshot header: length {header_len} is over the {MAX_HEADER_BYTES} "
+                                  "allowed")
     if _PREFIX.size + header_len > len(mv):
         raise CorruptSnapshotError(f"truncated snapshot: header needs {header_len} bytes, buffer has {len(mv)}")
     try:
-        header = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + header_len]))
+        header = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + header_len]).decode("ascii"),
+                            parse_constant=_no_constant)
+    except RecursionError:
+        raise SnapshotFormatError(f"malformed snapshot header: nested deeper than {MAX_DEPTH} levels") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        raise SnapshotFormatError(f"malformed snapshot header: {exc}") from exc
-    if not isinstance(header, dict) or header.get("format") != FORMAT_NAME:
+        raise SnapshotFormatError(f"malformed snapshot header: {type(exc).__name__}: {_short(str(exc))}") from exc
+    if type(header) is not dict or header.get("format") != FORMAT_NAME:
         raise SnapshotFormatError("header is not a deadpool snapshot header")
-    if header.get("format_version") != FORMAT_VERSION:
-        raise SnapshotFormatError(f"unsupported format_version {header.get('format_version')!r}")
+    if header.get("format_version") != FORMAT_VERSION or type(header.get("format_version")) is not int:
+        raise SnapshotFormatError(f"unsupported format_version {_short(header.get('format_version'))}")
     if header.get("checksum_algo") != CHECKSUM_ALGO:
-        raise SnapshotFormatError(f"unsupported checksum_algo {header.get('checksum_algo')!r}")
+        raise SnapshotFormatError(f"unsupported checksum_algo {_short(header.get('checksum_algo'))}")
+    if _json_depth(header, MAX_DEPTH + 1) > MAX_DEPTH + 1:
+        raise SnapshotFormatError(f"malformed snapshot header: nested deeper than {MAX_DEPTH} levels")
     data_start = _align(_PREFIX.size + header_len)
-    try:
-        data_nbytes = int(header["data_nbytes"])
-        entries = [TensorEntry(str(d["name"]), str(d["dtype"]), tuple(int(s) for s in d["shape"]),
-                               int(d["offset"]), int(d["nbytes"])) for d in header["tensors"]]
-        if len(header["checksums"]) != len(entries) or "skeleton" not in header:
-            raise ValueError("checksums/tensors mismatch or skeleton missing")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise SnapshotFormatError(f"malformed snapshot header: {exc}") from exc
+    data_nbytes = header.get("data_nbytes")
+    tensors, checksums = header.get("tensors"), header.get("checksums")
+    if type(data_nbytes) is not int or data_nbytes < 0:
+        raise SnapshotFormatError(f"malformed snapshot header: data_nbytes {_short(data_nbytes)} (a non-negative "
+                                  "integer is allowed)")
+    if type(tensors) is not list or type(checksums) is not list or len(checksums) != len(tensors):
+        raise SnapshotFormatError("malformed snapshot header: tensors and checksums must be lists of one length")
+    if not all(type(c) is str and len(c) == 16 for c in checksums):
+        raise SnapshotFormatError("malformed snapshot header: checksums must be 16-digit hex strings")
+    if "skeleton" not in header or type(header.get("meta", {})) is not dict:
+        raise SnapshotFormatError("malformed snapshot header: skeleton missing or meta not an object")
+    entries = [_entry(i, d) for i, d in enumerate(tensors)]
+    end = 0
     for ent in entries:
-        if ent.dtype not in DTYPES:
-            raise SnapshotFormatError(f"unknown dtype {ent.dtype!r} for tensor {ent.name!r}")
         expect = math.prod(ent.shape) * DTYPES[ent.dtype].itemsize
-        if ent.nbytes != expect or ent.offset < 0 or ent.offset % ALIGN or ent.offset + ent.nbytes > data_nbytes:
-            raise SnapshotFormatError(f"inconsistent layout for tensor {ent.name!r}: {ent}")
+        if ent.nbytes != expect:
+            raise SnapshotFormatError(f"inconsistent layout for tensor {ent.name!r}: {ent.nbytes} bytes, its shape "
+                                      f"and dtype make {expect}")
+        if ent.offset % ALIGN or ent.offset < end or ent.offset + ent.nbytes > data_nbytes:
+            raise SnapshotFormatError(
+                f"inconsistent layout for tensor {ent.name!r}: offset {ent.offset} (allowed: a multiple of {ALIGN}, "
+                f"after the previous tensor's end {end}, ending within the data section of {data_nbytes} bytes)")
+        end = ent.offset + ent.nbytes
     if data_start + data_nbytes > len(mv):
         raise CorruptSnapshotError(
             f"truncated snapshot: need {data_start + data_nbytes} bytes, buffer has {len(mv)}")
     return header, mv, data_start, entries
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+_ENTRY_KEYS = frozenset({"name", "dtype", "shape", "offset", "nbytes"})
+
+
+def _entry(i: int, d: Any) -> TensorEntry:
+    """Tensor entry #i of a header, every field checked (types are exact: no int from a float, bool or str)."""
+    if type(d) is not dict or d.keys() != _ENTRY_KEYS:
+        raise SnapshotFormatError(f"malformed snapshot header: tensor #{i} must be an object with keys "
+                                  f"{sorted(_ENTRY_KEYS)}")
+    name, dtype, offset, nbytes = d["name"], d["dtype"], d["offset"], d["nbytes"]
+    if type(name) is not str:
+        raise SnapshotFormatError(f"malformed snapshot header: tensor #{i} name {_short(name)} is not a string")
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise SnapshotFormatError(f"unknown dtype {_short(dtype)} for tensor {name!r} (allowed: {sorted(DTYPES)})")
+    for key, value in (("offset", offset), ("nbytes", nbytes)):
+        if type(value) is not int or value < 0:
+            raise SnapshotFormatError(f"inconsistent layout for tensor {name!r}: {key} {_short(value)} (a "
+                                      "non-negative integer is allowed)")
+    return TensorEntry(name, dtype, _dims(d["shape"], f"tensor {name!r}"), offset, nbytes)
 
 
 def read_header(buf: Any) -> dict[str, Any]:

@@ -18,7 +18,6 @@ and the global commit happen after that point, on the copied bytes, and never bl
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,7 +30,7 @@ import torch.distributed as dist
 from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
 from ..memory.agent import claim_directory, ensure_agent
-from ..memory.shm import ShmSegment, job_shm_dir, segment_name
+from ..memory.shm import ShmSegment, ensure_private_dir, job_shm_dir, segment_name
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
 from .restore import MemoryRestore
@@ -66,7 +65,7 @@ class SnapshotManager(MemoryRestore):
             log.info("shared memory root %s set by deadpool-run (config says %s)", placement.shm_root,
                      config.local.shm_root)
         self.dir = job_shm_dir(placement.shm_root, self.job_id, self.node)
-        os.makedirs(self.dir, exist_ok=True)
+        ensure_private_dir(self.dir)  # 0700, never through a symlink, refused if another user made it
         if placement.first_on_node:
             keep = float(config.local.keep_after_exit_s)
             claim_directory(self.dir, placement.launcher_pid, keep_s=keep)

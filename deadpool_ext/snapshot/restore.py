@@ -83,9 +83,14 @@ class MemoryRestore:
             path = os.path.join(self.dir, segment_name(self.job_id, kind, self.rank, i))
             if not os.path.exists(path):
                 continue
-            seg = ShmSegment.open(os.path.basename(path), root=self.dir)
-            meta, why = probe_slot(seg.buf, verify=verify)
             what = "slot" if kind == "snap" else "differential ring entry"
+            try:
+                seg = ShmSegment.open(os.path.basename(path), root=self.dir)
+            except OSError as exc:  # refused (not this user's, a link) or gone: not a copy to restore from
+                log.warning("tier 1: %s %d of rank %d unusable (%s); falling back to the next source", what, i,
+                            self.rank, exc)
+                continue
+            meta, why = probe_slot(seg.buf, verify=verify, restorable=True)
             if meta is None and why is None:
                 pass  # allocated, never written
             elif meta is None:
@@ -162,7 +167,7 @@ class MemoryRestore:
                                      versions=plan.base)
             problem: dict[str, Any] | None = None
             if fetching or lazy:
-                meta, why = probe_slot(seg.buf, verify=True)
+                meta, why = probe_slot(seg.buf, verify=True, restorable=True)
                 if meta is None or int(meta["version"]) != base:
                     problem = {"rank": me, "version": base, "why": why,
                                **({"from": "peer", "holder": plan.fetch[me][0]} if fetching
@@ -242,7 +247,8 @@ class MemoryRestore:
             assert self.dpeers is not None  # differentials to fetch: differential mode
             self.dpeers.serve_fetches(d, fetch, into)
             if me in fetch:
-                meta, why = probe_slot(_opened(self.ring_segs[self.ring.index(d)]).buf, verify=True)
+                meta, why = probe_slot(_opened(self.ring_segs[self.ring.index(d)]).buf, verify=True,
+                                       restorable=True)
                 if meta is None or int(meta["version"]) != d:
                     raise RecoveryError(f"rank {me}: differential {d} fetched from rank {plan.fetch[me][0]} is "
                                         f"unusable ({why}); no other copy in memory")

@@ -117,18 +117,30 @@ class SlotWriter:
         return base + snap.data_nbytes
 
 
-def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | None]:
+def probe_slot(buf: Any, *, verify: bool, restorable: bool = False) -> tuple[dict[str, Any] | None, str | None]:
     """(header meta, None) for a complete (and, with ``verify``, checksum-clean) slot; (None, reason) otherwise.
-    A buffer that was never written (allocated, all zero) gives (None, None): nothing to warn about."""
+    A buffer that was never written (allocated, all zero) gives (None, None): nothing to warn about.
+
+    Complete means decodable, not just sealed: the header is valid, its meta names a version and the skeleton
+    decodes (views, nothing copied); with ``restorable`` also into the tensors and state :func:`restore_from`
+    hands out. So a malformed copy is refused here, as a reason the restore logs before it falls back to the
+    next source, and never fails later, once it was chosen."""
     if not any(bytes(buf[:fmt.PREFIX_LEN])) and not _any_nonzero(buf):
         return None, None
     try:
         header = fmt.read_header(buf)
         if verify:
             fmt.verify_blob(buf)
+        meta = dict(header.get("meta") or {})
+        version = meta.get("version")
+        if type(version) is not int or version < 0:
+            raise fmt.SnapshotFormatError(f"header meta has no version (a non-negative integer), got {version!r}")
+        if restorable:
+            restore_from(buf, verify=False)
+        else:
+            fmt.deserialize(buf, verify=False, copy=False)
     except fmt.SnapshotFormatError as exc:
         return None, str(exc)
-    meta = dict(header.get("meta") or {})
     header_len = fmt.header_len_of(buf)
     meta["blob_nbytes"] = data_offset(header_len) + int(header["data_nbytes"])
     return meta, None
@@ -137,11 +149,17 @@ def probe_slot(buf: Any, *, verify: bool) -> tuple[dict[str, Any] | None, str | 
 def _any_nonzero(buf: Any) -> bool:
     import numpy as np
 
-    return bool(np.frombuffer(buf, dtype=np.uint8).any())
+    return bool(np.frombuffer(fmt._as_bytes_mv(buf), dtype=np.uint8).any())
 
 
 def restore_from(buf: Any, *, verify: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """Decode a slot into (named tensors as views into ``buf``, adapter state, header meta)."""
+    """Decode a slot into (named tensors as views into ``buf``, adapter state, header meta); a blob that is not
+    a slot's ``{"tensors": {name: tensor}, "state": {...}}`` raises SnapshotFormatError."""
     obj, meta = fmt.deserialize(buf, verify=verify, copy=False)
+    if (type(obj) is not dict or obj.keys() != {"tensors", "state"} or type(obj["tensors"]) is not dict
+            or type(obj["state"]) is not dict
+            or not all(type(k) is str and isinstance(v, torch.Tensor) for k, v in obj["tensors"].items())):
+        raise fmt.SnapshotFormatError("not a snapshot slot: the blob must hold {'tensors': {name: tensor}, "
+                                      "'state': {...}}")
     return obj["tensors"], obj["state"], meta
 

@@ -127,6 +127,6 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
     finally:  # the agents would otherwise hold the memory for the whole window after the test
         for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
             try:
-                os.kill(int(open(pidfile).read().strip()), signal.SIGKILL)
+                os.kill(int(open(pidfile).read().split()[0]), signal.SIGKILL)  # "<pid> <start time>"
             except (ValueError, ProcessLookupError):
                 pass

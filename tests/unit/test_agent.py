@@ -20,8 +20,7 @@ def _launcher() -> subprocess.Popen:
 def _start_agent(directory: str, pid: int, keep_s: float) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.memory.agent", "--dir", directory, "--watch-pid",
                              str(pid), "--keep-s", str(keep_s), "--poll-s", "0.05"])
-    with open(os.path.join(directory, agent.PIDFILE), "w") as fh:
-        fh.write(str(proc.pid))
+    agent.write_record(directory, agent.PIDFILE, proc.pid)
     return proc
 
 
@@ -131,7 +130,7 @@ def test_started_agent_is_nobodys_descendant(job_dir):
     launcher = _launcher()
     try:
         pid = agent.ensure_agent(job_dir, launcher.pid, keep_s=5)
-        assert pid == int(open(os.path.join(job_dir, agent.PIDFILE)).read())
+        assert pid == agent.read_record(job_dir, agent.PIDFILE)[0]
         assert psutil.pid_exists(pid)
         assert pid not in {p.pid for p in psutil.Process().children(recursive=True)}
         assert agent.ensure_agent(job_dir, launcher.pid, keep_s=5) == pid  # one agent per directory
