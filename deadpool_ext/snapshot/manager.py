@@ -166,7 +166,11 @@ class SnapshotManager(MemoryRestore):
         if self._thread is not None:
             self._queue.put(job)
         else:
-            self._run(job)
+            try:
+                self._run(job)  # snapshot.background: false, in the training thread
+            finally:
+                job.copied.set()
+                job.done.set()  # else the next after_step waits replication.timeout_s for it
         self._stats["blocking_s"][-1] += time.perf_counter() - t0
 
     # -- worker ----------------------------------------------------------------------------------------
