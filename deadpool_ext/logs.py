@@ -13,8 +13,18 @@ def configure_logging(level: str) -> None:
     logger.setLevel(level.upper())
     if not logger.handlers:
         handler = logging.StreamHandler()
-        rank = worker_env().rank
+        rank = _current_rank()
         handler.setFormatter(logging.Formatter(f"[deadpool r{'?' if rank is None else rank}] %(levelname)s "
                                                "%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+
+
+def _current_rank() -> int | None:
+    """The global rank now: the process group's (under deadpool-run the launcher hands no RANK; the rank comes
+    with the assignment), else the launcher's variable, else unknown."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return worker_env().rank

@@ -260,7 +260,8 @@ class Injector:
             if not chosen:
                 # The other buffer was torn by the kill (the transfer was in flight): corrupting the only sealed
                 # copy would make the loss unrecoverable by design. Corrupt a replica nobody needs instead (a
-                # survivor's, held on a surviving node): it must still be reported, and must not stop the restore.
+                # survivor's, held on a surviving node): it must not stop the restore, and is reported only if a
+                # restore reads it (the restore checks the copies it uses).
                 others = [(p, segment_info(p)) for p in self._shm_files("deadpool.{job}.replica.r*.h*")
                           if f".replica.r{a.rank}." not in os.path.basename(p)]
                 sealed_o = sorted(((i["version"], p, i) for p, i in others if i), reverse=True)
@@ -274,7 +275,8 @@ class Injector:
                 corrupt_file(path, offset_from_end=info["size"] - pos, nbytes=16)
                 name = os.path.basename(path)
                 rec.corrupted.append({"tier": a.tier, "path": path, "file": name, "version": version,
-                                      "rank": rank, "index": int(name.rsplit("b" if a.tier == 2 else ".", 1)[1])})
+                                      "rank": rank, "index": int(name.rsplit("b" if a.tier == 2 else ".", 1)[1]),
+                                      "unneeded": a.tier == 2 and rank != a.rank})
         else:
             version = self._published()
             d = os.path.join(self.paths.save_dir or "", f"global_step{version}")

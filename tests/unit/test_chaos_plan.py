@@ -121,3 +121,26 @@ def test_checker_fails_a_tier3_trial_whose_job_never_wrote_a_base():
     v = check_trial(TrialRun(scenario=sc, first=run, relaunch=run, workdir=".", injected=[
         {"action": "x", "fired": False, "note": "not injected: RuntimeError: job exited (rc=0) before base"}]), base)
     assert v.status == "failed" and "no tier-3 base was published" in v.problems[0]
+
+
+def test_checker_requires_a_report_only_for_a_corrupt_replica_a_restore_read():
+    # A survivor's replica corrupted because the lost rank's other buffer was torn ("unneeded"): the restore
+    # checks only the copies it uses, so it need not be reported unless a restore of its version fetched it.
+    sc = plan_trial(0, 0, layouts=["zero3"], faults=[Fault.CORRUPT_TIER2])
+    base = {s: 1.0 / s for s in range(1, sc.iters + 1)}
+    swap = [{"event": "assignment", "generation": 1}]
+
+    def injected(unneeded: bool) -> list[dict]:
+        return [{"action": "y", "fired": True, "corrupted": [
+            {"tier": 2, "rank": 2, "index": 1, "version": 4, "file": "f", "path": "p", "unneeded": unneeded}]}]
+
+    not_read = "restoring step 4: 2 rank(s) from own memory, 1 from peer replicas {1: 2}\n"
+    read = "restoring step 4: 2 rank(s) from own memory, 1 from peer replicas {2: 0}\n"
+    def run(log: str, inj: list[dict]):
+        return check_trial(TrialRun(scenario=sc, first=_run(base, log, swap), relaunch=None, injected=inj,
+                                    workdir="."), base)
+    assert run(not_read, injected(True)).ok
+    assert not run(read, injected(True)).ok  # fetched but never refused: must fail
+    assert not run(not_read, injected(False)).ok  # the lost rank's own replica must always be reported
+    reported = "tier 2: replica buffer 1 of rank 2 held here is unusable (checksum mismatch)\n" + read
+    assert run(reported, injected(True)).ok
