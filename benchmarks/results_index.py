@@ -97,14 +97,11 @@ CURRENT: tuple[Current, ...] = (
             "The three tier-3 trials of the chaos campaign (4, 5, 6) rerun after the fix of the tier-3 hook, which "
             "made them inject nothing in chaos.md.", md_only=True,
             command="deadpool chaos --seed 2 --trial 4 --trial 5 --trial 6"),
-    Current("simulate", "simulate", "simulated goodput, 512-16,384 GPUs (stale)",
+    Current("simulate", "simulate", "simulated goodput, 512-16,384 GPUs",
             "Simulated (not measured) goodput of every policy from 512 to 16,384 GPUs at Llama 3's failure rate, "
-            "costs calibrated from this project's results; Young/Daly checks.",
-            companions=("simulate_goodput.png", "simulate_breakdown.png", "simulate_young_daly.png"),
-            note="**Stale**: calibrated from the results of 2026-11-29 15:11 (hot-swap agree + rebuild 8.65 s, "
-                 "restore 1.10 s, start-up 15.0 s from the archived recovery.json; snapshot ratio 1.017). "
-                 "`deadpool simulate` calibrates from the current files at every run; rerun "
-                 "`python benchmarks/bench_simulate.py` (~2-3 min of CPU) to refresh this file."),
+            "costs calibrated from this project's current results (each cost's source in simulate.md); "
+            "Young/Daly checks.",
+            companions=("simulate_goodput.png", "simulate_breakdown.png", "simulate_young_daly.png")),
     Current("REPORT", "report", "all of the above with figures",
             "Everything above in one page with figures, rendered from the current results by "
             "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,
