@@ -97,6 +97,11 @@ CURRENT: tuple[Current, ...] = (
             "The three tier-3 trials of the chaos campaign (4, 5, 6) rerun after the fix of the tier-3 hook, which "
             "made them inject nothing in chaos.md.", md_only=True,
             command="deadpool chaos --seed 2 --trial 4 --trial 5 --trial 6"),
+    Current("fuzz", "fuzz", "fuzzing campaign, 30 targets x 10,000 cases",
+            "Property-based fuzzing of every parser that reads untrusted bytes (snapshot blobs and headers, commit "
+            "records and manifests, store frames and the live server, control messages, RNG JSON, config, "
+            "launcher flags, pid files, names): cases run per target and the outcome.",
+            command="python benchmarks/bench_fuzz.py --examples 10000 --seed 20261201"),
     Current("simulate", "simulate", "simulated goodput, 512-16,384 GPUs",
             "Simulated (not measured) goodput of every policy from 512 to 16,384 GPUs at Llama 3's failure rate, "
             "costs calibrated from this project's current results (each cost's source in simulate.md); "
