@@ -124,3 +124,16 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
         raise ValueError(f"snapshot tensor {name}: {tuple(src.shape)}/{src.dtype} does not match live "
                          f"{tuple(dst.shape)}/{dst.dtype}")
     dst.copy_(src)
+
+
+def restore_optimizer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str) -> None:
+    """Put the captured optimizer-state tensors named ``<prefix><key>`` into one parameter's ``state`` dict, in
+    place where a live tensor of that shape exists; else created as captured (a freshly built optimizer has no
+    state until its first step, and torch's Adam keeps even ``step`` as a tensor)."""
+    for name, src in tensors.items():
+        if name.startswith(prefix):
+            key = name[len(prefix):]
+            if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
+                copy_into(state[key], src, name)
+            else:
+                state[key] = src.clone()

@@ -7,7 +7,15 @@ from typing import Any
 
 import torch
 
-from ...snapshot.state import RankStateAdapter, UnsupportedEngineError, capture_rng, copy_into, plain_value, restore_rng
+from ...snapshot.state import (
+    RankStateAdapter,
+    UnsupportedEngineError,
+    capture_rng,
+    copy_into,
+    plain_value,
+    restore_optimizer_state,
+    restore_rng,
+)
 
 
 class DeepSpeedStateAdapter(RankStateAdapter):
@@ -163,14 +171,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             for i, t in enumerate(masters):
                 copy_into(t, tensors[f"master.{i}"], f"master.{i}")
                 state = self._inner.state.setdefault(t, {})
-                prefix = f"optim.{i}."
-                for name, src in tensors.items():
-                    if name.startswith(prefix):
-                        key = name[len(prefix):]
-                        if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
-                            copy_into(state[key], src, name)
-                        else:
-                            state[key] = src.clone()
+                restore_optimizer_state(state, tensors, f"optim.{i}.")
                 state.update(meta["optim_scalars"].get(str(i), {}))
             if derive and self.zero_stage == 3:
                 for t, master in zip(self._bit16(), masters):

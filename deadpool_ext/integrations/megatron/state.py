@@ -27,7 +27,14 @@ from typing import Any
 
 import torch
 
-from ...snapshot.state import RankStateAdapter, capture_rng, copy_into, plain_value, restore_rng
+from ...snapshot.state import (
+    RankStateAdapter,
+    capture_rng,
+    copy_into,
+    plain_value,
+    restore_optimizer_state,
+    restore_rng,
+)
 from .layout import Coordinates, Layout
 
 
@@ -123,15 +130,7 @@ class MegatronStateAdapter(RankStateAdapter):
                     for i, p in enumerate(group["params"]):
                         prefix = f"optim.{k}.{g}.{i}."
                         state = inner.state.setdefault(p, {})
-                        for name, src in tensors.items():
-                            if name.startswith(prefix):
-                                key = name[len(prefix):]
-                                if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
-                                    copy_into(state[key], src, name)
-                                else:
-                                    # A freshly built optimizer has no state until its first step: create it
-                                    # exactly as captured (torch's Adam keeps even ``step`` as a tensor).
-                                    state[key] = src.clone()
+                        restore_optimizer_state(state, tensors, prefix)
                         state.update(meta["optim_scalars"].get(f"{k}.{g}.{i}", {}))
         self.restore_meta(meta)
 
