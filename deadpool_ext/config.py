@@ -202,6 +202,10 @@ class PersistConfig:
     timeout_s: float = 1800.0
     """Deadline for one base to be written and published; a base that misses it is abandoned, never
     published."""
+    when_busy: str = "skip"
+    """What a base due while the previous one is still being written does: ``skip`` (default: training never
+    waits for tier 3; the skip is logged and counted) or ``wait`` (the step waits, at most ``timeout_s``, so that
+    every K-th step's base is written: for jobs that must keep a fixed checkpoint cadence)."""
 
     def __post_init__(self) -> None:
         if self.url is not None and (not isinstance(self.url, str) or "\0" in self.url):
@@ -211,6 +215,8 @@ class PersistConfig:
         if not _finite(self.max_mb_s) or self.max_mb_s < 0:
             _fail("max_mb_s", f"must be a finite number >= 0 (0: no fixed cap), got {_show(self.max_mb_s)}")
         _seconds("timeout_s", self.timeout_s)
+        if not isinstance(self.when_busy, str) or self.when_busy not in ("skip", "wait"):
+            _fail("when_busy", f"must be one of skip, wait; got {_show(self.when_busy)}")
 
 
 @dataclass(kw_only=True, slots=True)

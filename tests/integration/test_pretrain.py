@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 
 def _no_snapshot_cfg(tmp_path, stage, shm_root):
-    return make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}})
+    # when_busy=wait: these tests need every K-th base written, on a loaded machine too
+    return make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root},
+                                                        "persist": {"when_busy": "wait"}})
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -38,6 +38,7 @@ def test_unknown_key_names_key_and_allowed(section, key_path, allowed):
     ({"local": {"keep_after_exit_s": -1}}, "deadpool.local.keep_after_exit_s: must be a finite number of seconds >= 0"),
     ({"snapshot": {"derive_params": "no"}}, "deadpool.snapshot.derive_params: must be true or false"),
     ({"snapshot": 3}, "deadpool.snapshot: must be a JSON object"),
+    ({"persist": {"when_busy": "block"}}, "deadpool.persist.when_busy: must be one of skip, wait"),
 ])
 def test_bad_values(section, needle):
     with pytest.raises(ConfigError, match=None) as err:

@@ -97,9 +97,15 @@ class Tier3Persister:
         if self._closed:
             raise RuntimeError("tier 3: save() after close()")
         t0 = time.perf_counter()
-        busy = torch.tensor([1.0 if self.writer.busy else 0.0], device=self.engine.device)
-        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
-        if busy.item() > 0:
+        busy = self._busy_anywhere()
+        if busy and self.cfg.when_busy == "wait":
+            self.writer.wait_idle(self.cfg.timeout_s)
+            busy = self._busy_anywhere()
+            if self.engine.global_rank == 0:
+                log.info("tier 3: base %s waited %.2f s for the previous base (persist.when_busy=wait)%s",
+                         version_tag(step), time.perf_counter() - t0,
+                         "; still busy after persist.timeout_s, skipping it" if busy else "")
+        if busy:
             self.skipped.append(step)
             if self.engine.global_rank == 0:
                 log.warning("tier 3: base %s skipped: the previous base is still being written (raise the interval "
@@ -141,6 +147,12 @@ class Tier3Persister:
         self.writer.submit(job)
         self.captures.append({"version": step, "capture_s": capture_s, "bytes": job.estimate})
         return True
+
+    def _busy_anywhere(self) -> bool:
+        """Collective: is the previous base still being written on any rank?"""
+        busy = torch.tensor([1.0 if self.writer.busy else 0.0], device=self.engine.device)
+        torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
+        return bool(busy.item() > 0)
 
     def _layout(self) -> dict[str, Any]:
         e = self.engine
