@@ -37,6 +37,10 @@ MAX_CHUNK_MB = 4096
 _T = typing.TypeVar("_T", bound="DataclassInstance")
 
 
+DEFAULT_KEY_ENV = "DEADPOOL_CHECKPOINT_KEY"
+"""Where the checkpoint key is read from unless ``deadpool.key_env`` names another variable."""
+
+
 class ConfigError(ValueError):
     """A bad ``deadpool`` config: the message names the key and the allowed values."""
 
@@ -230,6 +234,12 @@ class DeadpoolConfig:
     launcher's run id (``DEADPOOL_JOB_ID``, ``TORCHELASTIC_RUN_ID``) or a hash of the master address and port."""
     log_level: str = "info"
     """Log level of the ``deadpool_ext`` logger: one of debug, info, warning, error."""
+    key_env: str = DEFAULT_KEY_ENV
+    """The environment variable that holds the checkpoint key (at least 16 bytes, the same on every rank and for
+    whoever loads or exports): it signs tier-3 commit records and manifests and the snapshot blobs that cross the
+    peer channel (``docs/security.md``). Unset or empty: no key, integrity checks only. The key itself never
+    goes into the config (DeepSpeed prints its config); a variable named here other than the default must be
+    set."""
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     local: LocalConfig = field(default_factory=LocalConfig)
@@ -244,6 +254,12 @@ class DeadpoolConfig:
             _fail("job_id", f"must be 1-64 characters of [A-Za-z0-9_-], got {_show(self.job_id)}")
         if not isinstance(self.log_level, str) or self.log_level not in ("debug", "info", "warning", "error"):
             _fail("log_level", f"must be one of debug, info, warning, error; got {_show(self.log_level)}")
+        if not isinstance(self.key_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,127}", self.key_env):
+            _fail("key_env", "must be an environment variable name ([A-Za-z_][A-Za-z0-9_]*), got "
+                  + _show(self.key_env))
+        if self.key_env != DEFAULT_KEY_ENV and not os.environ.get(self.key_env):
+            _fail("key_env", f"names {self.key_env}, which is not set (or empty) in this process's environment; set "
+                  f"it on every rank, or remove key_env to use {DEFAULT_KEY_ENV} (unset: no key)")
         if self.differential.enabled and self.snapshot.interval != 1:
             _fail("differential.enabled", "differentials chain consecutive steps: snapshot.interval must be 1 "
                   f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")

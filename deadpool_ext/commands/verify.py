@@ -40,7 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..persist.layout import list_versions, read_latest, verify_version
     from ..persist.progress import Progress
     from ..persist.records import BadRecordError
-    from ..persist.sign import KEY_ENV, checkpoint_key
+    from ..persist.sign import checkpoint_key, key_env
     from ..persist.storage import open_existing
 
     key = checkpoint_key()
@@ -72,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
     else:
         print("checking authenticity (records signed with the checkpoint key) and integrity" if key is not None
-              else f"note: no checkpoint key ({KEY_ENV}): integrity only (checksums match the records; who wrote "
+              else f"note: no checkpoint key ({key_env()}): integrity only (checksums match the records; who wrote "
                    "the records is not checked)")
         for r in report:
             state = ("incomplete (ignored)" if r["ok"] is None else "REFUSED (bad commit record)") \

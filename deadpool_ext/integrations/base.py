@@ -42,6 +42,7 @@ from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
 from ..distributed import in_hot_swap, membership
 from ..launcher.contract import WorkerEnv, worker_env
+from ..persist.sign import use_key_env
 from ..rebuild import interrupt
 from ..rebuild import recover as protocol
 from ..snapshot.manager import SnapshotManager
@@ -72,6 +73,7 @@ class ResilientRuntime(ABC):
 
     def __init__(self, config: DeadpoolConfig, adapter: RankStateAdapter, *, rank: int) -> None:
         self.config = config
+        use_key_env(config.key_env)  # every key this process reads from now on (tier 3, tier 2) comes from there
         self.adapter: RankStateAdapter | None = adapter
         self.rank = rank
         self._closed = False

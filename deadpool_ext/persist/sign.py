@@ -12,9 +12,10 @@ spaces, ASCII, no NaN), prefixed by the record's kind (so a signed manifest can 
 A reader given a key refuses a record that is unsigned or whose signature does not match
 (:class:`SignatureError`, one line naming the file); a reader without one checks integrity only and says so.
 
-Where the key comes from: an explicit ``key=`` argument wins; otherwise the environment variable
-:data:`KEY_ENV` (``DEADPOOL_CHECKPOINT_KEY``), its value's UTF-8 bytes, at least :data:`MIN_KEY_BYTES` of them.
-An empty variable means no key. (A ``persist.key_env`` config field is to be wired to this later.)
+Where the key comes from: an explicit ``key=`` argument wins; otherwise the environment variable the process
+reads keys from: :data:`KEY_ENV` (``DEADPOOL_CHECKPOINT_KEY``) unless a runtime attached with ``deadpool.key_env``
+naming another (:func:`use_key_env`); its value's UTF-8 bytes, at least :data:`MIN_KEY_BYTES` of them. An empty
+variable means no key.
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ import os
 import re
 from typing import Any
 
+from ..config import DEFAULT_KEY_ENV
 from .records import BadRecordError, CheckpointTrustError
 
-KEY_ENV = "DEADPOOL_CHECKPOINT_KEY"
+KEY_ENV = DEFAULT_KEY_ENV
+_key_env = KEY_ENV  # the variable this process reads the key from (use_key_env)
 MIN_KEY_BYTES = 16
 SIGNATURE = "signature"
 ALG = "hmac-sha256"
@@ -46,12 +49,24 @@ class KeyConfigError(CheckpointTrustError, ValueError):
     """The checkpoint key given (argument or environment) is unusable."""
 
 
+def use_key_env(name: str) -> None:
+    """Read the key from ``$name`` from now on in this process (``deadpool.key_env``, set when a runtime
+    attaches; validated by the config)."""
+    global _key_env
+    _key_env = name
+
+
+def key_env() -> str:
+    """The environment variable this process reads the checkpoint key from."""
+    return _key_env
+
+
 def checkpoint_key(key: str | bytes | None = None) -> bytes | None:
-    """The key to sign and check with: ``key`` if given, else ``$DEADPOOL_CHECKPOINT_KEY``, else None."""
+    """The key to sign and check with: ``key`` if given, else the value of :func:`key_env`, else None."""
     source = "key="
     if key is None:
-        key = os.environ.get(KEY_ENV) or None
-        source = KEY_ENV
+        key = os.environ.get(_key_env) or None
+        source = _key_env
     if key is None:
         return None
     raw = key.encode("utf-8") if isinstance(key, str) else bytes(key)
@@ -86,7 +101,7 @@ def check(rec: dict[str, Any], kind: str | tuple[str, ...], key: bytes | None, w
         return False
     sig = rec.get(SIGNATURE)
     if sig is None:
-        raise SignatureError(f"{where}: not signed, and a checkpoint key is set ({KEY_ENV}); refusing a record the "
+        raise SignatureError(f"{where}: not signed, and a checkpoint key is set ({_key_env}); refusing a record the "
                              "key did not sign")
     if not isinstance(sig, dict) or sig.get("alg") != ALG or not isinstance(sig.get("hmac"), str) \
             or not _HEX256.fullmatch(sig["hmac"]):

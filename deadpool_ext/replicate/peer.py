@@ -20,11 +20,13 @@ from typing import Any
 
 import torch
 
-from ..cluster.comm import allgather_json
+from ..cluster.comm import CommError, allgather_json
 from ..cluster.placement import PlacementError, replica_holders, replicas_held_by
 from ..cluster.topology import Topology
+from ..config import ConfigError
 from ..memory.shm import ShmSegment, segment_name
 from ..snapshot.slots import probe_slot
+from .auth import UNSIGNED, BlobSigner
 from .gloo import GlooTransport
 from .transport import BlobReceive, BlobSend, Transport
 
@@ -38,14 +40,20 @@ class PeerReplicator:
 
     def __init__(self, *, rank: int, node: str, factor: int, group: Any, shm_dir: str, job_id: str,
                  double_buffer: bool = True, kind: str = "replica", nbuf: int | None = None,
-                 transport: Transport | None = None) -> None:
+                 transport: Transport | None = None, signer: BlobSigner = UNSIGNED) -> None:
         # kind "replica": full snapshots (bases), rotating buffers; "dreplica": differentials, a ring of nbuf
         # entries indexed by the caller (the same index as the source's own ring).
         self.kind = kind
         self.nbuf = nbuf if nbuf is not None else (2 if double_buffer else 1)
         self.rank, self.group, self.dir, self.job_id = rank, group, shm_dir, job_id
-        self.transport = transport if transport is not None else GlooTransport(group)
-        nodes = allgather_json(node, group=group)
+        self.transport = transport if transport is not None else GlooTransport(group, signer, rank=rank)
+        peers = allgather_json({"node": node, "key": signer.fingerprint()}, group=group)
+        for r, p in enumerate(peers):  # the same list on every rank: all raise alike
+            if not (isinstance(p, dict) and isinstance(p.get("node"), str)
+                    and (p.get("key") is None or isinstance(p.get("key"), str))):
+                raise CommError(f"rank {r} sent a malformed tier-2 placement message (node name, key fingerprint)")
+        _same_key_everywhere([p["key"] for p in peers])
+        nodes = [str(p["node"]) for p in peers]
         self.topology = Topology.from_node_list(nodes)
         n_nodes = len(self.topology.nodes)
         if factor > 0 and n_nodes == 1:
@@ -59,6 +67,9 @@ class PeerReplicator:
         except PlacementError as exc:
             raise PlacementError(f"deadpool config: deadpool.replication.factor: {exc}") from None
         self.factor = factor
+        if rank == 0 and factor and kind == "replica":
+            log.info("tier 2: snapshot blobs between peers are %s", "signed (HMAC-SHA256 with the checkpoint key)"
+                     if signer.enabled else "not signed (no checkpoint key set; checksums only)")
         self.sources = replicas_held_by(self.holders).get(rank, ())
         self.sizes: dict[int, int] = {}
         self.replicas: dict[int, list[ShmSegment]] = {}
@@ -95,9 +106,10 @@ class PeerReplicator:
             targets[src] = target
             # The source's blob length, not ours: ranks' partitions and headers differ in size.
             receives.append(BlobReceive(src, self.replicas[src][target].tensor(), self.sizes[src]))
-        self.transport.exchange(sends, receives)
+        refused = self.transport.exchange(sends, receives)
         for src, target in targets.items():
-            self._latest[src] = target
+            if src not in refused:  # a refused blob left its buffer torn: the previous one stays the newest
+                self._latest[src] = target
         if not self._pruned:
             self._pruned = True
             self._drop_stale()
@@ -155,9 +167,10 @@ class PeerReplicator:
         return found
 
     def serve_fetches(self, version: int, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None,
-                      versions: dict[int, int] | None = None) -> None:
+                      versions: dict[int, int] | None = None) -> bool:
         """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one.
-        ``versions``: per-destination version, where ranks restore different bases (differential mode)."""
+        ``versions``: per-destination version, where ranks restore different bases (differential mode).
+        False if the blob received into ``into`` was refused (left torn: the caller's check refuses it)."""
         sends, receives = [], []
         for dst, (holder, nbytes) in sorted(fetch.items()):
             if holder == self.rank:
@@ -166,4 +179,17 @@ class PeerReplicator:
             if dst == self.rank:
                 assert into is not None
                 receives.append(BlobReceive(holder, into, nbytes))
-        self.transport.exchange(sends, receives)
+        return not self.transport.exchange(sends, receives)
+
+
+def _same_key_everywhere(fingerprints: list[str | None]) -> None:
+    """Every rank signs with the same key, or none does (collective input: the same list on every rank, so
+    every rank raises the same error)."""
+    if len(set(fingerprints)) <= 1:
+        return
+    groups: dict[str, list[int]] = {}
+    for r, f in enumerate(fingerprints):
+        groups.setdefault("no key" if f is None else f"key {f}", []).append(r)
+    raise ConfigError("deadpool config: the checkpoint key (deadpool.key_env) differs across ranks: "
+                      + "; ".join(f"{k} on ranks {v}" for k, v in sorted(groups.items()))
+                      + " (key fingerprints shown, never keys); set the same key on every rank, or none")

@@ -6,24 +6,35 @@ channel) is a new file implementing :class:`Transport`, with nothing else change
 
 The one guarantee every implementation gives, whatever it runs on: a receiver never holds a buffer that
 looks complete but is not. The receiver's MAGIC (``format.MAGIC_SLICE``) is cleared before anything arrives,
-the body (``[BODY_START:nbytes]``) travels first, and the MAGIC is written into the receiving buffer only after
-the whole body and the sender's MAGIC have arrived. An interrupted transfer leaves a torn buffer, which every
-reader refuses.
+the body (``[BODY_START:nbytes]``) travels first, then a trailer (:meth:`Transport.trailer`: the sender's MAGIC
+and an HMAC tag, ``replicate/auth.py``), and the MAGIC is written into the receiving buffer only after the
+whole body and the trailer have arrived and the tag is accepted (:meth:`Transport.accept`). An interrupted
+transfer leaves a torn buffer, and so does a blob whose tag the key refuses; every reader refuses a torn buffer.
 
 Call order (every rank of the job, the same rounds in the same order on every rank):
 
 1. ``Transport(...)``: on all ranks (an implementation may build communicators: collective).
 2. ``exchange(sends, receives)``: one round; every rank posts what it sends and what it receives in this
-   round (possibly nothing) and returns when all of its own transfers are complete. A rank's sends must match
-   its peers' receives of the same round (same peer, same byte count).
+   round (possibly nothing) and returns when all of its own transfers are complete, with the peers whose blob
+   it refused (tag does not match the key). A rank's sends must match its peers' receives of the same round
+   (same peer, same byte count).
 """
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from ..snapshot.format import BODY_START, MAGIC_LEN, MAGIC_SLICE
+from .auth import TAG_LEN, UNSIGNED, BlobSigner
+
+TRAILER_LEN = MAGIC_LEN + TAG_LEN
+"""What follows a blob's body on the wire: its MAGIC, then its tag (zeros without a key)."""
+
+log = logging.getLogger("deadpool_ext")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +56,39 @@ class BlobReceive:
 
 
 class Transport(ABC):
-    """Moves blobs between ranks (see the module docstring for the guarantee and the call order)."""
+    """Moves blobs between ranks (see the module docstring for the guarantee and the call order).
+
+    ``rank`` is this process's global rank (bound into the tags it sends); ``signer`` the key's
+    :class:`~deadpool_ext.replicate.auth.BlobSigner` (unsigned by default). Implementations frame every transfer
+    with :meth:`trailer` and finish every receive with :meth:`accept`; the signing is theirs for free."""
+
+    def __init__(self, rank: int, signer: BlobSigner = UNSIGNED) -> None:
+        self.rank = rank
+        self.signer = signer
+        self.refused_total = 0
+
+    def trailer(self, send: BlobSend) -> torch.Tensor:
+        """The ``TRAILER_LEN`` bytes to send after ``send``'s body: its MAGIC and its tag."""
+        magic = send.blob[MAGIC_SLICE]
+        tag = self.signer.tag(self.rank, send.blob[BODY_START:], magic)
+        return torch.cat([magic.clone(), torch.frombuffer(bytearray(tag), dtype=torch.uint8)])
+
+    def accept(self, receive: BlobReceive, trailer: torch.Tensor) -> bool:
+        """Finish ``receive`` once its body and ``trailer`` are in: write the MAGIC if the tag is accepted (True);
+        otherwise leave the buffer torn, log it and return False."""
+        magic, tag = trailer[:MAGIC_LEN], bytes(trailer[MAGIC_LEN:TRAILER_LEN].numpy())
+        if not self.signer.check(receive.peer, receive.into[BODY_START:receive.nbytes], magic, tag):
+            self.refused_total += 1
+            log.warning("tier 2: rank %d refused a snapshot blob from rank %d: its tag does not match the checkpoint "
+                        "key (unsigned, altered on the way, or signed with another key); the buffer stays torn and "
+                        "is never used", self.rank, receive.peer)
+            return False
+        receive.into[MAGIC_SLICE].copy_(magic)
+        return True
 
     @abstractmethod
-    def exchange(self, sends: Sequence[BlobSend], receives: Sequence[BlobReceive]) -> None:
+    def exchange(self, sends: Sequence[BlobSend], receives: Sequence[BlobReceive]) -> set[int]:
         """Complete one round of transfers: every ``sends`` blob reaches its peer, every ``receives`` buffer is
-        filled from its peer, MAGIC last. Raises (e.g. ``RuntimeError``) when a peer is gone; a receiving
-        buffer is then left torn, never complete-looking."""
+        filled from its peer, MAGIC last. Returns the peers whose blob was refused (:meth:`accept`), their
+        buffers left torn. Raises (e.g. ``RuntimeError``) when a peer is gone; a receiving buffer is then left
+        torn, never complete-looking."""

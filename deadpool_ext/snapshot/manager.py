@@ -31,6 +31,8 @@ from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, ensure_private_dir, job_shm_dir, segment_name
+from ..persist.sign import checkpoint_key
+from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
 from .restore import MemoryRestore
@@ -73,9 +75,11 @@ class SnapshotManager(MemoryRestore):
         timeout = timedelta(seconds=max(config.replication.timeout_s, config.recovery.timeout_s))
         # Snapshot traffic never shares a communicator with training collectives (which may be NCCL).
         self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # With a checkpoint key every blob crossing the peer channel is signed and checked (replicate/auth.py).
+        signer = BlobSigner(checkpoint_key())
         self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
                                     group=self.group, shm_dir=self.dir, job_id=self.job_id,
-                                    double_buffer=config.replication.double_buffer)
+                                    double_buffer=config.replication.double_buffer, signer=signer)
         self.slots: list[ShmSegment | None] = [None, None]
         self.header_reserved = 0
         # Differential mode (TierCheck): bases every K steps in the slots above, differentials in a ring.
@@ -88,7 +92,7 @@ class SnapshotManager(MemoryRestore):
         if dc.enabled:
             self.dpeers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
                                          group=self.group, shm_dir=self.dir, job_id=self.job_id,
-                                         kind="dreplica", nbuf=self.ring.size)
+                                         kind="dreplica", nbuf=self.ring.size, signer=signer)
         self.committed_base: int | None = None
         self._last_version: int | None = None
         self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import split_deepspeed_config
+from ..config import ConfigError, split_deepspeed_config
 from ..distributed import init_distributed
 from ..integrations.loop import ResilientLoop
 from .data import ByteLMData, seed_everything
@@ -68,6 +68,14 @@ def _with_persist_flags(args: argparse.Namespace) -> str | dict[str, Any]:
 
 
 def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
+    """Train; a bad ``deadpool`` config (or a key that differs across ranks) ends the job with its one line."""
+    try:
+        return _run(argv, objective)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     description = {"gpt": "GPT-2 causal LM pretraining", "bert": "BERT masked-LM pretraining"}[objective]
     args = build_parser(description).parse_args(argv)
     if args.save_interval and not args.save:

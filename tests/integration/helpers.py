@@ -45,13 +45,15 @@ class Baselines:
 
 def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: str = "scripts/pretrain_gpt.py",
              extra: list[str] | None = None, max_restarts: int = 0, inject: Callable | None = None,
-             name: str = "run") -> tuple[object, dict[int, float], str]:
+             name: str = "run", env: dict[str, str] | None = None) -> tuple[object, dict[int, float], str]:
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     cmd = torchrun_cmd(nproc, script, ["--deepspeed_config", config, "--train-iters", str(iters),
                                        "--metrics-out", metrics, *(extra or [])],
                        port=free_port(), max_restarts=max_restarts)
-    env = base_env(inject.env(os.path.join(str(tmp_path), f"{name}.fault"))) if isinstance(inject, KillAt) else None
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env,
+    extra_env = dict(env or {})
+    if isinstance(inject, KillAt):
+        extra_env.update(inject.env(os.path.join(str(tmp_path), f"{name}.fault")))
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(extra_env) if extra_env else None,
                   while_running=(lambda p: inject(p, metrics)) if inject else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)

@@ -36,3 +36,22 @@ def test_an_interrupted_transfer_leaves_a_torn_buffer(tmp_path, impl):
     assert out["old_valid"]
     assert out["raised"] == "RuntimeError", out
     assert out["magic_zero"] and out["meta"] is None and "torn" in out["why"], out
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_signed_blobs_cross_intact_and_are_accepted(tmp_path, impl):
+    out = _run(tmp_path, impl, "signed", (0, 1))
+    for r in (0, 1):
+        assert out[r]["refused"] == [] and out[r]["intact"] and out[r]["why"] is None, out[r]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("case", ["forged", "unsigned"])
+def test_a_blob_the_key_did_not_sign_is_refused_and_left_torn(tmp_path, impl, case):
+    out = _run(tmp_path, impl, case, (0, 1))
+    victim = out[1]  # holds the key; rank 0 signed with another key (forged) or none (unsigned)
+    assert victim["old_valid"] and victim["body_arrived"], victim  # the bytes came, checksums and all ...
+    assert victim["refused"] == [0] and victim["magic_zero"] and victim["meta"] is None and "torn" in victim["why"]
+    # ... rank 0 checks with its own key (forged: another key, so it refuses rank 1's blob too; unsigned: no key,
+    # so it accepts what arrives, checksums only).
+    assert out[0]["refused"] == ([1] if case == "forged" else []), out[0]

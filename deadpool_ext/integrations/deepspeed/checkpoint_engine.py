@@ -31,7 +31,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from ...persist.atomic import IncompleteCheckpointError, atomic_write, open_verified, read_manifests, write_manifest
 from ...persist.layout import FILE_PATTERNS, FILES_ALLOWED
 from ...persist.safe_load import SafeGlobal, UntrustedCheckpointError, safe_load
-from ...persist.sign import KEY_ENV, SignatureError, checkpoint_key
+from ...persist.sign import SignatureError, checkpoint_key, key_env
 from .allowlist import deepspeed_globals
 
 log = logging.getLogger("deadpool_ext")
@@ -99,7 +99,7 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
             return self._load_checked(path, manifest, map_location)
         if self._key is not None:
             raise SignatureError(f"{path}: no signed deadpool manifest beside it, and a checkpoint key is set "
-                                 f"({KEY_ENV}); refusing a checkpoint the key did not sign")
+                                 f"({key_env()}); refusing a checkpoint the key did not sign")
         log.warning("no deadpool manifest beside %s: loading without verification (not written by deadpool_ext?)",
                     path)
         return safe_load(path, allow=self._allow, map_location=map_location)

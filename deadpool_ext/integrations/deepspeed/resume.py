@@ -40,7 +40,7 @@ from ...persist.download import cache_dir_for, download
 from ...persist.layout import VersionInfo, load_candidates, read_version, verify_version, version_tag, where
 from ...persist.records import CheckpointTrustError, one_line
 from ...persist.safe_load import SafeGlobal, only_weights, scan
-from ...persist.sign import KEY_ENV, checkpoint_key
+from ...persist.sign import checkpoint_key, key_env
 from ...persist.storage import Storage, open_storage
 from .allowlist import deepspeed_globals
 from .checkpoint_engine import DeadpoolCheckpointEngine
@@ -163,7 +163,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
         return None, {}
     if rank == 0 and k is None:
         log.info("tier 3: no checkpoint key (%s): the bases at %s are checked for integrity only, not "
-                 "authenticity", KEY_ENV, url)
+                 "authenticity", key_env(), url)
     chosen: VersionInfo | None = None
     for version in candidates:
         info = read_version(storage, version_tag(version), key=k)

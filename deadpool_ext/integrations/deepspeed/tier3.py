@@ -31,7 +31,7 @@ import torch
 from ...config import PersistConfig
 from ...persist.capture import StagingPool, tensor_bytes
 from ...persist.layout import COMMIT, version_tag
-from ...persist.sign import KEY_ENV, checkpoint_key
+from ...persist.sign import checkpoint_key, key_env
 from ...persist.storage import open_storage
 from ...persist.throttle import Throttle
 from ...persist.writer import BaseJob, BaseWriter, CapturedFile
@@ -72,7 +72,7 @@ class Tier3Persister:
         if engine.global_rank == 0:
             log.info("tier 3: base every %s step(s) to %s (keep_last=%d, max_mb_s=%s, adaptive=%s, records %s)",
                      cfg.interval or "no", cfg.url, cfg.keep_last, cfg.max_mb_s or "none", cfg.adaptive,
-                     "signed" if self.key is not None else f"unsigned: no {KEY_ENV}")
+                     "signed" if self.key is not None else f"unsigned: no {key_env()}")
 
     # -- training thread --------------------------------------------------------------------------
     def set_client_state(self, fn: Callable[[], dict[str, Any]] | None) -> None:

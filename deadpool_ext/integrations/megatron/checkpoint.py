@@ -57,7 +57,7 @@ from ...persist.records import (
     read_capped,
 )
 from ...persist.safe_load import UntrustedCheckpointError, only_weights, restricted_load
-from ...persist.sign import KEY_ENV, checkpoint_key
+from ...persist.sign import checkpoint_key, key_env
 from .allowlist import dcp_metadata_table, megatron_globals
 
 log = logging.getLogger("deadpool_ext")
@@ -246,7 +246,7 @@ def load_base(directory: str, chunks: list[Any], optimizer: Any, scheduler: Any,
         except (IncompleteCheckpointError, CheckpointTrustError) as exc:
             verdict = {"status": "error", "message": str(exc)}
         if checkpoint_key() is None and verdict.get("status") == "ok":
-            log.info("tier 3: no checkpoint key (%s): base checked for integrity only, not authenticity", KEY_ENV)
+            log.info("tier 3: no checkpoint key (%s): base checked for integrity only, not authenticity", key_env())
     verdict = _broadcast_verdict(verdict)
     if verdict.get("status") == "none":
         return None

@@ -4,6 +4,10 @@
   sizes, the receiving buffer larger than the blob and prefilled with an older valid blob); both arrive intact.
 - ``torn``: rank 0 leaves without sending; rank 1's receive fails and leaves its buffer torn (MAGIC zero),
   never complete-looking, although it held a valid blob before.
+- ``signed``: both ranks sign with the same key: both blobs arrive intact and accepted.
+- ``forged``: rank 0 signs with another key; ``unsigned``: rank 0 has no key. Rank 1 (with the key) refuses the
+  blob: ``exchange`` names rank 0 and the buffer is left torn although it held a valid blob before; rank 0
+  (the receiver of rank 1's blob, with its own key or none) refuses or accepts as its key says.
 
 Writes ``rank<r>.json`` into argv[3].
 """
@@ -17,12 +21,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from deadpool_ext.replicate.auth import BlobSigner
 from deadpool_ext.replicate.gloo import GlooTransport
 from deadpool_ext.replicate.transport import BlobReceive, BlobSend
 from deadpool_ext.snapshot import format as fmt
 from deadpool_ext.snapshot.slots import probe_slot
 
-IMPLEMENTATIONS = {"gloo": lambda group: GlooTransport(group)}
+IMPLEMENTATIONS = {"gloo": lambda group, signer: GlooTransport(group, signer)}
+KEY, OTHER = b"k" * 32, b"o" * 32
+
+
+def signer_for(case: str, rank: int) -> BlobSigner:
+    if case == "signed" or (case in ("forged", "unsigned") and rank == 1):
+        return BlobSigner(KEY)
+    return BlobSigner({"forged": OTHER}.get(case))
 
 
 def probe(t: torch.Tensor) -> tuple:
@@ -37,16 +49,19 @@ def blob(rank: int, n: int) -> torch.Tensor:
 def main(impl: str, case: str, out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
     rank = dist.get_rank()
-    transport = IMPLEMENTATIONS[impl](dist.new_group(backend="gloo", timeout=timedelta(seconds=20)))
+    transport = IMPLEMENTATIONS[impl](dist.new_group(backend="gloo", timeout=timedelta(seconds=20)),
+                                      signer_for(case, dist.get_rank()))
     mine, theirs = blob(rank, 100 + 900 * rank), blob(1 - rank, 100 + 900 * (1 - rank))
     into = torch.zeros(theirs.numel() + 4096, dtype=torch.uint8)
     old = blob(9, 10)
     into[:old.numel()].copy_(old)
     out: dict = {"rank": rank, "old_valid": probe(into)[0] is not None}
-    if case == "both_ways":
-        transport.exchange([BlobSend(1 - rank, mine)], [BlobReceive(1 - rank, into, theirs.numel())])
+    if case in ("both_ways", "signed", "forged", "unsigned"):
+        refused = transport.exchange([BlobSend(1 - rank, mine)], [BlobReceive(1 - rank, into, theirs.numel())])
         meta, why = probe(into)
-        out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why)
+        out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why,
+                   refused=sorted(refused), magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])),
+                   body_arrived=bool(torch.equal(into[fmt.BODY_START:theirs.numel()], theirs[fmt.BODY_START:])))
     elif case == "torn":
         if rank == 0:
             dist.barrier()
