@@ -101,7 +101,7 @@ def test_key_env_names_the_variable_the_key_is_read_from(monkeypatch, restore_ke
 
 @pytest.mark.parametrize("section,needle", [
     ({"key_env": "has space"}, "deadpool.key_env: must be an environment variable name"),
-    ({"key_env": 7}, "deadpool.key_env: must be an environment variable name"),
+    ({"key_env": 7}, "deadpool.key_env: must be a string"),
     ({"key_env": "DEADPOOL_TEST_UNSET_KEY"}, "deadpool.key_env: names DEADPOOL_TEST_UNSET_KEY, which is not set"),
 ])
 def test_bad_key_env_is_one_clear_error(monkeypatch, section: dict, needle: str) -> None:
