@@ -25,6 +25,8 @@ REGISTRY: dict[str, str] = {
     "megatron_lm_hooks": "megatron_lm_hooks",
     "deepspeed_zero3_quiet_init": "deepspeed_zero3_quiet_init",
     "deepspeed_unsynced_init": "deepspeed_unsynced_init",
+    "deepspeed_initialize_hook": "deepspeed_initialize_hook",
+    "torch_init_process_group_once": "torch_init_process_group_once",
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 

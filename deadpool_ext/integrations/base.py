@@ -70,10 +70,13 @@ class ResilientRuntime(ABC):
     what_recovers: ClassVar[str] = "rebuilding communicators"
     """How the survivor's log line names the in-process rebuild."""
     step_name: ClassVar[str] = "step"
+    attached_total: ClassVar[int] = 0
+    """Runtimes created in this process (any framework): ``python -m deadpool_ext.run`` checks it at exit."""
 
     def __init__(self, config: DeadpoolConfig, adapter: RankStateAdapter, *, rank: int) -> None:
         self.config = config
         use_key_env(config.key_env)  # every key this process reads from now on (tier 3, tier 2) comes from there
+        ResilientRuntime.attached_total += 1
         self.adapter: RankStateAdapter | None = adapter
         self.rank = rank
         self._closed = False

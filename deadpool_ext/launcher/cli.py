@@ -172,7 +172,9 @@ class Supervisor:
         for k in (contract.RANK, contract.WORLD_SIZE, contract.MASTER_ADDR, contract.MASTER_PORT,
                   contract.USE_AGENT_STORE):
             env.pop(k, None)
-        self.procs[w.worker_id] = subprocess.Popen([sys.executable, self.args.script, *self.args.script_args], env=env)
+        # Through the runner: the hook on deepspeed.initialize and the process group exist before the script starts.
+        self.procs[w.worker_id] = subprocess.Popen([sys.executable, "-m", "deadpool_ext.run", self.args.script,
+                                                    *self.args.script_args], env=env)
 
     def _node_procs(self, node: str) -> list[str]:
         return [w.worker_id for w in self.workers if w.node == node]

@@ -7,6 +7,7 @@ Either replace ``deepspeed.initialize`` with :func:`initialize` (same arguments 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ...config import DeadpoolConfig, split_deepspeed_config
@@ -40,21 +41,39 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     return runtime
 
 
-def initialize(*args: Any, config: Any = None, config_params: Any = None, **kwargs: Any):
+def initialize(*args: Any, config: Any = None, config_params: Any = None,
+               _ds_initialize: Callable[..., Any] | None = None, **kwargs: Any):
     """Drop-in for ``deepspeed.initialize``: same arguments, same 4-tuple; the engine has ``.deadpool``
-    (``None`` when the config has no ``"deadpool"`` section)."""
-    import deepspeed
+    (``None`` when the config has no ``"deadpool"`` section).
 
+    With a section and no process group yet, the group is built first by
+    :func:`deadpool_ext.distributed.init_distributed` (on the launcher's store under a per-attempt prefix, so a
+    restarted attempt never reads the dead one's addresses: pytorch/pytorch#135712), with the section's
+    ``hot_swap.collective_timeout_s``. ``_ds_initialize``: the DeepSpeed function to call (the hook passes the
+    unpatched one)."""
     cfg_in = config if config is not None else config_params
-    if cfg_in is None and len(args) > 0 and hasattr(args[0], "deepspeed_config"):
-        cfg_in = args[0].deepspeed_config
-        args[0].deepspeed_config = None
+    ns: Any = kwargs.get("args", args[0] if args else None)
+    if cfg_in is None and hasattr(ns, "deepspeed_config"):
+        cfg_in = ns.deepspeed_config
+        ns.deepspeed_config = None
     if cfg_in is None:
         raise ValueError("deadpool_ext.deepspeed.initialize needs a DeepSpeed config (config=PATH or dict)")
     ds_config, dp_config = split_deepspeed_config(cfg_in)
+    if dp_config is not None and dp_config.enabled:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            from ...distributed import init_distributed
+
+            init_distributed(timeout_s=dp_config.hot_swap.collective_timeout_s)
+            log.info("process group created by deadpool_ext before deepspeed.initialize (per-attempt store prefix)")
+    if _ds_initialize is None:
+        from ..deepspeed_hook import original_initialize
+
+        _ds_initialize = original_initialize()
     _quiet_zero3_init()
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
-        out = deepspeed.initialize(*args, config=ds_config, **kwargs)
+        out = _ds_initialize(*args, config=ds_config, **kwargs)
     engine = out[0]
     if dp_config is None:
         engine.deadpool = None

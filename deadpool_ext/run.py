@@ -1,0 +1,139 @@
+"""Run a training script unchanged, with the extension attached: ``python -m deadpool_ext.run train.py ARGS``.
+
+Works after any launcher (``torchrun``, the ``deepspeed`` launcher, ``srun``, ``deadpool-run``, which uses it
+for every worker)::
+
+    torchrun --nproc-per-node 2 -m deadpool_ext.run train.py --deepspeed ds_config.json
+    deadpool-run --nnodes 2 --spare-nodes 1 train.py --deepspeed ds_config.json
+
+Before the script's first line runs, in this order:
+
+1. configs named on the command line (``x.json``, ``--flag=x.json``) are read for a ``"deadpool"`` section:
+   the section's ``log_level`` and collective timeout apply from here on, and a DeepSpeed engine later built
+   *without* the section is an error naming why (``hook.NotAttachedError``), never an unprotected job;
+2. the hook on ``deepspeed.initialize`` is installed (``integrations/deepspeed_hook.py``): at once when a
+   DeepSpeed config with a section is on the command line, otherwise when the script imports DeepSpeed (a job
+   without DeepSpeed pays nothing);
+3. under a launcher (``RANK``/``WORLD_SIZE`` set, or deadpool-run) with a section on the command line, or
+   always under deadpool-run: the default process group, built by
+   :func:`deadpool_ext.distributed.init_distributed` (attempt-prefixed store; a deadpool-run spare waits here
+   for its assignment), and ``init_process_group`` made a logged no-op for scripts that call it anyway
+   (``patches/torch_init_process_group_once.py``);
+4. the script runs as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python train.py ARGS`` would set them).
+
+After it returns: if a section was on the command line but no engine attached the extension, the run ends with
+exit status 3 and a line saying so. Bad arguments: one line, exit status 2.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+log = logging.getLogger("deadpool_ext")
+
+NOT_ATTACHED_EXIT = 3
+USAGE = "usage: python -m deadpool_ext.run SCRIPT.py [ARGS...]  |  python -m deadpool_ext.run -m MODULE [ARGS...]"
+
+
+def _section_configs(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any]]:
+    """(DeepSpeed configs with a section, every config with a section, the first section found)."""
+    from .integrations.deepspeed_hook import configs_with_section
+
+    found = configs_with_section(argv)
+    # A DeepSpeed config has other keys; Megatron's --deadpool-config holds only the section.
+    deepspeed_like = [path for path, doc in found if set(doc) - {"deadpool"}]
+    return deepspeed_like, [path for path, _ in found], (found[0][1]["deadpool"] if found else {})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[0], file=sys.stderr if not args else sys.stdout)
+        return 2 if not args else 0
+    module = None
+    if args[0] == "-m":
+        if len(args) < 2:
+            print(f"deadpool_ext.run: -m needs a module name\n{USAGE}", file=sys.stderr)
+            return 2
+        module, script_args = args[1], args[2:]
+    else:
+        from .launcher.cli import _script_error
+
+        why = _script_error(args[0])
+        if why is not None:
+            print(f"deadpool_ext.run: {why}", file=sys.stderr)
+            return 2
+        script_args = args[1:]
+    from .config import ConfigError, DeadpoolConfig
+    from .logs import configure_logging
+
+    ds_configs, configs, section = _section_configs(script_args)
+    try:
+        cfg = DeadpoolConfig.from_dict(section) if configs else None
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        return 2
+    configure_logging(cfg.log_level if cfg is not None else "info")
+    from .integrations import deepspeed_hook as hook
+
+    if ds_configs:
+        hook.expect_sections(ds_configs)
+        import deadpool_ext.integrations.deepspeed  # noqa: F401  (registers the spare warm-up and teardown)
+    try:
+        hook.install(lazy=not ds_configs)
+    except Exception as exc:  # UnsupportedVersionError: one line, the job runs without the hook only if asked to
+        if ds_configs:
+            print(f"deadpool_ext.run: {exc}", file=sys.stderr)
+            return 2
+        log.warning("deadpool_ext.run: no hook on deepspeed.initialize: %s", exc)
+    from .launcher.contract import worker_env
+
+    env = worker_env()
+    if env.hot_swap is not None or (configs and not env.missing_for_init()):
+        from .distributed import init_distributed
+
+        init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None)
+        from . import patches  # type: ignore[attr-defined]
+
+        patches.get("torch_init_process_group_once").apply()
+    code = _run_script(module, args[0] if module is None else None, script_args)
+    if code == 0 and configs:
+        from .integrations.base import ResilientRuntime
+
+        if ResilientRuntime.attached_total == 0:
+            print(f"deadpool_ext.run: {', '.join(configs)} has a \"deadpool\" section, but no engine of this "
+                  "process attached the extension (no deepspeed.initialize with that config ran, and no runtime "
+                  "was registered): the job ran unprotected", file=sys.stderr)
+            return NOT_ATTACHED_EXIT
+    return code
+
+
+def _run_script(module: str | None, path: str | None, script_args: list[str]) -> int:
+    from .config import ConfigError
+
+    try:
+        if module is not None:
+            sys.argv = [module, *script_args]
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        else:
+            assert path is not None
+            sys.argv = [path, *script_args]
+            sys.path[0] = os.path.dirname(os.path.abspath(path))
+            runpy.run_path(path, run_name="__main__")
+    except ConfigError as exc:  # a bad section, or an engine built without the section (NotAttachedError)
+        print(str(exc), file=sys.stderr)
+        return 2
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return int(exc.code or 0)
+        print(exc.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

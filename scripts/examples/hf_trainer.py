@@ -1,0 +1,75 @@
+"""An unmodified Hugging Face ``Trainer`` job (GPT-2, DeepSpeed through Accelerate): no line of deadpool_ext in it.
+
+Launched through the extension's runner, every engine whose DeepSpeed config has a ``"deadpool"`` section gets
+the extension::
+
+    torchrun --nproc-per-node 2 -m deadpool_ext.run scripts/examples/hf_trainer.py \
+        --deepspeed configs/hf_trainer_zero3_cpu.json --max-steps 20 --metrics-out m.jsonl
+    deadpool-run --nnodes 2 --nproc-per-node 1 scripts/examples/hf_trainer.py --deepspeed ... (the same)
+
+Plain ``torchrun scripts/examples/hf_trainer.py ...`` runs it without the extension (DeepSpeed drops the
+section it does not know; ``deadpool check CONFIG`` says which launches honour it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+SEQ = 32
+
+
+class ByteChunks(torch.utils.data.Dataset):
+    def __init__(self, n: int = 2048) -> None:
+        with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
+            data = fh.read()
+        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(-1, SEQ)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Losses(TrainerCallback):
+    """Rank 0 writes {"step", "loss"} per logged step (JSON lines)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - the Trainer's signature
+        if self.path and state.is_world_process_zero and logs and "loss" in logs:
+            with open(self.path, "a") as fh:
+                fh.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed", required=True, help="DeepSpeed config JSON")
+    p.add_argument("--max-steps", type=int, default=20)
+    p.add_argument("--grad-accum", type=int, default=2)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--output-dir", default="/tmp/hf_trainer_out")
+    p.add_argument("--metrics-out", default=None)
+    args = p.parse_args()
+    targs = TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
+                              per_device_train_batch_size=2, gradient_accumulation_steps=args.grad_accum,
+                              learning_rate=3e-4, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
+                              data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
+                              dataloader_num_workers=0)
+    torch.manual_seed(args.seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+    trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
+    trainer.train()
+    engine = trainer.model_wrapped
+    if trainer.is_world_process_zero():
+        dp = getattr(engine, "deadpool", None)
+        print(f"[hf_trainer] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""A hand-written DeepSpeed loop around a ``DataLoader`` with a ``DistributedSampler``: the README's lines, nothing
+else of deadpool_ext. Restart-safe under ``torchrun --max-restarts N`` (or a relaunch with the ``deepspeed``
+launcher and ``local.keep_after_exit_s``) when the DeepSpeed config has a ``"deadpool"`` section::
+
+    torchrun --nproc-per-node 2 --max-restarts 1 scripts/examples/own_loop.py \
+        --deepspeed_config configs/gpt_tiny_zero3_cpu.json --steps 20 --metrics-out m.jsonl
+
+The three lines that are deadpool_ext's are marked ``# deadpool``. After a restart, ``resume()`` restores the
+newest step every rank holds in memory and returns it; the loop then skips the batches of that many steps in the
+sampler's order, so the next batch is the one an uninterrupted run would see.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import deadpool_ext.deepspeed as dpx  # deadpool
+
+SEQ = 32
+
+
+class ByteChunks(Dataset):
+    """Fixed chunks of ``SEQ`` bytes of CPython's own sources (offline, the same on every rank)."""
+
+    def __init__(self, n: int = 4096) -> None:
+        import sysconfig
+
+        with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
+            data = fh.read()
+        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(-1, SEQ)
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.ids[i]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed_config", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--metrics-out", default=None)
+    args = p.parse_args()
+    torch.manual_seed(args.seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+    engine, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config,  # deadpool
+                                     model_parameters=model.parameters())
+    start = engine.deadpool.resume() if engine.deadpool is not None else 0  # deadpool
+    data = ByteChunks()
+    sampler = DistributedSampler(data, num_replicas=engine.dp_world_size, rank=engine.global_rank, shuffle=True,
+                                 seed=args.seed)
+    loader = DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True)
+    per_epoch = len(loader) // engine.gradient_accumulation_steps()
+    step, epoch, skip = start, start // per_epoch, (start % per_epoch) * engine.gradient_accumulation_steps()
+    metrics = open(args.metrics_out, "a") if args.metrics_out and engine.global_rank == 0 else None
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i < skip:
+                continue
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+            if engine.global_steps > step:  # an optimizer step completed (after gradient accumulation)
+                step = int(engine.global_steps)
+                if metrics is not None:
+                    metrics.write(json.dumps({"step": step, "loss": float(loss.item())}) + "\n")
+                    metrics.flush()
+                if step >= args.steps:
+                    break
+        skip, epoch = 0, epoch + 1
+    if engine.global_rank == 0:
+        stats = engine.deadpool.stats() if engine.deadpool is not None else None
+        print(f"[own_loop] summary {json.dumps({'start_step': start, 'deadpool': stats})}", flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

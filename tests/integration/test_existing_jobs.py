@@ -1,0 +1,132 @@
+"""Existing jobs, unchanged (issue 15): a hand-written DataLoader loop with only the README's lines, and an
+unmodified Hugging Face Trainer script, on real torchrun jobs (gloo, 2 CPU ranks, ZeRO-3).
+
+- the own loop survives a SIGKILLed worker under plain ``torchrun --max-restarts 1`` (the process group on the
+  attempt-prefixed store, built by the extension itself) with losses identical bit for bit to the same script
+  with no ``"deadpool"`` section and no failure;
+- the Trainer script attaches through ``python -m deadpool_ext.run`` (snapshots every step, committed), trains
+  bit for bit like plain torchrun, and under plain torchrun the section is ignored, as ``deadpool check`` says;
+- a runner job whose engine is built without the section named on the command line stops with one line.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd
+from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at
+
+pytestmark = pytest.mark.slow
+OWN_LOOP = "scripts/examples/own_loop.py"
+HF_TRAINER = "scripts/examples/hf_trainer.py"
+
+
+def _config(tmp_path, shm_root: str | None, base: str = "configs/gpt_tiny_zero3_cpu.json", **over) -> str:
+    with open(base) as fh:
+        cfg = json.load(fh)
+    if shm_root is None:
+        cfg.pop("deadpool", None)
+    else:
+        cfg["deadpool"] = {"snapshot": {"interval": 1}, "replication": {"factor": 1},
+                           "local": {"shm_root": shm_root, "simulate_nodes": 2}, **over}
+    path = os.path.join(str(tmp_path), f"ds_{'none' if shm_root is None else 'dp'}_{len(os.listdir(tmp_path))}.json")
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    return path
+
+
+def _job(tmp_path, name: str, script: str, args: list[str], *, runner: bool = False, max_restarts: int = 0,
+         inject: KillAt | None = None):
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    head = ["-m", "deadpool_ext.run", script] if runner else [script]
+    cmd = torchrun_cmd(2, head[0], [*head[1:], *args, "--metrics-out", metrics], port=free_port(),
+                       max_restarts=max_restarts)
+    env = base_env(inject.env(os.path.join(str(tmp_path), f"{name}.fault")) if inject is not None else None)
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env,
+                  while_running=(lambda p: inject(p, metrics)) if inject is not None else None)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out, res.output[-4000:]
+    return res, read_metrics(metrics)
+
+
+def _summary(res, tag: str) -> dict:
+    lines = [ln for ln in res.output.splitlines() if ln.startswith(f"[{tag}] summary ")]
+    assert lines, res.output[-3000:]
+    return json.JSONDecoder().raw_decode(lines[-1][len(f"[{tag}] summary "):])[0]
+
+
+def test_own_loop_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
+    steps = ["--steps", "10"]
+    ref, ref_losses = _job(tmp_path, "ref", OWN_LOOP, ["--deepspeed_config", _config(tmp_path, None), *steps])
+    assert ref.returncode == 0, ref.output[-3000:]
+    assert sorted(ref_losses) == list(range(1, 11))
+    res, losses = _job(tmp_path, "restart", OWN_LOOP, ["--deepspeed_config", _config(tmp_path, shm_root), *steps],
+                       max_restarts=1, inject=kill_at(5))
+    assert res.returncode == 0, res.output[-4000:]
+    s = _summary(res, "own_loop")
+    assert s["start_step"] >= 4 and s["deadpool"]["restore"]["outcome"] == "restored", s  # the restart restored
+    assert "Connection refused" not in res.output  # pytorch/pytorch#135712: the attempt-prefixed store
+    assert losses == ref_losses  # bit for bit, the redone steps included
+
+
+def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
+    args = ["--max-steps", "4", "--output-dir", str(tmp_path / "out")]
+    hf_base = "configs/hf_trainer_zero3_cpu.json"
+    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base),
+                                                                *args])
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert _summary(plain, "hf_trainer")["deadpool"] is None  # plain torchrun: DeepSpeed dropped the section
+    res, losses = _job(tmp_path, "runner", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base), *args],
+                       runner=True)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
+    stats = _summary(res, "hf_trainer")["deadpool"]
+    assert stats and stats["committed_version"] == 4, stats
+    assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+
+
+NO_SECTION = '''
+import json, sys
+import torch, deepspeed
+from deadpool_ext.distributed import init_distributed
+cfg = json.load(open(sys.argv[sys.argv.index("--deepspeed_config") + 1]))
+cfg.pop("deadpool")  # what a framework that rebuilds the config without unknown keys does
+model = torch.nn.Linear(4, 4)
+deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+print("TRAINED UNPROTECTED")
+'''
+
+
+def test_runner_refuses_an_engine_built_without_the_section_on_the_command_line(tmp_path, shm_root):
+    script = tmp_path / "drops_section.py"
+    script.write_text(NO_SECTION)
+    res, _ = _job(tmp_path, "drops", str(script), ["--deepspeed_config", _config(tmp_path, shm_root)], runner=True)
+    assert res.returncode != 0 and "TRAINED UNPROTECTED" not in res.output
+    assert "has a \"deadpool\" section, but the DeepSpeed engine built by __main__" in res.output, res.output[-3000:]
+
+
+def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "deadpool": {
+        "snapshot": {"intervall": 2, "background": "yes"}, "replication": {"factor": -1}}}))
+    cli = [sys.executable, "-m", "deadpool_ext.cli", "check"]
+    r = subprocess.run(cli + [str(bad)], capture_output=True, text=True, timeout=120, env=base_env())
+    assert r.returncode == 1
+    for needle in ("deadpool.snapshot.intervall: unknown key", "deadpool.snapshot.background: must be true or false",
+                   "deadpool.replication.factor: must be an integer >= 0", "3 bad key(s)"):
+        assert needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    good = subprocess.run(cli + ["configs/hf_trainer_zero3_cpu.json", "--json"], capture_output=True, text=True,
+                          timeout=120, env=base_env())
+    rep = json.loads(good.stdout)
+    assert good.returncode == 0 and rep["ok"] and rep["problems"] == []
+    honoured = {p["launch"].split(" ")[0]: p["honoured"] for p in rep["launch_paths"]}
+    assert honoured == {"deadpool-run": True, "deadpool_ext.deepspeed.initialize(...)": True, "plain": False}
+    missing = subprocess.run(cli + [str(tmp_path / "nope.json")], capture_output=True, text=True, timeout=60,
+                             env=base_env())
+    assert missing.returncode == 2 and "cannot read it as JSON" in missing.stderr
