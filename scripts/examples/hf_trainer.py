@@ -26,7 +26,8 @@ class ByteChunks(torch.utils.data.Dataset):
     def __init__(self, n: int = 2048) -> None:
         with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
             data = fh.read()
-        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(-1, SEQ)
+        n = min(n, len(data) // SEQ)
+        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(n, SEQ)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -62,7 +63,8 @@ def main() -> None:
                               data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
                               dataloader_num_workers=0)
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
     trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
     trainer.train()
     engine = trainer.model_wrapped

@@ -32,7 +32,8 @@ class ByteChunks(Dataset):
 
         with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
             data = fh.read()
-        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(-1, SEQ)
+        n = min(n, len(data) // SEQ)
+        self.ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(n, SEQ)
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
@@ -49,7 +50,8 @@ def main() -> None:
     p.add_argument("--metrics-out", default=None)
     args = p.parse_args()
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
     engine, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config,  # deadpool
                                      model_parameters=model.parameters())
     start = engine.deadpool.resume() if engine.deadpool is not None else 0  # deadpool

@@ -38,6 +38,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         self.engine = engine
         self._client_state = client_state
         self._restore_client_state = restore_client_state
+        self._rng_hook: Any = None  # a one-shot forward pre-hook that sets the restored RNG again
         self.zero_stage = int(engine.zero_optimization_stage())
         opt = engine.optimizer
         kind = type(opt).__name__
@@ -146,8 +147,26 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         e.skipped_steps = meta["skipped_steps"]
         e.micro_steps = meta["micro_steps"]
         restore_rng(meta["rng"])
+        self._rng_again_at_next_forward(meta["rng"])
         if self._restore_client_state is not None:
             self._restore_client_state(meta.get("client", {}))
+
+    def _rng_again_at_next_forward(self, rng: dict[str, Any]) -> None:
+        """Set the RNG to the restored state once more right before the engine's next forward: whatever draws
+        from the global RNG between the restore and the redone step (a ``DataLoader`` iterator created after
+        ``resume()`` draws its base seed from it; the uninterrupted run drew it before the snapshot) would
+        otherwise shift dropout and every later random number."""
+        if self._rng_hook is not None:
+            self._rng_hook.remove()
+
+        def again(_module: Any, _inputs: Any) -> None:
+            restore_rng(rng)
+            hook = self._rng_hook
+            self._rng_hook = None
+            if hook is not None:
+                hook.remove()
+
+        self._rng_hook = self.engine.register_forward_pre_hook(again)
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
