@@ -102,6 +102,10 @@ CURRENT: tuple[Current, ...] = (
             "records and manifests, store frames and the live server, control messages, RNG JSON, config, "
             "launcher flags, pid files, names): cases run per target and the outcome.",
             command="python benchmarks/bench_fuzz.py --examples 10000 --seed 20261201"),
+    Current("peer_sign", "peer_sign", "cost of signing the peer channel's blobs",
+            "HMAC-SHA256 tags on tier-2 snapshot blobs (a checkpoint key set), signed vs unsigned side by side: tag "
+            "throughput, one 2-rank gloo round (16 and 128 MiB), and GPT-small step time with a snapshot every step "
+            "replicated to the other simulated node (2 job pairs, alternating)."),
     Current("simulate", "simulate", "simulated goodput, 512-16,384 GPUs",
             "Simulated (not measured) goodput of every policy from 512 to 16,384 GPUs at Llama 3's failure rate, "
             "costs calibrated from this project's current results (each cost's source in simulate.md); "

@@ -90,6 +90,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"deadpool_ext.run: {exc}", file=sys.stderr)
             return 2
         log.warning("deadpool_ext.run: no hook on deepspeed.initialize: %s", exc)
+    from .integrations import transformers_trainer
+
+    transformers_trainer.install(lazy=True)
     from .launcher.contract import worker_env
 
     env = worker_env()

@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "deepspeed_unsynced_init": "deepspeed_unsynced_init",
     "deepspeed_initialize_hook": "deepspeed_initialize_hook",
     "torch_init_process_group_once": "torch_init_process_group_once",
+    "transformers_trainer_resume": "transformers_trainer_resume",
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 

@@ -24,8 +24,6 @@ the job runs -> :func:`report` (what was attached, for the runner's exit check).
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import json
 import logging
@@ -36,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SECTION, ConfigError
+from .importhook import after_import
 
 log = logging.getLogger("deadpool_ext")
 
@@ -92,7 +91,7 @@ def install(*, lazy: bool = False) -> None:
         return
     if lazy and "deepspeed" not in sys.modules:
         _state.pending = True
-        sys.meta_path.insert(0, _AfterImport("deepspeed", _install_now))
+        after_import("deepspeed", _install_now)
         log.debug("deepspeed_initialize_hook: installed once deepspeed is imported")
         return
     _install_now()
@@ -196,27 +195,3 @@ def read_json(path: str) -> Any:
             return json.load(fh)
     except (OSError, ValueError, RecursionError):
         return None
-
-
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``fn()`` right after module ``name`` is first imported (one shot; then removes itself)."""
-
-    def __init__(self, name: str, fn: Callable[[], None]) -> None:
-        self.name, self.fn = name, fn
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        if spec is None or loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module, fn = loader.exec_module, self.fn
-
-        def run_then_hook(module: Any) -> None:
-            exec_module(module)
-            fn()
-
-        loader.exec_module = run_then_hook
-        return spec

@@ -90,6 +90,23 @@ def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path,
     assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
 
 
+def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
+    # gradient accumulation 2: the Trainer fast-forwards 2 batches per step already done
+    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out")]
+    hf_base = "configs/hf_trainer_zero3_cpu.json"
+    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
+                                                                *args])
+    assert plain.returncode == 0, plain.output[-3000:]
+    res, losses = _job(tmp_path, "restart", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base), *args],
+                       runner=True, max_restarts=1, inject=kill_at(4))
+    assert res.returncode == 0, res.output[-4000:]
+    assert "HF Trainer: continuing from step" in res.output and "Trainer resumes at step" in res.output, \
+        res.output[-4000:]
+    stats = _summary(res, "hf_trainer")["deadpool"]
+    assert stats["restore"]["outcome"] == "restored" and stats["restore"]["version"] >= 3, stats["restore"]
+    assert sorted(losses) == list(range(1, 9)) and losses == plain_losses  # bit for bit, redone steps included
+
+
 NO_SECTION = '''
 import json, sys
 import torch, deepspeed
@@ -130,3 +147,18 @@ def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
     missing = subprocess.run(cli + [str(tmp_path / "nope.json")], capture_output=True, text=True, timeout=60,
                              env=base_env())
     assert missing.returncode == 2 and "cannot read it as JSON" in missing.stderr
+
+
+def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
+    script, base = "scripts/examples/accelerate_loop.py", "configs/gpt_tiny_zero3_cpu_noopt.json"
+    plain, plain_losses = _job(tmp_path, "plain", script, ["--deepspeed", _config(tmp_path, shm_root, base),
+                                                            "--steps", "4"])
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert _summary(plain, "accelerate_loop")["deadpool"] is None
+    res, losses = _job(tmp_path, "runner", script, ["--deepspeed", _config(tmp_path, shm_root, base), "--steps", "4"],
+                       runner=True)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
+    stats = _summary(res, "accelerate_loop")["deadpool"]
+    assert stats and stats["committed_version"] == 4, stats
+    assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses

@@ -1,0 +1,61 @@
+"""An unmodified Accelerate loop with DeepSpeed (ZeRO-3 through ``DeepSpeedPlugin``): no line of deadpool_ext in it.
+
+    torchrun --nproc-per-node 2 -m deadpool_ext.run scripts/examples/accelerate_loop.py \
+        --deepspeed configs/gpt_tiny_zero3_cpu_noopt.json --steps 8 --metrics-out m.jsonl
+
+``accelerator.prepare`` calls ``deepspeed.initialize`` with the plugin's config; the runner's hook attaches the
+extension when that config has a ``"deadpool"`` section.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sysconfig
+
+import torch
+from accelerate import Accelerator, DeepSpeedPlugin
+from transformers import GPT2Config, GPT2LMHeadModel
+
+SEQ = 32
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--deepspeed", required=True, help="DeepSpeed config JSON (no optimizer section)")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--metrics-out", default=None)
+    args = p.parse_args()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed),
+                              cpu=not torch.cuda.is_available())
+    torch.manual_seed(args.seed)
+    with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
+        data = fh.read()
+    n = len(data) // SEQ
+    ids = torch.tensor(list(data[: n * SEQ]), dtype=torch.long).view(n, SEQ)
+    loader = torch.utils.data.DataLoader(ids, batch_size=2, shuffle=True,
+                                         generator=torch.Generator().manual_seed(args.seed))
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    step = 0
+    for batch in loader:
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        step += 1
+        if args.metrics_out and accelerator.is_main_process:
+            with open(args.metrics_out, "a") as fh:
+                fh.write(json.dumps({"step": step, "loss": float(loss.item())}) + "\n")
+        if step >= args.steps:
+            break
+    if accelerator.is_main_process:
+        dp = getattr(model, "deadpool", None)
+        print(f"[accelerate_loop] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
