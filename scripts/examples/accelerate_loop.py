@@ -26,8 +26,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None)
     args = p.parse_args()
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed),
-                              cpu=not torch.cuda.is_available())
+    # (no cpu=True on a CPU machine: Accelerate then leaves DeepSpeed out; the device is chosen by itself)
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed))
     torch.manual_seed(args.seed)
     with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
         data = fh.read()

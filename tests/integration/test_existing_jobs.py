@@ -60,6 +60,14 @@ def _summary(res, tag: str) -> dict:
     return json.JSONDecoder().raw_decode(lines[-1][len(f"[{tag}] summary "):])[0]
 
 
+def _same_trajectory(losses: dict, ref: dict, *, killed: int, last: int) -> None:
+    """Every logged loss equals the uninterrupted run's, bit for bit (redone steps included), and every step is
+    logged but possibly the killed one: the kill fires inside its optimizer step, before the script logs it, and
+    if that step's snapshot was already committed the restart continues after it (not redone, never logged)."""
+    assert set(range(1, last + 1)) - set(losses) <= {killed}, sorted(losses)
+    assert losses == {s: ref[s] for s in losses}
+
+
 def test_own_loop_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
     steps = ["--steps", "10"]
     ref, ref_losses = _job(tmp_path, "ref", OWN_LOOP, ["--deepspeed_config", _config(tmp_path, None), *steps])
@@ -71,7 +79,7 @@ def test_own_loop_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
     s = _summary(res, "own_loop")
     assert s["start_step"] >= 4 and s["deadpool"]["restore"]["outcome"] == "restored", s  # the restart restored
     assert "Connection refused" not in res.output  # pytorch/pytorch#135712: the attempt-prefixed store
-    assert losses == ref_losses  # bit for bit, the redone steps included
+    _same_trajectory(losses, ref_losses, killed=5, last=10)
 
 
 def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
@@ -104,7 +112,7 @@ def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
         res.output[-4000:]
     stats = _summary(res, "hf_trainer")["deadpool"]
     assert stats["restore"]["outcome"] == "restored" and stats["restore"]["version"] >= 3, stats["restore"]
-    assert sorted(losses) == list(range(1, 9)) and losses == plain_losses  # bit for bit, redone steps included
+    _same_trajectory(losses, plain_losses, killed=4, last=8)
 
 
 NO_SECTION = '''
