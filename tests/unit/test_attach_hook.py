@@ -1,0 +1,183 @@
+"""The zero-code attach path without processes: which config a deepspeed.initialize call carries, the refusal of
+an engine built without the section named on the command line, the runner's argument errors, the one-shot import
+hook, ``deadpool check``'s "every bad key", and the patches' apply/revert."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from deadpool_ext.commands.check import all_problems
+from deadpool_ext.integrations import deepspeed_hook as hook
+from deadpool_ext.integrations.importhook import after_import
+from deadpool_ext.testing.launch import REPO, base_env
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    monkeypatch.setattr(hook, "_state", hook.HookState())
+    return hook._state
+
+
+def test_config_of_call_follows_deepspeeds_order():
+    ns = argparse.Namespace(deepspeed_config="from_args.json")
+    assert hook.config_of_call((), {"config": {"a": 1}, "config_params": {"b": 2}}) == {"a": 1}
+    assert hook.config_of_call((), {"config_params": {"b": 2}}) == {"b": 2}  # Accelerate
+    assert hook.config_of_call((ns,), {}) == "from_args.json"
+    assert hook.config_of_call((), {"args": ns}) == "from_args.json"
+    assert hook.config_of_call((), {"args": argparse.Namespace(device_rank=0), "config": {"c": 3}}) == {"c": 3}
+    assert hook.config_of_call((), {"model": object()}) is None
+
+
+def test_configs_with_section_reads_only_json_files_with_an_enabled_section(tmp_path):
+    on = tmp_path / "on.json"
+    on.write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
+    off = tmp_path / "off.json"
+    off.write_text(json.dumps({"deadpool": {"enabled": False}}))
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"train_batch_size": 2}))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    argv = ["--deepspeed", str(on), f"--other={off}", str(plain), str(broken), "--x", "y.json"]
+    assert [p for p, _ in hook.configs_with_section(argv)] == [str(on)]
+    assert [p for p, _ in hook.configs_with_section([f"--deepspeed_config={on}"])] == [str(on)]
+
+
+def test_an_engine_without_the_expected_section_is_refused(fresh_state):
+    calls = []
+    hook.expect_sections(["ds.json"])
+    with pytest.raises(hook.NotAttachedError) as err:
+        hook._hooked(lambda *a, **k: calls.append(k), (), {"config": {"train_batch_size": 2}})
+    msg = str(err.value)
+    assert "ds.json (on the command line) has a \"deadpool\" section" in msg and "got a dict without it" in msg
+    assert calls == [] and "\n" not in msg  # DeepSpeed never ran: the job does not train unprotected
+
+
+def test_a_call_without_section_and_nothing_expected_is_deepspeed_unchanged(fresh_state):
+    calls = []
+    out = hook._hooked(lambda *a, **k: calls.append(k) or "engine", (), {"config": {"train_batch_size": 2}})
+    assert out == "engine" and calls == [{"config": {"train_batch_size": 2}}] and fresh_state.plain == 1
+
+
+def test_after_import_runs_once_right_after_the_module(tmp_path, monkeypatch):
+    (tmp_path / "dp_probe_mod.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    after_import("dp_probe_mod", lambda: seen.append(sys.modules["dp_probe_mod"].VALUE))
+    assert seen == []
+    import dp_probe_mod  # noqa: F401
+
+    assert seen == [41]
+    sys.modules.pop("dp_probe_mod")
+    import dp_probe_mod  # noqa: F401,F811  (a second import: the hook is gone)
+
+    assert seen == [41]
+    after_import("dp_probe_mod", lambda: seen.append("now"))  # already imported: at once
+    assert seen == [41, "now"]
+
+
+def test_check_names_every_bad_key_not_only_the_first():
+    problems = all_problems({"snapshot": {"intervall": 2, "background": "yes"}, "replication": {"factor": -1},
+                             "log_level": "loud", "bogus": 1})
+    keys = [p.split(": ")[1] for p in problems]
+    assert keys == ["deadpool.bogus", "deadpool.snapshot.intervall", "deadpool.snapshot.background",
+                    "deadpool.replication.factor", "deadpool.log_level"], problems
+    assert all_problems({"snapshot": {"interval": 2}}) == []
+    assert len(all_problems(None)) == 1  # the section itself is bad: one line, nothing to drop
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "usage: python -m deadpool_ext.run"),
+    (["-m"], "-m needs a module name"),
+    (["/nonexistent/train.py"], "script /nonexistent/train.py: no such file"),
+])
+def test_runner_bad_arguments_are_one_line(argv, needle):
+    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", *argv], capture_output=True, text=True, timeout=60,
+                       env=base_env(), cwd=REPO)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_runner_runs_a_script_as_main_with_its_argv_and_path(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text("import sys, os\nprint('ARGV', sys.argv[1:], os.path.dirname(sys.path[0]) != '', "
+                      "__name__)\nsys.exit(7)\n")
+    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), "a", "--b=c"], capture_output=True,
+                       text=True, timeout=60, env=base_env(), cwd=REPO)
+    assert r.returncode == 7 and "ARGV ['a', '--b=c'] True __main__" in r.stdout, r.stdout + r.stderr
+
+
+def test_runner_reports_a_section_that_nothing_attached(tmp_path):
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
+    script = tmp_path / "noop.py"
+    script.write_text("print('did nothing')\n")
+    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), "--deepspeed", str(cfg)],
+                       capture_output=True, text=True, timeout=120, env=base_env(), cwd=REPO)
+    assert r.returncode == 3 and "no engine of this process attached the extension" in r.stderr, r.stderr
+
+
+def test_init_process_group_once_returns_when_a_group_exists(monkeypatch):
+    import torch.distributed as dist
+
+    from deadpool_ext import patches
+
+    p = patches.get("torch_init_process_group_once")
+    calls = []
+    import torch.distributed.distributed_c10d as c10d
+
+    monkeypatch.setattr(c10d, "init_process_group", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(dist, "init_process_group", c10d.init_process_group)
+    p.apply()
+    try:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+        monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+        assert dist.init_process_group("gloo") is None and calls == []
+        monkeypatch.setattr(dist, "is_initialized", lambda: False)
+        dist.init_process_group(backend="gloo")
+        assert calls == [{"backend": "gloo"}]  # no group yet: torch's own function
+    finally:
+        p.revert()
+
+
+def test_trainer_resume_patch_skips_finished_epochs_and_fast_forwards(monkeypatch):
+    from transformers import trainer as tm
+
+    from deadpool_ext import patches
+
+    seen = []
+
+    def fake_prepare(self, max_steps, dl, resume_from_checkpoint):
+        return "model", dl
+
+    def fake_run_epoch(self, **kw):
+        seen.append((kw["epoch"], kw["epochs_trained"], kw["steps_trained_in_current_epoch"],
+                     kw["resume_from_checkpoint"]))
+
+    monkeypatch.setattr(tm.Trainer, "_prepare_for_training", fake_prepare)
+    monkeypatch.setattr(tm.Trainer, "_run_epoch", fake_run_epoch)
+    p = patches.get("transformers_trainer_resume")
+    p._resume = None
+    p.set_resume(lambda trainer: 7)
+    p.apply()
+    try:
+        t = types.SimpleNamespace(state=types.SimpleNamespace(global_step=0),
+                                  args=types.SimpleNamespace(gradient_accumulation_steps=2))
+        assert tm.Trainer._prepare_for_training(t, 10, "dl", None) == ("model", "dl")
+        assert t.state.global_step == 7
+        for epoch in range(3):  # 3 update steps per epoch: step 7 = epoch 2, 1 step (2 batches) into it
+            tm.Trainer._run_epoch(t, epoch=epoch, num_update_steps_per_epoch=3, epochs_trained=0,
+                                  steps_trained_in_current_epoch=0, resume_from_checkpoint=None)
+        tm.Trainer._run_epoch(t, epoch=3, num_update_steps_per_epoch=3, epochs_trained=0,
+                              steps_trained_in_current_epoch=0, resume_from_checkpoint=None)
+        assert seen == [(2, 2, 2, "<deadpool memory>"), (3, 0, 0, None)]
+        # the Trainer's own resume_from_checkpoint path: the extension's resume is not called
+        t2 = types.SimpleNamespace(state=types.SimpleNamespace(global_step=5), args=t.args)
+        tm.Trainer._prepare_for_training(t2, 10, "dl", "/ckpt/checkpoint-5")
+        assert t2.state.global_step == 5
+    finally:
+        p.revert()
