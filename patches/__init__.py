@@ -28,6 +28,7 @@ REGISTRY: dict[str, str] = {
     "deepspeed_initialize_hook": "deepspeed_initialize_hook",
     "torch_init_process_group_once": "torch_init_process_group_once",
     "transformers_trainer_resume": "transformers_trainer_resume",
+    "transformers_trainer_logs": "transformers_trainer_logs",
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 

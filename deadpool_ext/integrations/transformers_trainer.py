@@ -33,20 +33,31 @@ def resume_trainer(trainer: Any) -> int | None:
     return int(step)
 
 
+def trainer_metrics(trainer: Any) -> dict[str, float]:
+    """``deadpool/<metric>`` for the Trainer's log entries (snapshot blocking, size, commit lag, memory)."""
+    runtime = getattr(getattr(trainer, "model_wrapped", None), "deadpool", None)
+    snapshots = getattr(runtime, "snapshots", None)
+    if snapshots is None:
+        return {}
+    return {f"deadpool/{k}": round(v, 4) for k, v in snapshots.metrics(int(trainer.state.global_step)).items()}
+
+
 def install(*, lazy: bool = True) -> None:
-    """Apply the Trainer patch once ``transformers.trainer`` is imported (now with ``lazy=False``)."""
+    """Apply the Trainer patches once ``transformers.trainer`` is imported (now with ``lazy=False``)."""
 
     def now() -> None:
         from .. import patches  # type: ignore[attr-defined]
 
-        p = patches.get("transformers_trainer_resume")
-        if p.applied:
+        resume, logs = patches.get("transformers_trainer_resume"), patches.get("transformers_trainer_logs")
+        if resume.applied:
             return
-        p.set_resume(resume_trainer)
+        resume.set_resume(resume_trainer)
+        logs.set_extra(trainer_metrics)
         try:
-            p.apply()
+            patches.apply_all(["transformers_trainer_resume", "transformers_trainer_logs"])
         except patches.UnsupportedVersionError as exc:
-            log.warning("HF Trainer: %s; a restarted Trainer job starts from its own checkpoints only", exc)
+            log.warning("HF Trainer: %s; a restarted Trainer job starts from its own checkpoints only, and its logs "
+                        "carry no deadpool metrics", exc)
 
     if lazy:
         after_import("transformers.trainer", now)

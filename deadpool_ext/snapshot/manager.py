@@ -309,6 +309,22 @@ class SnapshotManager(MemoryRestore):
         return total + (self.dpeers.held_nbytes() if self.dpeers is not None else 0)
 
     # -- misc -------------------------------------------------------------------------------------------
+    def metrics(self, step: int) -> dict[str, float]:
+        """A few numbers for a training job's own logs (DeepSpeed's monitor, the HF Trainer's logs), cheap enough
+        for every step: the blocking time of the newest snapshot whose wait is complete, the newest base's size,
+        how many steps the newest globally committed version is behind ``step``, and the snapshot memory."""
+        blocking = self._stats["blocking_s"]
+        out: dict[str, float] = {"snapshot_memory_mb": self.memory_bytes() / 2**20}
+        if len(blocking) >= 2:
+            out["blocking_ms"] = blocking[-2] * 1000.0
+        if self._stats["base_nbytes"] is not None:
+            out["snapshot_mb"] = self._stats["base_nbytes"] / 2**20
+        if self.committed_version is not None:
+            out["commit_lag_steps"] = float(step - self.committed_version)
+        if self._stats.get("restore_s") is not None:
+            out["restore_s"] = float(self._stats["restore_s"])
+        return out
+
     def stats(self) -> dict[str, Any]:
         st = dict(self._stats)
         for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s"):

@@ -89,7 +89,19 @@ class DeadpoolRuntime(ResilientRuntime):
             self.snapshots.after_step()
         if self.persist is not None:
             self.persist.after_step()  # tier 3 (collective every persist.interval steps)
+        self._report_to_monitor()
         self._after_snapshot()
+
+    def _report_to_monitor(self) -> None:
+        """Snapshot metrics through DeepSpeed's monitor (its ``tensorboard`` / ``wandb`` / ``csv_monitor`` /
+        ``comet`` config sections; rank 0 writes), as ``Deadpool/<metric>`` against ``global_samples`` like
+        DeepSpeed's own ``Train/Samples/*`` events."""
+        monitor = getattr(self.engine, "monitor", None)
+        if self.snapshots is None or monitor is None or not getattr(monitor, "enabled", False):
+            return
+        step = self.step_counter()
+        samples = int(getattr(self.engine, "global_samples", step))
+        monitor.write_events([(f"Deadpool/{k}", v, samples) for k, v in self.snapshots.metrics(step).items()])
 
     def step_counter(self) -> int:
         return int(self.engine.global_steps)
