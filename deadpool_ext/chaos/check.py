@@ -136,7 +136,12 @@ def _corruption_problems(tr: TrialRun, output: str) -> list[str]:
     for rec in tr.injected:
         for c in rec.get("corrupted", []):
             if c["tier"] == 1:
-                if (c["index"], c["rank"]) not in t1:
+                # The same rule as for replicas: the restore checks the copies it uses. A corrupt slot whose version
+                # no restore chose (the agreed version was older: the lost rank's copies of the newest were torn by
+                # the kill) is never read and need not be reported; one that a restore of its version took from
+                # this rank's own memory must have been refused before use (and then fetched from a peer).
+                used_it = any(version == c["version"] for version, _ in restores)
+                if (c["index"], c["rank"]) not in t1 and used_it:
                     problems.append(f"corrupt tier-1 slot {c['index']} of rank {c['rank']} (step {c['version']}) "
                                     f"was never reported unusable")
                     # ...and used, if a restore of that version did not fetch this rank from a peer

@@ -14,7 +14,18 @@ import pytest
 from deadpool_ext.commands.check import all_problems
 from deadpool_ext.integrations import deepspeed_hook as hook
 from deadpool_ext.integrations.importhook import after_import
+from deadpool_ext.launcher import contract
 from deadpool_ext.testing.launch import REPO, base_env
+
+
+def _no_launcher_env() -> dict[str, str]:
+    """The test process's environment without any launcher's variables (an earlier in-process test may have set
+    MASTER_ADDR and friends): the runner must see a plain, unlaunched process."""
+    env = base_env()
+    for k in (contract.RANK, contract.WORLD_SIZE, contract.LOCAL_RANK, contract.MASTER_ADDR, contract.MASTER_PORT,
+              contract.RESTART_COUNT, contract.USE_AGENT_STORE, contract.STORE):
+        env.pop(k, None)
+    return env
 
 
 @pytest.fixture
@@ -97,7 +108,7 @@ def test_check_names_every_bad_key_not_only_the_first():
 ])
 def test_runner_bad_arguments_are_one_line(argv, needle):
     r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", *argv], capture_output=True, text=True, timeout=60,
-                       env=base_env(), cwd=REPO)
+                       env=_no_launcher_env(), cwd=REPO)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -106,7 +117,7 @@ def test_runner_runs_a_script_as_main_with_its_argv_and_path(tmp_path):
     script.write_text("import sys, os\nprint('ARGV', sys.argv[1:], os.path.dirname(sys.path[0]) != '', "
                       "__name__)\nsys.exit(7)\n")
     r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), "a", "--b=c"], capture_output=True,
-                       text=True, timeout=60, env=base_env(), cwd=REPO)
+                       text=True, timeout=60, env=_no_launcher_env(), cwd=REPO)
     assert r.returncode == 7 and "ARGV ['a', '--b=c'] True __main__" in r.stdout, r.stdout + r.stderr
 
 
@@ -116,7 +127,7 @@ def test_runner_reports_a_section_that_nothing_attached(tmp_path):
     script = tmp_path / "noop.py"
     script.write_text("print('did nothing')\n")
     r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), "--deepspeed", str(cfg)],
-                       capture_output=True, text=True, timeout=120, env=base_env(), cwd=REPO)
+                       capture_output=True, text=True, timeout=120, env=_no_launcher_env(), cwd=REPO)
     assert r.returncode == 3 and "no engine of this process attached the extension" in r.stderr, r.stderr
 
 

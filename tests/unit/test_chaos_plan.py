@@ -144,3 +144,21 @@ def test_checker_requires_a_report_only_for_a_corrupt_replica_a_restore_read():
     assert not run(not_read, injected(False)).ok  # the lost rank's own replica must always be reported
     reported = "tier 2: replica buffer 1 of rank 2 held here is unusable (checksum mismatch)\n" + read
     assert run(reported, injected(True)).ok
+
+
+def test_checker_requires_a_report_only_for_a_corrupt_slot_whose_version_was_restored():
+    # The corrupted slot holds step 7, but the agreed version was 6 (the lost rank's copies of 7 were torn by the
+    # kill): the slot is never read, so nothing must report it; a restore of step 7 must have refused it.
+    sc = plan_trial(0, 0, layouts=["zero3"], faults=[Fault.CORRUPT_TIER1])
+    base = {s: 1.0 / s for s in range(1, sc.iters + 1)}
+    swap = [{"event": "assignment", "generation": 1}]
+    inj = [{"action": "y", "fired": True, "corrupted": [
+        {"tier": 1, "rank": 2, "index": 0, "version": 7, "file": "f", "path": "p"}]}]
+
+    def run(log: str):
+        return check_trial(TrialRun(scenario=sc, first=_run(base, log, swap), relaunch=None, injected=inj,
+                                    workdir="."), base)
+    assert run("restoring step 6: 2 rank(s) from own memory, 1 from peer replicas {0: 1}\n").ok
+    v = run("restoring step 7: 2 rank(s) from own memory, 1 from peer replicas {0: 1}\n")
+    assert not v.ok and any("never reported unusable" in p for p in v.problems)
+    assert any("own (corrupt) memory" in p for p in v.problems)
