@@ -37,7 +37,7 @@ class ByteChunks(torch.utils.data.Dataset):
 
 
 class Losses(TrainerCallback):
-    """Rank 0 writes {"step", "loss"} per logged step (JSON lines)."""
+    """Rank 0 writes {"step", "loss", other metrics of the entry} per logged step (JSON lines)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -45,7 +45,7 @@ class Losses(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - the Trainer's signature
         if self.path and state.is_world_process_zero and logs and "loss" in logs:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
+                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
 
 
 def main() -> None:

@@ -96,6 +96,11 @@ def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path,
     stats = _summary(res, "hf_trainer")["deadpool"]
     assert stats and stats["committed_version"] == 4, stats
     assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+    # the snapshot metrics joined the Trainer's own log entries (what log_history and reporting callbacks see)
+    with open(os.path.join(str(tmp_path), "runner.jsonl")) as fh:
+        entries = [json.loads(line) for line in fh if line.strip()]
+    assert all("deadpool/snapshot_memory_mb" in e and "deadpool/commit_lag_steps" in e for e in entries), entries
+    assert entries[-1]["deadpool/blocking_ms"] >= 0 and entries[-1]["deadpool/commit_lag_steps"] <= 1, entries[-1]
 
 
 def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
@@ -170,3 +175,22 @@ def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_
     stats = _summary(res, "accelerate_loop")["deadpool"]
     assert stats and stats["committed_version"] == 4, stats
     assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+
+
+def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):
+    cfg_path = _config(tmp_path, shm_root)
+    with open(cfg_path) as fh:
+        cfg = json.load(fh)
+    cfg["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "own"}
+    with open(cfg_path, "w") as fh:
+        json.dump(cfg, fh)
+    res, _ = _job(tmp_path, "monitor", OWN_LOOP, ["--deepspeed_config", cfg_path, "--steps", "4"])
+    assert res.returncode == 0, res.output[-3000:]
+    d = tmp_path / "csv" / "own"
+    files = sorted(p.name for p in d.iterdir())
+    for name in ("Deadpool_blocking_ms.csv", "Deadpool_commit_lag_steps.csv", "Deadpool_snapshot_mb.csv",
+                 "Deadpool_snapshot_memory_mb.csv"):
+        assert name in files, files
+    rows = (d / "Deadpool_commit_lag_steps.csv").read_text().splitlines()
+    assert len(rows) == 1 + 4 and rows[0].split(",")[0] == "step", rows  # a header, one row per optimizer step
+    assert all(0 <= float(r.split(",")[1]) <= 2 for r in rows[1:]), rows
