@@ -63,6 +63,11 @@ class SnapshotConfig:
     background: bool = True
     """Copy in a background worker overlapped with the next iteration (the design). ``false`` copies inline
     in ``after_step``: a debugging aid and the baseline the benchmark compares against."""
+    worker_priority: str = "idle"
+    """CPU priority of the background snapshot worker thread (copy, checksums, replication, commit): ``idle``
+    (Linux ``SCHED_IDLE``: it runs only on cycles nothing else wants, e.g. while ranks wait in collectives; where
+    unavailable, nice 19), ``low`` (nice 19) or ``normal`` (as the training threads). The step still waits for a
+    copy the next optimizer step would overwrite, and that wait is counted as blocking time."""
     derive_params: bool = True
     """Do not copy DeepSpeed's low-precision parameter buffers: after every step they are the fp32 masters cast
     to their dtype, so a restore rebuilds them the same way and checks the result against checksums taken at
@@ -72,6 +77,8 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         _integer("interval", self.interval, 1)
         _integer("chunk_mb", self.chunk_mb, 1, MAX_CHUNK_MB)
+        if not isinstance(self.worker_priority, str) or self.worker_priority not in ("idle", "low", "normal"):
+            _fail("worker_priority", f"must be one of idle, low, normal; got {_show(self.worker_priority)}")
 
 
 @dataclass(kw_only=True, slots=True)

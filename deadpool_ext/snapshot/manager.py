@@ -35,6 +35,7 @@ from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
+from .priority import lower_thread_priority
 from .restore import MemoryRestore
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter
@@ -179,6 +180,7 @@ class SnapshotManager(MemoryRestore):
 
     # -- worker ----------------------------------------------------------------------------------------
     def _worker(self) -> None:
+        self._stats["worker_priority"] = lower_thread_priority(self.config.snapshot.worker_priority)
         while True:
             job = self._queue.get()
             if job is None:
