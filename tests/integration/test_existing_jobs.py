@@ -60,6 +60,21 @@ def _summary(res, tag: str) -> dict:
     return json.JSONDecoder().raw_decode(lines[-1][len(f"[{tag}] summary "):])[0]
 
 
+def _plain_then_runner(tmp_path, script: str, tag: str, args: list[str]) -> None:
+    """The same script and config (with a section) under plain torchrun, then through the runner: plain ignores
+    the section; the runner attaches (through Accelerate), commits a snapshot every step, and trains bit for bit
+    like plain (4 steps)."""
+    plain, plain_losses = _job(tmp_path, "plain", script, args)
+    assert plain.returncode == 0, plain.output[-3000:]
+    assert _summary(plain, tag)["deadpool"] is None  # plain torchrun: DeepSpeed dropped the section
+    res, losses = _job(tmp_path, "runner", script, args, runner=True)
+    assert res.returncode == 0, res.output[-4000:]
+    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
+    stats = _summary(res, tag)["deadpool"]
+    assert stats and stats["committed_version"] == 4, stats
+    assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+
+
 def _same_trajectory(losses: dict, ref: dict, *, killed: int, last: int) -> None:
     """Every logged loss equals the uninterrupted run's, bit for bit (redone steps included), and every step is
     logged but possibly the killed one: the kill fires inside its optimizer step, before the script logs it, and
@@ -85,17 +100,8 @@ def test_own_loop_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
 def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
     args = ["--max-steps", "4", "--output-dir", str(tmp_path / "out")]
     hf_base = "configs/hf_trainer_zero3_cpu.json"
-    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base),
-                                                                *args])
-    assert plain.returncode == 0, plain.output[-3000:]
-    assert _summary(plain, "hf_trainer")["deadpool"] is None  # plain torchrun: DeepSpeed dropped the section
-    res, losses = _job(tmp_path, "runner", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base), *args],
-                       runner=True)
-    assert res.returncode == 0, res.output[-4000:]
-    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
-    stats = _summary(res, "hf_trainer")["deadpool"]
-    assert stats and stats["committed_version"] == 4, stats
-    assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+    _plain_then_runner(tmp_path, HF_TRAINER, "hf_trainer", ["--deepspeed", _config(tmp_path, shm_root, hf_base),
+                                                             *args])
     # the snapshot metrics joined the Trainer's own log entries (what log_history and reporting callbacks see)
     with open(os.path.join(str(tmp_path), "runner.jsonl")) as fh:
         entries = [json.loads(line) for line in fh if line.strip()]
@@ -165,17 +171,8 @@ def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
 
 def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
     script, base = "scripts/examples/accelerate_loop.py", "configs/gpt_tiny_zero3_cpu_noopt.json"
-    plain, plain_losses = _job(tmp_path, "plain", script, ["--deepspeed", _config(tmp_path, shm_root, base),
-                                                            "--steps", "4"])
-    assert plain.returncode == 0, plain.output[-3000:]
-    assert _summary(plain, "accelerate_loop")["deadpool"] is None
-    res, losses = _job(tmp_path, "runner", script, ["--deepspeed", _config(tmp_path, shm_root, base), "--steps", "4"],
-                       runner=True)
-    assert res.returncode == 0, res.output[-4000:]
-    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
-    stats = _summary(res, "accelerate_loop")["deadpool"]
-    assert stats and stats["committed_version"] == 4, stats
-    assert sorted(losses) == [1, 2, 3, 4] and losses == plain_losses
+    _plain_then_runner(tmp_path, script, "accelerate_loop", ["--deepspeed", _config(tmp_path, shm_root, base),
+                                                              "--steps", "4"])
 
 
 def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):
