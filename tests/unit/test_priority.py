@@ -40,6 +40,6 @@ def test_low_is_nice_19_and_normal_changes_nothing():
 
 
 def test_worker_priority_is_checked():
-    assert DeadpoolConfig.from_dict({}).snapshot.worker_priority == "idle"
+    assert DeadpoolConfig.from_dict({}).snapshot.worker_priority == "normal"  # idle starves on a saturated host
     with pytest.raises(ConfigError, match="deadpool.snapshot.worker_priority: must be one of idle, low, normal"):
         DeadpoolConfig.from_dict({"snapshot": {"worker_priority": "realtime"}})
