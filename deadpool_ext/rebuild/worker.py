@@ -199,7 +199,10 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
     pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
     _reset_group_names()
-    dist.init_process_group(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
+    # torch's own function, never a wrapper around it (the runner makes a *script's* call a no-op once a group
+    # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
+    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    init(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
 
 
