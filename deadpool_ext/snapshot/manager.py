@@ -56,6 +56,18 @@ class _Job:
         self.done = threading.Event()
 
 
+TIMING_WINDOW = 50_000
+"""Per-snapshot timings kept for ``stats()`` (medians, maxima): the newest 50,000-100,000 of each kind, so a job of
+millions of steps does not grow a list per step (about 4 MB per kind at most)."""
+
+
+def trim_window(values: list[float], window: int = TIMING_WINDOW) -> None:
+    """Drop the oldest entries of ``values`` once it holds more than twice ``window`` (amortised O(1) per append;
+    positions move only past that length, so a benchmark slicing a shorter run is unaffected)."""
+    if len(values) > 2 * window:
+        del values[:len(values) - window]
+
+
 class SnapshotManager(MemoryRestore):
     def __init__(self, adapter: RankStateAdapter, config: DeadpoolConfig, placement: NodePlacement) -> None:
         self.adapter = adapter
@@ -168,6 +180,7 @@ class SnapshotManager(MemoryRestore):
         job = _Job(snap, slot, event, kind)
         self._inflight = job
         self._stats["blocking_s"].append(0.0)
+        trim_window(self._stats["blocking_s"])
         if self._thread is not None:
             self._queue.put(job)
         else:
@@ -242,10 +255,9 @@ class SnapshotManager(MemoryRestore):
         st = self._stats
         st["diffs" if diff else "snapshots"] += 1
         st["diff_nbytes" if diff else "base_nbytes"] = blob_len
-        st["copy_s"].append(t1 - t0)
-        st["seal_s"].append(t2 - t1)
-        st["replicate_s"].append(t3 - t2)
-        st["commit_s"].append(t4 - t3)
+        for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3)):
+            st[key].append(value)
+            trim_window(st[key])
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:

@@ -63,3 +63,17 @@ def test_reseal_after_invalidate_keeps_slot_readable_with_new_version(tmp_path):
     w.copy(snap2)
     w.seal(snap2)
     assert probe_slot(seg.buf, verify=True)[0]["version"] == 4
+
+
+def test_timings_are_a_bounded_window():
+    from deadpool_ext.snapshot.manager import trim_window
+
+    values: list[float] = []
+    for i in range(1000):
+        values.append(float(i))
+        trim_window(values, window=100)
+        assert len(values) <= 200
+    assert values[-1] == 999.0 and values == [float(i) for i in range(1000 - len(values), 1000)]
+    short = [1.0, 2.0]
+    trim_window(short, window=100)
+    assert short == [1.0, 2.0]
