@@ -28,4 +28,7 @@ def test_seeded_chaos_subset(tmp_path):
     assert s["failed"] == 0, table
     assert s["faults_injected"] >= 5, table  # 3 kills + at least 2 corruptions actually landed
     assert s["hot_swaps"] >= 3, table
-    assert s["refused"]["tier1"] >= 1, table  # a corrupt slot was reported unusable, never restored
+    # Every corrupt copy a restore used was refused first, and none was restored: the per-trial oracle
+    # (chaos/check.py, counted in "failed") and the loss comparison ("state_mismatches"). How many copies are
+    # refused depends on where the kill lands: a corrupted newest slot whose version no restore chose (the lost
+    # rank had not completed it) is never read, so a count of refusals is not asserted here.
