@@ -55,9 +55,6 @@ def main() -> None:
         dp = getattr(model, "deadpool", None)
         print(f"[accelerate_loop] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}",
               flush=True)
-    accelerator.end_training()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a clean exit (gloo's threads otherwise abort at interpreter exit)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,6 @@ def main() -> None:
     if trainer.is_world_process_zero():
         dp = getattr(engine, "deadpool", None)
         print(f"[hf_trainer] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}", flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # a clean exit (gloo's threads otherwise abort at interpreter exit)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,15 @@ def _job(tmp_path, name: str, script: str, args: list[str], *, runner: bool = Fa
     return res, read_metrics(metrics)
 
 
+def _finished(res, tag: str) -> bool:
+    """The job trained to the end: exit status 0, or - for a reference run under plain torchrun, whose code is not
+    under test - the summary printed and then gloo's known abort at interpreter exit ("terminate called without an
+    active exception", seen once in several runs of the plain HF Trainer script)."""
+    if res.returncode == 0:
+        return True
+    return f"[{tag}] summary " in res.output and "terminate called without an active exception" in res.output
+
+
 def _summary(res, tag: str) -> dict:
     lines = [ln for ln in res.output.splitlines() if ln.startswith(f"[{tag}] summary ")]
     assert lines, res.output[-3000:]
@@ -65,7 +74,7 @@ def _plain_then_runner(tmp_path, script: str, tag: str, args: list[str]) -> None
     the section; the runner attaches (through Accelerate), commits a snapshot every step, and trains bit for bit
     like plain (4 steps)."""
     plain, plain_losses = _job(tmp_path, "plain", script, args)
-    assert plain.returncode == 0, plain.output[-3000:]
+    assert _finished(plain, tag), plain.output[-3000:]
     assert _summary(plain, tag)["deadpool"] is None  # plain torchrun: DeepSpeed dropped the section
     res, losses = _job(tmp_path, "runner", script, args, runner=True)
     assert res.returncode == 0, res.output[-4000:]
@@ -116,7 +125,7 @@ def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
     hf_base = "configs/hf_trainer_zero3_cpu.json"
     plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
                                                                 *args])
-    assert plain.returncode == 0, plain.output[-3000:]
+    assert _finished(plain, "hf_trainer"), plain.output[-3000:]
     res, losses = _job(tmp_path, "restart", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base), *args],
                        runner=True, max_restarts=1, inject=kill_at(4))
     assert res.returncode == 0, res.output[-4000:]
