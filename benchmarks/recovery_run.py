@@ -106,6 +106,8 @@ def write_config(path: str, size: str, d: dict[str, Any], shm_root: str | None) 
     if shm_root is not None:
         cfg["deadpool"] = {"enabled": True, "snapshot": {"interval": 1}, "replication": {"factor": 1},
                            "local": {"shm_root": shm_root}}
+        for key, value in d.get("deadpool", {}).items():  # per-benchmark overrides (bench_inplace_swap's mode)
+            cfg["deadpool"].setdefault(key, {}).update(value)
     write_text(path, json.dumps(cfg, indent=2))
     return cfg
 

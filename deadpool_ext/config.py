@@ -159,6 +159,11 @@ class HotSwapConfig:
     teardown_timeout_s: float = 30.0
     """Deadline for destroying the old process groups on a survivor; past it the survivor leaves and is
     replaced like a failed node (never a silent hang)."""
+    in_place: bool = True
+    """DeepSpeed engines: survivors keep their engine, optimizer and scheduler objects; only the communicators
+    beneath their process groups are replaced (``rebuild/swap.py``) and the state is restored in place, and the
+    spare builds its engine locally before joining. ``false``: every rank rebuilds its engine through the
+    script's ``set_rebuild`` factory (the older path). Megatron-Core jobs always rebuild."""
 
     def __post_init__(self) -> None:
         _seconds("teardown_timeout_s", self.teardown_timeout_s)

@@ -64,14 +64,15 @@ def on_spare_wait(fn: Callable[[], None]) -> None:
         _spare_warmups.append(fn)
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None, *, in_place: bool = False) -> None:
     """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
     deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
     to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node.
 
     ``timeout_s``: the collective timeout; pass the config's ``hot_swap.collective_timeout_s`` (under
     deadpool-run it is only the backstop: the launcher's next generation cuts a dead one). Default: that key's
-    default under deadpool-run, 300 s otherwise."""
+    default under deadpool-run, 300 s otherwise. ``in_place``: the config's ``hot_swap.in_place`` where the
+    integration supports it (DeepSpeed): under deadpool-run the groups are swappable (``rebuild/swap.py``)."""
     global _membership
     if dist.is_initialized():
         return
@@ -94,7 +95,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None)
         while True:
             assignment = _membership.join(min_gen, timeout_s=wait_s)
             try:
-                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout)
+                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout,
+                                   in_place=in_place)
                 return
             except RuntimeError as exc:
                 # A peer died while this generation was forming (e.g. a spare joining as another node fails):

@@ -99,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env.hot_swap is not None or (configs and not env.missing_for_init()):
         from .distributed import init_distributed
 
-        init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None)
+        init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None,
+                         in_place=cfg is not None and cfg.enabled and cfg.hot_swap.in_place)
         from . import patches  # type: ignore[attr-defined]
 
         patches.get("torch_init_process_group_once").apply()

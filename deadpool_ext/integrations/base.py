@@ -69,6 +69,9 @@ class ResilientRuntime(ABC):
 
     what_recovers: ClassVar[str] = "rebuilding communicators"
     """How the survivor's log line names the in-process rebuild."""
+    swaps_in_place: ClassVar[bool] = False
+    """The framework's objects survive a swap of the communicators beneath them (``rebuild/swap.py``): the
+    subclass implements :meth:`_abandon_step` and :meth:`_handle`."""
     step_name: ClassVar[str] = "step"
     attached_total: ClassVar[int] = 0
     """Runtimes created in this process (any framework): ``python -m deadpool_ext.run`` checks it at exit."""
@@ -87,6 +90,9 @@ class ResilientRuntime(ABC):
         self._catch_up: tuple[int, float] | None = None
         self._spare_logged = False
         self._hot_swap = membership() is not None and config.hot_swap.enabled
+        from ..rebuild import swap
+
+        self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
         self.snapshots: SnapshotManager | None = (
             SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
         atexit.register(self.close)
@@ -109,6 +115,14 @@ class ResilientRuntime(ABC):
     @abstractmethod
     def _runtime_of(self, handle: Any) -> ResilientRuntime:
         """The runtime attached to a handle that :meth:`_rebuild` returned."""
+
+    def _abandon_step(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
+        """In-place hot-swap: drop what the interrupted step left half done (gathered parameters, gradient
+        buckets, accumulated gradients), without any collective; the restore then overwrites the state."""
+
+    def _handle(self) -> Any:
+        """In-place hot-swap: the loop's handle, which stays the same object (the engine)."""
+        raise NotImplementedError(f"{type(self).__name__} does not swap in place")
 
     def _release_partial(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
         """Drop what a rebuild built on a generation that failed while forming (before its teardown)."""
@@ -169,6 +183,10 @@ class ResilientRuntime(ABC):
         ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
         newer version, and a memory state no version of which every rank can rebuild falls back to that base
         (logged) instead of failing the job."""
+        from ..rebuild import worker
+
+        if worker.pending_live():
+            self._go_live()
         if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
             return self.step_counter()
         t0 = time.perf_counter()
@@ -183,6 +201,18 @@ class ResilientRuntime(ABC):
         return version
 
     # -- hot-swap -------------------------------------------------------------------------------------
+    def _go_live(self) -> None:
+        """A process whose engine was built solo (a spare taking a node's place) joins the survivors'
+        communicators, then the snapshot manager's placement is redone: what the survivors do in
+        :meth:`_recover_in_place`, collective for collective."""
+        from ..rebuild import worker
+
+        worker.go_live_pending(self.config.hot_swap.assignment_timeout_s, after=self._rewire_snapshots)
+
+    def _rewire_snapshots(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.rewire(placement_for(self.config, worker_env()))
+
     def set_rebuild(self, factory: Callable[[], Any]) -> None:
         """``factory()`` rebuilds on the current world and returns the loop's handle (see the call order)."""
         self._factory = factory
@@ -190,11 +220,14 @@ class ResilientRuntime(ABC):
     def can_recover(self, exc: BaseException) -> bool:
         """Whether ``recover(exc)`` applies: under deadpool-run with hot-swap on, a rebuild factory set, and a
         failure of the kind a lost peer causes (a collective error or the launcher's notice)."""
-        return self._hot_swap and self._factory is not None and isinstance(exc, (RuntimeError, OSError))
+        return (self._hot_swap and (self._in_place or self._factory is not None)
+                and isinstance(exc, (RuntimeError, OSError)))
 
     def recover(self, exc: BaseException) -> Any:
         """Survivor side of hot-swap (``rebuild/recover.py``): returns the handle of the rebuilt world. The
         process and everything outside the framework's objects (data, metrics files) stay."""
+        if self._in_place:
+            return self._recover_in_place(exc)
         hc = self.config.hot_swap
         factory = self._factory
         if factory is None:
@@ -215,6 +248,25 @@ class ResilientRuntime(ABC):
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
         protocol.finish(begun, r, old_rank=old_rank)
         return r.result
+
+    def _recover_in_place(self, exc: BaseException) -> Any:
+        """Survivor side of an in-place hot-swap: this runtime, its engine and every object holding them stay;
+        the communicators are replaced beneath the process groups, the snapshot placement redone, the state
+        restored in place (every rank, the spare included, at the same points)."""
+        from ..rebuild.worker import detach_generation
+
+        hc = self.config.hot_swap
+        begun = protocol.begin(hc, exc, self.step_counter(), "swapping the communicators beneath the engine")
+        old_rank = self.rank
+        detach_generation("recovery")
+        if self.snapshots is not None:
+            self.snapshots.stop_worker(hc.teardown_timeout_s)
+        self._abandon_step()
+        r = protocol.rejoin(hc, begun, in_place=True, build=lambda _a: self._rewire_snapshots(),
+                            resume=lambda _h: self.resume())
+        self._expect_catch_up(begun.failed_step + 1, r.restored_at)
+        protocol.finish(begun, r, old_rank=old_rank, in_place=True)
+        return self._handle()
 
     def _expect_catch_up(self, step: int, since: float) -> None:
         """Write the ``caught_up`` timeline event once ``step`` is completed again (after a recovery)."""

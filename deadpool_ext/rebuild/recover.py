@@ -120,39 +120,51 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
 
 
 def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
-           release: Callable[[], None] = lambda: None) -> Rejoined[T]:
+           release: Callable[[], None] = lambda: None, in_place: bool = False) -> Rejoined[T]:
     """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
 
     ``release()`` drops framework state built on a generation that failed while forming (called before each
-    teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised."""
+    teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised.
+    ``in_place``: the process groups stay and only their communicators are replaced (``rebuild/swap.py``):
+    "tear down" parks the dead generation's communicators, "build the process group" swaps new ones in."""
     from ..distributed import default_backend
-    from .worker import init_process_group, teardown
+    from . import swap
+    from .worker import detach_generation, init_process_group, swap_into, teardown
+
+    def leave() -> None:
+        if in_place:
+            detach_generation("recovery")
+        else:
+            teardown(hc.teardown_timeout_s)
+            gc.collect()
 
     m = begun.membership
-    teardown(hc.teardown_timeout_s)
-    gc.collect()
+    leave()
     min_gen = begun.generation + 1
     while True:
         a = m.join(min_gen, timeout_s=hc.assignment_timeout_s)
         t_assigned = time.time()
         try:
-            init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
+            if in_place:
+                swap_into(a, m.worker_id, hc.collective_timeout_s)
+            else:
+                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
             t_pg = time.time()
             result = build(a)
             t_engine = time.time()
             version = resume(result)
             return Rejoined(result=result, assignment=a, version=version, assigned_at=t_assigned, pg_ready_at=t_pg,
                             engine_ready_at=t_engine, restored_at=time.time())
-        except RecoveryError:
-            raise  # not transient: resume() already told the launcher
+        except (RecoveryError, swap.SwapError) as fatal:
+            m.report_fatal(str(fatal))
+            raise  # not transient: state is gone, or the groups cannot be swapped
         except (RuntimeError, OSError) as again:
             log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment", a.generation,
                         " ".join(str(again).split())[:300])
             m.report_failure(a.generation, repr(again))
             result = None
             release()
-            teardown(hc.teardown_timeout_s)
-            gc.collect()
+            leave()
             min_gen = a.generation + 1
 
 

@@ -185,25 +185,134 @@ def _abort_nccl_groups(why: str) -> None:
         log.debug("NCCL abort: %s", exc)
 
 
-def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float) -> None:
+def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float, *,
+                       in_place: bool = False) -> None:
+    """Build this process's default group for generation ``a``.
+
+    ``in_place`` (``hot_swap.in_place``): the groups are swappable (``rebuild/swap.py``). A process that builds
+    its first group in a generation after the first (a spare taking a node's place, or a worker whose first
+    generation failed while forming) builds it *solo*: the survivors keep their framework objects and do not
+    answer the collectives of an engine build, so the spare builds locally and goes live at its restore
+    (:func:`go_live_pending`)."""
+    global _pending_live
     rank = a.ranks[worker_id]
-    port = a.master_port
-    # For frameworks that read the world from the environment (DeepSpeed's init_distributed, device
-    # selection); deadpool_ext itself takes it from the assignment.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr, MASTER_PORT=str(port))
+    _export_world(a, rank)
     timeout = timedelta(seconds=timeout_s)
-    fence().begin(a.generation)
-    # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
-    # only released by that generation's collective timeout, and must still find the others waiting.
-    base = dist.TCPStore(a.master_addr, port, a.world_size, is_master=False, timeout=3 * timeout)
-    store = dist.PrefixStore(f"deadpool/gen{a.generation}", base)
-    pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
-    _reset_group_names()
     # torch's own function, never a wrapper around it (the runner makes a *script's* call a no-op once a group
     # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
     init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    _reset_group_names()
+    if in_place:
+        from . import swap
+
+        swap.use()
+        if a.generation > 0:
+            swap.set_mode("solo")
+            _pending_live = (a, worker_id, timeout_s)
+            init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size, timeout=timeout)
+            log.info("generation %d: rank %d of %d on node %s; building this rank's engine locally, it joins the "
+                     "survivors' communicators at its restore", a.generation, rank, a.world_size, a.nodes[worker_id])
+            return
+        swap.set_mode("live")
+        backend = swap.BACKEND
+    store = _generation_store(a, timeout)
     init(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
+
+
+def _export_world(a: Assignment, rank: int) -> None:
+    # For frameworks that read the world from the environment (DeepSpeed's init_distributed, device
+    # selection); deadpool_ext itself takes it from the assignment.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr,
+                      MASTER_PORT=str(a.master_port))
+
+
+def _generation_store(a: Assignment, timeout: timedelta) -> Any:
+    """The generation's c10d store (served by the launcher), prefixed by the generation so nothing of a dead
+    generation is ever read. Starts the fence's record of this generation's sockets."""
+    fence().begin(a.generation)
+    # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
+    # only released by that generation's collective timeout, and must still find the others waiting.
+    base = dist.TCPStore(a.master_addr, a.master_port, a.world_size, is_master=False, timeout=3 * timeout)
+    pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
+    return dist.PrefixStore(f"deadpool/gen{a.generation}", base)
+
+
+_pending_live: tuple[Assignment, str, float] | None = None
+
+
+def pending_live() -> bool:
+    """True in a process whose groups were built solo and have not joined their generation yet."""
+    return _pending_live is not None
+
+
+def go_live_pending(timeout_s: float, after: Callable[[], None] = lambda: None) -> Assignment:
+    """The solo-built process joins the survivors: its groups get the generation's communicators, then
+    ``after()`` (collective: the snapshot manager's rewire). A peer lost meanwhile: wait for the next
+    generation and try again (``timeout_s``: the wait for an assignment)."""
+    global _pending_live
+    from ..distributed import membership
+    from . import swap
+
+    assert _pending_live is not None
+    a, worker_id, collective_s = _pending_live
+    m = membership()
+    while True:
+        try:
+            swap_into(a, worker_id, collective_s)
+            after()
+            _pending_live = None
+            return a
+        except swap.SwapError:
+            raise
+        except (RuntimeError, OSError) as exc:
+            log.warning("generation %d: could not join the survivors (%s); waiting for the next assignment",
+                        a.generation, " ".join(str(exc).split())[:300])
+            if m is None:
+                raise
+            m.report_failure(a.generation, repr(exc))
+            detach_generation("joining failed")
+            a = m.join(a.generation + 1, timeout_s=timeout_s)
+
+
+def swap_into(a: Assignment, worker_id: str, timeout_s: float) -> None:
+    """Every swappable group of this process gets a communicator of generation ``a`` (collective on each group,
+    in creation order). The ranks' lists of groups are compared first, over the default group."""
+    from . import swap
+
+    rank = a.ranks[worker_id]
+    _export_world(a, rank)
+    store = _generation_store(a, timedelta(seconds=timeout_s))
+    swap.set_mode("live")
+    n = swap.go_live(store, a.generation, rank, check=_check_same_groups)
+    log.info("generation %d: rank %d of %d on node %s (%d process group(s) swapped in place)", a.generation, rank,
+             a.world_size, a.nodes[worker_id], n)
+
+
+def _check_same_groups() -> None:
+    """Every group a rank lists must be listed alike (name and members) by each of its members."""
+    from ..cluster.comm import allgather_json
+    from . import swap
+
+    mine = swap.describe()
+    everyone = allgather_json(mine)
+    for r, listed in enumerate(everyone):
+        for name, members in listed:
+            for m in members:
+                if [name, members] not in everyone[m]:
+                    raise swap.SwapError(
+                        f"process groups differ between ranks: rank {r} has group {name!r} of ranks {members}, "
+                        f"rank {m} does not (its groups: {everyone[m]}); set deadpool.hot_swap.in_place: false")
+
+
+def detach_generation(why: str) -> None:
+    """In-place path: cut the dead generation's connections and park its communicators (nothing destroyed)."""
+    from . import swap
+
+    f = fence()
+    if f.generation is not None:
+        f.cut(f.generation, why)
+    swap.detach(why)
 
 
 def _reset_group_names() -> None:

@@ -86,8 +86,25 @@ class SnapshotManager(MemoryRestore):
             claim_directory(self.dir, placement.launcher_pid, keep_s=keep)
             ensure_agent(self.dir, placement.launcher_pid, keep_s=keep)
         timeout = timedelta(seconds=max(config.replication.timeout_s, config.recovery.timeout_s))
-        # Snapshot traffic never shares a communicator with training collectives (which may be NCCL).
-        self.group = dist.new_group(backend="gloo", timeout=timeout)
+        # Snapshot traffic never shares a communicator with training collectives (which may be NCCL); swappable
+        # (in-place hot-swap) when the default group is.
+        from ..rebuild.swap import side_backend
+
+        self.group = dist.new_group(backend=side_backend(), timeout=timeout)
+        dc = config.differential
+        self.tap: GradTap | None = GradTap(adapter, dc.compression) if dc.enabled else None
+        self.chunk_bytes = config.snapshot.chunk_mb << 20
+        self._stream: torch.cuda.Stream | None = (
+            torch.cuda.Stream() if torch.cuda.is_available() else None)  # type: ignore[no-untyped-call]
+        self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
+                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
+        self._thread: threading.Thread | None = None
+        self._wire()
+
+    def _wire(self) -> None:
+        """Placement, memory and worker of the current world (collective on the side group): at construction and
+        again after an in-place hot-swap (:meth:`rewire`)."""
+        config = self.config
         # With a checkpoint key every blob crossing the peer channel is signed and checked (replicate/auth.py).
         signer = BlobSigner(checkpoint_key())
         self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
@@ -97,7 +114,6 @@ class SnapshotManager(MemoryRestore):
         self.header_reserved = 0
         # Differential mode (TierCheck): bases every K steps in the slots above, differentials in a ring.
         dc = config.differential
-        self.tap: GradTap | None = GradTap(adapter, dc.compression) if dc.enabled else None
         self.ring = DiffRing(dc.base_interval)
         self.ring_segs: list[ShmSegment | None] = [None] * self.ring.size
         self.ring_header_reserved = 0
@@ -106,24 +122,32 @@ class SnapshotManager(MemoryRestore):
             self.dpeers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
                                          group=self.group, shm_dir=self.dir, job_id=self.job_id,
                                          kind="dreplica", nbuf=self.ring.size, signer=signer)
+        if self.tap is not None:
+            self.tap.discard()
         self.committed_base: int | None = None
         self._last_version: int | None = None
         self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version
         self.committed_version: int | None = None
-        self.chunk_bytes = config.snapshot.chunk_mb << 20
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
         self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream() if torch.cuda.is_available() else None)  # type: ignore[no-untyped-call]
-        self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
-                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
         self.active = True
         """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
-        self._thread: threading.Thread | None = None
-        if config.snapshot.background:
+        if self.config.snapshot.background:
             self._thread = threading.Thread(target=self._worker, name="deadpool-snapshot", daemon=True)
             self._thread.start()
+
+    def rewire(self, placement: NodePlacement) -> None:
+        """In-place hot-swap, after the side group's communicator was swapped (collective on it, every rank of the
+        new world at the same point, before ``restore_latest``): the placement of the new world (the spare holds
+        the failed node's place) and a manager state like a new one's. This rank's snapshots stay in shared
+        memory, where the restore finds them; only this object's handles to them are closed."""
+        self.stop_worker()
+        for seg in [*self.slots, *self.ring_segs]:
+            if seg is not None:
+                seg.close()
+        self.node = placement.node
+        self._wire()
 
     # -- hot path -------------------------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
@@ -365,6 +389,18 @@ class SnapshotManager(MemoryRestore):
         if self._thread is not None:
             self._queue.put(None)
         self._thread = None
+
+    def stop_worker(self, timeout_s: float = 30.0) -> None:
+        """Quiesce, then wait (bounded) until the worker thread has exited: after an in-place hot-swap no stale
+        worker may issue a collective on the side group's new communicator. Call it after the dead generation's
+        communicators are parked (their collectives then fail at once)."""
+        thread = self._thread
+        self.quiesce()
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                raise SnapshotWorkerError(f"the snapshot worker did not stop within {timeout_s:.0f}s after the "
+                                          "failure (blocked in a transfer)")
 
     def wait_idle(self) -> None:
         if self._inflight is not None:

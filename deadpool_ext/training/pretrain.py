@@ -104,7 +104,8 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     ds_config = _with_persist_flags(args)
     # The collective timeout of the first generation is the section's (hot_swap.collective_timeout_s).
     _, section = split_deepspeed_config(ds_config)
-    init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None)
+    init_distributed(timeout_s=section.hot_swap.collective_timeout_s if section is not None else None,
+                     in_place=section is not None and section.enabled and section.hot_swap.in_place)
     import torch.distributed as dist
 
     from ..snapshot.rng_json import gather_rng_states

@@ -65,7 +65,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
         if not dist.is_initialized():
             from ...distributed import init_distributed
 
-            init_distributed(timeout_s=dp_config.hot_swap.collective_timeout_s)
+            init_distributed(timeout_s=dp_config.hot_swap.collective_timeout_s, in_place=dp_config.hot_swap.in_place)
             log.info("process group created by deadpool_ext before deepspeed.initialize (per-attempt store prefix)")
     if _ds_initialize is None:
         from ..deepspeed_hook import original_initialize

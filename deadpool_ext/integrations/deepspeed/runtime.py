@@ -31,6 +31,7 @@ log = logging.getLogger("deadpool_ext")
 
 
 class DeadpoolRuntime(ResilientRuntime):
+    swaps_in_place = True
     def __init__(self, engine: Any, config: DeadpoolConfig) -> None:
         self.engine = engine
         adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state,
@@ -107,6 +108,14 @@ class DeadpoolRuntime(ResilientRuntime):
         return int(self.engine.global_steps)
 
     # -- hot-swap ---------------------------------------------------------------------------------------
+    def _handle(self) -> Any:
+        return self.engine
+
+    def _abandon_step(self) -> None:
+        from .rebuild import abandon_step
+
+        abandon_step(self.engine)
+
     def _release(self) -> None:
         self.engine = None  # the old engine holds the dead world's groups; drop it before teardown
 

@@ -1,0 +1,274 @@
+#!/usr/bin/env python
+"""In-place communicator swap vs. rebuilding the engine: hot-swap phases side by side, and survivor memory over five
+consecutive hot-swaps (issue "Existing jobs", item 6).
+
+Two parts, one run, GPT small (HF GPT-2 architecture, DeepSpeed ZeRO-3 fp32, 3 ranks, one per simulated node):
+
+* **phases** (``--repeats`` pairs, the order alternating per pair): the same job as ``bench_recovery``'s hot-swap
+  (``deadpool-run --nnodes 3 --spare-nodes 1``, rank 1 SIGKILLed mid step K+1) with ``hot_swap.in_place: false``
+  (every rank rebuilds its engine through the script's factory) and ``true`` (survivors keep their engine; only
+  the communicators beneath its process groups are replaced; the spare builds its engine locally, then joins).
+  Reported per mode: the timeline's phases (agree = every survivor has its new communicators, rebuild = engine
+  ready, restore), "kill -> every rank restored", the job's losses compared bit for bit across modes.
+* **memory** (one job per mode): ``--spare-nodes 5`` and five kills, each of the worker that holds rank 1 at that
+  moment (node1.0, then the spare that replaced it, ...), two steps apart. The survivors (node0.0, node2.0) are
+  sampled once a second (RSS from /proc; it includes the /dev/shm snapshot pages they touched); reported: RSS just
+  before the first kill, after each swap (the last sample before the next kill, or the end of training) and the
+  ratio last / first. Target: within 5% (ratio <= 1.05) with the in-place swap.
+
+    python benchmarks/bench_inplace_swap.py                      # small: 3 pairs + memory, about 12 minutes
+    python benchmarks/bench_inplace_swap.py --size tiny --repeats 1 --name inplace_swap_quick
+
+Writes ``benchmarks/results/<name>.json`` and ``.md`` (default name ``inplace_swap``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+from common import REPO, machine_info, write_text  # noqa: E402
+from recovery_procs import append_event, read_records, run_logged, wait_and_kill  # noqa: E402
+from recovery_run import (  # noqa: E402
+    DEFAULTS,
+    NNODES,
+    NPROC_PER_NODE,
+    SCRIPT,
+    _monitor,
+    run_hotswap,
+    script_args,
+    write_config,
+)
+
+MODES = {"rebuild": False, "in_place": True}
+
+
+def _mode_settings(size: str, in_place: bool) -> dict[str, Any]:
+    d = dict(DEFAULTS[size])
+    d["deadpool"] = {"hot_swap": {"in_place": in_place}}
+    return d
+
+
+def _losses(records: list[dict[str, Any]]) -> dict[int, float]:
+    return {int(r["step"]): r["loss"] for r in records if "loss" in r}
+
+
+def phases_part(size: str, repeats: int, args: argparse.Namespace, scratch: str, logs: str) -> list[dict[str, Any]]:
+    runs = []
+    for r in range(repeats):
+        order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
+        for mode in order:
+            rec = run_hotswap(size, _mode_settings(size, MODES[mode]), scratch, f"{mode}_r{r}", args, logs)
+            ev = rec.get("events") or {}
+            ready = [v for v in (ev.get("survivor_restored_last"), ev.get("spare_restored")) if v is not None]
+            runs.append({"mode": mode, "repeat": r, "failed": rec.get("failed"), "phases": rec.get("phases"),
+                         "events": ev, "every_rank_restored_s": max(ready) if ready else None,
+                         "raw_s": rec.get("raw_s"), "losses": _losses(rec.get("records", [])),
+                         "rss_before_kill": rec.get("rss_before_kill"), "rss_end": rec.get("rss_end"),
+                         "log": rec.get("log")})
+            print(f"[bench] {mode} r{r}: phases {rec.get('phases')}, every rank restored "
+                  f"{runs[-1]['every_rank_restored_s']}", flush=True)
+    return runs
+
+
+def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scratch: str,
+                logs: str) -> dict[str, Any]:
+    """One job with ``swaps`` spares and as many kills of rank 1's current holder, two steps apart."""
+    from deadpool_ext.recovery.timeline import read_events
+    from deadpool_ext.testing.launch import base_env
+
+    d = _mode_settings(size, MODES[mode])
+    k0 = d["kill_step"]
+    kills = [k0 + 2 * i for i in range(swaps)]
+    n = kills[-1] + 3
+    tag = f"memory_{mode}"
+    shm_root = os.path.join("/dev/shm", f"bench_inplace.{os.getpid()}.{tag}")
+    os.makedirs(shm_root, exist_ok=True)
+    cfg = os.path.join(scratch, f"{tag}.ds.json")
+    write_config(cfg, size, d, shm_root)
+    metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
+    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(NNODES), "--nproc-per-node",
+           str(NPROC_PER_NODE), "--spare-nodes", str(swaps), "--shm-root", shm_root, "--timeline", timeline,
+           SCRIPT, *script_args(size, cfg, n, metrics, args.seed)]
+    out: dict[str, Any] = {"mode": mode, "kills_after_steps": kills, "train_iters": n, "killed": []}
+    box: dict[str, Any] = {}
+
+    def hook(proc: subprocess.Popen, deadline: float) -> None:
+        mon = box["m"] = _monitor(proc.pid, "DEADPOOL_WORKER_ID", args, shm_root)
+        target = "node1.0"
+        for i, step in enumerate(kills):
+            kill = wait_and_kill(proc, deadline, mon, metrics, step, args.kill_delay_frac, target)
+            append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
+                                    "pid": kill["killed_pid"], "worker": target})
+            out["killed"].append({"worker": target, "t_kill": kill["t_kill"], "after_step": step})
+            print(f"[bench]   {tag}: kill {i + 1}/{len(kills)}: {target} after step {step}", flush=True)
+            # the next target: the spare that takes this node's place (the launcher's assignment event)
+            node = target.split(".")[0]
+            while time.time() < deadline and proc.poll() is None:
+                ev = [e for e in read_events(timeline) if e.get("event") == "assignment"
+                      and e.get("generation") == i + 1]
+                if ev and node in ev[0].get("replaced", {}):
+                    target = f"{ev[0]['replaced'][node]}.0"
+                    break
+                time.sleep(0.05)
+        while proc.poll() is None and time.time() < deadline:
+            mon.sample()
+            time.sleep(mon.interval_s)
+
+    try:
+        job = run_logged(cmd, env=base_env(d.get("env")), timeout_s=d["timeout_s"] * 2, hook=hook,
+                         log_path=os.path.join(logs, f"{size}_{tag}.log"))
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+    mon = box.get("m")
+    out.update(returncode=job["returncode"], timed_out=job["timed_out"], log=job["log"])
+    recs = read_records(metrics)
+    out["losses"] = _losses(recs)
+    if mon is None or len(out["killed"]) != len(kills):
+        out["failed"] = f"only {len(out['killed'])} of {len(kills)} kills happened (rc {job['returncode']})"
+        return out
+    series = [(t, dict(r)) for t, r in mon.series]
+    t_kills = [k["t_kill"] for k in out["killed"]]
+    t_end = max((r["time"] for r in recs), default=time.time())
+
+    def last_before(t: float, worker: str) -> int | None:
+        vals = [r.get(worker, 0) for ts, r in series if ts < t and r.get(worker, 0) > 0]
+        return vals[-1] if vals else None
+
+    survivors = ["node0.0", "node2.0"]
+    marks = t_kills[1:] + [t_end]
+    out["rss"] = {w: {"before_first_kill": last_before(t_kills[0], w),
+                      "after_each_swap": [last_before(t, w) for t in marks]} for w in survivors}
+    for v in out["rss"].values():
+        first, last = v["before_first_kill"], (v["after_each_swap"] or [None])[-1]
+        v["ratio_last_to_first"] = last / first if first and last else None
+    if job["returncode"] != 0:
+        out["failed"] = f"job exited rc={job['returncode']}"
+    return out
+
+
+def _median(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
+def summarise(runs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {"phases": {}, "memory": {}}
+    for mode in MODES:
+        ok = [r for r in runs if r["mode"] == mode and not r["failed"] and r["phases"]]
+        summary["phases"][mode] = {
+            "n": len(ok),
+            **{k: _median([r["phases"].get(k) for r in ok]) for k in ("detect_s", "agree_s", "rebuild_s",
+                                                                       "restore_s", "total_s")},
+            "rebuild_s_each": [r["phases"].get("rebuild_s") for r in ok],
+            "every_rank_restored_s": _median([r["every_rank_restored_s"] for r in ok]),
+            "every_rank_restored_s_each": [r["every_rank_restored_s"] for r in ok],
+            "survivor_rss_end_gib": _median([v / 2**30 for r in ok for w, v in (r["rss_end"] or {}).items()
+                                             if w in ("node0.0", "node2.0")]),
+        }
+    losses = [r["losses"] for r in runs if not r["failed"]] + [m["losses"] for m in memory if not m.get("failed")]
+    common = set.intersection(*(set(x) for x in losses)) if losses else set()
+    summary["losses_bit_identical_across_all_runs"] = bool(losses) and all(
+        all(x[s] == losses[0][s] for s in common) for x in losses)
+    summary["losses_compared_steps"] = sorted(common)
+    for m in memory:
+        summary["memory"][m["mode"]] = {w: v["ratio_last_to_first"] for w, v in (m.get("rss") or {}).items()}
+    return summary
+
+
+def _machine(m: Any) -> str:
+    if not isinstance(m, dict):
+        return str(m)
+    return ", ".join(f"{k} {v}" for k, v in m.items() if not isinstance(v, (dict, list)))
+
+
+def render(doc: dict[str, Any]) -> str:
+    s = doc["summary"]
+    ph = s["phases"]
+    f = lambda v, d=2: "—" if v is None else f"{v:.{d}f}"  # noqa: E731
+    lines = [
+        "# In-place communicator swap vs. engine rebuild (hot-swap, GPT " + doc["size"] + ")", "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc['machine'])}; {doc['date']}; total wall {doc['wall_s']:.0f} s.", "",
+        "Same job as `bench_recovery`'s hot-swap (DeepSpeed ZeRO-3 fp32, 3 ranks on 3 simulated nodes + spares, "
+        "snapshots every step, one peer replica; rank 1 SIGKILLed mid step), run with `hot_swap.in_place: false` "
+        "(*rebuild*: every rank calls the script's factory, `deepspeed.initialize` on the new world) and `true` "
+        "(*in_place*: survivors keep engine, optimizer and scheduler; only the communicators beneath their process "
+        "groups are replaced; the spare builds its engine locally while the survivors wait for it in the new "
+        "communicators' rendezvous, then everyone restores in place). Pairs interleaved, order alternating.", "",
+        "## Phases (medians, seconds; timeline `phases()`)", "",
+        "| mode | runs | detect | agree (new communicators) | rebuild (engine) | restore | kill -> every rank "
+        "restored | total (kill -> caught up) | rebuild, each run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode, v in ph.items():
+        lines.append(f"| {mode} | {v['n']} | {f(v['detect_s'])} | {f(v['agree_s'])} | {f(v['rebuild_s'], 3)} | "
+                     f"{f(v['restore_s'])} | {f(v['every_rank_restored_s'])} | {f(v['total_s'])} | "
+                     f"{', '.join(f(x, 3) for x in v['rebuild_s_each'])} |")
+    lines += ["", "With the in-place swap the survivors' *rebuild* phase is only the snapshot manager's rewire (no "
+              "engine is built); the spare's local engine build now falls inside *agree* (the survivors wait for it "
+              "in the rendezvous of the new communicators), so compare the end-to-end column too.", "",
+              f"Losses: {'**bit-identical**' if s['losses_bit_identical_across_all_runs'] else '**DIFFER**'} across "
+              f"every run of both modes (steps {s['losses_compared_steps']}).", "",
+              "## Survivor memory over five consecutive hot-swaps", "",
+              "| mode | worker | RSS before the first kill | after swaps 1..5 | last / first |",
+              "|---|---|---|---|---|"]
+    for m in doc["memory"]:
+        if m.get("failed"):
+            lines.append(f"| {m['mode']} | — | failed: {m['failed']} | | |")
+            continue
+        for w, v in m["rss"].items():
+            each = ", ".join("—" if x is None else f"{x / 2**30:.2f}" for x in v["after_each_swap"])
+            lines.append(f"| {m['mode']} | {w} | {f((v['before_first_kill'] or 0) / 2**30)} GiB | {each} GiB | "
+                         f"{f(v['ratio_last_to_first'], 3)} |")
+    lines += ["", "RSS from /proc (includes the /dev/shm snapshot pages a process touched), the last sample (1 s "
+              "interval) before the next kill or the end of training. Target (in_place): last / first <= 1.05.", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="small", choices=sorted(DEFAULTS))
+    p.add_argument("--repeats", type=int, default=3, help="pairs of hot-swap jobs (one per mode each)")
+    p.add_argument("--swaps", type=int, default=5, help="consecutive hot-swaps in the memory part (0: skip it)")
+    p.add_argument("--kill-delay-frac", type=float, default=0.5)
+    p.add_argument("--recovery-timeout-s", type=float, default=120.0)
+    p.add_argument("--settle-s", type=float, default=10.0)
+    p.add_argument("--settle-busy", type=float, default=0.35)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--min-available-gib", type=float, default=1.5)
+    p.add_argument("--name", default="inplace_swap")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    args = p.parse_args()
+    t0 = time.time()
+    scratch = tempfile.mkdtemp(prefix="bench_inplace.")
+    logs = os.path.join(args.out, f"{args.name}_logs")
+    os.makedirs(logs, exist_ok=True)
+    try:
+        runs = phases_part(args.size, args.repeats, args, scratch, logs)
+        memory = [memory_part(args.size, mode, args.swaps, args, scratch, logs) for mode in MODES] \
+            if args.swaps else []
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc = {"size": args.size, "command": "python benchmarks/bench_inplace_swap.py " + " ".join(sys.argv[1:]),
+           "machine": machine_info(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "wall_s": time.time() - t0, "runs": runs, "memory": memory}
+    doc["summary"] = summarise(runs, memory)
+    write_text(os.path.join(args.out, f"{args.name}.json"), json.dumps(doc, indent=1, default=str))
+    write_text(os.path.join(args.out, f"{args.name}.md"), render(doc))
+    print(json.dumps(doc["summary"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

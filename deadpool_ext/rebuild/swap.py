@@ -1,0 +1,422 @@
+"""In-place communicator swap: process groups whose communicator is replaced under the objects that hold them.
+
+Why: a framework (DeepSpeed's engine and ZeRO optimizer, Accelerate, the HF Trainer, Lightning) keeps references
+to the process groups it was built with, in dozens of places. Destroying the groups after a failure means
+rebuilding every object that holds one, and keeping the old objects alive (the survivor's memory grew by the size
+of a second engine per hot-swap). Here the groups themselves stay: each is a :class:`SwappableGroup` (a Python
+``torch.distributed.ProcessGroup``, registered as the c10d backend ``"deadpool"``) that forwards every collective
+to an *inner* process group (gloo, or NCCL on GPU). A hot-swap replaces only the inner groups, built on the new
+generation's store; every reference a framework holds keeps working.
+
+Modes of a process (module state, set by the worker before any group exists):
+
+- **live** (default): a group's inner communicator is built when the group is created, on the store torch gives.
+- **solo**: a spare building its framework objects *before* it joins the survivors' collectives (survivors do
+  not rebuild theirs, so nobody would answer). A solo group computes each collective locally as if every rank
+  had contributed the same tensor (all-reduce SUM = size x own, all-gather = own repeated, broadcast = own):
+  exact for the symmetric set-up collectives frameworks issue (shapes, counts, flags) and harmless for values
+  (weights, optimizer state) that the restore from memory overwrites next. :func:`go_live` then swaps every
+  group onto the generation's real communicator, collective for collective with the survivors' swap.
+
+Call order (every rank of a generation):
+
+1. ``use()`` before the default group is created (``rebuild.worker.init_process_group``), then torch's
+   ``init_process_group(backend=BACKEND, ...)``; frameworks create subgroups with ``new_group`` as usual (the
+   default backend is this one, so they are swappable too); ``backend=GLOO_BACKEND`` makes a swappable group
+   whose inner communicator is always gloo (the snapshot side group).
+2. Failure: :func:`detach` (every inner group of the dead generation parked, further use raises
+   :class:`GroupDetached`), then after the next assignment :func:`go_live(store, generation)` on every rank:
+   each group (ascending creation order; a rank only builds the groups it is in, which cannot deadlock) gets a
+   new inner communicator under ``<group name>/`` of the generation's store; :func:`check_same_groups` first
+   compares every rank's list of groups (a mismatch is an error naming both lists, never a hang).
+
+Ranks keep their rank through a swap (the spare takes the failed node's ranks); a rank change is refused.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("deadpool_ext")
+
+BACKEND = "deadpool"
+"""The c10d backend name of swappable groups whose inner communicator is the default one (NCCL with CUDA)."""
+GLOO_BACKEND = "deadpool_gloo"
+"""Swappable groups whose inner communicator is always gloo (host-memory traffic, e.g. snapshots)."""
+
+# Every collective of torch 2.x's ProcessGroup; each is forwarded unchanged to the inner process group.
+COLLECTIVES = (
+    "allreduce", "allreduce_coalesced", "broadcast", "barrier", "monitored_barrier", "reduce",
+    "allgather", "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single",
+    "all_gather_single_coalesced", "_allgather_base",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "_reduce_scatter_base", "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
+    "send", "recv", "recv_anysource", "_start_coalescing", "_end_coalescing",
+)
+
+
+class GroupDetached(RuntimeError):
+    """A collective on a group whose generation is gone (between :func:`detach` and :func:`go_live`)."""
+
+
+class SwapError(RuntimeError):
+    """The groups cannot be swapped in place (ranks differ in their groups, or a rank changed)."""
+
+
+_lock = threading.Lock()
+_mode = "live"
+_groups: list[weakref.ReferenceType[SwappableGroup]] = []
+_graveyard: list[Any] = []   # dead generations' inner groups: gloo's destructor joins threads that may block
+
+
+def set_mode(mode: str) -> None:
+    """``"live"`` or ``"solo"`` (see the module docstring) for the groups created from now on."""
+    global _mode
+    if mode not in ("live", "solo"):
+        raise ValueError(f"swap mode must be 'live' or 'solo', got {mode!r}")
+    _mode = mode
+
+
+def mode() -> str:
+    return _mode
+
+
+def default_inner() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def build_inner(kind: str, store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A real torch ProcessGroup with one backend (gloo for host tensors, NCCL for CUDA ones)."""
+    pg = dist.ProcessGroup(store, rank, size)
+    if kind == "nccl":  # GPU path (guarded: never built on CPU machines)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        backend: Any = dist.ProcessGroupNCCL(store, rank, size, opts)
+        btype, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+    else:
+        backend = dist.ProcessGroupGloo(store, rank, size, timeout)
+        btype, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    backend._set_sequence_number_for_group()
+    pg._set_default_backend(btype)
+    pg._register_backend(device, btype, backend)
+    return pg
+
+
+class _Dead:
+    """The inner group between a generation's end and the next one: every collective raises."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*_a: Any, **_k: Any) -> Any:
+            raise GroupDetached(f"process group used after its generation ended ({self.why})")
+        return refuse
+
+
+class _Solo:
+    """Collectives computed locally, as if every rank of ``size`` contributed this rank's tensors."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    @staticmethod
+    def _done() -> Any:
+        """A completed Work (the collective ran synchronously)."""
+        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
+        fut.set_result([])
+        return torch._C._distributed_c10d._create_work_from_future(fut)  # type: ignore[attr-defined]
+
+    def _reduce(self, t: torch.Tensor, op: Any) -> None:
+        if op == dist.ReduceOp.SUM:
+            t.mul_(self.size)
+        elif op == dist.ReduceOp.PRODUCT:
+            t.pow_(self.size)
+        # MIN, MAX, AVG, BAND, BOR, BXOR(of equal values is 0 only for even sizes: not used by frameworks' set-up)
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        for t in tensors:
+            self._reduce(t, op)
+        return self._done()
+
+    allreduce_coalesced = allreduce
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allreduce(tensors, opts)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        return self._done()
+
+    def barrier(self, opts: Any = None) -> Any:
+        return self._done()
+
+    def monitored_barrier(self, *_a: Any, **_k: Any) -> None:
+        return None
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for outs, inp in zip(outputs, inputs):
+            for o in outs:
+                o.copy_(inp)
+        return self._done()
+
+    allgather_coalesced = allgather
+
+    def all_gather_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        for chunk in output.view(self.size, -1):
+            chunk.copy_(inp.reshape(-1))
+        return self._done()
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> Any:
+        for o, i in zip(outputs, inputs):
+            self.all_gather_single(o, i)
+        return self._done()
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        for o, ins in zip(outputs, inputs):
+            o.copy_(ins[self.rank])
+            self._reduce(o, op)
+        return self._done()
+
+    def reduce_scatter_single(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> Any:
+        op = getattr(opts, "reduceOp", dist.ReduceOp.SUM)
+        output.copy_(inp.reshape(self.size, -1)[self.rank].view_as(output))
+        self._reduce(output, op)
+        return self._done()
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> Any:
+        for o, i in zip(outputs, inputs):
+            self.reduce_scatter_single(o, i, opts)
+        return self._done()
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        for o in outputs:
+            o.copy_(inputs[self.rank])
+        return self._done()
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, out_splits: Any = None,
+                          in_splits: Any = None, opts: Any = None) -> Any:
+        if out_splits or in_splits:
+            raise SwapError("solo process group: all_to_all_single with uneven splits during a spare's set-up")
+        mine = inp.reshape(self.size, -1)[self.rank]
+        for chunk in output.view(self.size, -1):
+            chunk.copy_(mine)
+        return self._done()
+
+    alltoall_base = all_to_all_single
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> Any:
+        return self.allgather(outputs, inputs, opts) if outputs and outputs[0] else self._done()
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> Any:
+        if inputs and inputs[0]:
+            outputs[0].copy_(inputs[0][self.rank])
+        return self._done()
+
+    def _start_coalescing(self, *_a: Any) -> None:
+        return None
+
+    def _end_coalescing(self, *_a: Any) -> Any:
+        return self._done()
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*_a: Any, **_k: Any) -> Any:
+            raise SwapError(f"solo process group: {name} cannot be computed locally (a spare's framework set-up "
+                            "used a point-to-point or uneven collective); set hot_swap.in_place: false")
+        return refuse
+
+
+class SwappableGroup(dist.ProcessGroup):
+    """A process group whose communicator (``inner``) can be replaced; see the module docstring."""
+
+    def __init__(self, rank: int, size: int, inner: Any, kind: str, timeout: timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]  # torch's (rank, size) overload
+        self._rank, self._size = rank, size
+        self.inner = inner
+        self.kind = kind
+        self.timeout = timeout
+        self.generation = 0
+
+    def size(self) -> int:
+        return self._size
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return BACKEND
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return str(dist.distributed_c10d._world.pg_names.get(self, ""))
+
+    @property
+    def pg_name(self) -> str:
+        return self.group_name
+
+    def __repr__(self) -> str:
+        return f"SwappableGroup(rank {self._rank} of {self._size}, {type(self.inner).__name__}, gen {self.generation})"
+
+
+def _forward(name: str) -> Any:
+    def call(self: SwappableGroup, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.inner, name)(*args, **kwargs)
+    call.__name__ = name
+    return call
+
+
+for _name in COLLECTIVES:
+    setattr(SwappableGroup, _name, _forward(_name))
+
+
+def _creator(kind: str) -> Any:
+    def create(store: Any, rank: int, size: int, timeout: timedelta) -> SwappableGroup:
+        k = default_inner() if kind == "default" else kind
+        inner = _Solo(rank, size) if _mode == "solo" else build_inner(k, store, rank, size, timeout)
+        g = SwappableGroup(rank, size, inner, k, timeout)
+        with _lock:
+            _groups.append(weakref.ref(g))
+        return g
+    return create
+
+
+_registered = False
+
+
+def use() -> None:
+    """Register the backends (idempotent). After this, ``init_process_group(backend=BACKEND)`` makes swappable
+    groups, and so does every ``new_group`` that names no backend."""
+    global _registered
+    if _registered:
+        return
+    dist.Backend.register_backend(BACKEND, _creator("default"), devices=["cpu", "cuda"])
+    dist.Backend.register_backend(GLOO_BACKEND, _creator("gloo"), devices=["cpu", "cuda"])
+    _registered = True
+
+
+def active() -> bool:
+    """True when this process's default group is swappable."""
+    return dist.is_initialized() and isinstance(dist.distributed_c10d._get_default_group(), SwappableGroup)
+
+
+def side_backend() -> str:
+    """The backend for a host-memory side group: swappable gloo when the default group is swappable."""
+    return GLOO_BACKEND if active() else "gloo"
+
+
+def groups() -> list[SwappableGroup]:
+    """The live swappable groups this rank is a member of, in creation order."""
+    with _lock:
+        alive = [g for g in (r() for r in _groups) if g is not None]
+        _groups[:] = [weakref.ref(g) for g in alive]
+    names = dist.distributed_c10d._world.pg_names
+    alive = [g for g in alive if g in names]  # destroyed groups are no longer torch's
+    return sorted(alive, key=lambda g: _order(names[g]))
+
+
+def _order(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (1 << 62, name)
+
+
+def describe() -> list[list[Any]]:
+    """[name, global ranks] of every group this rank is in: what every rank must agree on before a swap."""
+    ranks = dist.distributed_c10d._world.pg_group_ranks
+    return [[g.group_name, sorted(ranks.get(g, {}).keys())] for g in groups()]
+
+
+def detach(why: str) -> int:
+    """Park every group's inner communicator (the dead generation's): later collectives raise GroupDetached.
+    Returns how many groups were detached. Cheap and local: nothing is destroyed (gloo's destructor may block
+    on a dead peer; the parked objects stay referenced and finish on their own)."""
+    n = 0
+    for g in groups():
+        if not isinstance(g.inner, _Dead):
+            _graveyard.append(g.inner)
+            g.inner = _Dead(why)
+            n += 1
+    return n
+
+
+def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
+    """Give every group a real communicator of ``generation`` built on ``store`` (the generation's store):
+    the default group first, then ``check()`` (e.g. that every rank lists the same groups), then the others in
+    creation order. Collective over each group. Returns how many groups were swapped."""
+    default = dist.distributed_c10d._get_default_group()
+    if dist.get_rank() != rank:
+        raise SwapError(f"rank changed from {dist.get_rank()} to {rank}: groups cannot be swapped in place")
+    world = dist.distributed_c10d._world
+    rest = [g for g in groups() if g is not default]
+    n = 0
+    for g in ([default] if isinstance(default, SwappableGroup) else []) + rest:
+        name = g.group_name
+        prefix = dist.PrefixStore(f"{name}/", store)
+        old = g.inner
+        g.inner = build_inner(g.kind, dist.PrefixStore("swap/", prefix), g._rank, g._size, g.timeout)
+        g.generation = generation
+        if not isinstance(old, _Dead):
+            _graveyard.append(old)
+        backend_name, _ = world.pg_map[g]
+        # torch keeps each group's store (new_group's rendezvous barrier uses the default group's)
+        world.pg_map[g] = (backend_name, store if g is default else prefix)
+        n += 1
+        if g is default and check is not None:
+            check()
+    return n
+
+
+class SoloStore(dist.Store):
+    """The default group's store in solo mode: an in-process key-value store whose counters count every rank
+    at once (``add(k, n)`` adds ``size x n``), so torch's rendezvous barriers of ``new_group`` pass locally."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self._size = size
+        self._kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: Any) -> None:
+        self._kv[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key: str) -> bytes:
+        if key not in self._kv:
+            raise RuntimeError(f"solo store: key {key!r} was never set (a spare's set-up waited for another rank)")
+        return self._kv[key]
+
+    def add(self, key: str, value: int) -> int:
+        cur = int(self._kv.get(key, b"0")) + int(value) * self._size
+        self._kv[key] = str(cur).encode()
+        return cur
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self._kv for k in keys)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        missing = [k for k in keys if k not in self._kv]
+        if missing:
+            raise RuntimeError(f"solo store: keys {missing} were never set (a spare's set-up waited for another rank)")
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        cur = self._kv.get(key)
+        exp = expected if isinstance(expected, bytes) else str(expected).encode()
+        if cur is None and not exp or cur == exp:
+            self.set(key, desired)
+        return self._kv.get(key, exp)
+
+    def delete_key(self, key: str) -> bool:
+        return self._kv.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        return len(self._kv)

@@ -1,0 +1,107 @@
+"""rebuild/swap.py without processes: the solo collectives (a spare's local engine build), the solo store that
+lets torch's rendezvous barriers pass, and a one-rank world whose communicator is swapped in place."""
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deadpool_ext.rebuild import swap
+
+
+def test_solo_collectives_are_those_of_ranks_that_all_contributed_the_same():
+    solo = swap._Solo(rank=1, size=4)
+    t = torch.tensor([1.0, 2.0])
+    solo.allreduce([t], dist.AllreduceOptions())  # default op SUM
+    assert t.tolist() == [4.0, 8.0]
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    t = torch.tensor([3.0])
+    solo.allreduce([t], opts)
+    assert t.tolist() == [3.0]
+    out = torch.zeros(8)
+    solo.all_gather_single(out, torch.tensor([5.0, 6.0]))
+    assert out.tolist() == [5.0, 6.0] * 4
+    outs = [torch.zeros(2) for _ in range(4)]
+    solo.allgather([outs], [torch.tensor([7.0, 8.0])])
+    assert all(o.tolist() == [7.0, 8.0] for o in outs)
+    got = torch.zeros(2)
+    solo.reduce_scatter_single(got, torch.arange(8.0))  # this rank's chunk, summed over 4 equal ranks
+    assert got.tolist() == [8.0, 12.0]
+    b = torch.tensor([9.0])
+    solo.broadcast([b], dist.BroadcastOptions())
+    assert b.tolist() == [9.0]
+    assert solo.barrier().is_completed()
+    with pytest.raises(swap.SwapError, match="send cannot be computed locally"):
+        solo.send([b], 0, 0)
+
+
+def test_solo_store_counts_every_rank_so_torchs_barrier_passes_locally():
+    store = swap.SoloStore(3)
+    assert store.add("k", 1) == 3 and store.add("k", 0) == 3
+    # torch's own rendezvous barrier of new_group / init_process_group, which would wait for 3 workers
+    dist.distributed_c10d._store_based_barrier(0, store, "g", 3, timedelta(seconds=5))
+    store.set("a", b"1")
+    assert store.get("a") == b"1" and store.check(["a"]) and not store.check(["b"])
+    with pytest.raises(RuntimeError, match="never set"):
+        store.wait(["b"])
+
+
+def test_mode_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'live' or 'solo'"):
+        swap.set_mode("dead")
+
+
+@pytest.fixture
+def one_rank_world():
+    swap.use()
+    swap.set_mode("live")
+    dist.init_process_group(swap.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        swap.set_mode("live")
+
+
+def test_groups_are_swapped_in_place_and_refuse_work_while_detached(one_rank_world):
+    world = dist.distributed_c10d._get_default_group()
+    side = dist.new_group(backend=swap.side_backend())
+    sub = dist.new_group()
+    assert swap.active() and isinstance(side, swap.SwappableGroup) and isinstance(sub, swap.SwappableGroup)
+    assert side.kind == "gloo" and dist.get_backend() == swap.BACKEND
+    assert [name for name, _ in swap.describe()] == [world.group_name, side.group_name, sub.group_name]
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert t.tolist() == [1.0, 1.0]
+    before = world.inner
+    assert swap.detach("test") == 3
+    with pytest.raises(swap.GroupDetached, match="generation ended"):
+        dist.all_reduce(t)
+    with pytest.raises(swap.GroupDetached):
+        dist.all_reduce(t, group=side)
+    checked = []
+    store = dist.HashStore()
+    assert swap.go_live(store, 1, 0, check=lambda: checked.append(swap.groups()[0].generation)) == 3
+    assert checked == [1]  # the check runs once the default group is live, before the others
+    assert world is dist.distributed_c10d._get_default_group() and world.inner is not before
+    assert dist.distributed_c10d._world.pg_map[world][1] is store
+    out = torch.zeros(2)
+    dist.all_gather_single(out, torch.tensor([3.0, 4.0]), group=sub)
+    assert out.tolist() == [3.0, 4.0]
+    with pytest.raises(swap.SwapError, match="rank changed"):
+        swap.go_live(store, 2, 1)
+
+
+def test_solo_world_builds_groups_and_answers_locally():
+    swap.use()
+    swap.set_mode("solo")
+    dist.init_process_group(swap.BACKEND, store=swap.SoloStore(4), rank=2, world_size=4)
+    try:
+        sub = dist.new_group()  # torch's rendezvous barrier on the solo store passes without the other 3
+        t = torch.ones(1)
+        dist.all_reduce(t, group=sub)
+        assert t.tolist() == [4.0] and dist.get_world_size() == 4 and dist.get_rank() == 2
+    finally:
+        dist.destroy_process_group()
+        swap.set_mode("live")
