@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -81,6 +82,30 @@ def phases_part(size: str, repeats: int, args: argparse.Namespace, scratch: str,
     return runs
 
 
+SURVIVORS = ("node0.0", "node2.0")
+
+
+def _sample_status(mon: Any, out: dict[str, Any], every_s: float = 0.5) -> None:
+    """Anonymous and shared-memory RSS of the survivors (``/proc/<pid>/status``: RssAnon, RssShmem), so growth of the
+    process's own memory is told apart from shared snapshot pages mapped once more."""
+    now = time.time()
+    series = out.setdefault("status_series", [])
+    if series and now - series[-1][0] < every_s:
+        return
+    row: dict[str, dict[str, int]] = {}
+    for wid, pid in mon.workers().items():
+        if wid not in SURVIVORS:
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as fh:
+                fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            row[wid] = {k: int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem", "VmRSS") if k in fields}
+        except (OSError, ValueError):
+            continue
+    if row:
+        series.append([now, row])
+
+
 def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scratch: str,
                 logs: str) -> dict[str, Any]:
     """One job with ``swaps`` spares and as many kills of rank 1's current holder, two steps apart."""
@@ -105,6 +130,13 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:
         mon = box["m"] = _monitor(proc.pid, "DEADPOOL_WORKER_ID", args, shm_root)
+
+        def sample_status() -> None:
+            while proc.poll() is None and time.time() < deadline:
+                _sample_status(mon, out)
+                time.sleep(0.5)
+
+        threading.Thread(target=sample_status, daemon=True).start()
         target = "node1.0"
         for i, step in enumerate(kills):
             kill = wait_and_kill(proc, deadline, mon, metrics, step, args.kill_delay_frac, target)
@@ -145,13 +177,25 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
         vals = [r.get(worker, 0) for ts, r in series if ts < t and r.get(worker, 0) > 0]
         return vals[-1] if vals else None
 
-    survivors = ["node0.0", "node2.0"]
+    survivors = list(SURVIVORS)
     marks = t_kills[1:] + [t_end]
     out["rss"] = {w: {"before_first_kill": last_before(t_kills[0], w),
                       "after_each_swap": [last_before(t, w) for t in marks]} for w in survivors}
     for v in out["rss"].values():
         first, last = v["before_first_kill"], (v["after_each_swap"] or [None])[-1]
         v["ratio_last_to_first"] = last / first if first and last else None
+    status = out.get("status_series", [])
+
+    def status_before(t: float, worker: str, key: str) -> int | None:
+        vals = [r[worker][key] for ts, r in status if ts < t and worker in r and key in r[worker]]
+        return vals[-1] if vals else None
+
+    for w in survivors:
+        for key in ("RssAnon", "RssShmem"):
+            first = status_before(t_kills[0], w, key)
+            each = [status_before(t, w, key) for t in marks]
+            out["rss"][w][key] = {"before_first_kill": first, "after_each_swap": each,
+                                  "ratio_last_to_first": each[-1] / first if first and each and each[-1] else None}
     if job["returncode"] != 0:
         out["failed"] = f"job exited rc={job['returncode']}"
     return out
@@ -182,7 +226,9 @@ def summarise(runs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict[
         all(x[s] == losses[0][s] for s in common) for x in losses)
     summary["losses_compared_steps"] = sorted(common)
     for m in memory:
-        summary["memory"][m["mode"]] = {w: v["ratio_last_to_first"] for w, v in (m.get("rss") or {}).items()}
+        summary["memory"][m["mode"]] = {
+            w: {"rss": v["ratio_last_to_first"], "anon": (v.get("RssAnon") or {}).get("ratio_last_to_first"),
+                "shmem": (v.get("RssShmem") or {}).get("ratio_last_to_first")} for w, v in (m.get("rss") or {}).items()}
     return summary
 
 
@@ -221,18 +267,23 @@ def render(doc: dict[str, Any]) -> str:
               f"Losses: {'**bit-identical**' if s['losses_bit_identical_across_all_runs'] else '**DIFFER**'} across "
               f"every run of both modes (steps {s['losses_compared_steps']}).", "",
               "## Survivor memory over five consecutive hot-swaps", "",
-              "| mode | worker | RSS before the first kill | after swaps 1..5 | last / first |",
+              "| mode | worker, memory | before the first kill | after swaps 1..5 | last / first |",
               "|---|---|---|---|---|"]
     for m in doc["memory"]:
         if m.get("failed"):
             lines.append(f"| {m['mode']} | — | failed: {m['failed']} | | |")
             continue
         for w, v in m["rss"].items():
-            each = ", ".join("—" if x is None else f"{x / 2**30:.2f}" for x in v["after_each_swap"])
-            lines.append(f"| {m['mode']} | {w} | {f((v['before_first_kill'] or 0) / 2**30)} GiB | {each} GiB | "
-                         f"{f(v['ratio_last_to_first'], 3)} |")
-    lines += ["", "RSS from /proc (includes the /dev/shm snapshot pages a process touched), the last sample (1 s "
-              "interval) before the next kill or the end of training. Target (in_place): last / first <= 1.05.", ""]
+            for label, row in (("RSS", v), ("anonymous", v.get("RssAnon")), ("shared (shm)", v.get("RssShmem"))):
+                if not row:
+                    continue
+                each = ", ".join("—" if x is None else f"{x / 2**30:.2f}" for x in row["after_each_swap"])
+                lines.append(f"| {m['mode']} | {w} {label} | {f((row['before_first_kill'] or 0) / 2**30)} GiB | "
+                             f"{each} GiB | {f(row['ratio_last_to_first'], 3)} |")
+    lines += ["", "RSS from /proc (VmRSS; includes the /dev/shm snapshot pages a process has mapped, once per "
+              "mapping), split into anonymous (the process's own memory: RssAnon) and shared (RssShmem); the last "
+              "sample (1 s, 0.5 s for the split) before the next kill or the end of training. Target (in_place): "
+              "last / first <= 1.05.", ""]
     return "\n".join(lines)
 
 

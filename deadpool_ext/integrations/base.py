@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -266,6 +267,9 @@ class ResilientRuntime(ABC):
                             resume=lambda _h: self.resume())
         self._expect_catch_up(begun.failed_step + 1, r.restored_at)
         protocol.finish(begun, r, old_rank=old_rank, in_place=True)
+        # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
+        # them activations and autograd graphs) is freed now, not at some later collection during training.
+        gc.collect()
         return self._handle()
 
     def _expect_catch_up(self, step: int, since: float) -> None:

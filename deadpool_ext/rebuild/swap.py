@@ -375,7 +375,19 @@ def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
         n += 1
         if g is default and check is not None:
             check()
+    _reap_graveyard()
     return n
+
+
+def _reap_graveyard() -> None:
+    """Free the communicators of dead generations (their buffers, and the tensors of collectives that were in
+    flight at the failure, which they keep referenced: about one gradient bucket per swap). The last reference is
+    dropped on a daemon thread: gloo's destructor joins its worker threads, which the fence has released (their
+    sockets were cut); if one still blocks, only that thread waits."""
+    dead = _graveyard[:]
+    _graveyard.clear()
+    if dead:
+        threading.Thread(target=dead.clear, name="deadpool-reap-communicators", daemon=True).start()
 
 
 class SoloStore(dist.Store):

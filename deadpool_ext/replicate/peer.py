@@ -90,6 +90,14 @@ class PeerReplicator:
             self.replicas[src] = [ShmSegment.create(self._replica_name(src, b), self.sizes[src], root=self.dir,
                                                     touch=True) for b in range(self.nbuf)]
 
+    def close(self) -> None:
+        """Close this replicator's mappings of the replica buffers it holds (the files stay: the restore and a
+        successor find them by name). Called when an in-place hot-swap replaces the replicator."""
+        for segs in self.replicas.values():
+            for seg in segs:
+                seg.close()
+        self.replicas.clear()
+
     def held_nbytes(self) -> int:
         return sum(s.nbytes for segs in self.replicas.values() for s in segs)
 

@@ -146,6 +146,9 @@ class SnapshotManager(MemoryRestore):
         for seg in [*self.slots, *self.ring_segs]:
             if seg is not None:
                 seg.close()
+        for peers in (self.peers, self.dpeers):
+            if peers is not None:
+                peers.close()
         self.node = placement.node
         self._wire()
 
