@@ -250,6 +250,46 @@ def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_
                                                               "--steps", "4"])
 
 
+ACCELERATE = "scripts/examples/accelerate_loop.py"
+LOOPS = {  # script, its config, the flags naming the config and the steps, the summary's tag
+    "own_loop": (OWN_LOOP, "configs/gpt_tiny_zero3_cpu.json", "--deepspeed_config", "--steps"),
+    "accelerate_loop": (ACCELERATE, "configs/gpt_tiny_zero3_cpu_noopt.json", "--deepspeed", "--steps"),
+}
+
+
+@pytest.mark.parametrize("tag", sorted(LOOPS))
+@pytest.mark.parametrize("mode", ["hot_swap", "restart"])
+def test_hand_written_loops_survive_a_lost_worker_bit_for_bit(tmp_path, shm_root, tag, mode):
+    """A hand-written DeepSpeed loop and an Accelerate loop with ``resilient_steps`` (two lines): rank 1 dies right
+    after its optimizer step 4; under deadpool-run the survivor recovers in place (same process, same engine) and
+    the spare takes rank 1; under ``torchrun --max-restarts 1`` every worker restarts and restores from memory.
+    Either way the loader's next batch is the one an uninterrupted run sees, and every logged loss equals the same
+    script's without the section, bit for bit."""
+    script, base, cfg_flag, steps_flag = LOOPS[tag]
+    steps = [steps_flag, "10"]
+    ref, ref_losses = _job(tmp_path, "ref", script, [cfg_flag, _config(tmp_path, None, base), *steps])
+    assert _finished(ref, tag), ref.output[-3000:]
+    assert sorted(ref_losses) == list(range(1, 11))
+    if mode == "hot_swap":
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        env = at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()})
+        cfg = _config(tmp_path, shm_root, base, local={"shm_root": shm_root})
+        res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", script, [cfg_flag, cfg, *steps], env=env)
+        assert res.returncode == 0, res.output[-4000:]
+        survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+        assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+        assert "resilient_steps: recovered in place at step" in res.output, res.output[-4000:]
+        assert _summary(res, tag)["swaps"] == 1
+    else:
+        res, losses = _job(tmp_path, "restart", script, [cfg_flag, _config(tmp_path, shm_root, base), *steps],
+                           runner=tag == "accelerate_loop", max_restarts=1, inject=kill_at(4))
+        assert res.returncode == 0, res.output[-4000:]
+        s = _summary(res, tag)
+        assert s["start_step"] >= 3 and s["deadpool"]["restore"]["outcome"] == "restored", s
+    assert "resilient_steps: data position of step" in res.output, res.output[-4000:]
+    _same_trajectory(losses, ref_losses, killed=4, last=10)
+
+
 def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):
     cfg_path = _config(tmp_path, shm_root)
     with open(cfg_path) as fh:
