@@ -29,6 +29,7 @@ REGISTRY: dict[str, str] = {
     "torch_init_process_group_once": "torch_init_process_group_once",
     "transformers_trainer_resume": "transformers_trainer_resume",
     "transformers_trainer_logs": "transformers_trainer_logs",
+    "transformers_trainer_hot_swap": "transformers_trainer_hot_swap",
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 

@@ -202,6 +202,11 @@ class ResilientRuntime(ABC):
         return version
 
     # -- hot-swap -------------------------------------------------------------------------------------
+    @property
+    def in_place(self) -> bool:
+        """Whether a recovery keeps this runtime and its framework objects (the in-place swap applies)."""
+        return self._in_place
+
     def _go_live(self) -> None:
         """A process whose engine was built solo (a spare taking a node's place) joins the survivors'
         communicators, then the snapshot manager's placement is redone: what the survivors do in

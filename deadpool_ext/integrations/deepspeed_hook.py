@@ -57,6 +57,8 @@ class HookState:
     """One entry per engine the hook attached to (where the call came from)."""
     plain: int = 0
     """Calls without a section (passed to DeepSpeed unchanged)."""
+    reuse: Any = None
+    """An engine recovered in place that the next ``initialize`` of its module returns (:func:`reuse_engine`)."""
 
 
 _state = HookState()
@@ -144,7 +146,20 @@ def _has_section(cfg: Any) -> bool:
     return False
 
 
+def reuse_engine(engine: Any) -> None:
+    """The next ``deepspeed.initialize`` of ``engine.module`` returns ``engine`` (recovered in place) instead of
+    building another: a framework that re-runs its set-up after a recovery (the HF Trainer's re-entered loop
+    through Accelerate's ``prepare``) keeps the same engine, optimizer and scheduler."""
+    _state.reuse = engine
+
+
 def _hooked(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    kept = _state.reuse
+    if kept is not None and kwargs.get("model", args[1] if len(args) > 1 else None) is kept.module:
+        _state.reuse = None
+        log.info("deadpool_ext: deepspeed.initialize by %s returns the engine recovered in place (no new engine)",
+                 _caller())
+        return kept, kept.optimizer, kept.training_dataloader, kept.lr_scheduler
     cfg = config_of_call(args, kwargs)
     if not _has_section(cfg):
         _state.plain += 1

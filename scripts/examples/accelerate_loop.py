@@ -1,10 +1,14 @@
-"""An unmodified Accelerate loop with DeepSpeed (ZeRO-3 through ``DeepSpeedPlugin``): no line of deadpool_ext in it.
+"""An Accelerate loop with DeepSpeed (ZeRO-3 through ``DeepSpeedPlugin``); two lines of deadpool_ext in it
+(marked ``# deadpool``), for the restore and the hot-swap; attaching needs none.
 
     torchrun --nproc-per-node 2 -m deadpool_ext.run scripts/examples/accelerate_loop.py \
         --deepspeed configs/gpt_tiny_zero3_cpu_noopt.json --steps 8 --metrics-out m.jsonl
+    deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/accelerate_loop.py ...
 
 ``accelerator.prepare`` calls ``deepspeed.initialize`` with the plugin's config; the runner's hook attaches the
-extension when that config has a ``"deadpool"`` section.
+extension when that config has a ``"deadpool"`` section. ``resilient_steps`` restores from memory after a restart
+and puts Accelerate's loader where an uninterrupted run would be; under deadpool-run a step that fails because a
+peer was lost is recovered in place and redone. Without the extension it is a plain loop over the loader.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import sysconfig
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from transformers import GPT2Config, GPT2LMHeadModel
+
+from deadpool_ext.steps import resilient_steps  # deadpool
 
 SEQ = 32
 
@@ -39,22 +45,20 @@ def main() -> None:
                                        bos_token_id=0, eos_token_id=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    step = 0
-    for batch in loader:
-        loss = model(input_ids=batch, labels=batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
-        step += 1
-        if args.metrics_out and accelerator.is_main_process:
-            with open(args.metrics_out, "a") as fh:
-                fh.write(json.dumps({"step": step, "loss": float(loss.item())}) + "\n")
-        if step >= args.steps:
-            break
+    steps = resilient_steps(model, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
+    for step in steps:
+        with step as batch:  # deadpool
+            loss = model(input_ids=batch, labels=batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            if args.metrics_out and accelerator.is_main_process:
+                with open(args.metrics_out, "a") as fh:
+                    fh.write(json.dumps({"step": int(model.global_steps), "loss": float(loss.item())}) + "\n")
     if accelerator.is_main_process:
         dp = getattr(model, "deadpool", None)
-        print(f"[accelerate_loop] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}",
-              flush=True)
+        summary = {"start_step": steps.start_step, "swaps": steps.swaps, "deadpool": dp.stats() if dp else None}
+        print(f"[accelerate_loop] summary {json.dumps(summary)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ the extension::
 
     torchrun --nproc-per-node 2 -m deadpool_ext.run scripts/examples/hf_trainer.py \
         --deepspeed configs/hf_trainer_zero3_cpu.json --max-steps 20 --metrics-out m.jsonl
-    deadpool-run --nnodes 2 --nproc-per-node 1 scripts/examples/hf_trainer.py --deepspeed ... (the same)
+    deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/hf_trainer.py --deepspeed ...
+        (the same; a lost worker is replaced by the spare and the interrupted step redone, in place)
 
 Plain ``torchrun scripts/examples/hf_trainer.py ...`` runs it without the extension (DeepSpeed drops the
 section it does not know; ``deadpool check CONFIG`` says which launches honour it).
@@ -70,7 +71,10 @@ def main() -> None:
     engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
         dp = getattr(engine, "deadpool", None)
-        print(f"[hf_trainer] summary {json.dumps({'deadpool': dp.stats() if dp is not None else None})}", flush=True)
+        logged = [e["step"] for e in trainer.state.log_history if "loss" in e]
+        summary = {"deadpool": dp.stats() if dp is not None else None, "global_step": trainer.state.global_step,
+                   "logged_steps": logged}
+        print(f"[hf_trainer] summary {json.dumps(summary)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
 """A hand-written DeepSpeed loop around a ``DataLoader`` with a ``DistributedSampler``: the README's lines, nothing
-else of deadpool_ext. Restart-safe under ``torchrun --max-restarts N`` (or a relaunch with the ``deepspeed``
-launcher and ``local.keep_after_exit_s``) when the DeepSpeed config has a ``"deadpool"`` section::
+else of deadpool_ext. With a ``"deadpool"`` section in the DeepSpeed config it survives a lost worker:
 
     torchrun --nproc-per-node 2 --max-restarts 1 scripts/examples/own_loop.py \
-        --deepspeed_config configs/gpt_tiny_zero3_cpu.json --steps 20 --metrics-out m.jsonl
+        --deepspeed_config configs/gpt_tiny_zero3_cpu.json --steps 20 --metrics-out m.jsonl      # restart
+    deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/own_loop.py \
+        --deepspeed_config configs/gpt_tiny_zero3_cpu.json --steps 20 --metrics-out m.jsonl      # hot-swap
 
-The three lines that are deadpool_ext's are marked ``# deadpool``. After a restart, ``resume()`` restores the
-newest step every rank holds in memory and returns it; the loop then skips the batches of that many steps in the
-sampler's order, so the next batch is the one an uninterrupted run would see.
+The lines that are deadpool_ext's are marked ``# deadpool``: ``dpx.initialize`` attaches the extension (and builds
+the process group on the attempt-prefixed store), ``resilient_steps`` restores the newest step every rank holds
+in memory and hands out the loader's batches from the position an uninterrupted run would be at; under
+deadpool-run a step that fails because a peer was lost is recovered in place and redone (``with step``).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import deadpool_ext.deepspeed as dpx  # deadpool
+from deadpool_ext.steps import resilient_steps  # deadpool
 
 SEQ = 32
 
@@ -54,33 +57,26 @@ def main() -> None:
                                        bos_token_id=0, eos_token_id=0))
     engine, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config,  # deadpool
                                      model_parameters=model.parameters())
-    start = engine.deadpool.resume() if engine.deadpool is not None else 0  # deadpool
     data = ByteChunks()
     sampler = DistributedSampler(data, num_replicas=engine.dp_world_size, rank=engine.global_rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True)
-    per_epoch = len(loader) // engine.gradient_accumulation_steps()
-    step, epoch, skip = start, start // per_epoch, (start % per_epoch) * engine.gradient_accumulation_steps()
     metrics = open(args.metrics_out, "a") if args.metrics_out and engine.global_rank == 0 else None
-    while step < args.steps:
-        sampler.set_epoch(epoch)
-        for i, batch in enumerate(loader):
-            if i < skip:
-                continue
+    steps = resilient_steps(engine, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
+    for step in steps:
+        with step as batch:  # deadpool
             loss = engine(input_ids=batch, labels=batch).loss
             engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
             engine.step()
-            if engine.global_steps > step:  # an optimizer step completed (after gradient accumulation)
-                step = int(engine.global_steps)
-                if metrics is not None:
-                    metrics.write(json.dumps({"step": step, "loss": float(loss.item())}) + "\n")
-                    metrics.flush()
-                if step >= args.steps:
-                    break
-        skip, epoch = 0, epoch + 1
+            if boundary and metrics is not None:  # an optimizer step completed (after gradient accumulation)
+                metrics.write(json.dumps({"step": int(engine.global_steps), "loss": float(loss.item())}) + "\n")
+                metrics.flush()
+    start = steps.start_step
     if engine.global_rank == 0:
         stats = engine.deadpool.stats() if engine.deadpool is not None else None
-        print(f"[own_loop] summary {json.dumps({'start_step': start, 'deadpool': stats})}", flush=True)
+        print(f"[own_loop] summary {json.dumps({'start_step': start, 'swaps': steps.swaps, 'deadpool': stats})}",
+              flush=True)
     sys.stdout.flush()
 
 

@@ -12,6 +12,7 @@ from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory, kill_rank
 from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.wait import wait_until
 
 JOB_TIMEOUT_S = 300
 
@@ -117,5 +118,19 @@ def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None,
     return KillAt(step, rank, then, action)
 
 
-__all__ = ["pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file",
+def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psutil.Process:
+    """The process of ``worker_id`` under the launcher, once the launcher has started it."""
+    def find() -> psutil.Process | None:
+        for p in psutil.Process(launcher_pid).children(recursive=True):
+            try:
+                if p.environ().get("DEADPOOL_WORKER_ID") == worker_id:
+                    return p
+            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                continue
+        return None
+
+    return wait_until(find, timeout_s, f"worker {worker_id} under launcher pid {launcher_pid}", interval_s=0.05)
+
+
+__all__ = ["worker_proc", "pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file",
            "wait_for_step", "kill_rank"]

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
-from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd
-from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at
+from deadpool_ext.chaos import at_step
+from deadpool_ext.chaos.at_step import StepFault
+from deadpool_ext.recovery.timeline import read_events
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at, worker_proc
 
 pytestmark = pytest.mark.slow
 OWN_LOOP = "scripts/examples/own_loop.py"
@@ -136,6 +140,68 @@ def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
     _same_trajectory(losses, plain_losses, killed=4, last=8)
 
 
+def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, env: dict | None = None,
+           kill_after_step: int | None = None):
+    """The script under deadpool-run: 2 nodes of 1 worker and 1 spare; ``env``: a harness's in-process fault;
+    ``kill_after_step``: SIGKILL node1.0 from outside once rank 0 logged that step (wherever its step then is)."""
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "1",
+           "--spare-nodes", "1", "--shm-root", shm_root, "--timeline", timeline, script, *args,
+           "--metrics-out", metrics]
+    pids: dict[str, int] = {}
+
+    def watch(proc) -> None:
+        for wid in ("node0.0", "node1.0"):
+            pids[wid] = worker_proc(proc.pid, wid).pid
+        if kill_after_step is not None:
+            wait_for_step(metrics, kill_after_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
+            worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
+
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(env), while_running=watch)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out, res.output[-4000:]
+    return res, read_metrics(metrics), read_events(timeline) if os.path.exists(timeline) else [], pids
+
+
+def _hot_swapped_in_place(res, events, pids) -> None:
+    """One hot-swap, in place: the survivor kept its process (and its engine), the spare restored rank 1."""
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    spares = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+    assert [e["rank"] for e in spares] == [1] and spares[0]["pid"] not in pids.values(), spares
+    assert "returns the engine recovered in place (no new engine)" in res.output, res.output[-4000:]
+
+
+@pytest.mark.parametrize("fault", ["after_optimizer_step", "sigkill_anywhere"])
+def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
+    """An unmodified Trainer script (ZeRO-3, gradient accumulation 2) under deadpool-run: rank 1 dies (right after
+    its optimizer step 4, or SIGKILLed from outside wherever it is after rank 0 logged step 3); the survivor keeps
+    its process, engine, optimizer and scheduler, the Trainer's loop is re-entered at the restored step, the spare
+    takes rank 1, and every logged loss equals plain torchrun's bit for bit; the Trainer's bookkeeping is whole."""
+    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out")]
+    hf_base = "configs/hf_trainer_zero3_cpu.json"
+    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
+                                                                *args])
+    assert _finished(plain, "hf_trainer"), plain.output[-3000:]
+    cfg = _config(tmp_path, shm_root, hf_base, local={"shm_root": shm_root})
+    env, kill = None, None
+    if fault == "after_optimizer_step":
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        env = at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()})
+    else:
+        kill = 3
+    res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", HF_TRAINER, ["--deepspeed", cfg, *args], env=env,
+                                       kill_after_step=kill)
+    assert res.returncode == 0, res.output[-4000:]
+    _hot_swapped_in_place(res, events, pids)
+    assert "HF Trainer: recovered in place at step" in res.output and "training loop re-entered" in res.output
+    assert sorted(losses) == list(range(1, 9)) and losses == plain_losses
+    s = _summary(res, "hf_trainer")
+    assert s["global_step"] == 8 and s["logged_steps"] == list(range(1, 9)), s  # rank 0 kept its log history
+
+
 NO_SECTION = '''
 import json, sys
 import torch, deepspeed
@@ -182,6 +248,46 @@ def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_
     script, base = "scripts/examples/accelerate_loop.py", "configs/gpt_tiny_zero3_cpu_noopt.json"
     _plain_then_runner(tmp_path, script, "accelerate_loop", ["--deepspeed", _config(tmp_path, shm_root, base),
                                                               "--steps", "4"])
+
+
+ACCELERATE = "scripts/examples/accelerate_loop.py"
+LOOPS = {  # script, its config, the flags naming the config and the steps, the summary's tag
+    "own_loop": (OWN_LOOP, "configs/gpt_tiny_zero3_cpu.json", "--deepspeed_config", "--steps"),
+    "accelerate_loop": (ACCELERATE, "configs/gpt_tiny_zero3_cpu_noopt.json", "--deepspeed", "--steps"),
+}
+
+
+@pytest.mark.parametrize("tag", sorted(LOOPS))
+@pytest.mark.parametrize("mode", ["hot_swap", "restart"])
+def test_hand_written_loops_survive_a_lost_worker_bit_for_bit(tmp_path, shm_root, tag, mode):
+    """A hand-written DeepSpeed loop and an Accelerate loop with ``resilient_steps`` (two lines): rank 1 dies right
+    after its optimizer step 4; under deadpool-run the survivor recovers in place (same process, same engine) and
+    the spare takes rank 1; under ``torchrun --max-restarts 1`` every worker restarts and restores from memory.
+    Either way the loader's next batch is the one an uninterrupted run sees, and every logged loss equals the same
+    script's without the section, bit for bit."""
+    script, base, cfg_flag, steps_flag = LOOPS[tag]
+    steps = [steps_flag, "10"]
+    ref, ref_losses = _job(tmp_path, "ref", script, [cfg_flag, _config(tmp_path, None, base), *steps])
+    assert _finished(ref, tag), ref.output[-3000:]
+    assert sorted(ref_losses) == list(range(1, 11))
+    if mode == "hot_swap":
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        env = at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()})
+        cfg = _config(tmp_path, shm_root, base, local={"shm_root": shm_root})
+        res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", script, [cfg_flag, cfg, *steps], env=env)
+        assert res.returncode == 0, res.output[-4000:]
+        survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+        assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+        assert "resilient_steps: recovered in place at step" in res.output, res.output[-4000:]
+        assert _summary(res, tag)["swaps"] == 1
+    else:
+        res, losses = _job(tmp_path, "restart", script, [cfg_flag, _config(tmp_path, shm_root, base), *steps],
+                           runner=tag == "accelerate_loop", max_restarts=1, inject=kill_at(4))
+        assert res.returncode == 0, res.output[-4000:]
+        s = _summary(res, tag)
+        assert s["start_step"] >= 3 and s["deadpool"]["restore"]["outcome"] == "restored", s
+    assert "resilient_steps: data position of step" in res.output, res.output[-4000:]
+    _same_trajectory(losses, ref_losses, killed=4, last=10)
 
 
 def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):

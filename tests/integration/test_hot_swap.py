@@ -15,25 +15,11 @@ import pytest
 from deadpool_ext.chaos.at_step import ENV, harness_env
 from deadpool_ext.recovery.timeline import phases, read_events
 from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
-from deadpool_ext.testing.wait import wait_until
 from tests.conftest import make_config
+from tests.integration.helpers import worker_proc
 
 pytestmark = pytest.mark.slow
 ITERS = 10
-
-
-def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psutil.Process:
-    """The process of ``worker_id`` under the launcher, once the launcher has started it."""
-    def find() -> psutil.Process | None:
-        for p in psutil.Process(launcher_pid).children(recursive=True):
-            try:
-                if p.environ().get("DEADPOOL_WORKER_ID") == worker_id:
-                    return p
-            except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-                continue
-        return None
-
-    return wait_until(find, timeout_s, f"worker {worker_id} under launcher pid {launcher_pid}", interval_s=0.05)
 
 
 def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=(),

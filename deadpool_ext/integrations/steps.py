@@ -1,0 +1,200 @@
+"""Resilient steps for a hand-written loop (your own DeepSpeed loop, an Accelerate loop): the data position travels
+with every snapshot, and a step that fails because a peer was lost is recovered in place and redone. Two lines of
+the loop change::
+
+    from deadpool_ext.steps import resilient_steps
+
+    for step in resilient_steps(engine, loader, max_steps=args.steps):
+        with step as batch:                          # a lost peer in here: recovered, the batches come again
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            engine.step()
+
+``engine`` is what ``deepspeed.initialize`` (or Accelerate's ``prepare``) returned, with the extension attached
+(``engine.deadpool``); without it the helper is a plain loop over ``loader`` (no restore, no recovery).
+
+Call order: :func:`resilient_steps` once, before the loop, on every rank (collective: it calls
+``engine.deadpool.resume()``, so the script must not call it as well); then iterate it. Each item is a
+:class:`Step`: entering it gives the batch. Iteration ends once ``engine.global_steps`` reaches ``max_steps``.
+
+What "the data position" is: the epoch and the number of batches of it handed out, recorded in every snapshot
+(client state, chained with any the script registered), plus the state of every ``torch.Generator`` the loader
+shuffles with, as it was at the start of that epoch. After any restore (a restart, or an in-place hot-swap) the
+epoch is started again the same way (``set_epoch`` on the loader or its sampler, the generators set back), its
+first batches are drawn and dropped, and the next batch handed out is the one an uninterrupted run would have seen.
+What a loader must provide for that: the same order for the same epoch and generator state (``DistributedSampler``,
+a ``DataLoader`` with a seeded ``generator=``, Accelerate's prepared loaders, torchdata's ``StatefulDataLoader``
+used as a plain loader). A loader that shuffles with the global RNG (``shuffle=True`` without ``generator=``) is
+named in a warning: after a restore its order differs from an uninterrupted run's.
+
+In-place hot-swap (under deadpool-run): an exception inside the ``with`` block, or in the loader while it is
+iterated, that the runtime can recover is handed to ``engine.deadpool.recover`` (communicators swapped, the state
+restored into the same engine); the exception is swallowed and the iteration starts again at the restored
+position, so the interrupted step (all its micro-batches) is redone. The spare runs the same script and takes the
+restore path at :func:`resilient_steps`, collective for collective.
+"""
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+log = logging.getLogger("deadpool_ext")
+
+KEY = "deadpool_data"
+"""The client-state key of the data position."""
+
+
+class Step:
+    """One batch of the loop; ``with step as batch:`` runs the step's work (see the module docstring)."""
+
+    __slots__ = ("batch", "_owner")
+
+    def __init__(self, owner: ResilientSteps, batch: Any) -> None:
+        self.batch = batch
+        self._owner = owner
+
+    def __enter__(self) -> Any:
+        return self.batch
+
+    def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
+        return exc is not None and self._owner._recover(exc)
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """Every torch.Generator the loader may shuffle with (DataLoader, its samplers, Accelerate's wrappers)."""
+    found: dict[int, torch.Generator] = {}
+    seen: set[int] = set()
+    todo = [loader]
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen or len(seen) > 32:
+            continue
+        seen.add(id(obj))
+        for name in ("generator", "synchronized_generator"):
+            g = getattr(obj, name, None)
+            if isinstance(g, torch.Generator):
+                found.setdefault(id(g), g)
+        for name in ("sampler", "batch_sampler", "base_dataloader"):
+            todo.append(getattr(obj, name, None))
+    return list(found.values())
+
+
+def _shuffles_with_global_rng(loader: Any) -> bool:
+    sampler = getattr(loader, "sampler", None)
+    return isinstance(sampler, torch.utils.data.RandomSampler) and sampler.generator is None
+
+
+class ResilientSteps:
+    def __init__(self, engine: Any, loader: Any, *, max_steps: int) -> None:
+        if not isinstance(max_steps, int) or max_steps < 0:
+            raise ValueError(f"resilient_steps: max_steps must be an int >= 0, got {max_steps!r}")
+        self.engine, self.loader, self.max_steps = engine, loader, max_steps
+        self.runtime = getattr(engine, "deadpool", None)
+        self.swaps = 0
+        """How many in-place recoveries happened during the iteration."""
+        self.epoch, self.taken = 0, 0
+        self._epoch_rng: list[str] = []
+        self._restored: dict[str, Any] | None = None
+        self._rewind = False
+        self.start_step = int(getattr(engine, "global_steps", 0))
+        if _shuffles_with_global_rng(loader):
+            log.warning("resilient_steps: the loader shuffles with the global RNG (shuffle=True without generator=): "
+                        "after a restore its order differs from an uninterrupted run's; pass a seeded generator or "
+                        "use a DistributedSampler")
+        if self.runtime is not None:
+            get, put = self.runtime._client_get, self.runtime._client_set  # chained: the script's own stays
+            self.runtime.set_client_state(lambda: {**(get() if get else {}), KEY: self._position()},
+                                          lambda st: self._restore_client(st, put))
+            self.start_step = int(self.runtime.resume())
+            self._apply_restored()
+
+    # -- the data position -------------------------------------------------------------------------------
+    def _position(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "taken": self.taken, "generators": list(self._epoch_rng)}
+
+    def _restore_client(self, state: dict[str, Any], put: Any) -> None:
+        self._restored = state.get(KEY) if isinstance(state, dict) else None
+        if put is not None:
+            put({k: v for k, v in state.items() if k != KEY})
+
+    def _apply_restored(self) -> None:
+        pos, self._restored = self._restored, None
+        if not isinstance(pos, dict):
+            if self.start_step:
+                log.warning("resilient_steps: the restored step %d carries no data position (saved without "
+                            "resilient_steps?): the loader starts from its first batch", self.start_step)
+            self.epoch, self.taken, self._epoch_rng = 0, 0, []
+            return
+        self.epoch, self.taken = int(pos["epoch"]), int(pos["taken"])
+        self._epoch_rng = [str(s) for s in pos.get("generators", [])]
+        log.info("resilient_steps: data position of step %d: epoch %d, %d batch(es) of it already used",
+                 int(self.engine.global_steps), self.epoch, self.taken)
+
+    def _start_epoch(self) -> Iterator[Any]:
+        """The loader's iterator for ``self.epoch``, positioned after ``self.taken`` batches."""
+        for obj in (self.loader, getattr(self.loader, "sampler", None),
+                    getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(self.epoch)
+                break
+        gens = _generators(self.loader)
+        if self._epoch_rng and len(self._epoch_rng) == len(gens):
+            for g, s in zip(gens, self._epoch_rng):
+                g.set_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
+        else:
+            self._epoch_rng = [base64.b64encode(g.get_state().numpy().tobytes()).decode() for g in gens]
+        it = iter(self.loader)
+        for _ in range(self.taken):
+            next(it)
+        return it
+
+    # -- iteration -------------------------------------------------------------------------------------
+    def _done(self) -> bool:
+        return int(self.engine.global_steps) >= self.max_steps
+
+    def __iter__(self) -> Iterator[Step]:
+        while not self._done():
+            self._rewind = False
+            try:
+                it = self._start_epoch()
+            except StopIteration:  # the restored position was the epoch's end
+                self.epoch, self.taken, self._epoch_rng = self.epoch + 1, 0, []
+                continue
+            except Exception as exc:
+                if not self._recover(exc):
+                    raise
+                continue
+            while True:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    self.epoch, self.taken, self._epoch_rng = self.epoch + 1, 0, []
+                    break
+                except Exception as exc:
+                    if not self._recover(exc):
+                        raise
+                    break
+                self.taken += 1
+                yield Step(self, batch)
+                if self._rewind or self._done():
+                    break
+
+    def _recover(self, exc: BaseException) -> bool:
+        rt = self.runtime
+        if rt is None or not getattr(rt, "in_place", False) or not rt.can_recover(exc):
+            return False
+        rt.recover(exc)
+        self.swaps += 1
+        self._apply_restored()
+        self._rewind = True
+        log.info("resilient_steps: recovered in place at step %d; the loop goes on from there", rt.step_counter())
+        return True
+
+
+def resilient_steps(engine: Any, loader: Any, *, max_steps: int) -> ResilientSteps:
+    """See the module docstring."""
+    return ResilientSteps(engine, loader, max_steps=max_steps)
