@@ -97,6 +97,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
             try:
                 init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout,
                                    in_place=in_place)
+                destroy_groups_at_exit()
                 return
             except RuntimeError as exc:
                 # A peer died while this generation was forming (e.g. a spare joining as another node fails):
@@ -140,6 +141,49 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
         dist.init_process_group(backend, store=base, rank=env.rank, world_size=env.world_size, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    destroy_groups_at_exit()
+
+
+_exit_registered = False
+
+
+def destroy_groups_at_exit() -> None:
+    """Destroy this process's process groups at interpreter exit, while the interpreter is still whole (idempotent).
+
+    Why: gloo's worker threads may still hold the work objects of finished collectives, with tensors that hold
+    Python references; if the groups are torn down during interpreter finalization instead, releasing those
+    tensors takes the GIL of a dying interpreter and the process aborts ("terminate called without an active
+    exception", SIGABRT) after the job itself has finished (pytorch/pytorch#179291). ``atexit`` runs handlers in
+    reverse order of registration: this one is registered when the group is built, before any runtime registers
+    its ``close``, so the snapshot worker has stopped before the groups go. Bounded: past 10 s (a group blocked on
+    a dead peer) the exit goes on without it."""
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+    import atexit
+
+    atexit.register(_destroy_groups)
+
+
+def _destroy_groups(timeout_s: float = 10.0) -> None:
+    import threading
+
+    from .rebuild import swap
+
+    def destroy() -> None:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception as exc:  # a group whose peer is gone may refuse a clean shutdown; exiting anyway
+            log.debug("destroy_process_group at exit: %s", exc)
+        swap.forget_all()  # the swappable groups' communicators (frameworks still hold the groups themselves)
+
+    t = threading.Thread(target=destroy, name="deadpool-exit-groups", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        log.warning("process groups not destroyed within %.0f s at exit (a transfer blocked on a peer)", timeout_s)
 
 
 def _warm_up_spare() -> None:

@@ -9,8 +9,11 @@ returns True) makes the wrapper call the loop again, which then starts where a r
 state, data loader and epoch iterator built anew, the engine (kept, restored) continuing from the restored step.
 A ``False`` (or an exception of ``recover``) re-raises the original error unchanged.
 
-Before re-entering, Accelerate's handle on the engine is dropped (``accelerator.deepspeed_engine_wrapped = None``):
-the loop's first line, ``accelerator.free_memory()``, would otherwise ``destroy()`` the engine being kept.
+Before re-entering, the Trainer is set back to what a fresh one holds (``model_wrapped = model``, no optimizer or
+scheduler: the re-entered ``_prepare_for_training`` then prepares it as the spare's fresh Trainer does, through
+Accelerate's ``prepare`` and ``deepspeed.initialize``, which the caller answers with the kept engine), and
+Accelerate's handle on the engine is dropped (``accelerator.deepspeed_engine_wrapped = None``): the loop's first
+line, ``accelerator.free_memory()``, would otherwise ``destroy()`` the engine being kept.
 
 Call order: ``set_recover(fn)``, then ``apply()`` (before ``Trainer.train``). Tested with transformers 5.24 and
 accelerate 1.15. This module imports no ``deadpool_ext``.
@@ -58,9 +61,17 @@ class TrainerHotSwap(Patch):
                 except Exception as exc:
                     if not recover(trainer, exc):
                         raise
+                # The Trainer as a fresh one sees it, so the re-entered loop prepares it the same way (the spare's
+                # way): the bare model (Accelerate's prepare -> deepspeed.initialize, which the caller's hook answers
+                # with the kept engine), no optimizer or scheduler yet; and Accelerate without its handle on the
+                # engine, whose free_memory() would otherwise destroy() it.
+                trainer.model_wrapped = trainer.model
+                trainer.optimizer, trainer.lr_scheduler = None, None
+                if hasattr(trainer, "deepspeed"):
+                    trainer.deepspeed = None
                 accelerator = getattr(trainer, "accelerator", None)
                 if accelerator is not None and hasattr(accelerator, "deepspeed_engine_wrapped"):
-                    accelerator.deepspeed_engine_wrapped = None  # free_memory() must not destroy the kept engine
+                    accelerator.deepspeed_engine_wrapped = None
                 kwargs["resume_from_checkpoint"] = None  # the state comes from memory, not from a directory
                 if len(args) > 2:
                     args = (*args[:2], *args[3:])

@@ -138,8 +138,9 @@ class ResilientSteps:
         """The loader's iterator for ``self.epoch``, positioned after ``self.taken`` batches."""
         for obj in (self.loader, getattr(self.loader, "sampler", None),
                     getattr(getattr(self.loader, "batch_sampler", None), "sampler", None)):
-            if hasattr(obj, "set_epoch"):
-                obj.set_epoch(self.epoch)
+            set_epoch = getattr(obj, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
                 break
         gens = _generators(self.loader)
         if self._epoch_rng and len(self._epoch_rng) == len(gens):

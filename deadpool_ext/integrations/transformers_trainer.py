@@ -93,7 +93,12 @@ def resume_trainer(trainer: Any) -> int | None:
         return None
     pending = getattr(trainer, IN_PLACE_ATTR, None)
     restored = _client_box(trainer)
-    runtime.set_client_state(lambda: _trainer_state(trainer), lambda st: (restored.clear(), restored.update(st)))
+
+    def put(st: dict[str, Any]) -> None:
+        restored.clear()
+        restored.update(st)
+
+    runtime.set_client_state(lambda: _trainer_state(trainer), put)
     if pending is not None:
         setattr(trainer, IN_PLACE_ATTR, None)
         step, history, trainer_state = pending

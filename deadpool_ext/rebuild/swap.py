@@ -379,6 +379,18 @@ def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
     return n
 
 
+def forget_all() -> None:
+    """At exit: drop every communicator this module references (live and dead generations'), on the calling
+    thread, so their destructors run now and not during interpreter finalization."""
+    with _lock:
+        alive = [g for g in (r() for r in _groups) if g is not None]
+    held = [g.inner for g in alive] + _graveyard[:]
+    _graveyard.clear()
+    for g in alive:
+        g.inner = _Dead("process exiting")
+    held.clear()
+
+
 def _reap_graveyard() -> None:
     """Free the communicators of dead generations (their buffers, and the tensors of collectives that were in
     flight at the failure, which they keep referenced: about one gradient bucket per swap). The last reference is

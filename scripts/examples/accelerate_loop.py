@@ -52,10 +52,12 @@ def main() -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
-            if args.metrics_out and accelerator.is_main_process:
+            if args.metrics_out and model.global_rank == 0:
                 with open(args.metrics_out, "a") as fh:
                     fh.write(json.dumps({"step": int(model.global_steps), "loss": float(loss.item())}) + "\n")
-    if accelerator.is_main_process:
+    # (rank 0 of the engine: on a CPU machine Accelerate runs DeepSpeed without its own distributed state, so every
+    # process is its "main process")
+    if model.global_rank == 0:
         dp = getattr(model, "deadpool", None)
         summary = {"start_step": steps.start_step, "swaps": steps.swaps, "deadpool": dp.stats() if dp else None}
         print(f"[accelerate_loop] summary {json.dumps(summary)}", flush=True)

@@ -36,6 +36,9 @@ def main() -> None:
             dist.init_process_group(swap.BACKEND, store=swap.SoloStore(world), rank=rank, world_size=world)
         else:
             dist.init_process_group(swap.BACKEND, store=dist.PrefixStore("g0", base), rank=rank, world_size=world)
+    from deadpool_ext.distributed import destroy_groups_at_exit
+
+    destroy_groups_at_exit()  # what the extension's own start-up does (else gloo may abort at interpreter exit)
     import deepspeed
 
     torch.manual_seed(0)
