@@ -100,7 +100,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .distributed import init_distributed
 
         init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None,
-                         in_place=cfg is not None and cfg.enabled and cfg.hot_swap.in_place)
+                         # swappable groups for DeepSpeed jobs only (Megatron-Core rebuilds: docs/megatron.md)
+                         in_place=bool(ds_configs) and cfg is not None and cfg.enabled and cfg.hot_swap.in_place)
         from . import patches  # type: ignore[attr-defined]
 
         patches.get("torch_init_process_group_once").apply()

@@ -54,6 +54,10 @@ PLAIN_LOAD = textwrap.dedent('''
             assert torch.equal(ref[n], t), n
         torch.save({"logits": logits, "step": int(engine.global_steps), "ids": ids}, out)
         print("PLAIN_LOAD_OK", int(engine.global_steps), flush=True)
+    # plain DeepSpeed, no extension: end the group while the interpreter is whole (gloo may otherwise abort at
+    # exit, "terminate called without an active exception": pytorch/pytorch#179291)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 ''')
 
 

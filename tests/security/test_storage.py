@@ -145,7 +145,10 @@ def engine():
     from deadpool_ext.launcher.contract import reset_worker_env
     from deadpool_ext.training.models import build_gpt
 
-    if not dist.is_initialized():
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in names}
+    made_group = not dist.is_initialized()
+    if made_group:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         reset_worker_env()
@@ -162,6 +165,18 @@ def engine():
     eng.backward(loss)
     eng.step()
     yield eng
+    # leave the process as found: no default group, no launcher variables (later tests build their own)
+    if made_group:
+        from deadpool_ext.integrations.deepspeed.rebuild import reset_deepspeed_comm_state
+
+        dist.destroy_process_group()
+        reset_deepspeed_comm_state()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset_worker_env()
 
 
 def real_base(engine, url: str, steps: tuple[int, ...] = (2,), key: str | None = None) -> None:

@@ -1,5 +1,6 @@
 """rebuild/swap.py without processes: the solo collectives (a spare's local engine build), the solo store that
 lets torch's rendezvous barriers pass, and a one-rank world whose communicator is swapped in place."""
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -52,16 +53,27 @@ def test_mode_rejects_unknown_names():
         swap.set_mode("dead")
 
 
-@pytest.fixture
-def one_rank_world():
-    swap.use()
-    swap.set_mode("live")
-    dist.init_process_group(swap.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+@contextlib.contextmanager
+def _own_world():
+    """A process-group registry of the test's own: a default group another test of this process left behind is
+    destroyed first (torch keeps one registry per process), and the test's is destroyed afterwards."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         swap.set_mode("live")
+
+
+@pytest.fixture
+def one_rank_world():
+    with _own_world():
+        swap.use()
+        swap.set_mode("live")
+        dist.init_process_group(swap.BACKEND, store=dist.HashStore(), rank=0, world_size=1)
+        yield
 
 
 def test_groups_are_swapped_in_place_and_refuse_work_while_detached(one_rank_world):
@@ -94,14 +106,11 @@ def test_groups_are_swapped_in_place_and_refuse_work_while_detached(one_rank_wor
 
 
 def test_solo_world_builds_groups_and_answers_locally():
-    swap.use()
-    swap.set_mode("solo")
-    dist.init_process_group(swap.BACKEND, store=swap.SoloStore(4), rank=2, world_size=4)
-    try:
+    with _own_world():
+        swap.use()
+        swap.set_mode("solo")
+        dist.init_process_group(swap.BACKEND, store=swap.SoloStore(4), rank=2, world_size=4)
         sub = dist.new_group()  # torch's rendezvous barrier on the solo store passes without the other 3
         t = torch.ones(1)
         dist.all_reduce(t, group=sub)
         assert t.tolist() == [4.0] and dist.get_world_size() == 4 and dist.get_rank() == 2
-    finally:
-        dist.destroy_process_group()
-        swap.set_mode("live")
