@@ -112,10 +112,13 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     from deadpool_ext.recovery.timeline import read_events
     from deadpool_ext.testing.launch import base_env
 
-    d = _mode_settings(size, MODES[mode])
+    d = _mode_settings(size, mode != "rebuild")
+    if args.worker_env:
+        d["env"] = {**d.get("env", {}), **dict(kv.split("=", 1) for kv in args.worker_env)}
     k0 = d["kill_step"]
-    kills = [k0 + 2 * i for i in range(swaps)]
-    n = kills[-1] + 3
+    marks_at = [k0 + 2 * i for i in range(swaps)]  # a kill after each of these steps (none for no_failure)
+    kills = [] if mode == "no_failure" else marks_at
+    n = marks_at[-1] + 3
     tag = f"memory_{mode}"
     shm_root = os.path.join("/dev/shm", f"bench_inplace.{os.getpid()}.{tag}")
     os.makedirs(shm_root, exist_ok=True)
@@ -123,9 +126,10 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     write_config(cfg, size, d, shm_root)
     metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
     cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(NNODES), "--nproc-per-node",
-           str(NPROC_PER_NODE), "--spare-nodes", str(swaps), "--shm-root", shm_root, "--timeline", timeline,
+           str(NPROC_PER_NODE), "--spare-nodes", str(len(kills)), "--shm-root", shm_root, "--timeline", timeline,
            SCRIPT, *script_args(size, cfg, n, metrics, args.seed)]
-    out: dict[str, Any] = {"mode": mode, "kills_after_steps": kills, "train_iters": n, "killed": []}
+    out: dict[str, Any] = {"mode": mode, "kills_after_steps": kills, "marks_after_steps": marks_at, "train_iters": n,
+                           "killed": []}
     box: dict[str, Any] = {}
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:
@@ -163,17 +167,21 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
     mon = box.get("m")
-    out.update(returncode=job["returncode"], timed_out=job["timed_out"], log=job["log"])
+    out.update(returncode=job["returncode"], timed_out=job["timed_out"], log=job["log"], env=d.get("env"))
     recs = read_records(metrics)
     out["losses"] = _losses(recs)
     if mon is None or len(out["killed"]) != len(kills):
         out["failed"] = f"only {len(out['killed'])} of {len(kills)} kills happened (rc {job['returncode']})"
         return out
     series = [(t, dict(r)) for t, r in mon.series]
-    t_kills = [k["t_kill"] for k in out["killed"]]
+    first_log = {}
+    for r in sorted(recs, key=lambda r: r["time"]):
+        first_log.setdefault(int(r["step"]), r["time"])
+    # the same points in every mode: just after step s was first logged (a kill follows there), and the end
+    t_kills = [first_log.get(s, time.time()) for s in marks_at]
     t_end = max((r["time"] for r in recs), default=time.time())
 
-    def last_before(t: float, worker: str) -> int | None:
+    def last_before(t: float, worker: str) -> int | None:  # the last sample before t
         vals = [r.get(worker, 0) for ts, r in series if ts < t and r.get(worker, 0) > 0]
         return vals[-1] if vals else None
 
@@ -298,6 +306,11 @@ def main() -> int:
     p.add_argument("--settle-busy", type=float, default=0.35)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--min-available-gib", type=float, default=1.5)
+    p.add_argument("--memory-modes", default="no_failure,rebuild,in_place",
+                   help="memory part: comma-separated of no_failure (the same job without kills: the control), "
+                        "rebuild, in_place")
+    p.add_argument("--worker-env", action="append", default=[], metavar="K=V",
+                   help="environment of the memory part's jobs (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--name", default="inplace_swap")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     args = p.parse_args()
@@ -307,8 +320,8 @@ def main() -> int:
     os.makedirs(logs, exist_ok=True)
     try:
         runs = phases_part(args.size, args.repeats, args, scratch, logs)
-        memory = [memory_part(args.size, mode, args.swaps, args, scratch, logs) for mode in MODES] \
-            if args.swaps else []
+        memory = [memory_part(args.size, mode, args.swaps, args, scratch, logs)
+                  for mode in args.memory_modes.split(",") if mode] if args.swaps else []
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     doc = {"size": args.size, "command": "python benchmarks/bench_inplace_swap.py " + " ".join(sys.argv[1:]),

@@ -43,6 +43,7 @@ from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
 from ..distributed import in_hot_swap, membership
 from ..launcher.contract import WorkerEnv, worker_env
+from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
 from ..rebuild import interrupt
 from ..rebuild import recover as protocol
@@ -275,6 +276,7 @@ class ResilientRuntime(ABC):
         # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
         # them activations and autograd graphs) is freed now, not at some later collection during training.
         gc.collect()
+        release_free_heap()
         return self._handle()
 
     def _expect_catch_up(self, step: int, since: float) -> None:

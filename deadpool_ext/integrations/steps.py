@@ -23,8 +23,10 @@ shuffles with, as it was at the start of that epoch. After any restore (a restar
 epoch is started again the same way (``set_epoch`` on the loader or its sampler, the generators set back), its
 first batches are drawn and dropped, and the next batch handed out is the one an uninterrupted run would have seen.
 What a loader must provide for that: the same order for the same epoch and generator state (``DistributedSampler``,
-a ``DataLoader`` with a seeded ``generator=``, Accelerate's prepared loaders, torchdata's ``StatefulDataLoader``
-used as a plain loader). A loader that shuffles with the global RNG (``shuffle=True`` without ``generator=``) is
+a ``DataLoader`` with a seeded ``generator=``, Accelerate's prepared loaders, torchdata's ``StatefulDataLoader``).
+The StatefulDataLoader is positioned the same way, not through its own ``state_dict``: resumed mid-epoch with a
+shuffling generator, torchdata 0.11 hands out a different order from the *next* epoch on (its generator is not
+where an uninterrupted run's is), while setting the generator back at the epoch's start is exact across epochs. A loader that shuffles with the global RNG (``shuffle=True`` without ``generator=``) is
 named in a warning: after a restore its order differs from an uninterrupted run's.
 
 In-place hot-swap (under deadpool-run): an exception inside the ``with`` block, or in the loader while it is
