@@ -137,8 +137,8 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
 
         def sample_status() -> None:
             while proc.poll() is None and time.time() < deadline:
-                _sample_status(mon, out)
-                time.sleep(0.5)
+                _sample_status(mon, out, every_s=0.2)
+                time.sleep(0.2)
 
         threading.Thread(target=sample_status, daemon=True).start()
         target = "node1.0"
@@ -174,9 +174,10 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
         out["failed"] = f"only {len(out['killed'])} of {len(kills)} kills happened (rc {job['returncode']})"
         return out
     series = [(t, dict(r)) for t, r in mon.series]
-    first_log = {}
+    first_log: dict[int, float] = {}
     for r in sorted(recs, key=lambda r: r["time"]):
         first_log.setdefault(int(r["step"]), r["time"])
+    out["step_times"] = {str(k): v for k, v in sorted(first_log.items())}
     # the same points in every mode: just after step s was first logged (a kill follows there), and the end
     t_kills = [first_log.get(s, time.time()) for s in marks_at]
     t_end = max((r["time"] for r in recs), default=time.time())
@@ -204,8 +205,34 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
             each = [status_before(t, w, key) for t in marks]
             out["rss"][w][key] = {"before_first_kill": first, "after_each_swap": each,
                                   "ratio_last_to_first": each[-1] / first if first and each and each[-1] else None}
+    out["peaks"] = memory_peaks(out)
     if job["returncode"] != 0:
         out["failed"] = f"job exited rc={job['returncode']}"
+    return out
+
+
+def memory_peaks(m: dict[str, Any]) -> dict[str, Any]:
+    """Per survivor and kind (RssAnon, RssShmem, VmRSS): the peak over one steady step, the last one before the
+    first kill (between the logs of steps k-1 and k) and the last one before each later mark (steps s-1..s), and
+    the ratio of the last such peak to the first. A point sample depends on where in its step it falls (the control
+    without failures moves by +-10% between samples); a step's peak does not."""
+    status = m.get("status_series") or []
+    times = m.get("step_times") or {}
+    marks = m.get("marks_after_steps") or []
+    last = max((int(k) for k in times), default=0)
+    windows = [(times.get(str(s - 1)), times.get(str(s))) for s in [*marks, last]]
+    out: dict[str, Any] = {}
+    for w in SURVIVORS:
+        for key in ("RssAnon", "RssShmem", "VmRSS"):
+            peaks = []
+            for lo, hi in windows:
+                vals = [r[w][key] for ts, r in status if lo is not None and hi is not None and lo < ts <= hi
+                        and w in r and key in r[w]]
+                peaks.append(max(vals) if vals else None)
+            first, rest = (peaks[0], peaks[1:]) if peaks else (None, [])
+            ratio = rest[-1] / first if first and rest and rest[-1] else None
+            out.setdefault(w, {})[key] = {"before_first_kill": first, "after_each_swap": rest,
+                                          "ratio_last_to_first": ratio}
     return out
 
 
@@ -234,9 +261,11 @@ def summarise(runs: list[dict[str, Any]], memory: list[dict[str, Any]]) -> dict[
         all(x[s] == losses[0][s] for s in common) for x in losses)
     summary["losses_compared_steps"] = sorted(common)
     for m in memory:
+        peaks = m.get("peaks") or {}
         summary["memory"][m["mode"]] = {
-            w: {"rss": v["ratio_last_to_first"], "anon": (v.get("RssAnon") or {}).get("ratio_last_to_first"),
-                "shmem": (v.get("RssShmem") or {}).get("ratio_last_to_first")} for w, v in (m.get("rss") or {}).items()}
+            w: {k: (peaks.get(w, {}).get(key) or {}).get("ratio_last_to_first")
+                for k, key in (("rss_peak", "VmRSS"), ("anon_peak", "RssAnon"), ("shmem_peak", "RssShmem"))}
+            for w in SURVIVORS}
     return summary
 
 
@@ -275,7 +304,24 @@ def render(doc: dict[str, Any]) -> str:
               f"Losses: {'**bit-identical**' if s['losses_bit_identical_across_all_runs'] else '**DIFFER**'} across "
               f"every run of both modes (steps {s['losses_compared_steps']}).", "",
               "## Survivor memory over five consecutive hot-swaps", "",
+              "Peak of one steady step (the step before the first kill; the step before each later mark, i.e. two "
+              "steps after each swap; the last step), per survivor; `no_failure` is the same job without kills, "
+              "measured at the same steps:", "",
               "| mode | worker, memory | before the first kill | after swaps 1..5 | last / first |",
+              "|---|---|---|---|---|"]
+    for m in doc["memory"]:
+        if m.get("failed"):
+            continue
+        for w, kinds in (m.get("peaks") or {}).items():
+            for label, key in (("RSS", "VmRSS"), ("anonymous", "RssAnon"), ("shared (shm)", "RssShmem")):
+                row = kinds.get(key)
+                if not row or row["before_first_kill"] is None:
+                    continue
+                each = ", ".join("—" if x is None else f"{x / 2**30:.2f}" for x in row["after_each_swap"])
+                lines.append(f"| {m['mode']} | {w} {label} | {f(row['before_first_kill'] / 2**30)} GiB | {each} GiB | "
+                             f"{f(row['ratio_last_to_first'], 3)} |")
+    lines += ["", "Point samples (the last sample before each mark; they move with where in its step the sample "
+              "falls):", "", "| mode | worker, memory | before the first kill | after swaps 1..5 | last / first |",
               "|---|---|---|---|---|"]
     for m in doc["memory"]:
         if m.get("failed"):
@@ -313,7 +359,20 @@ def main() -> int:
                    help="environment of the memory part's jobs (e.g. MALLOC_ARENA_MAX=2); repeatable")
     p.add_argument("--name", default="inplace_swap")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--rerender", metavar="JSON", default=None,
+                   help="recompute the memory peaks and the summary from a saved result, rewrite its JSON and .md")
     args = p.parse_args()
+    if args.rerender:
+        with open(args.rerender) as fh:
+            doc = json.load(fh)
+        for m in doc["memory"]:
+            if not m.get("failed"):
+                m["peaks"] = memory_peaks(m)
+        doc["summary"] = summarise(doc["runs"], doc["memory"])
+        write_text(args.rerender, json.dumps(doc, indent=1, default=str))
+        write_text(args.rerender[:-len(".json")] + ".md", render(doc))
+        print(json.dumps(doc["summary"], indent=1))
+        return 0
     t0 = time.time()
     scratch = tempfile.mkdtemp(prefix="bench_inplace.")
     logs = os.path.join(args.out, f"{args.name}_logs")

@@ -102,6 +102,11 @@ CURRENT: tuple[Current, ...] = (
             "records and manifests, store frames and the live server, control messages, RNG JSON, config, "
             "launcher flags, pid files, names): cases run per target and the outcome.",
             command="python benchmarks/bench_fuzz.py --examples 10000 --seed 20261201"),
+    Current("inplace_swap", "inplace_swap", "in-place communicator swap vs engine rebuild (hot-swap)",
+            "GPT small, ZeRO-3, 3 ranks + spares: hot-swap phases with hot_swap.in_place false (every rank rebuilds "
+            "its engine) and true (survivors keep it, communicators swapped beneath), pairs interleaved; survivor "
+            "memory (RSS, anonymous, shared) over five consecutive hot-swaps, beside the same job without failures.",
+            companions=("inplace_swap_logs",)),
     Current("peer_sign", "peer_sign", "cost of signing the peer channel's blobs",
             "HMAC-SHA256 tags on tier-2 snapshot blobs (a checkpoint key set), signed vs unsigned side by side: tag "
             "throughput, one 2-rank gloo round (16 and 128 MiB), and GPT-small step time with a snapshot every step "

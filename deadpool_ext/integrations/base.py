@@ -66,6 +66,50 @@ def placement_for(config: DeadpoolConfig, env: WorkerEnv) -> NodePlacement:
                           launcher_pid=env.launcher_pid)
 
 
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the failed step's frames hold (activations, autograd graphs, gathered parameters): the exception's
+    traceback keeps every frame of the interrupted forward/backward alive for as long as the caller holds the
+    exception, which is the whole recovery. Its chain too (``__context__``, ``__cause__``), at most 16 deep."""
+    import traceback
+
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 16:
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+        seen += 1
+
+
+def _memory_census() -> str:
+    """Threads, live tensors (count, bytes of their storages) and anonymous RSS: what to compare across hot-swaps
+    when a survivor's memory grows (debug level only: it walks every object the collector tracks)."""
+    import threading
+
+    import torch
+
+    seen: set[int] = set()
+    n = nbytes = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            n += 1
+            try:
+                st = obj.untyped_storage()
+                if st.data_ptr() not in seen:
+                    seen.add(st.data_ptr())
+                    nbytes += st.nbytes()
+            except Exception:
+                continue
+    anon = "?"
+    try:
+        with open("/proc/self/status") as fh:
+            anon = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("RssAnon")), "?")
+    except OSError:
+        pass
+    return f"{threading.active_count()} threads, {n} tensors ({nbytes / 2**20:.1f} MiB of storage), RssAnon {anon}"
+
+
 class ResilientRuntime(ABC):
     """See the module docstring for the call order."""
 
@@ -264,6 +308,7 @@ class ResilientRuntime(ABC):
 
         hc = self.config.hot_swap
         begun = protocol.begin(hc, exc, self.step_counter(), "swapping the communicators beneath the engine")
+        _drop_frames(exc)
         old_rank = self.rank
         detach_generation("recovery")
         if self.snapshots is not None:
@@ -277,6 +322,8 @@ class ResilientRuntime(ABC):
         # them activations and autograd graphs) is freed now, not at some later collection during training.
         gc.collect()
         release_free_heap()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("after the in-place recovery: %s", _memory_census())
         return self._handle()
 
     def _expect_catch_up(self, step: int, since: float) -> None:

@@ -27,7 +27,8 @@ a ``DataLoader`` with a seeded ``generator=``, Accelerate's prepared loaders, to
 The StatefulDataLoader is positioned the same way, not through its own ``state_dict``: resumed mid-epoch with a
 shuffling generator, torchdata 0.11 hands out a different order from the *next* epoch on (its generator is not
 where an uninterrupted run's is), while setting the generator back at the epoch's start is exact across epochs.
-A loader that shuffles with the global RNG (``shuffle=True`` without ``generator=``) is named in a warning: after a restore its order differs from an uninterrupted run's.
+A loader that shuffles with the global RNG (``shuffle=True`` without ``generator=``) is named in a warning: after
+a restore its order differs from an uninterrupted run's.
 
 In-place hot-swap (under deadpool-run): an exception inside the ``with`` block, or in the loader while it is
 iterated, that the runtime can recover is handed to ``engine.deadpool.recover`` (communicators swapped, the state

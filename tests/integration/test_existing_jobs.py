@@ -290,6 +290,40 @@ def test_hand_written_loops_survive_a_lost_worker_bit_for_bit(tmp_path, shm_root
     _same_trajectory(losses, ref_losses, killed=4, last=10)
 
 
+def test_own_loop_survives_a_relaunch_under_the_deepspeed_launcher(tmp_path, shm_root):
+    """DeepSpeed's launcher ends the job when a worker dies and never restarts it; relaunching the same command
+    with ``local.keep_after_exit_s`` (the node agent keeps tier 1 meanwhile) restores the own loop from memory: the
+    process group on the launcher's variables, the data position from the snapshot, losses bit-identical."""
+    import glob
+
+    from deadpool_ext.memory.agent import PIDFILE
+
+    steps = ["--steps", "10"]
+    ref, ref_losses = _job(tmp_path, "ref", OWN_LOOP, ["--deepspeed_config", _config(tmp_path, None), *steps])
+    assert _finished(ref, "own_loop"), ref.output[-3000:]
+    cfg = _config(tmp_path, shm_root, local={"shm_root": shm_root, "keep_after_exit_s": 120, "simulate_nodes": 2})
+    metrics = os.path.join(str(tmp_path), "relaunch.jsonl")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
+           str(free_port()), OWN_LOOP, "--deepspeed_config", cfg, *steps, "--metrics-out", metrics]
+    env = base_env(at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
+                                                                                         "ds.fault")).render()}))
+    try:
+        first = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env)
+        assert first.returncode != 0 and not first.timed_out, first.output[-3000:]
+        second = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env)  # the fault fires once (its marker exists)
+        assert second.returncode == 0, second.output[-4000:]
+        s = _summary(second, "own_loop")
+        assert s["start_step"] >= 3 and s["deadpool"]["restore"]["outcome"] == "restored", s
+        assert "resilient_steps: data position of step" in second.output
+        _same_trajectory(read_metrics(metrics), ref_losses, killed=4, last=10)
+    finally:  # the agents would otherwise hold the memory for the whole window after the test
+        for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
+            try:
+                os.kill(int(open(pidfile).read().split()[0]), signal.SIGKILL)  # "<pid> <start time>"
+            except (ValueError, ProcessLookupError):
+                pass
+
+
 def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):
     cfg_path = _config(tmp_path, shm_root)
     with open(cfg_path) as fh:
