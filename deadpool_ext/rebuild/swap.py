@@ -294,6 +294,28 @@ def _creator(kind: str) -> Any:
     return create
 
 
+SUPPORTED_TORCH = ("2.4", "2.14")
+"""torch versions whose process-group internals this module relies on: a Python ``ProcessGroup`` subclass as a
+c10d backend, ``_world.pg_map`` / ``pg_names`` / ``pg_group_ranks``, ``ProcessGroup._register_backend``,
+``_create_work_from_future``. Tested with 2.13."""
+
+
+def unsupported() -> str | None:
+    """Why the in-place swap cannot be used with this torch (None: it can)."""
+    from packaging.version import Version
+
+    v = Version(torch.__version__.split("+")[0])
+    lo, hi = (Version(x) for x in SUPPORTED_TORCH)
+    if not lo <= v < hi:
+        return f"torch {v} (the in-place swap supports torch >={lo},<{hi})"
+    c10d = dist.distributed_c10d
+    for owner, name in ((c10d, "_world"), (torch._C._distributed_c10d, "_create_work_from_future"),
+                        (dist.ProcessGroup, "_register_backend"), (dist.Backend, "register_backend")):
+        if not hasattr(owner, name):
+            return f"torch {v} has no {getattr(owner, '__name__', owner)}.{name}"
+    return None
+
+
 _registered = False
 
 

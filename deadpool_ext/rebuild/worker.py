@@ -205,6 +205,13 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     if in_place:
         from . import swap
 
+        why = swap.unsupported()
+        in_place = why is None
+        if why is not None:  # every rank runs the same torch: all of them decide alike
+            log.warning("hot_swap.in_place: not with %s; survivors rebuild their engine after a failure", why)
+    if in_place:
+        from . import swap
+
         swap.use()
         if a.generation > 0:
             swap.set_mode("solo")

@@ -114,3 +114,9 @@ def test_solo_world_builds_groups_and_answers_locally():
         t = torch.ones(1)
         dist.all_reduce(t, group=sub)
         assert t.tolist() == [4.0] and dist.get_world_size() == 4 and dist.get_rank() == 2
+
+
+def test_torch_outside_the_supported_range_is_named(monkeypatch):
+    assert swap.unsupported() is None  # the pinned torch
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    assert "torch 2.99.0 (the in-place swap supports torch >=2.4,<2.14)" == swap.unsupported()
