@@ -132,5 +132,20 @@ def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psu
     return wait_until(find, timeout_s, f"worker {worker_id} under launcher pid {launcher_pid}", interval_s=0.05)
 
 
-__all__ = ["worker_proc", "pretrain", "kill_at", "memory_tier_config", "Baselines", "drop_node_memory", "corrupt_file",
-           "wait_for_step", "kill_rank"]
+def kill_node_agents(shm_root: str) -> None:
+    """SIGKILL the node agents holding memory under ``shm_root`` (a test with ``local.keep_after_exit_s``: they
+    would otherwise keep it for the whole window after the test)."""
+    import glob
+    import signal
+
+    from deadpool_ext.memory.agent import PIDFILE
+
+    for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
+        try:
+            os.kill(int(open(pidfile).read().split()[0]), signal.SIGKILL)  # "<pid> <start time>"
+        except (ValueError, ProcessLookupError):
+            pass
+
+
+__all__ = ["worker_proc", "kill_node_agents", "pretrain", "kill_at", "memory_tier_config", "Baselines",
+           "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]

@@ -22,7 +22,7 @@ from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
-from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at, worker_proc
+from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at, kill_node_agents, worker_proc
 
 pytestmark = pytest.mark.slow
 OWN_LOOP = "scripts/examples/own_loop.py"
@@ -294,10 +294,6 @@ def test_own_loop_survives_a_relaunch_under_the_deepspeed_launcher(tmp_path, shm
     """DeepSpeed's launcher ends the job when a worker dies and never restarts it; relaunching the same command
     with ``local.keep_after_exit_s`` (the node agent keeps tier 1 meanwhile) restores the own loop from memory: the
     process group on the launcher's variables, the data position from the snapshot, losses bit-identical."""
-    import glob
-
-    from deadpool_ext.memory.agent import PIDFILE
-
     steps = ["--steps", "10"]
     ref, ref_losses = _job(tmp_path, "ref", OWN_LOOP, ["--deepspeed_config", _config(tmp_path, None), *steps])
     assert _finished(ref, "own_loop"), ref.output[-3000:]
@@ -317,11 +313,7 @@ def test_own_loop_survives_a_relaunch_under_the_deepspeed_launcher(tmp_path, shm
         assert "resilient_steps: data position of step" in second.output
         _same_trajectory(read_metrics(metrics), ref_losses, killed=4, last=10)
     finally:  # the agents would otherwise hold the memory for the whole window after the test
-        for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
-            try:
-                os.kill(int(open(pidfile).read().split()[0]), signal.SIGKILL)  # "<pid> <start time>"
-            except (ValueError, ProcessLookupError):
-                pass
+        kill_node_agents(shm_root)
 
 
 def test_snapshot_metrics_go_through_deepspeeds_monitor(tmp_path, shm_root):

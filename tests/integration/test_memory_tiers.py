@@ -11,7 +11,7 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
 from tests.conftest import make_config
-from tests.integration.helpers import Baselines, kill_at, memory_tier_config, pretrain, restore_of
+from tests.integration.helpers import Baselines, kill_at, kill_node_agents, memory_tier_config, pretrain, restore_of
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -96,12 +96,10 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
     """DeepSpeed's launcher ends the whole job when a worker dies and never restarts it. With
     local.keep_after_exit_s the node agent keeps tier 1 for a while; relaunching the same command (same master
     port, hence the same job id) restores from it, losses identical to an uninterrupted run."""
-    import signal
     import sys
 
     from deadpool_ext.chaos import at_step
     from deadpool_ext.chaos.at_step import StepFault
-    from deadpool_ext.memory.agent import PIDFILE
     from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job
 
     stage = 3
@@ -125,8 +123,4 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
         assert r["outcome"] == "restored" and r["fetched_from"] == {} and r["version"] >= 3, r
         assert read_metrics(metrics) == base
     finally:  # the agents would otherwise hold the memory for the whole window after the test
-        for pidfile in glob.glob(os.path.join(shm_root, "*", PIDFILE)):
-            try:
-                os.kill(int(open(pidfile).read().split()[0]), signal.SIGKILL)  # "<pid> <start time>"
-            except (ValueError, ProcessLookupError):
-                pass
+        kill_node_agents(shm_root)
