@@ -31,6 +31,8 @@ RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
 LOCAL_RANK = "LOCAL_RANK"
 LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+LOCAL_SIZE = "LOCAL_SIZE"
+"""The deepspeed launcher's name for the local world size (it sets no LOCAL_WORLD_SIZE)."""
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
 # torchrun only
@@ -134,7 +136,8 @@ class WorkerEnv:
         env = os.environ if environ is None else environ
         hs = HotSwapEnv.from_environ(env)
         return cls(rank=_opt_int(env, RANK), world_size=_opt_int(env, WORLD_SIZE),
-                   local_rank=_int(env, LOCAL_RANK, 0), local_world_size=_int(env, LOCAL_WORLD_SIZE, 1),
+                   local_rank=_int(env, LOCAL_RANK, 0),
+                   local_world_size=_int(env, LOCAL_WORLD_SIZE, _int(env, LOCAL_SIZE, 1)),
                    master_addr=env.get(MASTER_ADDR), master_port=_opt_int(env, MASTER_PORT),
                    restart_count=_int(env, RESTART_COUNT, 0), agent_store=env.get(USE_AGENT_STORE) == "True",
                    run_id=env.get(RUN_ID) or None, job_id=env.get(JOB_ID) or None,

@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (unused: LOCAL_RANK)")
     args = p.parse_args()
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,

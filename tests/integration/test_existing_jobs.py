@@ -197,9 +197,11 @@ def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
     assert res.returncode == 0, res.output[-4000:]
     _hot_swapped_in_place(res, events, pids)
     assert "HF Trainer: recovered in place at step" in res.output and "training loop re-entered" in res.output
-    assert sorted(losses) == list(range(1, 9)) and losses == plain_losses
+    _same_trajectory(losses, plain_losses, killed=4, last=8)
     s = _summary(res, "hf_trainer")
-    assert s["global_step"] == 8 and s["logged_steps"] == list(range(1, 9)), s  # rank 0 kept its log history
+    # rank 0 kept its log history: every step once, but possibly the killed one (its update was committed, so it is
+    # not redone, but the Trainer's logging gather of it was cut by the failure: not logged, as after a restart)
+    assert s["global_step"] == 8 and s["logged_steps"] in (list(range(1, 9)), [1, 2, 3, 5, 6, 7, 8]), s
 
 
 NO_SECTION = '''

@@ -69,3 +69,10 @@ def test_node_placement():
     assert node_placement(launcher_node=None, local_rank=1, local_world_size=2, simulate_nodes=0, **kw).node == "h"
     with pytest.raises(ValueError, match="simulate_nodes=3 must divide the 4"):
         node_placement(launcher_node=None, local_rank=0, local_world_size=4, simulate_nodes=3, **kw)
+
+
+def test_the_deepspeed_launchers_local_size_is_the_local_world_size():
+    # the deepspeed launcher sets LOCAL_SIZE, not LOCAL_WORLD_SIZE (torchrun's name, which wins when both are set)
+    assert contract.WorkerEnv.from_environ({"LOCAL_SIZE": "4"}).local_world_size == 4
+    assert contract.WorkerEnv.from_environ({"LOCAL_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
+    assert contract.WorkerEnv.from_environ({}).local_world_size == 1
