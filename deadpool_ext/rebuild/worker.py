@@ -202,16 +202,12 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
     init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
     _reset_group_names()
-    if in_place:
-        from . import swap
+    from . import swap
 
-        why = swap.unsupported()
-        in_place = why is None
-        if why is not None:  # every rank runs the same torch: all of them decide alike
-            log.warning("hot_swap.in_place: not with %s; survivors rebuild their engine after a failure", why)
-    if in_place:
-        from . import swap
-
+    why = swap.unsupported() if in_place else None
+    if why is not None:  # every rank runs the same torch: all of them decide alike
+        log.warning("hot_swap.in_place: not with %s; survivors rebuild their engine after a failure", why)
+    if in_place and why is None:
         swap.use()
         if a.generation > 0:
             swap.set_mode("solo")
