@@ -9,6 +9,7 @@ has its own key space. Users run plain torchrun and need not set any variable.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -166,6 +167,9 @@ def destroy_groups_at_exit() -> None:
     atexit.register(_destroy_groups)
 
 
+_GIL_YIELD_S = 0.05
+
+
 def _destroy_groups(timeout_s: float = 10.0) -> None:
     import threading
 
@@ -184,6 +188,10 @@ def _destroy_groups(timeout_s: float = 10.0) -> None:
     t.join(timeout_s)
     if t.is_alive():
         log.warning("process groups not destroyed within %.0f s at exit (a transfer blocked on a peer)", timeout_s)
+    # Groups a framework still holds (torch's own gloo groups under DeepSpeed) keep their worker threads until
+    # finalization: a worker that has just finished a collective releases its tensors next, which takes the GIL.
+    # Hand the GIL over for a moment so that it does so while the interpreter is whole (the same abort otherwise).
+    time.sleep(_GIL_YIELD_S)
 
 
 def _warm_up_spare() -> None:

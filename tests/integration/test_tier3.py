@@ -54,10 +54,14 @@ PLAIN_LOAD = textwrap.dedent('''
             assert torch.equal(ref[n], t), n
         torch.save({"logits": logits, "step": int(engine.global_steps), "ids": ids}, out)
         print("PLAIN_LOAD_OK", int(engine.global_steps), flush=True)
-    # plain DeepSpeed, no extension: end the group while the interpreter is whole (gloo may otherwise abort at
-    # exit, "terminate called without an active exception": pytorch/pytorch#179291)
+    # plain DeepSpeed, no extension: end the group while the interpreter is whole and let gloo's worker threads
+    # release the last collective's tensors (they take the GIL to); otherwise the exit may abort, "terminate called
+    # without an active exception" (pytorch/pytorch#179291; DeepSpeed holds the groups, so destroying them does
+    # not stop those threads).
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    import time
+    time.sleep(0.05)
 ''')
 
 

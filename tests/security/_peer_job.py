@@ -54,6 +54,8 @@ def main() -> None:
     rank, port, out_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    from deadpool_ext.distributed import destroy_groups_at_exit
+    destroy_groups_at_exit()  # leave while the interpreter is whole (pytorch/pytorch#179291)
     from deadpool_ext.cluster.comm import CommError, broadcast_json
     from deadpool_ext.snapshot.rng_json import gather_rng_states
     from deadpool_ext.snapshot.state import capture_rng
@@ -145,7 +147,6 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(out_dir, "rank0.json"), "w") as fh:
             json.dump(results, fh)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ def main() -> None:
     from deadpool_ext.rebuild import recover
 
     dist.init_process_group("gloo")
+    # Leave the group while the interpreter is whole: a process exiting while gloo's threads still release a
+    # collective's tensors aborts ("terminate called without an active exception", pytorch/pytorch#179291).
+    from deadpool_ext.distributed import destroy_groups_at_exit
+    destroy_groups_at_exit()
     rank = dist.get_rank()
     out: dict = {"rank": rank, "mode": mode}
     if mode.startswith("agree"):
@@ -38,10 +42,6 @@ def main() -> None:
         distributed._membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
         out["every_rank_restores"] = recover.every_rank_restores()
         _write(out_dir, out)
-        # Leave the group cleanly: a process exiting while gloo's threads still run can abort
-        # ("terminate called without an active exception"), which torchrun reports as a failed job.
-        dist.barrier()
-        dist.destroy_process_group()
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
 
