@@ -122,18 +122,10 @@ class _Peers:
             elif mode == "dcp_async":
                 self.dcp_group = self.dist.new_group(backend="gloo")
             elif mode == "dlrover_flash":
-                from dlrover.trainer.torch.flash_checkpoint.deepspeed import DeepSpeedCheckpointer
+                from common import make_dlrover_checkpointer
 
-                self.dlrover = DeepSpeedCheckpointer(self.engine, self.dirs["dlrover_flash"])
-                # DLRover 0.6.1 swaps torch.save for its agent's save(state_dict, path) while the engine saves;
-                # DeepSpeed 0.19's TorchCheckpointEngine also passes _use_new_zipfile_serialization, which that
-                # signature rejects (TypeError). Drop the keyword: the agent copies tensors to shared memory and
-                # never serializes, so it has no meaning there.
-                agent = self.dlrover._ckpt_agent
-                agent_save = agent.save
-                agent.save = lambda state_dict, path, **_ignored: agent_save(state_dict, path)
-                self.notes["dlrover_flash_shim"] = ("DLRover 0.6.1's torch.save replacement rejects DeepSpeed 0.19's "
-                                                    "_use_new_zipfile_serialization keyword; the benchmark drops it")
+                self.dlrover, self.notes["dlrover_flash_shim"] = make_dlrover_checkpointer(
+                    self.engine, self.dirs["dlrover_flash"])
         except Exception as exc:  # noqa: BLE001 - recorded in the results instead of a number
             error = f"{type(exc).__name__}: {exc}"
         return self._agree(mode, error)
@@ -166,9 +158,9 @@ class _Peers:
                                              process_group=self.dcp_group)
             return time.perf_counter() - t1, t1 - t0
         elif mode == "dlrover_flash":
-            from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+            from common import dlrover_save_memory
 
-            self.dlrover.save_checkpoint(self.dirs[mode], tag=tag, storage_type=StorageType.MEMORY)
+            dlrover_save_memory(self.dlrover, self.dirs[mode], tag)
         return time.perf_counter() - t0, 0.0
 
     def drain(self, mode: str) -> float:

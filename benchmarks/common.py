@@ -78,6 +78,44 @@ def bootstrap_ratio_ci(a: Sequence[float], b: Sequence[float], *, level: float =
     return percentile(out, tail), percentile(out, 100 - tail)
 
 
+def bootstrap_median_ci(values: Sequence[float], *, level: float = 0.90, resamples: int = 2000,
+                        seed: int = 0) -> tuple[float, float] | None:
+    """Percentile-bootstrap confidence interval of the median of ``values`` (e.g. per-round paired ratios:
+    each round's mode / baseline, measured side by side, so the machine's drift cancels within a pair)."""
+    import random
+
+    if len(values) < 2:
+        return None
+    rng = random.Random(seed)
+    meds = sorted(median(rng.choice(values) for _ in values) or 0.0 for _ in range(resamples))
+    tail = (1 - level) / 2 * 100
+    return percentile(meds, tail), percentile(meds, 100 - tail)
+
+
+def make_dlrover_checkpointer(engine: Any, directory: str) -> tuple[Any, str]:
+    """DLRover's flash checkpoint for a DeepSpeed engine (``DeepSpeedCheckpointer``), with the one shim DLRover
+    0.6.1 needs under DeepSpeed 0.19; returns (checkpointer, note on the shim). Raises ImportError without DLRover
+    (``pip install dlrover==0.6.1``)."""
+    from dlrover.trainer.torch.flash_checkpoint.deepspeed import DeepSpeedCheckpointer
+
+    ckpt = DeepSpeedCheckpointer(engine, directory)
+    # DLRover 0.6.1 swaps torch.save for its agent's save(state_dict, path) while the engine saves; DeepSpeed
+    # 0.19's TorchCheckpointEngine also passes _use_new_zipfile_serialization, which that signature rejects
+    # (TypeError). Drop the keyword: the agent copies tensors to shared memory and never serializes.
+    agent = ckpt._ckpt_agent
+    agent_save = agent.save
+    agent.save = lambda state_dict, path, **_ignored: agent_save(state_dict, path)
+    return ckpt, ("DLRover 0.6.1's torch.save replacement rejects DeepSpeed 0.19's _use_new_zipfile_serialization "
+                  "keyword; the benchmark drops it")
+
+
+def dlrover_save_memory(ckpt: Any, directory: str, tag: str) -> None:
+    """One DLRover flash checkpoint into shared memory (``StorageType.MEMORY``: its saver persists on request)."""
+    from dlrover.trainer.torch.flash_checkpoint.checkpointer import StorageType
+
+    ckpt.save_checkpoint(directory, tag=tag, storage_type=StorageType.MEMORY)
+
+
 # -- machine and process ------------------------------------------------------------------------------
 def _version(module: str) -> str | None:
     try:

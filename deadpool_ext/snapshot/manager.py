@@ -281,6 +281,7 @@ class SnapshotManager(MemoryRestore):
         t4 = time.perf_counter()
         st = self._stats
         st["diffs" if diff else "snapshots"] += 1
+        st["checksum_fused"] = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
         st["diff_nbytes" if diff else "base_nbytes"] = blob_len
         for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3)):
             st[key].append(value)

@@ -11,7 +11,12 @@ Write protocol (:class:`SlotWriter`), in this order:
 1. ``invalidate``: zero MAGIC, so a crash from here on leaves a slot that is recognised as torn;
 2. ``copy``: tensor bytes, in chunks, and the checksums of derived tensors (the only phase that must finish
    before the next optimizer step);
-3. ``seal``: checksums of the copied bytes, header, length, and MAGIC last.
+3. ``seal``: header (with the checksums of the copied bytes), length, and MAGIC last.
+
+Checksums are taken of the bytes as written into the slot. On the CPU path they are computed in the copy's own
+pass: each piece of at most :data:`FUSED_PIECE` bytes is copied and then hashed while it is still in cache, so the
+captured bytes are read from memory once (by the copy) instead of twice. A copy on a CUDA side stream is
+asynchronous, so its checksums are a second pass at ``seal``, after the stream has finished.
 """
 from __future__ import annotations
 
@@ -19,8 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import xxhash
 
 from . import format as fmt
+
+FUSED_PIECE = 1 << 20
+"""Bytes copied and then hashed at a time on the CPU path: small enough to be hashed from cache (L2 is 1-2 MiB
+per core on current x86 servers), large enough that the per-piece call overhead is under 1%."""
 
 
 def _align(n: int) -> int:
@@ -76,6 +86,8 @@ class SlotWriter:
         self.slot = slot
         self.header_reserved = header_reserved
         self.chunk_bytes = max(1 << 16, chunk_bytes)
+        self.checksums: list[str] | None = None
+        """Per-entry checksums computed by ``copy`` in its own pass (CPU path), else ``None`` (``seal`` hashes)."""
 
     def invalidate(self) -> None:
         self.slot[fmt.MAGIC_SLICE].zero_()
@@ -85,26 +97,43 @@ class SlotWriter:
         need = base + snap.data_nbytes
         if need > self.slot.numel():
             raise ValueError(f"snapshot needs {need} bytes but the slot has {self.slot.numel()}")
+        fused = stream is None
+        checksums: list[str] = []
+        piece = min(self.chunk_bytes, FUSED_PIECE) if fused else self.chunk_bytes
         for entry, t in zip(snap.entries, snap.tensors):
             if entry.nbytes == 0:
+                checksums.append(fmt.bytes_checksum(b""))
                 continue
             src = fmt._byte_view(t)
             dst = self.slot[base + entry.offset: base + entry.offset + entry.nbytes]
-            for off in range(0, entry.nbytes, self.chunk_bytes):
-                end = min(off + self.chunk_bytes, entry.nbytes)
-                dst[off:end].copy_(src[off:end], non_blocking=stream is not None)
+            if not fused:
+                for off in range(0, entry.nbytes, piece):
+                    end = min(off + piece, entry.nbytes)
+                    dst[off:end].copy_(src[off:end], non_blocking=True)
+                continue
+            h = xxhash.xxh3_64()
+            out = dst.numpy()
+            for off in range(0, entry.nbytes, piece):
+                end = min(off + piece, entry.nbytes)
+                dst[off:end].copy_(src[off:end])
+                h.update(out[off:end])  # the piece just written, still in cache
+            checksums.append(f"{h.intdigest():016x}")
         if stream is not None:
             stream.synchronize()
+        self.checksums = checksums if fused else None
         for name, t in snap.derived:
             snap.meta["derived"][name] = fmt.tensor_checksum(t)
 
     def seal(self, snap: PreparedSnapshot) -> int:
-        """Checksum the copied bytes, write header and MAGIC; returns the blob length."""
+        """Write the header with the checksums of the copied bytes (hashed here unless ``copy`` did), then the
+        length and MAGIC; returns the blob length."""
         base = data_offset(self.header_reserved)
-        checksums = []
-        for e in snap.entries:
-            view = self.slot[base + e.offset: base + e.offset + e.nbytes]
-            checksums.append(fmt.bytes_checksum(view.numpy()) if e.nbytes else fmt.bytes_checksum(b""))
+        checksums = self.checksums
+        if checksums is None:  # the copy was asynchronous (CUDA stream): hash the slot's bytes now
+            checksums = []
+            for e in snap.entries:
+                view = self.slot[base + e.offset: base + e.offset + e.nbytes]
+                checksums.append(fmt.bytes_checksum(view.numpy()) if e.nbytes else fmt.bytes_checksum(b""))
         header = fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, checksums, snap.meta)
         if len(header) > self.header_reserved:
             raise ValueError(f"snapshot header grew to {len(header)} bytes, over the {self.header_reserved} reserved")

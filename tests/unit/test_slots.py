@@ -77,3 +77,45 @@ def test_timings_are_a_bounded_window():
     short = [1.0, 2.0]
     trim_window(short, window=100)
     assert short == [1.0, 2.0]
+
+
+def test_checksums_taken_in_the_copy_pass_match_the_slot_bytes(tmp_path, monkeypatch):
+    """CPU path: each piece is hashed right after it is copied; the header's checksums are those of the bytes in
+    the slot (a tensor spanning several pieces, one smaller than a piece, an empty one), and seal hashes nothing."""
+    import deadpool_ext.snapshot.slots as slots
+
+    monkeypatch.setattr(slots, "FUSED_PIECE", 1 << 16)  # pieces of 64 KiB: the 1 MiB tensor spans 4
+    g = torch.Generator().manual_seed(1)
+    obj = {"tensors": {"big": torch.randn(1 << 18, generator=g), "small": torch.randn(7, generator=g),
+                       "empty": torch.zeros(0)}, "state": {}}
+    seg, w, snap = _write(tmp_path, obj, chunk=1 << 16)
+    assert w.checksums is not None and len(w.checksums) == len(snap.entries)
+    monkeypatch.setattr(fmt, "bytes_checksum", lambda *_a: pytest.fail("seal hashed again"))
+    w.seal(snap)
+    monkeypatch.undo()
+    header = fmt.read_header(seg.buf)
+    base = len(seg.buf) - header["data_nbytes"]
+    for e, digest in zip(header["tensors"], header["checksums"]):
+        assert digest == fmt.bytes_checksum(bytes(seg.buf[base + e["offset"]: base + e["offset"] + e["nbytes"]]))
+    assert probe_slot(seg.buf, verify=True)[1] is None
+
+
+def test_asynchronous_copy_hashes_at_seal(tmp_path):
+    """With a stream (the CUDA side stream: the copy is asynchronous) the bytes are hashed at seal, after the
+    stream has finished; a stand-in stream object shows the path on CPU."""
+    class _Stream:
+        synced = 0
+
+        def synchronize(self):
+            _Stream.synced += 1
+
+    obj = _state()
+    snap = prepare(3, obj, {"version": 3})
+    reserve = header_reserve(snap)
+    seg = ShmSegment.create("deadpool.t.snap.r0.1", slot_nbytes(reserve, snap.data_nbytes), root=tmp_path)
+    w = SlotWriter(seg.tensor(), reserve, 1 << 16)
+    w.invalidate()
+    w.copy(snap, _Stream())
+    assert w.checksums is None and _Stream.synced == 1
+    w.seal(snap)
+    assert probe_slot(seg.buf, verify=True)[1] is None
