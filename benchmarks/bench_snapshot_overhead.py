@@ -999,7 +999,8 @@ def _print_summary(size: str, entry: dict[str, Any]) -> None:
     cpu = an.get("cpu")
     if cpu:
         print(f"    CPU: extra {cpu['extra_cpu_s_per_step_per_rank'] * 1e3:.1f} ms/step/rank, floor "
-              f"{cpu['floor_cpu_s'] * 1e3:.1f} ms, extra/floor {cpu['extra_over_floor'] or float('nan'):.2f}", flush=True)
+              f"{cpu['floor_cpu_s'] * 1e3:.1f} ms, extra/floor {cpu['extra_over_floor'] or float('nan'):.2f}",
+              flush=True)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -116,7 +116,7 @@ class SlotWriter:
             for off in range(0, entry.nbytes, piece):
                 end = min(off + piece, entry.nbytes)
                 dst[off:end].copy_(src[off:end])
-                h.update(out[off:end])  # the piece just written, still in cache
+                h.update(memoryview(out[off:end]))  # the piece just written, still in cache
             checksums.append(f"{h.intdigest():016x}")
         if stream is not None:
             stream.synchronize()
