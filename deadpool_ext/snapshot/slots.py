@@ -112,11 +112,11 @@ class SlotWriter:
                     dst[off:end].copy_(src[off:end], non_blocking=True)
                 continue
             h = xxhash.xxh3_64()
-            out = dst.numpy()
+            out = fmt._as_bytes_mv(dst.numpy())
             for off in range(0, entry.nbytes, piece):
                 end = min(off + piece, entry.nbytes)
                 dst[off:end].copy_(src[off:end])
-                h.update(memoryview(out[off:end]))  # the piece just written, still in cache
+                h.update(out[off:end])  # the piece just written, still in cache
             checksums.append(f"{h.intdigest():016x}")
         if stream is not None:
             stream.synchronize()
