@@ -73,8 +73,9 @@ from common import (  # noqa: E402
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async", "dlrover_flash")
 # Diagnostic, not in the default set: deadpool with tier 2 switched off for the block (tier-1 cost alone), and
-# deadpool with its worker thread at SCHED_IDLE for the block (snapshot.worker_priority: idle, set per block).
-EXTRA_MODES = ("deadpool_t1", "deadpool_idle")
+# deadpool with its worker thread at normal CPU priority for the block (snapshot.worker_priority: normal; the
+# default, auto, is idle with a boost while the step waits, where the process may raise the thread back).
+EXTRA_MODES = ("deadpool_t1", "deadpool_normal")
 NPROC = 4
 REPLICATION_FACTOR = 1
 SIMULATE_NODES = 2
@@ -115,14 +116,6 @@ def _thread_cpu_s(native_id: int | None) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def _set_idle(native_id: int | None, idle: bool) -> None:
-    """Move the snapshot worker thread to SCHED_IDLE or back to SCHED_OTHER (the diagnostic mode
-    ``deadpool_idle``; going back needs root or RLIMIT_NICE, as on the benchmark machine)."""
-    if native_id:
-        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
-        os.sched_setscheduler(native_id, policy, os.sched_param(0))
 
 
 def _system_cpu() -> tuple[float, float]:
@@ -252,6 +245,7 @@ def worker(args: argparse.Namespace) -> int:
     tags: dict[str, list[str]] = {"ds_default": [], "ds_decoupled": [], "dlrover_flash": []}
 
     peers_factor = snaps.peers.factor
+    default_priority = snaps.priority.level
 
     def begin(mode: str) -> None:
         if mode == "deadpool":
@@ -259,9 +253,9 @@ def worker(args: argparse.Namespace) -> int:
         elif mode == "deadpool_t1":
             snaps.active = True
             snaps.peers.factor = 0  # PeerReplicator.replicate returns at once: tier 1 (+ commit) only
-        elif mode == "deadpool_idle":
+        elif mode == "deadpool_normal":
             snaps.active = True
-            _set_idle(snap_tid, True)
+            snaps.priority.set_level("normal")
         elif mode in ("ds_default", "dlrover_flash"):
             # DLRover's checkpointer calls engine.save_checkpoint with torch.save redirected to shared memory,
             # so the engine must write through torch.save (the stock engine), not deadpool's.
@@ -311,7 +305,7 @@ def worker(args: argparse.Namespace) -> int:
 
     def drain(mode: str) -> float:
         t0 = time.perf_counter()
-        if mode in ("deadpool", "deadpool_t1", "deadpool_idle"):
+        if mode in ("deadpool", "deadpool_t1", "deadpool_normal"):
             snaps.wait_idle()
         elif mode == "ds_decoupled":
             original_commit()
@@ -323,11 +317,11 @@ def worker(args: argparse.Namespace) -> int:
         return time.perf_counter() - t0
 
     def end(mode: str) -> None:
-        if mode in ("deadpool", "deadpool_t1", "deadpool_idle"):
+        if mode in ("deadpool", "deadpool_t1", "deadpool_normal"):
             snaps.active = False
             snaps.peers.factor = peers_factor
-            if mode == "deadpool_idle":
-                _set_idle(snap_tid, False)
+            if mode == "deadpool_normal":
+                snaps.priority.set_level(default_priority)
         elif mode in ("ds_default", "ds_decoupled", "dlrover_flash"):
             engine.checkpoint_engine = deadpool_ckpt_engine
         if rank == 0 and mode in ("ds_default", "ds_decoupled"):
@@ -624,7 +618,7 @@ def analyze(res: dict[str, Any]) -> dict[str, Any]:
             "children_rss_bytes_max": max((pb["memory"]["children_rss"] for pb in per_rank_blocks), default=None),
             "steps_measured": s["n"],
         }
-        if mode in ("deadpool", "deadpool_t1", "deadpool_idle"):
+        if mode in ("deadpool", "deadpool_t1", "deadpool_normal"):
             snap = {k: [v for pb in per_rank_blocks for v in pb["snapshots"][k]]
                     for k in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s")}
             blocking = summarize(snap["blocking_s"])
@@ -802,7 +796,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
         if dec.get("writer_note"):
             lines.append(f"- `ds_decoupled`: {dec['writer_note']}.")
         dpm = an["modes"].get("deadpool")
-        for name in ("deadpool", "deadpool_t1", "deadpool_idle"):
+        for name in ("deadpool", "deadpool_t1", "deadpool_normal"):
             if name not in an["modes"]:
                 continue
             mm = an["modes"][name]

@@ -426,8 +426,15 @@ def _headlines(found: dict) -> list[str]:
             if a.get("ratio_to_none") is not None:
                 ci = a.get("ratio_ci90")
                 ci_text = f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-                out.append(f"| snapshot_overhead | deadpool, {size} (`{os.path.basename(path)}`) | step ratio "
-                           f"{a['ratio_to_none']:.3f}{ci_text}, paired {a.get('paired_ratio_median') or 0:.3f} |")
+                pci = a.get("paired_ratio_ci90")
+                pci_text = f" (90% CI {pci[0]:.3f}-{pci[1]:.3f})" if pci else ""
+                world = _get(e, "result", "world_size")
+                cpu = _get(e, "analysis", "cpu") or {}
+                cpu_text = (f"; extra CPU {1000 * cpu['extra_cpu_s_per_step_per_rank']:.0f} ms/step/rank, "
+                            f"x{cpu['extra_over_floor']:.2f} its floor" if cpu.get("extra_over_floor") else "")
+                out.append(f"| snapshot_overhead | deadpool, {size}{f', {world} ranks' if world else ''} "
+                           f"(`{os.path.basename(path)}`) | step ratio {a['ratio_to_none']:.3f}{ci_text}, paired "
+                           f"{a.get('paired_ratio_median') or 0:.3f}{pci_text}{cpu_text} |")
     rec = found.get("recovery")
     for path, doc in rec.files if rec else []:
         for size, e in (_get(doc, "sizes") or {}).items():

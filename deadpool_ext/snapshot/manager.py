@@ -35,7 +35,7 @@ from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
-from .priority import lower_thread_priority
+from .priority import WorkerPriority
 from .restore import MemoryRestore
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter
@@ -133,6 +133,7 @@ class SnapshotManager(MemoryRestore):
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.active = True
         """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
+        self.priority = WorkerPriority(config.snapshot.worker_priority)
         if self.config.snapshot.background:
             self._thread = threading.Thread(target=self._worker, name="deadpool-snapshot", daemon=True)
             self._thread.start()
@@ -159,6 +160,7 @@ class SnapshotManager(MemoryRestore):
             return
         if not job.copied.is_set():
             t0 = time.perf_counter()
+            self.priority.boost()  # a worker at idle priority may get no CPU on a busy host: normal until its copy
             if not job.copied.wait(self.config.replication.timeout_s):
                 raise SnapshotWorkerError(
                     f"snapshot copy of step {job.snap.version} did not finish within "
@@ -176,6 +178,7 @@ class SnapshotManager(MemoryRestore):
         t0 = time.perf_counter()
         if self._inflight is not None and not self._inflight.done.is_set():
             # The previous version is still being sealed/replicated; its slot must not be the target.
+            self.priority.boost()
             self._inflight.done.wait(self.config.replication.timeout_s)
             self._raise_worker_error()
         ident = {"version": version, "rank": self.rank, "world_size": self.world, "job_id": self.job_id,
@@ -220,11 +223,12 @@ class SnapshotManager(MemoryRestore):
 
     # -- worker ----------------------------------------------------------------------------------------
     def _worker(self) -> None:
-        self._stats["worker_priority"] = lower_thread_priority(self.config.snapshot.worker_priority)
+        self._stats["worker_priority"] = self.priority.lower()
         while True:
             job = self._queue.get()
             if job is None:
                 return
+            self.priority.lower()  # again after a boost (no system call otherwise)
             try:
                 self._run(job)
             except BaseException as exc:  # surfaced on the main thread at the next hook
@@ -369,6 +373,7 @@ class SnapshotManager(MemoryRestore):
 
     def stats(self) -> dict[str, Any]:
         st = dict(self._stats)
+        st["worker_priority_boosts"] = self.priority.boosts
         for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s"):
             vals = sorted(st.pop(key))
             st[f"{key}_median"] = vals[len(vals) // 2] if vals else None
