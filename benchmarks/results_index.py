@@ -60,6 +60,16 @@ CURRENT: tuple[Current, ...] = (
             "Companion of snapshot_overhead for GPT medium: only `none` and `deadpool`, 12 measured steps each "
             "(the full run has 4 per mode, which do not resolve a ratio of 1.03); the best-resolved medium ratio.",
             companions=("snapshot_overhead_medium_ab_medium.log",)),
+    Current("snapshot_overhead_small_n2", "snapshot_overhead", "zero overhead, measured: small, 2 ranks, 20 pairs",
+            "Issue 'zero overhead': GPT small, ZeRO-3, 2 CPU ranks on 2 simulated nodes (replica on), 20 interleaved "
+            "rounds x 2 steps of none / deadpool (worker at SCHED_IDLE, boosted while the step waits) / "
+            "deadpool_normal / DeepSpeed decoupled / DCP async_save / DLRover flash: paired ratio with a 90% CI over "
+            "rounds, process and training-thread CPU per step, the CPU floor (copy, checksum, replica exchange) "
+            "measured in the same job, bytes through memory against the floor's.",
+            companions=("snapshot_overhead_small_n2_small.log",)),
+    Current("snapshot_overhead_small_n4", "snapshot_overhead", "the same, 4 ranks",
+            "The same with 4 CPU ranks (2 per simulated node) on the 2 cores.",
+            companions=("snapshot_overhead_small_n4_small.log",)),
     Current("recovery_small", "recovery", "SIGKILL -> next step: hot-swap vs relaunch + load, small",
             "SIGKILL of one of 3 ranks to the next completed step, GPT small, ZeRO-3: deadpool hot-swap (3 nodes + "
             "1 spare) vs kill + relaunch + DeepSpeed load_checkpoint; phases, kill -> ready to redo the step, "
@@ -145,6 +155,11 @@ ARCHIVE_NOTES: dict[str, str] = {
     "persist_quick": "--quick smoke run",
     "snapshot_overhead_quick": "--quick smoke run",
     "snapshot_overhead_diag": "tier-1 vs tier-2 cost (deadpool_t1), older code 29a3d5d8",
+    "snapshot_overhead_small_n4_idle_noboost": "the 4-rank run before the boost (code 57e034d): `deadpool` at normal "
+                                               "priority then, `deadpool_idle` = SCHED_IDLE without a boost "
+                                               "(paired 1.012 vs 0.995): run-to-run spread beside the current run",
+    "snapshot_overhead_small_n2_first": "the first 2-rank run (code 17a346f, worker at normal priority), same "
+                                        "settings: paired 1.044 as in the current run",
 }
 QUICK_DIR_NOTE = ("`archive/quick/`: the `run_all.py --quick` smoke run of 2026-11-29 16:13 (every benchmark's "
                   "--quick mode, tiny models) that the previous REPORT.md was rendered from")

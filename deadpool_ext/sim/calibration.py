@@ -1,8 +1,9 @@
 """Take the simulator's fixed costs from this project's current measured benchmark results.
 
 Reads the current results that ``benchmarks/results/INDEX.md`` names (stable file names; older runs live in
-``benchmarks/results/archive/`` and are never read): ``snapshot_overhead.json`` and
-``snapshot_overhead_medium_ab.json`` for the interference ratios, ``recovery_small.json`` (then
+``benchmarks/results/archive/`` and are never read): ``snapshot_overhead.json``,
+``snapshot_overhead_medium_ab.json`` and the 20-pair small runs ``snapshot_overhead_small_n4.json`` /
+``snapshot_overhead_small_n2.json`` for the interference ratios, ``recovery_small.json`` (then
 ``recovery_medium.json``) for the recovery costs. Returns overrides of :class:`~deadpool_ext.sim.params.Costs`,
 each with the file and the JSON path it came from. Absent files or keys leave the defaults (which are these same
 measurements as of the commit that wrote them), and ``missing`` says so.
@@ -34,7 +35,8 @@ from .params import Params
 
 # The current results, relative to the results directory, in order of preference. These names are the stable
 # names of benchmarks/results/INDEX.md (CURRENT in benchmarks/results_index.py); a test checks that they agree.
-SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead.json", "snapshot_overhead_medium_ab.json")
+SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead.json", "snapshot_overhead_medium_ab.json",
+                                    "snapshot_overhead_small_n4.json", "snapshot_overhead_small_n2.json")
 RECOVERY_FILES: tuple[str, ...] = ("recovery_small.json", "recovery_medium.json")
 # Model sizes of the recovery benchmark, most preferred first: small has 3 repeats, medium one.
 RECOVERY_SIZES: tuple[str, ...] = ("small", "medium", "tiny")

@@ -223,7 +223,11 @@ class SnapshotManager(MemoryRestore):
 
     # -- worker ----------------------------------------------------------------------------------------
     def _worker(self) -> None:
-        self._stats["worker_priority"] = self.priority.lower()
+        got = self._stats["worker_priority"] = self.priority.lower()
+        if self.rank == 0:
+            log.info("snapshot worker: CPU priority %s (snapshot.worker_priority: %s)%s", got,
+                     self.priority.requested, ", raised to normal while a step waits for its copy"
+                     if got in ("idle", "nice19") else "")
         while True:
             job = self._queue.get()
             if job is None:
@@ -389,6 +393,7 @@ class SnapshotManager(MemoryRestore):
         self.active = False
         job = self._inflight
         if job is not None:
+            self.priority.boost()  # waited for: not at idle priority
             job.copied.wait(timeout_s)
             deadline = time.time() + timeout_s
             while self.latest is None or self.latest[0] != job.snap.version:
@@ -413,6 +418,8 @@ class SnapshotManager(MemoryRestore):
 
     def wait_idle(self) -> None:
         if self._inflight is not None:
+            if not self._inflight.done.is_set():
+                self.priority.boost()
             self._inflight.done.wait(self.config.replication.timeout_s)
         self._raise_worker_error()
 

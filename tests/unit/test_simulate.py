@@ -278,7 +278,8 @@ def test_calibration_without_results_keeps_defaults(tmp_path):
     assert cal.overrides == {} and cal.files == {}
     assert len(cal.missing) == 3
     assert "snapshot_overhead.json: unreadable" in cal.missing[0]
-    assert "snapshot_overhead_medium_ab.json: not found" in cal.missing[1]
+    assert ("snapshot_overhead_medium_ab.json / snapshot_overhead_small_n4.json / snapshot_overhead_small_n2.json: "
+            "not found") in cal.missing[1]
     assert "recovery_small.json / recovery_medium.json: not found" in cal.missing[2]
     assert cal.apply(Params()) == Params()
 
