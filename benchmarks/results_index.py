@@ -158,6 +158,9 @@ ARCHIVE_NOTES: dict[str, str] = {
     "snapshot_overhead_small_n4_idle_noboost": "the 4-rank run before the boost (code 57e034d): `deadpool` at normal "
                                                "priority then, `deadpool_idle` = SCHED_IDLE without a boost "
                                                "(paired 1.012 vs 0.995): run-to-run spread beside the current run",
+    "snapshot_overhead_small_n2_diff": "2 ranks with TierCheck differentials (base every 10 steps), 10 rounds x 10 "
+                                       "steps: paired 1.025 (its memory line is against the full-snapshot bound; "
+                                       "the differential ring holds more)",
     "snapshot_overhead_small_n2_first": "the first 2-rank run (code 17a346f, worker at normal priority), same "
                                         "settings: paired 1.044 as in the current run",
 }

@@ -321,7 +321,8 @@ class ResilientRuntime(ABC):
         # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
         # them activations and autograd graphs) is freed now, not at some later collection during training.
         gc.collect()
-        release_free_heap()
+        if hc.release_memory:
+            release_free_heap()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("after the in-place recovery: %s", _memory_census())
         return self._handle()
