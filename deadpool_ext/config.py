@@ -63,17 +63,19 @@ class SnapshotConfig:
     background: bool = True
     """Copy in a background worker overlapped with the next iteration (the design). ``false`` copies inline
     in ``after_step``: a debugging aid and the baseline the benchmark compares against."""
-    worker_priority: str = "auto"
-    """CPU priority of the background snapshot worker thread (copy, checksums, replication, commit): ``idle``
-    (Linux ``SCHED_IDLE``: only cycles nothing else wants; nice 19 where unavailable), ``low`` (nice 19),
-    ``normal`` (as the training threads), or ``auto``: ``idle`` where this process can raise the worker back to
-    normal while the step waits for its copy (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20), else ``normal``.
-    A step that must wait for the copy (the next optimizer step would overwrite what is being copied) raises the
-    worker to normal priority for the rest of it; the worker lowers itself again at its next snapshot. Without that
-    boost a worker at idle priority on a host whose every core trains may get no CPU at all (measured on the 2-core
-    CI host: a 3-rank tiny job's blocking per snapshot went from 0.6 ms to 574 ms), which is why ``idle`` is only
-    the default where the boost works. Measured with it (GPT small, 4 ranks on 2 cores, 20 interleaved pairs):
-    step-time ratio 0.995 at ``idle`` against 1.012 at ``normal``."""
+    worker_priority: str = "normal"
+    """CPU priority of the background snapshot worker thread (copy, checksums, replication, commit): ``normal``
+    (as the training threads), ``idle`` (Linux ``SCHED_IDLE``: only cycles nothing else wants; nice 19 where
+    unavailable), ``low`` (nice 19), or ``auto``: ``idle`` where this process can raise the worker back to normal
+    (root, ``CAP_SYS_NICE`` or ``RLIMIT_NICE`` >= 20), else ``normal``. A step that must wait for a lowered worker
+    (the next optimizer step would overwrite what it copies) raises it to normal for the rest of that work; it
+    lowers itself again at its next snapshot. Measured on the 2-core CI host (GPT small, 20 interleaved pairs):
+    the step-time ratio 1.024 at ``auto`` against 1.035 at ``normal`` with 4 ranks, no difference with 2; but on a
+    host whose every core trains the lowered worker's replication then lags: a rank killed 1.7 s into the next
+    step found the previous snapshot still replicating, so the recovery fell back one more step (two steps
+    redone instead of one), and in another run a worker was still blocked in that transfer 30 s later (the
+    recovery failed). Hence ``normal`` by default; ``auto`` or ``idle`` suit hosts whose CPUs wait on
+    accelerators."""
     derive_params: bool = True
     """Do not copy DeepSpeed's low-precision parameter buffers: after every step they are the fp32 masters cast
     to their dtype, so a restore rebuilds them the same way and checks the result against checksums taken at

@@ -40,7 +40,7 @@ def test_low_is_nice_19_and_normal_changes_nothing():
 
 
 def test_worker_priority_is_checked():
-    assert DeadpoolConfig.from_dict({}).snapshot.worker_priority == "auto"
+    assert DeadpoolConfig.from_dict({}).snapshot.worker_priority == "normal"  # see the key's docstring
     with pytest.raises(ConfigError,
                        match="deadpool.snapshot.worker_priority: must be one of auto, idle, low, normal"):
         DeadpoolConfig.from_dict({"snapshot": {"worker_priority": "realtime"}})
