@@ -161,6 +161,22 @@ ARCHIVE_NOTES: dict[str, str] = {
     "snapshot_overhead_small_n2_diff": "2 ranks with TierCheck differentials (base every 10 steps), 10 rounds x 10 "
                                        "steps: paired 1.025 (its memory line is against the full-snapshot bound; "
                                        "the differential ring holds more)",
+    "inplace_swap_auto_priority_release_true": "memory part with snapshot.worker_priority auto (then the default) on "
+                                               "3 ranks / 2 cores: the first recovery failed (a survivor's worker "
+                                               "still blocked in the replication of the step before the kill 30 s "
+                                               "later); why the default went back to normal (written as "
+                                               "inplace_swap_release_memory_true)",
+    "inplace_swap_auto_priority_release_false": "the same with hot_swap.release_memory false: the snapshot of the step "
+                                                "before the kill was still replicating 1.7 s into the next step, so "
+                                                "the recovery fell back to the step before (two steps redone); the "
+                                                "benchmark's kill schedule stopped there (written as "
+                                                "inplace_swap_release_memory_false)",
+    "inplace_swap_release_memory_true": "5 in-place swaps at normal worker priority, hot_swap.release_memory true: "
+                                        "survivor RSS x1.075 / x1.074; first step after each swap 2.35 s against "
+                                        "2.00 s for the step after it (medians)",
+    "inplace_swap_release_memory_false": "the same with release_memory false: 2 of 5 kills happened (the kill schedule "
+                                         "stopped, the job was fine); first steps after the 2 swaps 2.14 / 2.17 s "
+                                         "against 1.84 / 1.93 s",
     "snapshot_overhead_small_n2_first": "the first 2-rank run (code 17a346f, worker at normal priority), same "
                                         "settings: paired 1.044 as in the current run",
 }

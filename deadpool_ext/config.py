@@ -174,8 +174,9 @@ class HotSwapConfig:
     """After an in-place recovery, give the C heap's free memory back to the OS (glibc ``malloc_trim``): what the
     interrupted step and the dead communicators' threads left. Measured (GPT small, 5 consecutive swaps): survivor
     RSS x1.05-1.07 of its level before the first failure with it, x1.10-1.12 without. Its price: the first step
-    after the recovery faults those pages in again (about 110,000 more page faults per survivor, ~0.1-0.15 s
-    there). ``false`` where memory is plentiful and that step matters more."""
+    after the recovery faults those pages in again (about 110,000 more page faults per survivor, ~0.1 s there:
+    ``docs/hot-swap.md``, "The first step after a swap"). ``false`` where memory is plentiful and that step
+    matters more."""
 
     def __post_init__(self) -> None:
         _seconds("teardown_timeout_s", self.teardown_timeout_s)
