@@ -18,6 +18,7 @@ and the global commit happen after that point, on the copied bytes, and never bl
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -99,6 +100,8 @@ class SnapshotManager(MemoryRestore):
         self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
                                        "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
         self._thread: threading.Thread | None = None
+        self._phase = "idle"
+        """What the worker is doing (for the error that says where it is stuck)."""
         self._wire()
 
     def _wire(self) -> None:
@@ -251,6 +254,7 @@ class SnapshotManager(MemoryRestore):
             seg, reserved = self.slots[job.slot], self.header_reserved
         assert seg is not None
         writer = SlotWriter(seg.tensor(), reserved, self.chunk_bytes)
+        self._phase = "copy"
         t0 = time.perf_counter()
         writer.invalidate()
         if diff:
@@ -275,18 +279,21 @@ class SnapshotManager(MemoryRestore):
         else:
             self.latest = (job.snap.version, job.slot)
         t2 = time.perf_counter()
+        self._phase = "replication to peers"
         if diff:
             assert self.dpeers is not None  # differential mode
             self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
         else:
             self.peers.replicate(seg.tensor(), blob_len)
         t3 = time.perf_counter()
+        self._phase = "global commit (all-reduce on the side group)"
         flag = torch.tensor([job.snap.version], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         self.committed_version = int(flag.item())
         if not diff and self.committed_version == job.snap.version:
             self.committed_base = job.snap.version
         t4 = time.perf_counter()
+        self._phase = "idle"
         st = self._stats
         st["diffs" if diff else "snapshots"] += 1
         st["checksum_fused"] = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
@@ -409,12 +416,16 @@ class SnapshotManager(MemoryRestore):
         worker may issue a collective on the side group's new communicator. Call it after the dead generation's
         communicators are parked (their collectives then fail at once)."""
         thread = self._thread
+        job = self._inflight
         self.quiesce()
         if thread is not None:
             thread.join(timeout_s)
             if thread.is_alive():
-                raise SnapshotWorkerError(f"the snapshot worker did not stop within {timeout_s:.0f}s after the "
-                                          "failure (blocked in a transfer)")
+                where = _stack_of(thread)
+                raise SnapshotWorkerError(
+                    f"the snapshot worker did not stop within {timeout_s:.0f}s after the failure: it is still in the "
+                    f"{job.kind if job is not None else '?'} snapshot of step "
+                    f"{job.snap.version if job is not None else '?'} ({self._phase}), at {where}")
 
     def wait_idle(self) -> None:
         if self._inflight is not None:
@@ -428,6 +439,18 @@ class SnapshotManager(MemoryRestore):
             self._queue.put(None)
             self._thread.join(self.config.replication.timeout_s)
         self._thread = None
+
+
+def _stack_of(thread: threading.Thread, frames: int = 6) -> str:
+    """The innermost frames of a live thread, as ``file:line function`` from the outside in (for an error line)."""
+    import sys
+    import traceback
+
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "(no stack: the thread is not running Python code)"
+    summary = traceback.extract_stack(frame)[-frames:]
+    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(summary))
 
 
 def _pin_for_cuda(seg: ShmSegment) -> None:

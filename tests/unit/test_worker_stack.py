@@ -1,0 +1,24 @@
+"""The error for a snapshot worker that does not stop names where it is blocked (no silent hang)."""
+from __future__ import annotations
+
+import threading
+
+from deadpool_ext.snapshot.manager import _stack_of
+
+
+def _blocked_in_a_transfer(release: threading.Event) -> None:
+    release.wait(10)
+
+
+def test_stack_of_a_blocked_thread_names_its_innermost_frames():
+    release = threading.Event()
+    t = threading.Thread(target=_blocked_in_a_transfer, args=(release,), daemon=True)
+    t.start()
+    try:
+        where = _stack_of(t)
+        assert where.split(" < ")[0].startswith("threading.py:")  # innermost first: Event.wait -> Condition.wait
+        assert "test_worker_stack.py" in where and "_blocked_in_a_transfer" in where
+    finally:
+        release.set()
+        t.join(5)
+    assert _stack_of(t).startswith("(no stack")  # finished
