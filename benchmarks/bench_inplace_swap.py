@@ -54,9 +54,13 @@ from recovery_run import (  # noqa: E402
 MODES = {"rebuild": False, "in_place": True}
 
 
-def _mode_settings(size: str, in_place: bool, hot_swap: dict[str, Any] | None = None) -> dict[str, Any]:
+def _mode_settings(size: str, in_place: bool, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job settings of one mode; ``overrides`` (``--deadpool-overrides``) are sections of the deadpool config
+    merged in, e.g. ``{"hot_swap": {"release_memory": false}}`` (the mode's ``hot_swap.in_place`` wins)."""
     d = dict(DEFAULTS[size])
-    d["deadpool"] = {"hot_swap": {**(hot_swap or {}), "in_place": in_place}}
+    sections = {k: dict(v) for k, v in (overrides or {}).items()}
+    sections["hot_swap"] = {**sections.get("hot_swap", {}), "in_place": in_place}
+    d["deadpool"] = sections
     return d
 
 
@@ -69,7 +73,7 @@ def phases_part(size: str, repeats: int, args: argparse.Namespace, scratch: str,
     for r in range(repeats):
         order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            rec = run_hotswap(size, _mode_settings(size, MODES[mode], args.hot_swap), scratch, f"{mode}_r{r}", args,
+            rec = run_hotswap(size, _mode_settings(size, MODES[mode], args.deadpool_overrides), scratch, f"{mode}_r{r}", args,
                               logs)
             ev = rec.get("events") or {}
             ready = [v for v in (ev.get("survivor_restored_last"), ev.get("spare_restored")) if v is not None]
@@ -113,7 +117,7 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     from deadpool_ext.recovery.timeline import read_events
     from deadpool_ext.testing.launch import base_env
 
-    d = _mode_settings(size, mode != "rebuild", args.hot_swap)
+    d = _mode_settings(size, mode != "rebuild", args.deadpool_overrides)
     if args.worker_env:
         d["env"] = {**d.get("env", {}), **dict(kv.split("=", 1) for kv in args.worker_env)}
     k0 = d["kill_step"]
@@ -358,8 +362,9 @@ def main() -> int:
                         "rebuild, in_place")
     p.add_argument("--worker-env", action="append", default=[], metavar="K=V",
                    help="environment of the memory part's jobs (e.g. MALLOC_ARENA_MAX=2); repeatable")
-    p.add_argument("--hot-swap", type=json.loads, default=None, metavar="JSON",
-                   help='keys of the hot_swap section for every job, e.g. \'{"release_memory": false}\'')
+    p.add_argument("--deadpool-overrides", type=json.loads, default=None, metavar="JSON",
+                   help='sections of the deadpool config for every job, e.g. '
+                        '\'{"hot_swap": {"release_memory": false}}\'')
     p.add_argument("--name", default="inplace_swap")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
     p.add_argument("--rerender", metavar="JSON", default=None,
