@@ -73,8 +73,8 @@ def phases_part(size: str, repeats: int, args: argparse.Namespace, scratch: str,
     for r in range(repeats):
         order = list(MODES) if r % 2 == 0 else list(reversed(MODES))
         for mode in order:
-            rec = run_hotswap(size, _mode_settings(size, MODES[mode], args.deadpool_overrides), scratch, f"{mode}_r{r}", args,
-                              logs)
+            settings = _mode_settings(size, MODES[mode], args.deadpool_overrides)
+            rec = run_hotswap(size, settings, scratch, f"{mode}_r{r}", args, logs)
             ev = rec.get("events") or {}
             ready = [v for v in (ev.get("survivor_restored_last"), ev.get("spare_restored")) if v is not None]
             runs.append({"mode": mode, "repeat": r, "failed": rec.get("failed"), "phases": rec.get("phases"),
