@@ -36,6 +36,7 @@ class GlooTransport(Transport):
         tails += [dist.P2POp(dist.irecv, t, r.peer, self.group) for r, t in zip(receives, trailers)]
         for req in in_flight:
             req.wait()
+        self.check_open()  # a hot-swap replaced this transport meanwhile: the group now has a new communicator
         for req in dist.batch_isend_irecv(tails):
             req.wait()
         return {r.peer for r, trailer in zip(receives, trailers) if not self.accept(r, trailer)}

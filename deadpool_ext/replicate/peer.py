@@ -93,6 +93,7 @@ class PeerReplicator:
     def close(self) -> None:
         """Close this replicator's mappings of the replica buffers it holds (the files stay: the restore and a
         successor find them by name). Called when an in-place hot-swap replaces the replicator."""
+        self.transport.closed = True
         for segs in self.replicas.values():
             for seg in segs:
                 seg.close()

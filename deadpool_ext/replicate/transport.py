@@ -55,6 +55,10 @@ class BlobReceive:
     """Length of the sender's blob (ranks' blobs differ in size: partitions and headers)."""
 
 
+class TransportClosed(RuntimeError):
+    """A transfer of a replaced transport; it stops before its next message (see :attr:`Transport.closed`)."""
+
+
 class Transport(ABC):
     """Moves blobs between ranks (see the module docstring for the guarantee and the call order).
 
@@ -66,6 +70,15 @@ class Transport(ABC):
         self.rank = rank
         self.signer = signer
         self.refused_total = 0
+        self.closed = False
+        """Set when the replicator that owns this transport is replaced (in-place hot-swap): a transfer still in
+        flight on the dead generation's communicator must not go on to a next message, which would go out on the
+        group's new communicator. Implementations check it between messages (:meth:`check_open`)."""
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise TransportClosed(f"tier 2: rank {self.rank}'s transport was closed (a hot-swap replaced it) while a "
+                                  "transfer was in flight; abandoned")
 
     def trailer(self, send: BlobSend) -> torch.Tensor:
         """The ``TRAILER_LEN`` bytes to send after ``send``'s body: its MAGIC and its tag."""

@@ -57,6 +57,11 @@ class _Job:
         self.done = threading.Event()
 
 
+ABANDON_AFTER_S = 2.0
+"""How long a hot-swap waits for a snapshot worker that is in a replica transfer before abandoning it: after the
+dead generation's sockets are cut, a transfer that can fail does so within milliseconds; one still blocked is on
+a receive gloo does not fail (a peer that died), which would only end at the group's timeout."""
+
 TIMING_WINDOW = 50_000
 """Per-snapshot timings kept for ``stats()`` (medians, maxima): the newest 50,000-100,000 of each kind, so a job of
 millions of steps does not grow a list per step (about 4 MB per kind at most)."""
@@ -100,6 +105,9 @@ class SnapshotManager(MemoryRestore):
         self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
                                        "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
         self._thread: threading.Thread | None = None
+        self._epoch = 0
+        """Bumped when the worker is stopped for a hot-swap: a worker of an older epoch (abandoned, still blocked
+        in a transfer on the dead generation's communicator) touches nothing of this manager when it wakes."""
         self._phase = "idle"
         """What the worker is doing (for the error that says where it is stuck)."""
         self._wire()
@@ -138,7 +146,8 @@ class SnapshotManager(MemoryRestore):
         """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
         self.priority = WorkerPriority(config.snapshot.worker_priority)
         if self.config.snapshot.background:
-            self._thread = threading.Thread(target=self._worker, name="deadpool-snapshot", daemon=True)
+            self._thread = threading.Thread(target=self._worker, args=(self._epoch,), name="deadpool-snapshot",
+                                            daemon=True)
             self._thread.start()
 
     def rewire(self, placement: NodePlacement) -> None:
@@ -218,14 +227,14 @@ class SnapshotManager(MemoryRestore):
             self._queue.put(job)
         else:
             try:
-                self._run(job)  # snapshot.background: false, in the training thread
+                self._run(job, self._epoch)  # snapshot.background: false, in the training thread
             finally:
                 job.copied.set()
                 job.done.set()  # else the next after_step waits replication.timeout_s for it
         self._stats["blocking_s"][-1] += time.perf_counter() - t0
 
     # -- worker ----------------------------------------------------------------------------------------
-    def _worker(self) -> None:
+    def _worker(self, epoch: int = 0) -> None:
         got = self._stats["worker_priority"] = self.priority.lower()
         if self.rank == 0:
             log.info("snapshot worker: CPU priority %s (snapshot.worker_priority: %s)%s", got,
@@ -237,15 +246,19 @@ class SnapshotManager(MemoryRestore):
                 return
             self.priority.lower()  # again after a boost (no system call otherwise)
             try:
-                self._run(job)
+                self._run(job, epoch)
             except BaseException as exc:  # surfaced on the main thread at the next hook
+                if epoch != self._epoch:  # abandoned at a hot-swap: its failure is the dead generation's
+                    log.info("abandoned snapshot worker (snapshot of step %d) ended: %s", job.snap.version,
+                             " ".join(str(exc).split())[:200])
+                    return
                 self._error = exc
                 log.error("snapshot of step %d failed: %s", job.snap.version, exc)
             finally:
                 job.copied.set()
                 job.done.set()
 
-    def _run(self, job: _Job) -> None:
+    def _run(self, job: _Job, epoch: int = 0) -> None:
         diff = job.kind == "diff"
         if diff:
             self.ring.check_reuse(job.snap.version, self.committed_base)  # watermark GC
@@ -286,6 +299,8 @@ class SnapshotManager(MemoryRestore):
         else:
             self.peers.replicate(seg.tensor(), blob_len)
         t3 = time.perf_counter()
+        if epoch != self._epoch:
+            raise SnapshotWorkerError("replaced at a hot-swap during the replication; no commit")
         self._phase = "global commit (all-reduce on the side group)"
         flag = torch.tensor([job.snap.version], dtype=torch.int64)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
@@ -417,9 +432,24 @@ class SnapshotManager(MemoryRestore):
         communicators are parked (their collectives then fail at once)."""
         thread = self._thread
         job = self._inflight
+        self._epoch += 1  # from here on the current worker touches nothing of this manager
         self.quiesce()
         if thread is not None:
-            thread.join(timeout_s)
+            t0 = time.monotonic()
+            thread.join(min(timeout_s, ABANDON_AFTER_S))
+            if thread.is_alive() and self._phase.startswith("replication"):
+                # Blocked on the dead generation's communicator: gloo may not fail a receive from a peer that
+                # died (it waits for the group's timeout). Its sockets are closed or cut, so nothing more can arrive;
+                # the transport is closed (no next message) and the epoch is past (no commit, no state).
+                self.peers.transport.closed = True
+                if self.dpeers is not None:
+                    self.dpeers.transport.closed = True
+                log.warning("snapshot worker abandoned after %.1fs: still in the replication of step %s on the dead "
+                            "generation's communicator (at %s); it ends when that transfer times out and touches "
+                            "nothing of the new generation", time.monotonic() - t0,
+                            job.snap.version if job is not None else "?", _stack_of(thread, 3))
+                return
+            thread.join(max(0.0, timeout_s - (time.monotonic() - t0)))
             if thread.is_alive():
                 where = _stack_of(thread)
                 raise SnapshotWorkerError(
