@@ -177,6 +177,11 @@ ARCHIVE_NOTES: dict[str, str] = {
     "inplace_swap_release_memory_false": "the same with release_memory false: 2 of 5 kills happened (the kill schedule "
                                          "stopped, the job was fine); first steps after the 2 swaps 2.14 / 2.17 s "
                                          "against 1.84 / 1.93 s",
+    **{f"inplace_swap_abandon_auto_{i}": (f"five in-place swaps at worker_priority auto after the fix (code 9415a28, "
+                                          f"written as abandon_auto_{i}): every run trains to step 14, final loss "
+                                          "bit-identical to the no-failure job, stuck replication workers abandoned "
+                                          "(run 1: 2, run 2: 1, run 3: 2) where 2 of 3 runs were lost before")
+       for i in (1, 2, 3)},
     "snapshot_overhead_small_n2_first": "the first 2-rank run (code 17a346f, worker at normal priority), same "
                                         "settings: paired 1.044 as in the current run",
 }

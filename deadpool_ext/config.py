@@ -73,9 +73,9 @@ class SnapshotConfig:
     the step-time ratio 1.024 at ``auto`` against 1.035 at ``normal`` with 4 ranks, no difference with 2; but on a
     host whose every core trains the lowered worker's replication then lags: a rank killed 1.7 s into the next
     step found the previous snapshot still replicating, so the recovery fell back one more step (two steps
-    redone instead of one), and in another run a worker was still blocked in that transfer 30 s later (the
-    recovery failed). Hence ``normal`` by default; ``auto`` or ``idle`` suit hosts whose CPUs wait on
-    accelerators."""
+    redone instead of one), and such a worker can be blocked in that transfer (now abandoned after
+    ``snapshot.manager.ABANDON_AFTER_S``). Hence ``normal`` by default; ``auto`` or ``idle`` suit hosts whose CPUs
+    wait on accelerators."""
     derive_params: bool = True
     """Do not copy DeepSpeed's low-precision parameter buffers: after every step they are the fp32 masters cast
     to their dtype, so a restore rebuilds them the same way and checks the result against checksums taken at

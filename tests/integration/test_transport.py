@@ -55,3 +55,14 @@ def test_a_blob_the_key_did_not_sign_is_refused_and_left_torn(tmp_path, impl, ca
     # ... rank 0 checks with its own key (forged: another key, so it refuses rank 1's blob too; unsigned: no key,
     # so it accepts what arrives, checksums only).
     assert out[0]["refused"] == ([1] if case == "forged" else []), out[0]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_closed_transport_sends_no_next_message_and_leaves_the_buffer_torn(tmp_path, impl):
+    """What a snapshot worker abandoned at an in-place hot-swap relies on: once its transport is closed, a round in
+    flight stops after the message it is in (nothing goes out on the group's new communicator)."""
+    out = _run(tmp_path, impl, "closed", (0, 1))
+    assert out[1]["raised"] == "TransportClosed" and out[1]["body_arrived"], out[1]
+    assert out[1]["magic_zero"] and out[1]["meta"] is None, out[1]  # torn: never complete-looking
+    # The sender's trailer is never awaited: its round completes, or fails once rank 1 has exited (never hangs).
+    assert out[0]["raised"] in (None, "RuntimeError"), out[0]

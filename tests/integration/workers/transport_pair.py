@@ -62,6 +62,21 @@ def main(impl: str, case: str, out_dir: str) -> None:
         out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why,
                    refused=sorted(refused), magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])),
                    body_arrived=bool(torch.equal(into[fmt.BODY_START:theirs.numel()], theirs[fmt.BODY_START:])))
+    elif case == "closed":
+        # Rank 1's transport is closed (a hot-swap replaced it) while its round is in flight: the bodies complete,
+        # the trailer is not awaited, the buffer stays torn; rank 0 (sending only) completes its round.
+        try:
+            if rank == 0:
+                transport.exchange([BlobSend(1, mine)], [])
+            else:
+                transport.closed = True
+                transport.exchange([], [BlobReceive(0, into, theirs.numel())])
+            out["raised"] = None
+        except RuntimeError as exc:
+            out["raised"] = type(exc).__name__
+        meta, why = probe(into)
+        out.update(magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])), meta=meta, why=why,
+                   body_arrived=bool(torch.equal(into[fmt.BODY_START:theirs.numel()], theirs[fmt.BODY_START:])))
     elif case == "torn":
         if rank == 0:
             dist.barrier()
