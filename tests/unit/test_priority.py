@@ -85,17 +85,18 @@ def _job(jobs, seen, name: str) -> str:
 def test_a_waiting_thread_boosts_the_idle_worker_until_its_next_job():
     prio = WorkerPriority("auto")
     assert prio.level == "idle"  # auto: idle where the boost works
+    normal = (os.SCHED_OTHER, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))  # as this thread (nice)
     t, jobs, seen = _worker_thread(prio)
     tid = seen["tid"]
     assert seen["first"] == "idle" and _policy(tid)[0] == os.SCHED_IDLE
     assert _job(jobs, seen, "again") == "idle" and _policy(tid)[0] == os.SCHED_IDLE  # not boosted: unchanged
     assert prio.boost() and prio.boosts == 1
-    assert _policy(tid) == (os.SCHED_OTHER, 0)  # raised from this (the "training") thread
+    assert _policy(tid) == normal  # raised from this (the "training") thread, to where it started
     assert not prio.boost() and prio.boosts == 1  # already raised
     assert _job(jobs, seen, "next") == "idle" and _policy(tid)[0] == os.SCHED_IDLE  # lowered at its next job
     prio.set_level("normal")
-    assert _policy(tid) == (os.SCHED_OTHER, 0)
-    assert _job(jobs, seen, "after") == "normal" and _policy(tid) == (os.SCHED_OTHER, 0)
+    assert _policy(tid) == normal
+    assert _job(jobs, seen, "after") == "normal" and _policy(tid) == normal
     jobs.put(None)
     t.join(5)
 
