@@ -113,8 +113,13 @@ def _as_bytes_mv(buf: Any) -> memoryview:
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
 
 
+def hex_digest(value: int) -> str:
+    """The 16-character hex form of an xxh3_64 digest, as headers record it."""
+    return f"{value:016x}"
+
+
 def _digest(data: Any) -> str:
-    return f"{xxhash.xxh3_64_intdigest(data):016x}"
+    return hex_digest(xxhash.xxh3_64_intdigest(data))
 
 
 def bytes_checksum(buf: Any) -> str:

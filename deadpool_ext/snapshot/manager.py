@@ -57,6 +57,9 @@ class _Job:
         self.done = threading.Event()
 
 
+_REPLICATING = "replication to peers"
+"""The worker's phase while it exchanges replicas (the one phase a hot-swap may abandon it in)."""
+
 ABANDON_AFTER_S = 2.0
 """How long a hot-swap waits for a snapshot worker that is in a replica transfer before abandoning it: after the
 dead generation's sockets are cut, a transfer that can fail does so within milliseconds; one still blocked is on
@@ -292,7 +295,7 @@ class SnapshotManager(MemoryRestore):
         else:
             self.latest = (job.snap.version, job.slot)
         t2 = time.perf_counter()
-        self._phase = "replication to peers"
+        self._phase = _REPLICATING
         if diff:
             assert self.dpeers is not None  # differential mode
             self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
@@ -437,7 +440,7 @@ class SnapshotManager(MemoryRestore):
         if thread is not None:
             t0 = time.monotonic()
             thread.join(min(timeout_s, ABANDON_AFTER_S))
-            if thread.is_alive() and self._phase.startswith("replication"):
+            if thread.is_alive() and self._phase == _REPLICATING:
                 # Blocked on the dead generation's communicator: gloo may not fail a receive from a peer that
                 # died (it waits for the group's timeout). Its sockets are closed or cut, so nothing more can arrive;
                 # the transport is closed (no next message) and the epoch is past (no commit, no state).

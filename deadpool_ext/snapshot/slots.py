@@ -117,7 +117,7 @@ class SlotWriter:
                 end = min(off + piece, entry.nbytes)
                 dst[off:end].copy_(src[off:end])
                 h.update(out[off:end])  # the piece just written, still in cache
-            checksums.append(f"{h.intdigest():016x}")
+            checksums.append(fmt.hex_digest(h.intdigest()))
         if stream is not None:
             stream.synchronize()
         self.checksums = checksums if fused else None
