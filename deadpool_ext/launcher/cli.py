@@ -37,13 +37,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import SHM_ROOT, job_shm_dir
-from ..store.base import parse_store_url
+from ..store.base import StoreAuthError, StoreError, parse_store_endpoints, parse_store_url
 from . import contract
 from .contract import HotSwapEnv
+from .leader import LeaderElection, LeaseStore, supports_leases
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -80,7 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store-port", type=int, default=0, help="port of the embedded store (leader); 0 = any free port")
     p.add_argument("--hosts", type=int, default=1, help="launchers in the job, one per host; node i runs on host "
                                                         "i %% hosts, spare j on host j %% hosts")
-    p.add_argument("--host-rank", type=int, default=0, help="this launcher's index; 0 is the coordinator")
+    p.add_argument("--host-rank", type=int, default=0,
+                   help="this launcher's index; 0 publishes the first assignment. On an etcd store every launcher "
+                        "can take the coordinator role over (docs/multi-host.md)")
+    p.add_argument("--leader-ttl-s", type=int, default=10,
+                   help="etcd store: the lease of each launcher (its host's liveness and the coordinator role). A "
+                        "lost coordinator is replaced within this time; a launcher cut off from the store for "
+                        "longer than 80%% of it stops its workers and leaves")
     p.add_argument("--shm-root", default=SHM_ROOT)
     p.add_argument("--heartbeat-s", type=float, default=0.5)
     p.add_argument("--watch-s", type=float, default=0.5,
@@ -126,8 +133,15 @@ class Supervisor:
         self.leader = args.host_rank == 0
         self.local_nodes = {n for i, n in enumerate(self.active_nodes) if i % args.hosts == args.host_rank} | \
                            {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
+        self.node_host = {n: i % args.hosts for i, n in enumerate(self.active_nodes)} | \
+                         {n: j % args.hosts for j, n in enumerate(self.spare_nodes)}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
+        self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
+        self.hosts_seen: set[int] = set()
+        self.seen_hb: dict[str, float] = {}
+        self._reported: set[str] = set()
+        self._fenced: set[str] = set()
         self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
         self.started = False  # every local worker spawned: errors from here on are the job's, not start-up's
         try:
@@ -196,12 +210,26 @@ class Supervisor:
                     log.error("worker %s did not die after SIGKILL", wid)
 
     def _fence_remote(self, node: str, timeout_s: float = 15.0) -> None:
-        """Ask the launcher of ``node``'s host to kill its processes and drop its memory; wait for the ack."""
+        """Ask the launcher of ``node``'s host to kill its processes and drop its memory; wait for the ack, or, on
+        an etcd store, for that launcher's lease to lapse (it stops its own workers before the store can expire
+        it, so a host whose key is gone runs nothing of the job)."""
         self.store.set(f"fence/{node}", b"1")
-        try:
-            self.store.wait([f"fenced/{node}"], timeout_s)
-        except Exception as exc:  # an unreachable host is as good as fenced for the new generation
-            log.warning("no fence acknowledgement from the launcher of %s within %.0fs: %s", node, timeout_s, exc)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if self.store.get(f"fenced/{node}") is not None:
+                    return
+                if self.election is not None and self.store.get(f"host/{self.node_host[node]}") is None:
+                    log.info("node %s: its host %d's lease has lapsed, so its launcher stopped its workers",
+                             node, self.node_host[node])
+                    return
+            except Exception as exc:
+                log.warning("fence of %s: %s", node, exc)
+            if time.monotonic() > deadline:
+                # an unreachable host is as good as fenced for the new generation
+                log.warning("no fence acknowledgement from the launcher of %s within %.0fs", node, timeout_s)
+                return
+            time.sleep(0.05)
 
     def _drop_memory(self, node: str) -> None:
         if node not in self.local_nodes:
@@ -237,9 +265,18 @@ class Supervisor:
             if self.args.store_url:
                 self.store_url = self.args.store_url
                 if self.leader and self.store_url.startswith("etcd://"):
+                    from ..store.connect import etcd_http_endpoints
                     from ..store.etcd import bootstrap_etcd_auth
 
-                    bootstrap_etcd_auth("http://" + self.store_url[len("etcd://"):], self.token)
+                    members = etcd_http_endpoints(parse_store_endpoints(self.store_url)[1])
+                    for i, member in enumerate(members):  # auth is the cluster's: one member that answers does it
+                        try:
+                            bootstrap_etcd_auth(member, self.token)
+                            break
+                        except StoreError as exc:
+                            if isinstance(exc, StoreAuthError) or i == len(members) - 1:
+                                raise
+                            log.warning("etcd member %s: %s; trying the next one", member, exc)
             else:
                 from ..store.embedded import EmbeddedStoreServer
 
@@ -247,47 +284,126 @@ class Supervisor:
                 self.server.start()
                 self.store_url = self.server.url
             self.store = connect(self.store_url, self.token, self.job_id, 30.0)
+            if supports_leases(self.store):
+                self.election = LeaderElection(cast(LeaseStore, self.store), self.args.host_rank,
+                                               self.args.leader_ttl_s, host=self.args.host)
+            elif self.args.hosts > 1:
+                log.warning("--hosts %d on the embedded store: it lives in host 0's launcher, so losing host 0 ends "
+                            "the job (no other launcher can take the coordinator role over). Use --store-url "
+                            "etcd://... for a job that survives any host (docs/multi-host.md)", self.args.hosts)
             if self.leader:
+                if self.election is not None:
+                    self._campaign_first()
                 a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
                 self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
                            store=self.store_url, active_nodes=self.active_nodes, spare_nodes=self.spare_nodes,
-                           hosts=self.args.hosts)
+                           hosts=self.args.hosts, host_rank=self.args.host_rank)
             else:
                 raw = self.store.wait(["assignment"], 120.0)["assignment"]
                 a0 = Assignment.from_json(json.loads(raw))
+                self.assignment = a0
             for w in self.workers:
                 if w.node in self.local_nodes:
                     self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
             self.started = True
-            return self._loop() if self.leader else self._follow()
+            return self._loop()
         finally:
             self._shutdown()
 
-    def _follow(self) -> int:
-        """Follower launcher: run this host's workers, report their exits, obey fences, stop with the job."""
-        reported: set[str] = set()
-        fenced: set[str] = set()
-        while True:
-            time.sleep(0.1)
+    def _campaign_first(self) -> None:
+        """Host 0 takes the coordinator role before the first assignment (a lease left by an earlier launcher of
+        this job id lapses within --leader-ttl-s)."""
+        from .leader import LEADING, LOST
+
+        election = self.election
+        assert election is not None
+        deadline = time.monotonic() + 2 * self.args.leader_ttl_s + 5
+        while (state := election.tick()) != LEADING:
+            holder = election.leader()
+            if state == LOST or time.monotonic() > deadline:
+                raise RuntimeError(f"host 0 could not take the coordinator role within "
+                                   f"{2 * self.args.leader_ttl_s + 5}s (held by {holder}; another launcher of job "
+                                   f"{self.job_id} is running?)")
+            time.sleep(0.2)
+
+    # -- every launcher, every turn -----------------------------------------------------------------
+    def _host_tick(self) -> int | None:
+        """This host's part: report its workers' exits, obey fences, keep the lease; an exit code to stop."""
+        if self.election is None and self.leader:
+            return None  # one coordinator for good, on this host: it sees its own processes directly
+        if self.election is not None:
+            from .leader import LOST
+
+            if self.election.tick() == LOST:
+                return self._self_fence(self.election.lost_why)
+            try:
+                self.hosts_seen |= {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
+            except Exception as exc:
+                log.debug("host list: %s", exc)
+        try:
             if self.store.get("finished") is not None:
                 return 0
             raw = self.store.get_json("assignment")
-            if raw and raw.get("stop"):
-                return 1
-            for wid, p in self.procs.items():
-                rc = p.poll()
-                if rc is not None and rc != 0 and wid not in reported:
-                    reported.add(wid)
-                    self.store.set_json(f"hostfail/{wid}", {"rc": rc, "time": time.time()})
-            for node in self.local_nodes - fenced:
-                if self.store.get(f"fence/{node}") is not None:
-                    fenced.add(node)
-                    for wid in self._node_procs(node):
-                        reported.add(wid)
-                        if self.procs[wid].poll() is None:
-                            self.procs[wid].kill()
-                    shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
-                    self.store.set(f"fenced/{node}", b"1")
+        except Exception as exc:  # the store unreachable for a moment: the lease decides when that is fatal
+            log.debug("store: %s", exc)
+            return None
+        if raw and raw.get("stop"):
+            return 1
+        for wid, p in self.procs.items():
+            rc = p.poll()
+            if rc is not None and rc != 0 and wid not in self._reported:
+                self._reported.add(wid)
+                self.store.set_json(f"hostfail/{wid}", {"rc": rc, "time": time.time()})
+        for node in self.local_nodes - self._fenced:
+            if self.store.get(f"fence/{node}") is not None:
+                self._fenced.add(node)
+                for wid in self._node_procs(node):
+                    self._reported.add(wid)
+                    if self.procs[wid].poll() is None:
+                        self.procs[wid].kill()
+                shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
+                self.store.set(f"fenced/{node}", b"1")
+        return None
+
+    def _self_fence(self, why: str) -> int:
+        """Cut off from the store for longer than the lease allows: another launcher is about to give this host's
+        ranks to spares, so its workers stop now (no two processes ever train as one rank)."""
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                log.error("worker pid %d did not die after SIGKILL", p.pid)
+        msg = (f"host {self.args.host_rank} lost contact with the store: {why}. Its workers were stopped so that "
+               f"spares can take their ranks; this launcher leaves (start it again to offer this host as spares)")
+        self.event(event="self_fenced", host_rank=self.args.host_rank, reason=why)
+        print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
+        return 3
+
+    def _leads(self) -> bool:
+        if self.election is None:
+            return bool(self.leader)
+        return self.election.leading
+
+    def _take_over(self) -> None:
+        """This launcher holds the coordinator role now (host 0 at the start, or another launcher after the
+        coordinator was lost): the job's state comes from the store."""
+        raw = self.store.get_json("assignment")
+        if raw is None:
+            raise RuntimeError("took the coordinator role over but the store holds no assignment")
+        self.assignment = Assignment.from_json(raw)
+        self.dead_spares |= set(self.store.get_json("dead_spares") or [])
+        self.seen_hb.clear()
+        self.event(event="leader", host_rank=self.args.host_rank, generation=self.assignment.generation,
+                   took_over_at=time.time(), hosts_alive=sorted(self._hosts_alive()))
+        if self.args.host_rank != 0 or self.assignment.generation > 0:
+            log.warning("host %d took the coordinator role over (generation %d)", self.args.host_rank,
+                        self.assignment.generation)
+
+    def _hosts_alive(self) -> set[int]:
+        return {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
 
     def _sleep_until_child_exit(self, timeout_s: float) -> None:
         if self._wake_r is None:
@@ -302,68 +418,100 @@ class Supervisor:
                 pass
 
     def _loop(self) -> int:
-        seen_hb: dict[str, float] = {}
+        """Every launcher: this host's part each turn; the coordinator's part while it holds the role."""
+        led_before = self.leader and self.election is None
         while True:
             self._sleep_until_child_exit(0.1)
-            a = self.assignment
-            active = set(a.ranks)
-            rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
-            rcs.update({wid: p.poll() for wid, p in self.procs.items()})
-            for key, raw in self.store.list("hostfail/").items():
-                rcs[key.split("/", 1)[1]] = int(json.loads(raw)["rc"])
-            if all(rcs[w] == 0 or self.store.get(f"done/{w}") is not None for w in active):
-                self.store.set("finished", b"1")
-                self.event(event="finished", generation=a.generation)
-                return 0
-            fatal = self.store.get("fatal")
-            if fatal is not None:
-                msg = fatal.decode(errors="replace")
-                self.event(event="stopped", reason=msg)
-                print(f"deadpool-run: stopping the job, a worker reports unrecoverable state:\n{msg}",
-                      file=sys.stderr, flush=True)
-                return 1
-            failed: dict[str, str] = {}
-            for wid in active:
-                rc = rcs[wid]
-                if rc is not None and rc != 0:
-                    failed[wid] = f"exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
-            now = time.time()
-            for wid in active - set(failed):
-                if rcs[wid] is not None:
-                    continue
-                if self.store.get(f"done/{wid}") is not None:
-                    continue
-                hb = self.store.get(f"hb/{wid}")
-                if hb is not None:
-                    seen_hb[wid] = float(hb)
-                if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
-                    failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
-            for w in self.workers:
-                if w.node in self.spare_nodes and w.node not in self.dead_spares and w.worker_id not in active:
-                    if rcs[w.worker_id] is not None:
-                        self.dead_spares.add(w.node)
-                        self._kill_node(w.node)
-                        self.event(event="spare_lost", node=w.node, detail=f"exited with {rcs[w.worker_id]}")
-            if not failed:
+            rc = self._host_tick()
+            if rc is not None:
+                return rc
+            if not self._leads():
+                led_before = False
                 continue
-            failed_nodes = {a.nodes[w] for w in failed}
-            self.event(event="failure", generation=a.generation, detected_at=now,
-                       failed={w: {"rank": a.ranks[w], "node": a.nodes[w], "why": why} for w, why in failed.items()})
-            for node in failed_nodes:
-                self._kill_node(node)
-                if not self.args.keep_memory_on_failure:
-                    self._drop_memory(node)
-            for wid in list(seen_hb):
-                if a.nodes.get(wid) in failed_nodes:
-                    del seen_hb[wid]
-            new = self._next_assignment(a, failed_nodes)
-            if new is None:
-                return 1
-            new = self.publish(new)
-            for wid in new.ranks:
-                seen_hb.pop(wid, None)  # grace: a spare's first heartbeat after taking over
-            self.event(event="assignment", generation=new.generation, replaced=new.replaced,
-                       published_at=time.time(), spares_left=list(new.spares))
+            if not led_before:
+                self._take_over()
+                led_before = True
+            rc = self._coordinate()
+            if rc is not None:
+                return rc
+
+    def _coordinate(self) -> int | None:
+        """One turn of the coordinator: completion, fatal reports, crashes, hangs, lost hosts; a failure gets
+        the failed nodes fenced and the next generation published."""
+        seen_hb = self.seen_hb
+        a = self.assignment
+        active = set(a.ranks)
+        rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
+        rcs.update({wid: p.poll() for wid, p in self.procs.items()})
+        for key, raw in self.store.list("hostfail/").items():
+            rcs[key.split("/", 1)[1]] = int(json.loads(raw)["rc"])
+        if all(rcs[w] == 0 or self.store.get(f"done/{w}") is not None for w in active):
+            self.store.set("finished", b"1")
+            self.event(event="finished", generation=a.generation)
+            return 0
+        fatal = self.store.get("fatal")
+        if fatal is not None:
+            msg = fatal.decode(errors="replace")
+            self.event(event="stopped", reason=msg)
+            print(f"deadpool-run: stopping the job, a worker reports unrecoverable state:\n{msg}",
+                  file=sys.stderr, flush=True)
+            return 1
+        failed: dict[str, str] = {}
+        for wid in active:
+            rc = rcs[wid]
+            if rc is not None and rc != 0:
+                failed[wid] = f"exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
+        lost_hosts: set[int] = set()
+        if self.election is not None:
+            lost_hosts = self.hosts_seen - self._hosts_alive()
+            for wid in active - set(failed):
+                h = self.node_host[a.nodes[wid]]
+                if h in lost_hosts:
+                    failed[wid] = f"host {h} lost (its launcher's lease lapsed)"
+        now = time.time()
+        for wid in active - set(failed):
+            if rcs[wid] is not None:
+                continue
+            if self.store.get(f"done/{wid}") is not None:
+                continue
+            hb = self.store.get(f"hb/{wid}")
+            if hb is not None:
+                seen_hb[wid] = float(hb)
+            if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
+                failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
+        spares_lost = False
+        for w in self.workers:
+            if w.node in self.spare_nodes and w.node not in self.dead_spares and w.worker_id not in active:
+                if rcs[w.worker_id] is not None or self.node_host[w.node] in lost_hosts:
+                    self.dead_spares.add(w.node)
+                    spares_lost = True
+                    why = (f"host {self.node_host[w.node]} lost" if rcs[w.worker_id] is None
+                           else f"exited with {rcs[w.worker_id]}")
+                    self._kill_node(w.node)
+                    self.event(event="spare_lost", node=w.node, detail=why)
+        if spares_lost and self.election is not None:
+            self.store.set_json("dead_spares", sorted(self.dead_spares))
+        if not failed:
+            return None
+        failed_nodes = {a.nodes[w] for w in failed}
+        self.event(event="failure", generation=a.generation, detected_at=now,
+                   failed={w: {"rank": a.ranks[w], "node": a.nodes[w], "why": why} for w, why in failed.items()})
+        for node in failed_nodes:
+            self._kill_node(node)
+            if not self.args.keep_memory_on_failure:
+                self._drop_memory(node)
+        for wid in list(seen_hb):
+            if a.nodes.get(wid) in failed_nodes:
+                del seen_hb[wid]
+        new = self._next_assignment(a, failed_nodes)
+        if new is None:
+            return 1
+        new = self.publish(new)
+        for wid in new.ranks:
+            seen_hb.pop(wid, None)  # grace: a spare's first heartbeat after taking over
+        self.event(event="assignment", generation=new.generation, replaced=new.replaced,
+                   published_at=time.time(), spares_left=list(new.spares), host_rank=self.args.host_rank)
+        return None
 
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
         deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)
@@ -381,6 +529,8 @@ class Supervisor:
                 time.sleep(0.5)
 
     def _shutdown(self) -> None:
+        if self.election is not None:
+            self.election.close()
         for p in self.procs.values():
             if p.poll() is None:
                 p.terminate()
@@ -481,7 +631,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                                    ("--nproc-per-node", args.nproc_per_node, 1, MAX_PROCS_PER_NODE),
                                    ("--spare-nodes", args.spare_nodes, 0, MAX_NODES),
                                    ("--hosts", args.hosts, 1, MAX_NODES),
-                                   ("--store-port", args.store_port, 0, 65535)):
+                                   ("--store-port", args.store_port, 0, 65535),
+                                   ("--leader-ttl-s", args.leader_ttl_s, 2, 3600)):
         if not low <= value <= high:
             parser.error(f"{flag} {value}: must be an integer in {low}..{high}")
     workers = (args.nnodes + args.spare_nodes) * args.nproc_per_node

@@ -28,13 +28,13 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
 from ..cluster.membership import Assignment
 from ..cluster.netif import pin_gloo_interface
 from ..launcher.contract import HotSwapEnv
+from ..store.base import parse_store_endpoints
 from .fence import fence
 
 log = logging.getLogger("deadpool_ext")
@@ -53,12 +53,11 @@ class Membership:
         self.worker_id, self.node, self.job_id, self.role = worker_id, node, job_id, role
         self.timeout_s = timeout_s
         self._launcher_pid = launcher_pid
-        try:  # the fence never cuts the coordination store's connections
-            port = urlsplit(store_url).port
+        try:  # the fence never cuts the coordination store's connections (every member of an etcd cluster)
+            ports = [port for _, port in parse_store_endpoints(store_url)[1]]
         except ValueError:
-            port = None
-        if port:
-            fence().keep_remote_ports.add(port)
+            ports = []
+        fence().keep_remote_ports.update(ports)
         self.store = connect(store_url, token, job_id, timeout_s)
         self._hb_store = connect(store_url, token, job_id, timeout_s)
         self._hb_s = heartbeat_s

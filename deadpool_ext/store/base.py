@@ -29,7 +29,7 @@ from urllib.parse import urlsplit
 
 __all__ = [
     "StoreError", "StoreAuthError", "StoreTimeout", "CoordinationStore", "ALLOWED_SCHEMES",
-    "parse_store_url",
+    "parse_store_url", "parse_store_endpoints",
 ]
 
 ALLOWED_SCHEMES = ("dp", "etcd")
@@ -229,18 +229,43 @@ def parse_counter(raw: bytes, key: str, where: str) -> int:
             from None
 
 
-def parse_store_url(url: str) -> tuple[str, str, int]:
-    """Split ``dp://host:port`` / ``etcd://host:port`` into (scheme, host, port) with clear errors."""
+MAX_ENDPOINTS = 16
+"""Most endpoints one store URL may list (an etcd cluster's members)."""
+
+
+def parse_store_endpoints(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """Split ``dp://host:port`` / ``etcd://host:port[,host:port...]`` into (scheme, [(host, port), ...]) with clear
+    errors. Only etcd takes several endpoints (the members of one cluster; a client fails over between them)."""
     if not isinstance(url, str):
         raise ValueError(f"store URL must be a str, got {url!r}")
-    parts = urlsplit(url)
-    allowed = ", ".join(f"{s}://host:port" for s in ALLOWED_SCHEMES)
-    if parts.scheme not in ALLOWED_SCHEMES:
-        raise ValueError(f"unknown coordination store URL scheme {parts.scheme!r} in {url!r}; allowed: {allowed}")
-    try:
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"bad port in store URL {url!r}: {exc}") from None
-    if not parts.hostname or port is None or port == 0 or parts.path not in ("", "/") or parts.query:
-        raise ValueError(f"store URL must look like {allowed}; got {url!r}")
-    return parts.scheme, parts.hostname, port
+    allowed = "dp://host:port, etcd://host:port[,host:port...]"
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in ALLOWED_SCHEMES:
+        raise ValueError(f"unknown coordination store URL scheme {scheme!r} in {url!r}; allowed: {allowed}")
+    members = rest.rstrip("/").split(",")
+    if scheme == "dp" and len(members) > 1:
+        raise ValueError(f"store URL {url!r}: the embedded store (dp://) has one endpoint; several endpoints are for "
+                         "the members of an etcd cluster (etcd://host:port,host:port,...)")
+    if len(members) > MAX_ENDPOINTS:
+        raise ValueError(f"store URL {url!r}: {len(members)} endpoints, at most {MAX_ENDPOINTS}")
+    out: list[tuple[str, int]] = []
+    for member in members:
+        parts = urlsplit(f"{scheme}://{member}")
+        try:
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"bad port in store URL {url!r} ({member!r}): {exc}") from None
+        if not parts.hostname or port is None or port == 0 or parts.path or parts.query or parts.fragment \
+                or parts.username is not None:
+            raise ValueError(f"store URL must look like {allowed}; got {url!r}")
+        if (parts.hostname, port) in out:
+            raise ValueError(f"store URL {url!r}: endpoint {member!r} is listed twice")
+        out.append((parts.hostname, port))
+    return scheme, out
+
+
+def parse_store_url(url: str) -> tuple[str, str, int]:
+    """Split ``dp://host:port`` / ``etcd://host:port`` into (scheme, host, port) with clear errors; for an etcd
+    URL listing several members, the first (see :func:`parse_store_endpoints`)."""
+    scheme, endpoints = parse_store_endpoints(url)
+    return scheme, endpoints[0][0], endpoints[0][1]

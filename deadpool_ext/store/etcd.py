@@ -24,10 +24,17 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from deadpool_ext.store.base import CoordinationStore, StoreAuthError, StoreError, parse_counter
+from deadpool_ext.store.base import (
+    CoordinationStore,
+    StoreAuthError,
+    StoreError,
+    _check_key,
+    _check_value,
+    parse_counter,
+)
 
 __all__ = ["EtcdStore", "bootstrap_etcd_auth"]
 
@@ -36,6 +43,10 @@ log = logging.getLogger("deadpool_ext")
 _MAX_TXN_OPS = 128   # etcd's default --max-txn-ops
 _MAX_REPLY_BYTES = 256 << 20   # etcd's own request limit is 1.5 MiB; a larger reply is not etcd talking
 _POLL_MIN_S, _POLL_MAX_S = 0.01, 0.1
+_MEMBER_UNAVAILABLE = ("no leader", "request timed out", "leader changed", "server stopped", "not capable",
+                       "too many requests")
+"""etcd errors that mean "this member cannot serve now" (another member of the cluster may): fail over."""
+_T = TypeVar("_T")
 
 
 class _EtcdHTTPError(Exception):
@@ -164,29 +175,71 @@ class EtcdStore(CoordinationStore):
     `timeout_s`.
     """
 
-    def __init__(self, endpoint: str, *, token: str, namespace: str, timeout_s: float = 30.0,
+    def __init__(self, endpoint: str | Sequence[str], *, token: str, namespace: str, timeout_s: float = 30.0,
                  user: str = "root") -> None:
-        endpoint = _check_endpoint(endpoint)
-        super().__init__(namespace, endpoint)
+        endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint")
+        self.endpoints = [_check_endpoint(e) for e in endpoints]
+        super().__init__(namespace, ",".join(self.endpoints))
         if not token:
             raise ValueError("EtcdStore needs the job's token")
-        self.endpoint, self._user, self._password, self._timeout_s = endpoint, user, token, timeout_s
+        self._user, self._password, self._timeout_s = user, token, timeout_s
         self._opener = _opener()
         self._lock = threading.Lock()
         self._closed = False
-        self._auth_token = _authenticate(self._opener, endpoint, user, token, timeout_s)
+        self._current = 0
+        self._auth_token = self._on_some_member(
+            lambda ep: _authenticate(self._opener, ep, user, token, timeout_s), "/v3/auth/authenticate")
+
+    @property
+    def endpoint(self) -> str:
+        """The member this client talks to now (it moves to the next one when this one stops answering)."""
+        return self.endpoints[self._current]
+
+    def _on_some_member(self, call: Callable[[str], _T], path: str) -> _T:
+        """``call(endpoint)`` on the current member; one that cannot be reached, or answers that it has no
+        leader, is left for the next one (a cluster survives losing a minority of its members). Every member
+        tried once; then the error names all of them."""
+        errors: list[str] = []
+        for _ in range(len(self.endpoints)):
+            with self._lock:
+                index = self._current
+            ep = self.endpoints[index]
+            try:
+                return call(ep)
+            except StoreError as exc:
+                if isinstance(exc, StoreAuthError):
+                    raise
+                errors.append(str(exc))
+            except _EtcdHTTPError as exc:
+                if not any(m in exc.message for m in _MEMBER_UNAVAILABLE):
+                    raise
+                errors.append(f"etcd at {ep} ({path}): {exc.message}")
+            with self._lock:
+                if self._current == index:
+                    self._current = (index + 1) % len(self.endpoints)
+                    if len(self.endpoints) > 1:
+                        log.warning("etcd member %s did not serve %s (%s); trying %s", ep, path, errors[-1],
+                                    self.endpoints[self._current])
+        if len(self.endpoints) == 1:
+            raise StoreError(errors[-1])
+        raise StoreError(f"no member of the etcd cluster served {path}: " + "; ".join(errors))
 
     def _request(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         for attempt in (0, 1):
             with self._lock:
                 if self._closed:
-                    raise StoreError(f"store client for {self.endpoint} is closed")
+                    raise StoreError(f"store client for {self.where} is closed")
                 auth_token = self._auth_token
             try:
-                return _post(self._opener, self.endpoint, path, body, self._timeout_s, auth_token)
+                return self._on_some_member(
+                    functools.partial(self._post_to, path=path, body=body, auth_token=auth_token), path)
             except _EtcdHTTPError as exc:
                 if "invalid auth token" in exc.message and attempt == 0:
-                    new = _authenticate(self._opener, self.endpoint, self._user, self._password, self._timeout_s)
+                    new = self._on_some_member(lambda ep: _authenticate(self._opener, ep, self._user,
+                                                                        self._password, self._timeout_s),
+                                               "/v3/auth/authenticate")
                     with self._lock:
                         self._auth_token = new
                     continue
@@ -195,6 +248,49 @@ class EtcdStore(CoordinationStore):
                                          f"{exc.message}") from None
                 raise StoreError(f"etcd at {self.endpoint} rejected {path}: {exc.message}") from None
         raise AssertionError("unreachable")
+
+    def _post_to(self, endpoint: str, *, path: str, body: dict[str, Any], auth_token: str) -> dict[str, Any]:
+        return _post(self._opener, endpoint, path, body, self._timeout_s, auth_token)
+
+    # -- leases (etcd only: what an election and a host's liveness are built on) ---------------------
+    def lease_grant(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds; keys written with it vanish when it expires or is revoked."""
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or not 1 <= ttl_s <= 3600:
+            raise ValueError(f"lease TTL must be an integer number of seconds in 1..3600, got {ttl_s!r}")
+        return self._lease_grant(ttl_s)
+
+    @_parsed
+    def _lease_grant(self, ttl_s: int) -> int:
+        return int(self._request("/v3/lease/grant", {"TTL": ttl_s})["ID"])
+
+    @_parsed
+    def lease_keepalive(self, lease: int) -> int:
+        """Renew ``lease``; returns its TTL in seconds from now, 0 if it has expired (or was revoked)."""
+        reply = self._request("/v3/lease/keepalive", {"ID": str(lease)})
+        return int(reply.get("result", {}).get("TTL", 0))
+
+    @_parsed
+    def lease_revoke(self, lease: int) -> None:
+        """End ``lease`` now (its keys vanish); a lease already gone is not an error."""
+        try:
+            self._request("/v3/lease/revoke", {"ID": str(lease)})
+        except StoreError as exc:
+            if "lease not found" not in str(exc):
+                raise
+
+    @_parsed
+    def put_leased(self, key: str, value: bytes, lease: int, *, create_only: bool = False) -> bool:
+        """``set`` bound to ``lease`` (the key vanishes with it); ``create_only``: only if ``key`` does not
+        exist (an election: exactly one of several racing callers gets True)."""
+        _check_key(key)
+        _check_value(value)
+        full = self._prefix + key
+        put = {"request_put": {"key": _k(full), "value": _b64(bytes(value)), "lease": str(lease)}}
+        if not create_only:
+            self._request("/v3/kv/put", put["request_put"])
+            return True
+        cmp = {"key": _k(full), "target": "CREATE", "result": "EQUAL", "create_revision": "0"}
+        return bool(self._txn([cmp], [put]).get("succeeded"))
 
     def _txn(self, compare: list[dict[str, Any]], success: list[dict[str, Any]],
              failure: list[dict[str, Any]] | None = None) -> dict[str, Any]:
