@@ -142,6 +142,7 @@ class Supervisor:
         self.seen_hb: dict[str, float] = {}
         self._reported: set[str] = set()
         self._fenced: set[str] = set()
+        self._fence_once = threading.Lock()
         self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
         self.started = False  # every local worker spawned: errors from here on are the job's, not start-up's
         try:
@@ -285,8 +286,10 @@ class Supervisor:
                 self.store_url = self.server.url
             self.store = connect(self.store_url, self.token, self.job_id, 30.0)
             if supports_leases(self.store):
-                self.election = LeaderElection(cast(LeaseStore, self.store), self.args.host_rank,
-                                               self.args.leader_ttl_s, host=self.args.host)
+                self.election = LeaderElection(
+                    cast(LeaseStore, self.store),
+                    lambda t: cast(LeaseStore, connect(self.store_url, self.token, self.job_id, t)),
+                    self.args.host_rank, self.args.leader_ttl_s, on_lost=self._self_fence, host=self.args.host)
             elif self.args.hosts > 1:
                 log.warning("--hosts %d on the embedded store: it lives in host 0's launcher, so losing host 0 ends "
                             "the job (no other launcher can take the coordinator role over). Use --store-url "
@@ -335,7 +338,7 @@ class Supervisor:
             from .leader import LOST
 
             if self.election.tick() == LOST:
-                return self._self_fence(self.election.lost_why)
+                self._self_fence(self.election.lost_why or "its lease is no longer valid")
             try:
                 self.hosts_seen |= {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
             except Exception as exc:
@@ -365,9 +368,14 @@ class Supervisor:
                 self.store.set(f"fenced/{node}", b"1")
         return None
 
-    def _self_fence(self, why: str) -> int:
-        """Cut off from the store for longer than the lease allows: another launcher is about to give this host's
-        ranks to spares, so its workers stop now (no two processes ever train as one rank)."""
+    def _self_fence(self, why: str) -> NoReturn:
+        """Cut off from the store for longer than the lease allows (called on the lease's renewal thread, whatever
+        the main loop is blocked in): another launcher is about to give this host's ranks to spares, so its
+        workers are stopped now, before the store can expire the lease (no two processes ever train as one
+        rank), their memory is dropped and the launcher leaves with code 3."""
+        if not self._fence_once.acquire(blocking=False):  # the renewal thread and the main loop both saw it
+            time.sleep(60)
+            os._exit(3)
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
@@ -376,11 +384,15 @@ class Supervisor:
                 p.wait(10)
             except subprocess.TimeoutExpired:
                 log.error("worker pid %d did not die after SIGKILL", p.pid)
+        for node in self.local_nodes:
+            shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
         msg = (f"host {self.args.host_rank} lost contact with the store: {why}. Its workers were stopped so that "
                f"spares can take their ranks; this launcher leaves (start it again to offer this host as spares)")
-        self.event(event="self_fenced", host_rank=self.args.host_rank, reason=why)
-        print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
-        return 3
+        try:
+            self.event(event="self_fenced", host_rank=self.args.host_rank, reason=why)
+        finally:
+            print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
+            os._exit(3)
 
     def _leads(self) -> bool:
         if self.election is None:

@@ -12,17 +12,21 @@ Two keys live under it:
 The rule that makes a partition safe: a launcher that could not renew its lease stops considering itself alive
 ``margin_s`` *before* the store could expire it (the deadline is counted from the moment the last successful
 renewal was sent, and the store counts from when it arrived). It then stops its workers and leaves
-(:data:`LOST`), so by the time its keys vanish and another launcher reassigns its ranks, nothing of it trains.
+(``on_lost``, on the renewal thread, whatever the main loop is blocked in), so by the time its keys vanish and
+another launcher reassigns its ranks, nothing of it trains.
 
-Call order: ``LeaderElection(store, host_rank, ttl_s)`` -> ``tick()`` every loop turn (returns
-:data:`LEADING`, :data:`FOLLOWING` or :data:`LOST`; never blocks longer than one store request) -> ``close()``
-(revokes the lease: the next coordinator takes over at once instead of after ``ttl_s``).
+Call order: ``LeaderElection(store, renew_store, host_rank, ttl_s, on_lost=...)`` (grants the lease, writes
+``host/<rank>``, starts the renewal thread) -> ``tick()`` every loop turn (returns :data:`LEADING`,
+:data:`FOLLOWING` or :data:`LOST`; at most one store request) -> ``close()`` (revokes the lease: the next
+coordinator takes over at once instead of after ``ttl_s``).
 """
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..store.base import StoreError
@@ -47,56 +51,77 @@ def supports_leases(store: Any) -> bool:
 
 
 class LeaderElection:
-    def __init__(self, store: LeaseStore, host_rank: int, ttl_s: int, *, host: str = "") -> None:
+    def __init__(self, store: LeaseStore, connect_renewal: Callable[[float], LeaseStore], host_rank: int,
+                 ttl_s: int, *, on_lost: Callable[[str], None], host: str = "") -> None:
+        """``connect_renewal(timeout_s)``: a store connection of its own for the renewal thread, with that request
+        timeout (a renewal that hangs must not eat the margin). ``on_lost(why)`` runs on that thread when the
+        lease can no longer be trusted; it must stop this host's workers at once."""
         if ttl_s < 2:
             raise ValueError(f"leader lease TTL {ttl_s}s: must be at least 2 s")
         self.store, self.host_rank, self.ttl_s = store, host_rank, ttl_s
         self.margin_s = max(0.5, 0.2 * ttl_s)
+        self.request_timeout_s = self.margin_s / 2
+        self._renew_store = connect_renewal(self.request_timeout_s)
         self.renew_every_s = ttl_s / 5
+        self._on_lost = on_lost
         self._me = json.dumps({"host_rank": host_rank, "host": host}).encode()
         sent = time.monotonic()
         self.lease = store.lease_grant(ttl_s)
         self.valid_until = sent + ttl_s - self.margin_s
-        self._next_renew = sent + self.renew_every_s
         store.put_leased(f"host/{host_rank}", self._me, self.lease)
         self.leading = False
         self.lost_why = ""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._keep, name="deadpool-run-lease", daemon=True)
+        self._thread.start()
 
-    def tick(self) -> str:
-        if self.lost_why:
-            return LOST
-        now = time.monotonic()
-        if now >= self._next_renew:
+    def _keep(self) -> None:
+        """Renew every ``renew_every_s``; past ``valid_until`` without a renewal, the lease is lost."""
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= self.valid_until:
+                self._lose(f"no renewal of its lease reached the store for {self.ttl_s - self.margin_s:.1f}s "
+                           f"(lease TTL {self.ttl_s}s)")
+                return
             try:
-                ttl = self.store.lease_keepalive(self.lease)
+                ttl = self._renew_store.lease_keepalive(self.lease)
             except StoreError as exc:
                 log.warning("cannot renew this launcher's lease (%s); it lapses in %.1fs", exc,
                             max(0.0, self.valid_until - time.monotonic()))
-                ttl = -1
+                self._stop.wait(min(0.1, max(0.0, self.valid_until - time.monotonic())))
+                continue
             if ttl == 0:
-                return self._lose(f"the store expired this launcher's lease {self.lease:x}")
-            if ttl > 0:
-                self.valid_until = now + ttl - self.margin_s
-                self._next_renew = now + self.renew_every_s
-            else:
-                self._next_renew = now + min(self.renew_every_s, 0.5)
-        if time.monotonic() >= self.valid_until:
-            return self._lose(f"no renewal of its lease reached the store for {self.ttl_s - self.margin_s:.1f}s "
-                              f"(lease TTL {self.ttl_s}s)")
+                self._lose(f"the store expired this launcher's lease {self.lease:x}")
+                return
+            self.valid_until = max(self.valid_until, now + ttl - self.margin_s)
+            self._stop.wait(max(0.0, min(self.renew_every_s, self.valid_until - time.monotonic())))
+
+    def _lose(self, why: str) -> None:
+        if self._stop.is_set():
+            return
+        self.lost_why = why
+        self.leading = False
+        self._stop.set()
+        self._on_lost(why)
+
+    def valid(self) -> bool:
+        return not self.lost_why and time.monotonic() < self.valid_until
+
+    def tick(self) -> str:
+        """The main loop's turn: :data:`LOST`, or a campaign for the coordinator role while it is free."""
+        if not self.valid():
+            return LOST
         if not self.leading:
             try:
-                self.leading = self.store.put_leased("leader", self._me, self.lease, create_only=True)
+                won = self.store.put_leased("leader", self._me, self.lease, create_only=True)
             except StoreError as exc:
                 log.debug("leader campaign: %s", exc)
+                won = False
+            self.leading = won and self.valid()
             if self.leading:
                 log.info("host %d holds the coordinator role (lease %x, TTL %ds)", self.host_rank, self.lease,
                          self.ttl_s)
         return LEADING if self.leading else FOLLOWING
-
-    def _lose(self, why: str) -> str:
-        self.lost_why = why
-        self.leading = False
-        return LOST
 
     def leader(self) -> dict[str, Any] | None:
         """Who holds the coordinator role now (``{"host_rank", "host"}``), or None (nobody: an election is due)."""
@@ -106,6 +131,7 @@ class LeaderElection:
     def close(self) -> None:
         if self.lost_why:
             return
+        self._stop.set()
         try:
             self.store.lease_revoke(self.lease)
         except StoreError as exc:

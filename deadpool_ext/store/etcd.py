@@ -267,7 +267,11 @@ class EtcdStore(CoordinationStore):
     def lease_keepalive(self, lease: int) -> int:
         """Renew ``lease``; returns its TTL in seconds from now, 0 if it has expired (or was revoked)."""
         reply = self._request("/v3/lease/keepalive", {"ID": str(lease)})
-        return int(reply.get("result", {}).get("TTL", 0))
+        if "result" not in reply:  # the stream's error (e.g. "leader changed"): no answer about the lease
+            error = reply.get("error")
+            raise StoreError(f"etcd at {self.endpoint} did not renew lease {lease:x}: "
+                             f"{error.get('message') if isinstance(error, dict) else reply}")
+        return int(reply["result"].get("TTL", 0))
 
     @_parsed
     def lease_revoke(self, lease: int) -> None:

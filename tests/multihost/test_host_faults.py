@@ -46,3 +46,51 @@ def test_follower_host_lost(host_bed, tmp_path):
     assert res.metrics == base, res.tails()
     assigned = [e for e in res.events if e.get("event") == "assignment"]
     assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node2"}, assigned
+
+
+def _times(events, name):
+    return [e["time"] for e in events if e.get("event") == name]
+
+
+def test_follower_host_partitioned(host_bed, tmp_path):
+    """Host 2's link cut (its processes alive): its launcher stops its workers before its lease can lapse, and
+    only then does the coordinator give node2's ranks to a spare; healed afterwards, the host cannot rejoin."""
+    base = baseline(host_bed, tmp_path)
+    bed = host_bed(3)
+
+    def partition(b, _timeline):
+        b.cut(2)
+
+    res = run_hosts(bed, tmp_path, name="part", fault=partition)
+    bed.heal(2)
+    assert res.rcs == [0, 0, 3], res.tails()
+    assert "host 2 lost contact with the store" in res.log(2)
+    assert res.metrics == base, res.tails()
+    assigned = [e for e in res.events if e.get("event") == "assignment"]
+    assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node2"}, assigned
+    # no two processes ever trained as rank 2: host 2's workers were stopped before the spare got the rank
+    assert _times(res.events, "self_fenced")[0] < assigned[0]["published_at"]
+
+
+def test_coordinator_host_partitioned(host_bed, tmp_path):
+    base = baseline(host_bed, tmp_path)
+    bed = host_bed(3)
+    res = run_hosts(bed, tmp_path, name="cpart", fault=lambda b, _: b.cut(0))
+    bed.heal(0)
+    assert res.rcs == [3, 0, 0], res.tails()
+    assert res.metrics == base, res.tails()
+    assigned = [e for e in res.events if e.get("event") == "assignment"]
+    assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node0"}, assigned
+    assert _times(res.events, "self_fenced")[0] < assigned[0]["published_at"]
+    assert [e["host_rank"] for e in res.events if e.get("event") == "leader"][-1] in (1, 2)
+
+
+def test_etcd_member_lost(host_bed, tmp_path):
+    """One of the three etcd members SIGKILLed mid-run: every client fails over to another member, nothing is
+    detected as failed, and the losses are those of the run without failure."""
+    base = baseline(host_bed, tmp_path)
+    bed = host_bed(3)
+    res = run_hosts(bed, tmp_path, name="etcd1", fault=lambda b, _: b.etcd.kill_member(0))
+    assert res.rcs == [0, 0, 0], res.tails()
+    assert res.metrics == base, res.tails()
+    assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events
