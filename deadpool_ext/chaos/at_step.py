@@ -15,8 +15,9 @@ It is configured through the environment, so an unchanged training script can be
 fault on the product's hook points (:mod:`deadpool_ext.hooks`). The product itself never reads these
 variables and never calls into this module.
 
-- the action before ``@``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``term`` (SIGTERM) or
-  ``raise`` (a Python exception out of ``engine.step()``);
+- the action before ``@``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``term`` (SIGTERM),
+  ``raise`` (a Python exception out of ``engine.step()``) or ``hang`` (the main thread blocks for good while
+  every other thread, the heartbeat included, runs on: a rank alive but not training);
 - ``step``: the optimizer step (``engine.global_steps`` after the step) to fail at;
 - ``rank``: the global rank that fails;
 - ``marker``: a file created (exclusively, holding the pid) just before the fault fires. It makes the fault
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 log = logging.getLogger("deadpool_ext")
 
 ENV = "DEADPOOL_INJECT"
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "raise": None}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "raise": None, "hang": None}
 
 
 class InjectedFault(RuntimeError):
@@ -91,6 +92,10 @@ class StepFault:
         log.warning("fault injection (%s): %s at step %d on rank %d", ENV, self.action, self.step, self.rank)
         for handler in logging.getLogger("deadpool_ext").handlers:
             handler.flush()
+        if self.action == "hang":
+            import threading
+
+            threading.Event().wait()
         sig = ACTIONS[self.action]
         if sig is None:
             raise InjectedFault(f"injected fault at step {self.step} on rank {self.rank}")

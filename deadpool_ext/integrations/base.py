@@ -45,7 +45,7 @@ from ..distributed import in_hot_swap, membership
 from ..launcher.contract import WorkerEnv, worker_env
 from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
-from ..rebuild import interrupt
+from ..rebuild import interrupt, progress
 from ..rebuild import recover as protocol
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
@@ -218,6 +218,7 @@ class ResilientRuntime(ABC):
         from .. import hooks
 
         step = self.step_counter()
+        progress.note_step(step)
         if protocol.caught_up(self._catch_up, step, self.rank, self._restored_version):
             self._catch_up = None
         hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank)

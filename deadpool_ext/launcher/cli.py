@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks on the store and returns when the key appears")
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
                    help="a worker whose heartbeat is older than this is declared hung and fenced")
+    p.add_argument("--progress-timeout-s", type=float, default=30.0,
+                   help="a rank whose main thread stands still outside any collective while the others wait in one, "
+                        "with no rank finishing a step for this long, is hung (alive but not training) and is fenced; "
+                        "0 turns this detection off (the collective timeout remains)")
     p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")
     p.add_argument("--spare-wait-s", type=float, default=60.0)
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
@@ -140,6 +144,8 @@ class Supervisor:
         self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
         self.hosts_seen: set[int] = set()
         self.seen_hb: dict[str, float] = {}
+        self.progress: dict[str, dict[str, Any]] = {}   # worker -> its last heartbeat's progress sample
+        self._all_in_collective_logged = False
         self._reported: set[str] = set()
         self._fenced: set[str] = set()
         self._fence_once = threading.Lock()
@@ -488,9 +494,13 @@ class Supervisor:
                 continue
             hb = self.store.get(f"hb/{wid}")
             if hb is not None:
-                seen_hb[wid] = float(hb)
+                beat = _parse_heartbeat(hb)
+                if beat is not None:
+                    seen_hb[wid] = float(beat["t"])
+                    self.progress[wid] = beat
             if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
+        failed.update(self._stalled(active - set(failed), now))
         spares_lost = False
         for w in self.workers:
             if w.node in self.spare_nodes and w.node not in self.dead_spares and w.worker_id not in active:
@@ -515,6 +525,8 @@ class Supervisor:
         for wid in list(seen_hb):
             if a.nodes.get(wid) in failed_nodes:
                 del seen_hb[wid]
+        self.progress.clear()   # every rank's counters restart with the next generation's first step
+        self._all_in_collective_logged = False
         new = self._next_assignment(a, failed_nodes)
         if new is None:
             return 1
@@ -524,6 +536,29 @@ class Supervisor:
         self.event(event="assignment", generation=new.generation, replaced=new.replaced,
                    published_at=time.time(), spares_left=list(new.spares), host_rank=self.args.host_rank)
         return None
+
+    def _stalled(self, active: set[str], now: float) -> dict[str, str]:
+        """Hangs by progress (``rebuild/progress.py``): no active rank finished a step for --progress-timeout-s,
+        at least one waits inside a collective, and a rank whose main thread has stood still outside any
+        collective for that long is the one they wait for."""
+        limit = self.args.progress_timeout_s
+        beats = {w: self.progress.get(w) for w in active}
+        if limit <= 0 or not beats or any(b is None or int(b["step"]) < 0 for b in beats.values()):
+            return {}  # off, or a rank not past its first step yet (start-up, a spare that just took over)
+        stalled_s = {w: now - float(b["step_at"]) for w, b in beats.items() if b is not None}
+        if min(stalled_s.values()) <= limit:
+            return {}
+        waiting = [w for w, b in beats.items() if b is not None and b["coll"]]
+        stuck = {w: b for w, b in beats.items() if b is not None and not b["coll"] and float(b["still_s"]) > limit}
+        if not waiting or not stuck:
+            if waiting and len(waiting) == len(beats) and not self._all_in_collective_logged:
+                self._all_in_collective_logged = True
+                log.warning("no rank finished a step for %.0fs and every rank is inside a collective: no rank can "
+                            "be singled out; left to the collective timeout", min(stalled_s.values()))
+            return {}
+        return {w: (f"no progress: step {b['step']} finished {stalled_s[w]:.1f}s ago and its main thread has stood "
+                    f"still outside any collective for {float(b['still_s']):.1f}s while {len(waiting)} rank(s) wait "
+                    f"in one (heartbeat alive; SIGKILLed to fence it)") for w, b in stuck.items()}
 
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
         deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)
@@ -558,6 +593,23 @@ class Supervisor:
             self.server.stop()
         if self.timeline is not None:
             self.timeline.close()
+
+
+def _parse_heartbeat(raw: bytes) -> dict[str, Any] | None:
+    """A worker's ``hb/`` value: JSON ``{"t", "step", "step_at", "coll", "still_s"}`` (or a bare time, from an older
+    worker); None for anything else (logged: a heartbeat nobody can read must not pass for a live one)."""
+    try:
+        beat = json.loads(raw)
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool):
+            return {"t": float(beat), "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0}
+        if (isinstance(beat, dict) and all(isinstance(beat.get(k), (int, float)) for k in ("t", "step", "step_at",
+                                                                                          "still_s"))
+                and isinstance(beat.get("coll"), bool)):
+            return beat
+    except (ValueError, RecursionError):
+        pass
+    log.warning("unreadable heartbeat %r", raw[:80])
+    return None
 
 
 def _resolve(host: str) -> list[tuple[int, tuple[Any, ...]]]:
@@ -658,6 +710,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds (finite, at most "
                          f"{MAX_SECONDS}), got {value}")
+    if not (math.isfinite(args.progress_timeout_s) and 0 <= args.progress_timeout_s <= MAX_SECONDS):
+        parser.error(f"--progress-timeout-s {args.progress_timeout_s}: must be a finite number of seconds in "
+                     f"0..{MAX_SECONDS} (0: off)")
+    if 0 < args.progress_timeout_s <= args.heartbeat_s:
+        parser.error(f"--progress-timeout-s ({args.progress_timeout_s}) must be longer than --heartbeat-s "
+                     f"({args.heartbeat_s}), or 0 (off)")
     if args.detect_timeout_s <= args.heartbeat_s:
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")

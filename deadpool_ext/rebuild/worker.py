@@ -16,7 +16,8 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
 
 Messages (store keys under the job namespace): ``assignment`` (JSON of
 :class:`deadpool_ext.cluster.membership.Assignment`), ``gen/<g>`` (written with the assignment of
-generation g > 0: generation g-1 is dead), ``hb/<worker_id>`` (heartbeat time),
+generation g > 0: generation g-1 is dead), ``hb/<worker_id>`` (JSON: heartbeat time ``t`` and the process's
+progress, :func:`deadpool_ext.rebuild.progress.sample`),
 ``failed/<generation>/<worker_id>`` (a worker reporting a collective error, for the timeline).
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Membership:
         a survivor leaves a dead generation within a store round trip of the publication, whether it is
         blocked in a collective or computing."""
         from ..store.base import StoreTimeout
-        from . import interrupt
+        from . import interrupt, progress
 
         launcher = self._launcher_pid
         next_hb = 0.0
@@ -103,7 +104,7 @@ class Membership:
             try:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self._hb_store.set(f"hb/{self.worker_id}", repr(time.time()).encode())
+                    self._hb_store.set_json(f"hb/{self.worker_id}", {"t": time.time(), **progress.sample()})
                     next_hb = now + self._hb_s
                 f = fence()
                 gen = f.generation

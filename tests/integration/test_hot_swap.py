@@ -124,6 +124,27 @@ def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
     assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
 
 
+def test_rank_alive_but_not_progressing_is_detected_by_progress(tmp_path, shm_root):
+    """Rank 1's main thread blocks for good after step 4 (in-process fault) while its heartbeat thread runs on:
+    the heartbeat alone would never catch it. The others wait for it in their next collective; after
+    --progress-timeout-s without a finished step, the rank standing still outside any collective is fenced and
+    replaced, well before the 60 s collective timeout, and the losses are those of a run without failure."""
+    base = baseline(tmp_path, shm_root, 3)
+    marker = os.path.join(str(tmp_path), "stuck.fault")
+    res, metrics, events, pids = dprun(tmp_path, shm_root, name="stuck", extra=["--progress-timeout-s", "4"],
+                                       env=harness_env({ENV: f"hang@step=4,rank=1,marker={marker}"}))
+    assert res.returncode == 0, res.output[-4000:]
+    assert os.path.exists(marker)
+    failures = [e for e in events if e.get("event") == "failure"]
+    assert len(failures) == 1 and list(failures[0]["failed"]) == ["node1.0"], failures
+    why = failures[0]["failed"]["node1.0"]["why"]
+    assert why.startswith("no progress") and "outside any collective" in why and "2 rank(s) wait" in why, why
+    fired = float(open(marker).read() and os.path.getmtime(marker))
+    assert failures[0]["detected_at"] - fired < 4 + 3, "detected within the progress timeout plus a heartbeat or so"
+    assert metrics == base
+    assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
+
+
 def test_successive_failures_and_a_dead_spare(tmp_path, shm_root):
     base = baseline(tmp_path, shm_root, 3)
     res, metrics, events, _ = dprun(tmp_path, shm_root, spares=3, name="multi", faults=[
