@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         module, script_args = args[1], args[2:]
     else:
-        from .launcher.cli import _script_error
+        from .launcher.args import _script_error
 
         why = _script_error(args[0])
         if why is not None:

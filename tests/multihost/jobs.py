@@ -33,26 +33,39 @@ class HostsRun:
 
 def run_hosts(bed: HostBed, tmp_path, *, nnodes: int = 3, spares: int = 2, stage: int = 3, iters: int = ITERS,
               name: str = "mh", fault: Callable[[HostBed, str], None] | None = None, fault_step: int = 4,
-              timeout_s: float = 300, extra: tuple[str, ...] = ()) -> HostsRun:
+              timeout_s: float = 300, extra: tuple[str, ...] = (), launch: str = "flags") -> HostsRun:
     """``fault(bed, metrics_path)`` runs once the metrics reach ``fault_step``. Launchers whose host was killed
-    report None."""
+    report None. ``launch``: how each launcher learns its place: ``flags`` (--hosts, --host-rank, --host),
+    ``hostfile`` (one identical command line on every host, --hostfile listing the hosts' addresses) or ``slurm``
+    (identical command line with --from-slurm, SLURM's variables in each host's environment)."""
     assert bed.etcd is not None
     cfg = make_config(tmp_path, stage=stage, deadpool={})
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     env = base_env({"DEADPOOL_STORE_TOKEN": bed.etcd.token, "GLOO_SOCKET_IFNAME": "eth0"})
     procs, logs = [], []
+    hostfile = os.path.join(str(tmp_path), f"{name}.hostfile")
+    with open(hostfile, "w") as fh:
+        fh.write("".join(f"{bed.addr(h)} slots=1\n" for h in range(bed.n_hosts)))
+    prefix = bed.addr(0).rsplit(".", 1)[0]
     for h in range(bed.n_hosts):
         log_path = os.path.join(str(tmp_path), f"{name}.host{h}.log")
         logs.append(log_path)
-        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", "1",
-               "--spare-nodes", str(spares), "--hosts", str(bed.n_hosts), "--host-rank", str(h),
-               "--host", bed.addr(h), "--job-id", name, "--store-url", bed.etcd.store_url,
+        place = {"flags": ["--hosts", str(bed.n_hosts), "--host-rank", str(h), "--host", bed.addr(h),
+                           "--nproc-per-node", "1", "--job-id", name],
+                 "hostfile": ["--hostfile", hostfile, "--job-id", name],
+                 "slurm": ["--from-slurm"]}[launch]
+        host_env = dict(env)
+        if launch == "slurm":
+            host_env.update(SLURM_JOB_ID=name, SLURM_NNODES=str(bed.n_hosts), SLURM_NODEID=str(h),
+                            SLURM_STEP_NODELIST=f"{prefix}.[1-{bed.n_hosts}]")
+        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), *place,
+               "--spare-nodes", str(spares), "--store-url", bed.etcd.store_url,
                "--leader-ttl-s", str(LEADER_TTL_S), "--timeline", timeline, *extra,
                "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(iters),
                "--metrics-out", metrics]
         with open(log_path, "w") as fh:
-            procs.append(bed.popen(h, cmd, cwd=REPO, env=env, stdout=fh, stderr=fh))
+            procs.append(bed.popen(h, cmd, cwd=REPO, env=host_env, stdout=fh, stderr=fh))
     rcs: list[int | None] = [None] * len(procs)
     try:
         if fault is not None:

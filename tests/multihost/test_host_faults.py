@@ -28,8 +28,10 @@ def test_coordinator_host_lost(host_bed, tmp_path):
     finishes with identical losses."""
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="coord", fault=lambda b, _: b.kill_host(0))
+    res = run_hosts(bed, tmp_path, name="coord", fault=lambda b, _: b.kill_host(0), launch="hostfile")
     assert res.rcs[1:] == [0, 0], res.tails()
+    for h in range(3):   # one command line everywhere; each launcher found its own line of the hostfile
+        assert f"hostfile {tmp_path}/coord.hostfile: host {h} of 3 ({bed.addr(h)})" in res.log(h), res.log(h)[:2000]
     assert res.metrics == base, res.tails()
     leaders = [e for e in res.events if e.get("event") == "leader"]
     assert [e["host_rank"] for e in leaders][0] == 0 and leaders[-1]["host_rank"] in (1, 2), leaders
@@ -41,8 +43,9 @@ def test_coordinator_host_lost(host_bed, tmp_path):
 def test_follower_host_lost(host_bed, tmp_path):
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="follower", fault=lambda b, _: b.kill_host(2))
+    res = run_hosts(bed, tmp_path, name="follower", fault=lambda b, _: b.kill_host(2), launch="slurm")
     assert res.rcs[:2] == [0, 0], res.tails()
+    assert f"SLURM job follower: host 1 of 3 ({bed.addr(1)})" in res.log(1), res.log(1)[:2000]
     assert res.metrics == base, res.tails()
     assigned = [e for e in res.events if e.get("event") == "assignment"]
     assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node2"}, assigned

@@ -413,6 +413,33 @@ def test_non_finite_or_out_of_range_durations_are_refused(job, flag, value):
     assert line.startswith(f"deadpool-run: {flag}") and "seconds" in line
 
 
+@pytest.mark.parametrize("flags,needle", [
+    (["--leader-ttl-s", "1"], "--leader-ttl-s 1: must be an integer in 2..3600"),
+    (["--progress-timeout-s", "-1"], "--progress-timeout-s -1.0: must be a finite number of seconds"),
+    (["--progress-timeout-s", "0.2"], "--progress-timeout-s (0.2) must be longer than --heartbeat-s"),
+    (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: cannot read it"),
+    (["--hostfile", "/dev/null", "--from-slurm"], "--hostfile and --from-slurm: pass one of them"),
+    (["--hostfile", "/dev/null"], "/dev/null: no hosts"),
+])
+def test_multi_host_flags_are_checked(job, flags, needle):
+    line = job("--nnodes", "1", *flags)
+    assert line.startswith("deadpool-run: ") and needle in line, line
+
+
+def test_hostfile_without_this_machine_names_it(job, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("192.0.2.10 slots=1\n192.0.2.11 slots=1\n")
+    line = job("--nnodes", "1", "--hostfile", str(hostfile))
+    assert "no entry names this machine" in line and "127.0.0.1" in line, line
+
+
+def test_from_slurm_outside_slurm_names_the_missing_variables(job, monkeypatch):
+    for k in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(k, raising=False)
+    line = job("--nnodes", "1", "--from-slurm")
+    assert "SLURM's environment lacks SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID" in line, line
+
+
 @pytest.mark.parametrize("job_id", ["../x", "-x", "a" * 65, "a.b", "a/b"])
 def test_job_id_that_is_not_a_plain_name_is_refused(job, job_id):
     assert job("--nnodes", "1", f"--job-id={job_id}").startswith(f"deadpool-run: --job-id {job_id!r}: must be")
@@ -490,7 +517,7 @@ _FLAG_VALUES = st.one_of(
 )
 _FLAGS = ["--nnodes", "--nproc-per-node", "--spare-nodes", "--job-id", "--store-url", "--store-port", "--hosts",
           "--host-rank", "--shm-root", "--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s",
-          "--no-spare-policy"]
+          "--no-spare-policy", "--leader-ttl-s", "--progress-timeout-s"]
 _HOSTS = st.one_of(st.sampled_from(["127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "", "192.0.2.1", "1.2.3"]),
                    st.ip_addresses().map(str))
 
