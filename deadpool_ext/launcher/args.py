@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocks on the store and returns when the key appears")
     p.add_argument("--detect-timeout-s", type=float, default=3.0,
                    help="a worker whose heartbeat is older than this is declared hung and fenced")
+    p.add_argument("--store-outage-s", type=float, default=120.0,
+                   help="etcd store: a host that cannot renew its lease pauses its workers (SIGSTOP) and resumes them "
+                        "when the store answers again with the lease intact; past this many seconds unreachable it "
+                        "stops them for good")
     p.add_argument("--progress-timeout-s", type=float, default=30.0,
                    help="a rank whose main thread stands still outside any collective while the others wait in one, "
                         "with no rank finishing a step for this long, is hung (alive but not training) and is fenced; "
@@ -239,6 +243,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
             parser.error(f"--{name.replace('_', '-')} must be a positive number of seconds (finite, at most "
                          f"{MAX_SECONDS}), got {value}")
+    if not (math.isfinite(args.store_outage_s) and 1 <= args.store_outage_s <= MAX_SECONDS):
+        parser.error(f"--store-outage-s {args.store_outage_s}: must be a finite number of seconds in "
+                     f"1..{MAX_SECONDS}")
     if not (math.isfinite(args.progress_timeout_s) and 0 <= args.progress_timeout_s <= MAX_SECONDS):
         parser.error(f"--progress-timeout-s {args.progress_timeout_s}: must be a finite number of seconds in "
                      f"0..{MAX_SECONDS} (0: off)")

@@ -88,6 +88,7 @@ class Supervisor:
         self.seen_hb: dict[str, float] = {}
         self.progress: dict[str, dict[str, Any]] = {}   # worker -> its last heartbeat's progress sample
         self._all_in_collective_logged = False
+        self._grace_until = 0.0   # epoch seconds: heartbeat-based detection waits after a store outage
         self._reported: set[str] = set()
         self._fenced: set[str] = set()
         self._fence_once = threading.Lock()
@@ -158,10 +159,12 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     log.error("worker %s did not die after SIGKILL", wid)
 
-    def _fence_remote(self, node: str, timeout_s: float = 15.0) -> None:
+    def _fence_remote(self, node: str) -> None:
         """Ask the launcher of ``node``'s host to kill its processes and drop its memory; wait for the ack, or, on
         an etcd store, for that launcher's lease to lapse (it stops its own workers before the store can expire
         it, so a host whose key is gone runs nothing of the job)."""
+        # on etcd, the host's key vanishes at the latest one lease after its launcher's last renewal
+        timeout_s = max(15.0, 1.5 * self.args.leader_ttl_s) if self.election is not None else 15.0
         self.store.set(f"fence/{node}", b"1")
         deadline = time.monotonic() + timeout_s
         while True:
@@ -237,7 +240,8 @@ class Supervisor:
                 self.election = LeaderElection(
                     cast(LeaseStore, self.store),
                     lambda t: cast(LeaseStore, connect(self.store_url, self.token, self.job_id, t)),
-                    self.args.host_rank, self.args.leader_ttl_s, on_lost=self._self_fence, host=self.args.host)
+                    self.args.host_rank, self.args.leader_ttl_s, on_pause=self._pause, on_resume=self._resume,
+                    on_lost=self._self_fence, outage_s=self.args.store_outage_s, host=self.args.host)
             elif self.args.hosts > 1:
                 log.warning("--hosts %d on the embedded store: it lives in host 0's launcher, so losing host 0 ends "
                             "the job (no other launcher can take the coordinator role over). Use --store-url "
@@ -283,10 +287,13 @@ class Supervisor:
         if self.election is None and self.leader:
             return None  # one coordinator for good, on this host: it sees its own processes directly
         if self.election is not None:
-            from .leader import LOST
+            from .leader import LOST, PAUSED
 
-            if self.election.tick() == LOST:
+            state = self.election.tick()
+            if state == LOST:
                 self._self_fence(self.election.lost_why or "its lease is no longer valid")
+            if state == PAUSED:
+                return None  # workers stopped until the store answers again (self._pause / self._resume)
             try:
                 self.hosts_seen |= {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
             except Exception as exc:
@@ -315,6 +322,37 @@ class Supervisor:
                 shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
                 self.store.set(f"fenced/{node}", b"1")
         return None
+
+    def _signal_workers(self, sig: int) -> int:
+        n = 0
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, sig)
+                    n += 1
+                except ProcessLookupError:
+                    pass
+        return n
+
+    def _pause(self, why: str) -> None:
+        """The lease could not be renewed in time (renewal thread): stop this host's workers from training now
+        (SIGSTOP), before the store could expire the lease and another launcher give their ranks to spares."""
+        n = self._signal_workers(signal.SIGSTOP)
+        self.event(event="paused", host_rank=self.args.host_rank, reason=why, workers=n)
+        print(f"deadpool-run: host {self.args.host_rank} cannot reach the store ({why}): its {n} worker(s) are "
+              f"paused (SIGSTOP) until it answers again; after --store-outage-s {self.args.store_outage_s:g}s, or "
+              f"if the store expired the lease meanwhile, they are stopped for good", file=sys.stderr, flush=True)
+
+    def _resume(self, paused_s: float) -> None:
+        """A renewal got through and the lease is intact (e.g. etcd regained quorum): the workers go on; the
+        coordinator gives every worker's heartbeat a grace period, since none could reach the store either."""
+        self.seen_hb.clear()
+        self.progress.clear()
+        self._grace_until = time.time() + self.args.detect_timeout_s + self.args.leader_ttl_s
+        n = self._signal_workers(signal.SIGCONT)
+        self.event(event="resumed", host_rank=self.args.host_rank, paused_s=round(paused_s, 3), workers=n)
+        log.warning("host %d: the store answers again after %.1fs; %d worker(s) resumed", self.args.host_rank,
+                    paused_s, n)
 
     def _self_fence(self, why: str) -> NoReturn:
         """Cut off from the store for longer than the lease allows (called on the lease's renewal thread, whatever
@@ -382,7 +420,11 @@ class Supervisor:
         led_before = self.leader and self.election is None
         while True:
             self._sleep_until_child_exit(0.1)
-            rc = self._host_tick()
+            try:
+                rc = self._host_tick()
+            except StoreError as exc:
+                log.warning("host %d: %s", self.args.host_rank, exc)
+                continue
             if rc is not None:
                 return rc
             if not self._leads():
@@ -391,7 +433,11 @@ class Supervisor:
             if not led_before:
                 self._take_over()
                 led_before = True
-            rc = self._coordinate()
+            try:
+                rc = self._coordinate()
+            except StoreError as exc:  # the store gone for a moment: the lease decides what that means
+                log.warning("coordinator: %s", exc)
+                continue
             if rc is not None:
                 return rc
 
@@ -442,7 +488,12 @@ class Supervisor:
                     self.progress[wid] = beat
             if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
-        failed.update(self._stalled(active - set(failed), now))
+        if now < self._grace_until:  # the store was unreachable for everyone: heartbeats restart
+            for wid in list(failed):
+                if failed[wid].startswith("hung"):
+                    del failed[wid]
+        else:
+            failed.update(self._stalled(active - set(failed), now))
         spares_lost = False
         for w in self.workers:
             if w.node in self.spare_nodes and w.node not in self.dead_spares and w.worker_id not in active:

@@ -11,14 +11,17 @@ Two keys live under it:
 
 The rule that makes a partition safe: a launcher that could not renew its lease stops considering itself alive
 ``margin_s`` *before* the store could expire it (the deadline is counted from the moment the last successful
-renewal was sent, and the store counts from when it arrived). It then stops its workers and leaves
-(``on_lost``, on the renewal thread, whatever the main loop is blocked in), so by the time its keys vanish and
-another launcher reassigns its ranks, nothing of it trains.
+renewal was sent, and the store counts from when it arrived). It then pauses its workers (``on_pause``, on the
+renewal thread, whatever the main loop is blocked in: SIGSTOP), so by the time its keys vanish and another
+launcher reassigns its ranks, nothing of it trains. If a later renewal succeeds, the lease survived (an etcd
+that lost quorum cannot expire leases, and its next leader refreshes them): the workers go on (``on_resume``).
+If the store says the lease expired, or stays unreachable for ``outage_s``, the host is fenced for good
+(``on_lost``: its workers are killed and the launcher leaves).
 
-Call order: ``LeaderElection(store, renew_store, host_rank, ttl_s, on_lost=...)`` (grants the lease, writes
-``host/<rank>``, starts the renewal thread) -> ``tick()`` every loop turn (returns :data:`LEADING`,
-:data:`FOLLOWING` or :data:`LOST`; at most one store request) -> ``close()`` (revokes the lease: the next
-coordinator takes over at once instead of after ``ttl_s``).
+Call order: ``LeaderElection(store, connect_renewal, host_rank, ttl_s, on_pause=, on_resume=, on_lost=)`` (grants
+the lease, writes ``host/<rank>``, starts the renewal thread) -> ``tick()`` every loop turn (returns
+:data:`LEADING`, :data:`FOLLOWING`, :data:`PAUSED` or :data:`LOST`; at most two store requests) -> ``close()``
+(revokes the lease: the next coordinator takes over at once instead of after ``ttl_s``).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from ..store.base import StoreError
 
 log = logging.getLogger("deadpool_ext.launcher")
 
-LEADING, FOLLOWING, LOST = "leading", "following", "lost"
+LEADING, FOLLOWING, PAUSED, LOST = "leading", "following", "paused", "lost"
 
 
 class LeaseStore(Protocol):
@@ -52,18 +55,23 @@ def supports_leases(store: Any) -> bool:
 
 class LeaderElection:
     def __init__(self, store: LeaseStore, connect_renewal: Callable[[float], LeaseStore], host_rank: int,
-                 ttl_s: int, *, on_lost: Callable[[str], None], host: str = "") -> None:
+                 ttl_s: int, *, on_pause: Callable[[str], None], on_resume: Callable[[float], None],
+                 on_lost: Callable[[str], None], outage_s: float = 120.0, host: str = "") -> None:
         """``connect_renewal(timeout_s)``: a store connection of its own for the renewal thread, with that request
-        timeout (a renewal that hangs must not eat the margin). ``on_lost(why)`` runs on that thread when the
-        lease can no longer be trusted; it must stop this host's workers at once."""
+        timeout (a renewal that hangs must not eat the margin). The callbacks run on that thread:
+        ``on_pause(why)`` when the lease can no longer be trusted (it must stop this host's workers from training
+        at once: they are paused, not killed, since the store may come back with the lease intact, as after an
+        etcd quorum loss); ``on_resume(paused_s)`` when a renewal succeeds again; ``on_lost(why)`` when the store
+        says the lease expired (the host's ranks may belong to spares now) or stays unreachable past
+        ``outage_s``."""
         if ttl_s < 2:
             raise ValueError(f"leader lease TTL {ttl_s}s: must be at least 2 s")
-        self.store, self.host_rank, self.ttl_s = store, host_rank, ttl_s
+        self.store, self.host_rank, self.ttl_s, self.outage_s = store, host_rank, ttl_s, outage_s
         self.margin_s = max(0.5, 0.2 * ttl_s)
         self.request_timeout_s = self.margin_s / 2
-        self._renew_store = connect_renewal(self.request_timeout_s)
         self.renew_every_s = ttl_s / 5
-        self._on_lost = on_lost
+        self._renew_store = connect_renewal(self.request_timeout_s)
+        self._on_pause, self._on_resume, self._on_lost = on_pause, on_resume, on_lost
         self._me = json.dumps({"host_rank": host_rank, "host": host}).encode()
         sent = time.monotonic()
         self.lease = store.lease_grant(ttl_s)
@@ -71,29 +79,41 @@ class LeaderElection:
         store.put_leased(f"host/{host_rank}", self._me, self.lease)
         self.leading = False
         self.lost_why = ""
+        self.paused_since: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._keep, name="deadpool-run-lease", daemon=True)
         self._thread.start()
 
     def _keep(self) -> None:
-        """Renew every ``renew_every_s``; past ``valid_until`` without a renewal, the lease is lost."""
+        """Renew every ``renew_every_s``; past ``valid_until`` without a renewal, pause; a renewal after that
+        resumes; an expired lease, or an outage longer than ``outage_s``, is lost."""
         while not self._stop.is_set():
             now = time.monotonic()
-            if now >= self.valid_until:
-                self._lose(f"no renewal of its lease reached the store for {self.ttl_s - self.margin_s:.1f}s "
-                           f"(lease TTL {self.ttl_s}s)")
+            if self.paused_since is None and now >= self.valid_until:
+                self.paused_since = now
+                self.leading = False
+                self._on_pause(f"no renewal of its lease reached the store for {self.ttl_s - self.margin_s:.1f}s "
+                               f"(lease TTL {self.ttl_s}s)")
+            if self.paused_since is not None and now - self.paused_since > self.outage_s:
+                self._lose(f"the store stayed unreachable for {self.outage_s:g}s (--store-outage-s)")
                 return
             try:
                 ttl = self._renew_store.lease_keepalive(self.lease)
             except StoreError as exc:
-                log.warning("cannot renew this launcher's lease (%s); it lapses in %.1fs", exc,
-                            max(0.0, self.valid_until - time.monotonic()))
-                self._stop.wait(min(0.1, max(0.0, self.valid_until - time.monotonic())))
+                if self.paused_since is None:
+                    log.warning("cannot renew this launcher's lease (%s); it lapses in %.1fs", exc,
+                                max(0.0, self.valid_until - time.monotonic()))
+                self._stop.wait(min(0.1 if self.paused_since is None else 0.5,
+                                    max(0.0, self.valid_until - time.monotonic()) or 0.5))
                 continue
             if ttl == 0:
                 self._lose(f"the store expired this launcher's lease {self.lease:x}")
                 return
             self.valid_until = max(self.valid_until, now + ttl - self.margin_s)
+            if self.paused_since is not None:
+                paused_s = time.monotonic() - self.paused_since
+                self.paused_since = None
+                self._on_resume(paused_s)
             self._stop.wait(max(0.0, min(self.renew_every_s, self.valid_until - time.monotonic())))
 
     def _lose(self, why: str) -> None:
@@ -105,15 +125,20 @@ class LeaderElection:
         self._on_lost(why)
 
     def valid(self) -> bool:
-        return not self.lost_why and time.monotonic() < self.valid_until
+        return not self.lost_why and self.paused_since is None and time.monotonic() < self.valid_until
 
     def tick(self) -> str:
-        """The main loop's turn: :data:`LOST`, or a campaign for the coordinator role while it is free."""
-        if not self.valid():
+        """The main loop's turn: :data:`LOST` (expired), :data:`PAUSED` (not renewed in time), or a campaign for
+        the coordinator role while this launcher does not hold it."""
+        if self.lost_why:
             return LOST
+        if not self.valid():
+            return PAUSED
         if not self.leading:
             try:
                 won = self.store.put_leased("leader", self._me, self.lease, create_only=True)
+                # still ours after a pause: the key lives under this launcher's lease, which survived
+                won = won or self.store.get("leader") == self._me
             except StoreError as exc:
                 log.debug("leader campaign: %s", exc)
                 won = False

@@ -89,12 +89,13 @@ class Membership:
         connections (``rebuild.fence``) and stops the main thread's training step (``rebuild.interrupt``), so
         a survivor leaves a dead generation within a store round trip of the publication, whether it is
         blocked in a collective or computing."""
-        from ..store.base import StoreTimeout
+        from ..store.base import StoreError, StoreTimeout
         from . import interrupt, progress
 
         launcher = self._launcher_pid
         next_hb = 0.0
         notified: int | None = None
+        outage_since: float | None = None
         while not self._stop.is_set():
             if launcher and os.getppid() != launcher:
                 # Orphaned: the launcher is gone, nobody will ever assign or fence us. Leave instead of
@@ -106,6 +107,10 @@ class Membership:
                 if now >= next_hb:
                     self._hb_store.set_json(f"hb/{self.worker_id}", {"t": time.time(), **progress.sample()})
                     next_hb = now + self._hb_s
+                    if outage_since is not None:
+                        log.warning("worker %s: the store answers again after %.1fs", self.worker_id,
+                                    time.monotonic() - outage_since)
+                        outage_since = None
                 f = fence()
                 gen = f.generation
                 if gen is None or gen == notified:
@@ -121,8 +126,16 @@ class Membership:
                 f.cut(gen, why)
                 _abort_nccl_groups(why)
                 interrupt.request(gen, why)
-            except Exception as exc:  # the launcher is gone: nothing left to tell
-                log.debug("heartbeat failed: %s", exc)
+            except StoreError as exc:
+                # The store unreachable for a while (an etcd election, a partition, quorum lost): keep trying. The
+                # launcher decides what an outage means (it pauses or stops this process); a heartbeat thread
+                # that gave up would get a healthy worker fenced as hung once the store is back.
+                if outage_since is None:
+                    outage_since = time.monotonic()
+                    log.warning("worker %s: heartbeat failed (%s); retrying", self.worker_id, exc)
+                self._stop.wait(min(self._hb_s, 0.5))
+            except Exception as exc:
+                log.error("worker %s: heartbeat thread stops: %s: %s", self.worker_id, type(exc).__name__, exc)
                 return
 
     def join(self, min_generation: int, timeout_s: float | None = None) -> Assignment:

@@ -189,6 +189,7 @@ class EtcdStore(CoordinationStore):
         self._lock = threading.Lock()
         self._closed = False
         self._current = 0
+        self._degraded = False   # a member failed since the last request that got through
         self._auth_token = self._on_some_member(
             lambda ep: _authenticate(self._opener, ep, user, token, timeout_s), "/v3/auth/authenticate")
 
@@ -207,7 +208,11 @@ class EtcdStore(CoordinationStore):
                 index = self._current
             ep = self.endpoints[index]
             try:
-                return call(ep)
+                result = call(ep)
+                if self._degraded:
+                    self._degraded = False
+                    log.warning("etcd member %s serves %s again", ep, path)
+                return result
             except StoreError as exc:
                 if isinstance(exc, StoreAuthError):
                     raise
@@ -219,9 +224,11 @@ class EtcdStore(CoordinationStore):
             with self._lock:
                 if self._current == index:
                     self._current = (index + 1) % len(self.endpoints)
-                    if len(self.endpoints) > 1:
-                        log.warning("etcd member %s did not serve %s (%s); trying %s", ep, path, errors[-1],
-                                    self.endpoints[self._current])
+                    if len(self.endpoints) > 1:  # once per outage at warning level, then quietly
+                        log.log(logging.DEBUG if self._degraded else logging.WARNING,
+                                "etcd member %s did not serve %s (%s); trying %s", ep, path, errors[-1],
+                                self.endpoints[self._current])
+                        self._degraded = True
         if len(self.endpoints) == 1:
             raise StoreError(errors[-1])
         raise StoreError(f"no member of the etcd cluster served {path}: " + "; ".join(errors))

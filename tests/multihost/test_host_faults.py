@@ -3,8 +3,12 @@ cluster: whole hosts lost, the coordinator's host included, and the job continue
 failure, bit for bit."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
+from deadpool_ext.recovery.timeline import read_events
+from deadpool_ext.testing.wait import wait_until
 from tests.multihost.jobs import run_hosts
 
 pytestmark = pytest.mark.slow
@@ -55,37 +59,65 @@ def _times(events, name):
     return [e["time"] for e in events if e.get("event") == name]
 
 
-def test_follower_host_partitioned(host_bed, tmp_path):
-    """Host 2's link cut (its processes alive): its launcher stops its workers before its lease can lapse, and
-    only then does the coordinator give node2's ranks to a spare; healed afterwards, the host cannot rejoin."""
+def _partition_until_reassigned(host: int):
+    """Cut ``host``'s link; heal it once another launcher published the next generation (the host comes back
+    to a job that has moved on)."""
+    def partition(bed, timeline):
+        bed.cut(host)
+        wait_until(lambda: any(e.get("event") == "assignment" for e in read_events(timeline)), 60,
+                   "the next generation's assignment")
+        time.sleep(1.0)
+        bed.heal(host)
+    return partition
+
+
+@pytest.mark.parametrize("host", [2, 0], ids=["follower", "coordinator"])
+def test_host_partitioned_then_healed(host_bed, tmp_path, host):
+    """A host's link cut (its processes alive): its launcher pauses its workers (SIGSTOP) before its lease can
+    lapse, and only then does the coordinator (another launcher, when the cut host held the role) give that
+    host's ranks to a spare. Healed, the host finds its lease expired: its workers are killed and its launcher
+    leaves (a host that returns cannot rejoin a dead generation). Losses identical to a run without failure."""
+    base = baseline(host_bed, tmp_path)
+    bed = host_bed(3)
+    res = run_hosts(bed, tmp_path, name=f"part{host}", fault=_partition_until_reassigned(host))
+    assert res.rcs[host] == 3 and [rc for h, rc in enumerate(res.rcs) if h != host] == [0, 0], res.tails()
+    assert "paused (SIGSTOP) until it answers again" in res.log(host), res.log(host)[-3000:]
+    assert res.metrics == base, res.tails()
+    assigned = [e for e in res.events if e.get("event") == "assignment"]
+    assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {f"node{host}"}, assigned
+    paused = [e for e in res.events if e.get("event") == "paused"]
+    fenced = [e for e in res.events if e.get("event") == "self_fenced"]
+    assert [e["host_rank"] for e in paused] == [host] and [e["host_rank"] for e in fenced] == [host]
+    # no two processes ever trained as that host's rank: its workers were stopped before the spare got the rank,
+    # and killed (never continued) when the host came back
+    assert paused[0]["time"] < assigned[0]["published_at"] < fenced[0]["time"]
+    assert "expired" in fenced[0]["reason"], fenced
+    assert not [e for e in res.events if e.get("event") == "resumed"]
+    if host == 0:
+        assert [e["host_rank"] for e in res.events if e.get("event") == "leader"][-1] in (1, 2)
+
+
+def test_etcd_quorum_lost_pauses_the_job(host_bed, tmp_path):
+    """Two of the three etcd members SIGKILLed for 6 s (quorum lost: nothing can be written anywhere): every
+    launcher pauses its workers, nothing is reassigned; when the members return, the leases are intact, the
+    workers resume and the losses are those of a run without failure."""
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
 
-    def partition(b, _timeline):
-        b.cut(2)
+    def lose_quorum(b, _timeline):
+        b.etcd.kill_member(1)
+        b.etcd.kill_member(2)
+        time.sleep(6.0)
+        b.etcd.restart_member(1)
+        b.etcd.restart_member(2)
 
-    res = run_hosts(bed, tmp_path, name="part", fault=partition)
-    bed.heal(2)
-    assert res.rcs == [0, 0, 3], res.tails()
-    assert "host 2 lost contact with the store" in res.log(2)
+    res = run_hosts(bed, tmp_path, name="quorum", fault=lose_quorum)
+    assert res.rcs == [0, 0, 0], res.tails()
     assert res.metrics == base, res.tails()
-    assigned = [e for e in res.events if e.get("event") == "assignment"]
-    assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node2"}, assigned
-    # no two processes ever trained as rank 2: host 2's workers were stopped before the spare got the rank
-    assert _times(res.events, "self_fenced")[0] < assigned[0]["published_at"]
-
-
-def test_coordinator_host_partitioned(host_bed, tmp_path):
-    base = baseline(host_bed, tmp_path)
-    bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="cpart", fault=lambda b, _: b.cut(0))
-    bed.heal(0)
-    assert res.rcs == [3, 0, 0], res.tails()
-    assert res.metrics == base, res.tails()
-    assigned = [e for e in res.events if e.get("event") == "assignment"]
-    assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node0"}, assigned
-    assert _times(res.events, "self_fenced")[0] < assigned[0]["published_at"]
-    assert [e["host_rank"] for e in res.events if e.get("event") == "leader"][-1] in (1, 2)
+    assert sorted(e["host_rank"] for e in res.events if e.get("event") == "paused") == [0, 1, 2], res.events
+    assert sorted(e["host_rank"] for e in res.events if e.get("event") == "resumed") == [0, 1, 2], res.events
+    assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events
+    assert "paused (SIGSTOP) until it answers again" in res.log(0)
 
 
 def test_etcd_member_lost(host_bed, tmp_path):
