@@ -24,10 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import secrets
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +36,8 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+
+from common import machine_info  # noqa: E402
 
 from deadpool_ext.recovery.timeline import phases  # noqa: E402
 from deadpool_ext.testing.hostjob import HostsRun, run_on_hosts  # noqa: E402
@@ -107,10 +107,24 @@ def summarize(run: HostsRun, reference: dict[int, float]) -> dict[str, Any]:
     return rec
 
 
+def _machine_line(m: Any) -> str:
+    if not isinstance(m, dict):
+        return str(m)
+    versions = m.get("versions") or {}
+    parts = [f"{m.get('cpu_count')} CPUs ({m.get('cpu_model')})"]
+    if m.get("loadavg"):
+        parts.append("load at start [" + ", ".join(f"{x:.1f}" for x in m["loadavg"]) + "]")
+    if versions:
+        parts.append(", ".join(f"{k} {v}" for k, v in versions.items() if v))
+    parts.append(f"git {(m.get('git') or {}).get('commit', '')[:10]}")
+    parts.append(str(m.get("time_utc")))
+    return "; ".join(parts)
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = [f"# Recovery across hosts: namespace bed vs one host ({doc['size']})", "",
              f"Command: `{doc['command']}`  ",
-             f"Machine: {doc['machine']}; {doc['when']}; total wall {doc['wall_s']:.0f} s.", "",
+             f"Machine: {_machine_line(doc['machine'])}; total wall {doc['wall_s']:.0f} s.", "",
              "Setup: 3 hosts as Linux network namespaces (own address, own tmpfs /dev/shm), a 3-member etcd cluster "
              "on their bridge, one `deadpool-run` per host (`--leader-ttl-s "
              f"{doc['leader_ttl_s']}`, `--detect-timeout-s {doc['detect_timeout_s']}`); GPT {doc['size']}, ZeRO-3, "
@@ -159,7 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--name", default="recovery_hosts")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--render-only", metavar="JSON", default=None, help="rewrite the .md beside JSON, run nothing")
     args = p.parse_args(argv)
+    if args.render_only:
+        with open(args.render_only) as fh:
+            doc = json.load(fh)
+        with open(args.render_only[:-len(".json")] + ".md", "w") as fh:
+            fh.write(render(doc))
+        return 0
     why = missing_requirements()
     if why is not None:
         print(f"bench_hosts: {why}", file=sys.stderr)
@@ -172,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     doc: dict[str, Any] = {
         "command": "python benchmarks/bench_hosts.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "machine": f"{os.cpu_count()} CPUs, {platform.processor() or platform.machine()}",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "git": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO).stdout.strip(),
+        "machine": machine_info(),
         "size": args.size, "kill_step": args.kill_step, "steps_after": args.steps_after,
         "leader_ttl_s": args.leader_ttl_s, "detect_timeout_s": args.detect_timeout_s,
         "modes": modes, "runs": {m: [] for m in modes}, "references": {}}

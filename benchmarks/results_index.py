@@ -82,6 +82,10 @@ CURRENT: tuple[Current, ...] = (
             companions=("recovery_medium_logs",),
             note="Written as `recovery_medium_final.*`, renamed like recovery_small. The older `recovery_medium.*` "
                  "(code 3fc63fb7) is in archive/."),
+    Current("recovery_hosts", "hosts", "recovery across hosts (namespace bed): host and coordinator lost",
+            "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
+            "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "
+            "the same job on one host losing one worker; phases, takeover time, losses bit for bit; 2 repeats."),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",

@@ -26,9 +26,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-timeout-s", type=float, default=480.0, help="deadline of each job")
     p.add_argument("--plan-only", action="store_true", help="print the planned scenarios and exit")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--bed", action="store_true",
+                   help="host-level faults on the namespace bed (3 hosts, a 3-member etcd; needs root): host_loss, "
+                        "coordinator_loss, partition, etcd_member, etcd_quorum, stuck (docs/chaos.md)")
+
+
+def _run_bed(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from ..chaos.hostfaults import HostFault, plan_host_trial, run_host_campaign
+    from ..testing.hosts import missing_requirements
+
+    try:
+        layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
+        faults = None if args.faults is None else [HostFault(s.strip()) for s in args.faults.split(",") if s.strip()]
+        if args.trial is not None and args.trials is not None:
+            raise ValueError("give --trials N or --trial T, not both")
+        indices = args.trial if args.trial is not None else list(range(6 if args.trials is None else args.trials))
+        if not indices:
+            raise ValueError("--trials must be >= 1")
+        scenarios = [plan_host_trial(args.seed, t, layouts, faults) for t in indices]
+    except ValueError as exc:
+        print(f"deadpool chaos --bed: {exc}", file=sys.stderr)
+        return 2
+    if args.plan_only:
+        out = [s.to_json() for s in scenarios]
+        print(json.dumps(out, indent=1) if args.json else
+              "\n".join(f"{s.trial:>4} {s.layout:<8} {s.fault.value:<16} {s.describe()}" for s in scenarios))
+        return 0
+    why = missing_requirements()
+    if why is not None:
+        print(f"deadpool chaos --bed: {why}", file=sys.stderr)
+        return 2
+    report = run_host_campaign(scenarios, workdir=args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-bed-"),
+                               job_timeout_s=args.job_timeout_s, log=(lambda m: print(m, file=sys.stderr, flush=True)))
+    from ..chaos.report import format_table
+
+    print(json.dumps(report, indent=1) if args.json else format_table(report["rows"], report["summary"]))
+    return 1 if report["summary"]["failed"] else 0
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bed:
+        return _run_bed(args)
     from ..chaos.catalogue import Fault
     from ..chaos.plan import check_layouts, plan_trial
 

@@ -40,16 +40,17 @@ class HostsRun:
 def run_on_hosts(bed: HostBed, workdir: str, script: Sequence[str], metrics: str, *, nnodes: int, spares: int,
                  name: str, fault: Callable[[HostBed, str], None] | None = None, fault_step: int = 4,
                  timeout_s: float = 300, extra: Sequence[str] = (), launch: str = "flags", hosts: int | None = None,
-                 leader_ttl_s: int = 4) -> HostsRun:
+                 leader_ttl_s: int = 4, env: dict[str, str] | None = None) -> HostsRun:
     """Run ``script`` (the training script and its arguments, writing ``metrics``) under one launcher per host of
     the bed (the first ``hosts`` of them). ``fault(bed, timeline)`` runs once the metrics reach ``fault_step``.
     ``launch``: how each launcher learns its place: ``flags`` (--hosts, --host-rank, --host), ``hostfile`` (one
     identical command line on every host, --hostfile listing the hosts' addresses) or ``slurm`` (identical command
-    line with --from-slurm, SLURM's variables in each host's environment)."""
+    line with --from-slurm, SLURM's variables in each host's environment). ``env``: added to the launchers'
+    environment (e.g. a fault injector's ``chaos.at_step.harness_env``)."""
     assert bed.etcd is not None, "the bed needs its etcd cluster (bed.start_etcd)"
     n_hosts = bed.n_hosts if hosts is None else hosts
     timeline = os.path.join(workdir, f"{name}.timeline.jsonl")
-    env = base_env({"DEADPOOL_STORE_TOKEN": bed.etcd.token, "GLOO_SOCKET_IFNAME": "eth0"})
+    job_env = base_env({"DEADPOOL_STORE_TOKEN": bed.etcd.token, "GLOO_SOCKET_IFNAME": "eth0", **(env or {})})
     hostfile = os.path.join(workdir, f"{name}.hostfile")
     with open(hostfile, "w") as fh:
         fh.write("".join(f"{bed.addr(h)} slots=1\n" for h in range(n_hosts)))
@@ -62,7 +63,7 @@ def run_on_hosts(bed: HostBed, workdir: str, script: Sequence[str], metrics: str
                            "--nproc-per-node", "1", "--job-id", name],
                  "hostfile": ["--hostfile", hostfile, "--job-id", name],
                  "slurm": ["--from-slurm"]}[launch]
-        host_env = dict(env)
+        host_env = dict(job_env)
         if launch == "slurm":
             host_env.update(SLURM_JOB_ID=name, SLURM_NNODES=str(n_hosts), SLURM_NODEID=str(h),
                             SLURM_STEP_NODELIST=f"{prefix}.[1-{n_hosts}]")

@@ -32,3 +32,21 @@ def test_seeded_chaos_subset(tmp_path):
     # (chaos/check.py, counted in "failed") and the loss comparison ("state_mismatches"). How many copies are
     # refused depends on where the kill lands: a corrupted newest slot whose version no restore chose (the lost
     # rank had not completed it) is never read, so a count of refusals is not asserted here.
+
+
+def test_seeded_bed_subset(tmp_path):
+    """The seeded CI subset of the host-level campaign (``deadpool chaos --bed``): one ``stuck`` trial on ZeRO-3 on
+    the namespace bed (the other host-level faults are deterministic tests in tests/multihost)."""
+    from deadpool_ext.chaos.hostfaults import HostFault, plan_host_trial, run_host_campaign
+    from deadpool_ext.testing.hosts import missing_requirements
+
+    why = missing_requirements()
+    if why is not None:
+        pytest.skip(f"multi-host bed: {why} (CI runs as root)")
+    scenarios = [plan_host_trial(SEED, 0, ["zero3"], [HostFault.STUCK])]
+    report = run_host_campaign(scenarios, workdir=str(tmp_path), job_timeout_s=300)
+    table = format_table(report["rows"], report["summary"])
+    print(table)
+    s = report["summary"]
+    assert s["failed"] == 0 and s["state_mismatches"] == 0 and s["recovered"] == 1, table
+    assert s["hot_swaps"] == 1, table

@@ -256,3 +256,30 @@ def test_killed_launcher_leaves_no_shared_memory(tmp_path, shm_root):
     while time.time() < deadline and [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]:
         time.sleep(0.2)
     assert not [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]
+
+
+def test_embedded_store_with_many_hosts_warns_that_host_0_is_a_single_point_of_failure(tmp_path):
+    """No failover without etcd: a multi-host job on the embedded store says so at start, naming the fix."""
+    import subprocess
+
+    from deadpool_ext.testing.launch import REPO, base_env, kill_tree
+
+    script = tmp_path / "idle.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--hosts", "2",
+                             "--host-rank", "0", "--job-id", "embwarn", str(script)], cwd=REPO,
+                            env=base_env({"DEADPOOL_STORE_TOKEN": "t" * 32}), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        lines = []
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = proc.stderr.readline()
+            lines.append(line)
+            if "single" in line or "ends the job" in line or not line:
+                break
+        text = "".join(lines)
+        assert "--hosts 2 on the embedded store" in text and "losing host 0 ends the job" in text, text
+        assert "--store-url etcd://" in text
+    finally:
+        kill_tree(proc.pid)
