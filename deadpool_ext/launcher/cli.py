@@ -54,6 +54,9 @@ from .leader import LeaderElection, LeaseStore, supports_leases
 
 log = logging.getLogger("deadpool_ext.launcher")
 
+STORE_TIMEOUT_S = 10.0
+"""Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
+
 
 class Supervisor:
     def __init__(self, args: argparse.Namespace) -> None:
@@ -235,7 +238,7 @@ class Supervisor:
                 self.server = EmbeddedStoreServer(host=self.args.host, port=self.args.store_port, token=self.token)
                 self.server.start()
                 self.store_url = self.server.url
-            self.store = connect(self.store_url, self.token, self.job_id, 30.0)
+            self.store = connect(self.store_url, self.token, self.job_id, STORE_TIMEOUT_S)
             if supports_leases(self.store):
                 self.election = LeaderElection(
                     cast(LeaseStore, self.store),
@@ -309,9 +312,11 @@ class Supervisor:
             return 1
         for wid, p in self.procs.items():
             rc = p.poll()
-            if rc is not None and rc != 0 and wid not in self._reported:
-                self._reported.add(wid)
-                self.store.set_json(f"hostfail/{wid}", {"rc": rc, "time": time.time()})
+            if rc is not None and wid not in self._reported:
+                # every exit, a clean one too: a worker that finished while the store was unreachable could not
+                # record done/<worker>, and the coordinator must not take its silence for a hang
+                self.store.set_json(f"exit/{wid}", {"rc": rc, "time": time.time()})
+                self._reported.add(wid)   # only once it is written: an outage leaves it for the next turn
         for node in self.local_nodes - self._fenced:
             if self.store.get(f"fence/{node}") is not None:
                 self._fenced.add(node)
@@ -449,7 +454,7 @@ class Supervisor:
         active = set(a.ranks)
         rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
         rcs.update({wid: p.poll() for wid, p in self.procs.items()})
-        for key, raw in self.store.list("hostfail/").items():
+        for key, raw in self.store.list("exit/").items():
             rcs[key.split("/", 1)[1]] = int(json.loads(raw)["rc"])
         if all(rcs[w] == 0 or self.store.get(f"done/{w}") is not None for w in active):
             self.store.set("finished", b"1")

@@ -60,7 +60,9 @@ class Membership:
             ports = []
         fence().keep_remote_ports.update(ports)
         self.store = connect(store_url, token, job_id, timeout_s)
-        self._hb_store = connect(store_url, token, job_id, timeout_s)
+        # The heartbeat thread's own client, with a short request timeout: a member that accepts but never answers
+        # (etcd without quorum) must not hold the heartbeat for the main client's timeout once the store is back.
+        self._hb_store = connect(store_url, token, job_id, min(timeout_s, max(1.0, 4 * heartbeat_s)))
         self._hb_s = heartbeat_s
         self._watch_s = min(watch_s, heartbeat_s)
         self._stop = threading.Event()
@@ -165,10 +167,17 @@ class Membership:
         """Training finished on this worker: stop heartbeating; the launcher no longer watches for a hang
         while the interpreter shuts down (which can take seconds and stops the heartbeat thread)."""
         self._stop.set()
-        try:
-            self.store.set("done/" + self.worker_id, b"1")
-        except Exception:
-            pass
+        deadline = time.monotonic() + self.timeout_s
+        while True:  # the launcher must learn it, or it takes the silence for a hang: retry through an outage
+            try:
+                self.store.set("done/" + self.worker_id, b"1")
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    log.warning("worker %s: could not record that it finished (%s); its launcher reports its exit",
+                                self.worker_id, exc)
+                    return
+                time.sleep(0.5)
 
     def report_fatal(self, what: str) -> None:
         """State that cannot be recovered: the launcher stops the job with this message."""

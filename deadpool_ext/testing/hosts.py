@@ -133,6 +133,13 @@ def _teardown_names(tag: str, hosts: int, extra_pids: Sequence[int] = ()) -> Non
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+    marker = f"etcd-{tag}-m"   # the bed's etcd members by their data directories (restarted ones included)
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(marker in part for part in proc.info["cmdline"] or ()):
+                proc.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     for i in range(hosts):
         ns = f"dp{tag}h{i}"
         if os.path.exists(f"/run/netns/{ns}"):
