@@ -86,6 +86,13 @@ CURRENT: tuple[Current, ...] = (
             "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
             "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "
             "the same job on one host losing one worker; phases, takeover time, losses bit for bit; 2 repeats."),
+    Current("chaos_bed", "chaos", "host-level chaos on the namespace bed, 24 trials",
+            "`deadpool chaos --bed`: host loss, coordinator loss, partition with heal, etcd member loss, etcd quorum "
+            "loss and a stuck rank, each on a fresh 3-host bed with a 3-member etcd, over ZeRO-1/2/3 and Megatron "
+            "TP2; losses bit for bit against a fault-free run on a bed.",
+            command="deadpool chaos --bed --trials 24 --seed 0 --json",
+            note="Two rows failed on the checker (a stuck rank 0 never logs its step's loss line) and were replayed "
+                 "with the fixed checker; both rows and replays are in the JSON."),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",

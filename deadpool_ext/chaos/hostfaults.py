@@ -224,10 +224,21 @@ def check_host_trial(sc: HostScenario, job: dict[str, Any], base: dict[int, floa
         want = None if h == lost_host else 3 if h == fenced_host else 0
         if rc != want and not job["timed_out"]:
             problems.append(f"host {h}'s launcher exited {rc}, expected {want}")
-    mismatch = job["metrics"] != base
-    if mismatch:
-        diff = sorted(s for s in set(base) | set(job["metrics"]) if base.get(s) != job["metrics"].get(s))
-        problems.append(f"losses differ from the fault-free run at steps {diff[:8]}")
+    metrics = job["metrics"]
+    # Global rank 0 logs the losses: stuck right after step S (inside the step's after_step hook), it never writes
+    # step S's line, and the replacement restores the state *after* S, so S is not run again. Only that line may
+    # be missing; every line present must equal the fault-free run's.
+    unloggable = {sc.step} if sc.fault is HostFault.STUCK and sc.rank == 0 else set()
+    differ = sorted(s for s in set(base) | set(metrics) if s in metrics and metrics[s] != base.get(s))
+    missing = sorted(s for s in base if s not in metrics and s not in unloggable)
+    mismatch = bool(differ or missing)
+    notes: list[str] = []
+    if differ:
+        problems.append(f"losses differ from the fault-free run at steps {differ[:8]}")
+    if missing:
+        problems.append(f"steps {missing[:8]} missing from the metrics")
+    if unloggable and sc.step not in metrics:
+        notes.append(f"step {sc.step}'s loss was never logged: rank 0, its logger, was the stuck rank")
     if swaps < sc.expect_swaps or (sc.expect_swaps == 0 and swaps):
         problems.append(f"{swaps} hot swap(s), expected {sc.expect_swaps}")
     if sc.fault is HostFault.STUCK:
@@ -246,9 +257,9 @@ def check_host_trial(sc: HostScenario, job: dict[str, Any], base: dict[int, floa
     status = "failed" if problems else "passed" if injected else "not_injected"
     verdict = {"ok": not problems, "status": status, "problems": problems, "hot_swaps": swaps,
                "restores": restores, "refused": {"tier1": 0, "tier2": 0, "tier3": 0}, "mismatch": mismatch,
-               "faults_injected": injected, "hits": [], "notes": []}
+               "faults_injected": injected, "hits": [], "notes": notes}
     if problems:
-        verdict["notes"] = [job["tails"][-3000:]]
+        verdict["notes"] = [*notes, job["tails"][-3000:]]
     return verdict
 
 
