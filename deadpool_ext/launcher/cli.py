@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, cast
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
 from ..memory.shm import job_shm_dir
@@ -50,6 +50,8 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     check_args,
 )
 from .contract import HotSwapEnv
+from .hangs import parse_heartbeat, stalled
+from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -58,7 +60,7 @@ STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
 
 
-class Supervisor:
+class Supervisor(LeaseLapse):
     def __init__(self, args: argparse.Namespace) -> None:
         for flag in ("nnodes", "nproc_per_node"):
             if getattr(args, flag) < 1:
@@ -328,63 +330,6 @@ class Supervisor:
                 self.store.set(f"fenced/{node}", b"1")
         return None
 
-    def _signal_workers(self, sig: int) -> int:
-        n = 0
-        for p in self.procs.values():
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, sig)
-                    n += 1
-                except ProcessLookupError:
-                    pass
-        return n
-
-    def _pause(self, why: str) -> None:
-        """The lease could not be renewed in time (renewal thread): stop this host's workers from training now
-        (SIGSTOP), before the store could expire the lease and another launcher give their ranks to spares."""
-        n = self._signal_workers(signal.SIGSTOP)
-        self.event(event="paused", host_rank=self.args.host_rank, reason=why, workers=n)
-        print(f"deadpool-run: host {self.args.host_rank} cannot reach the store ({why}): its {n} worker(s) are "
-              f"paused (SIGSTOP) until it answers again; after --store-outage-s {self.args.store_outage_s:g}s, or "
-              f"if the store expired the lease meanwhile, they are stopped for good", file=sys.stderr, flush=True)
-
-    def _resume(self, paused_s: float) -> None:
-        """A renewal got through and the lease is intact (e.g. etcd regained quorum): the workers go on; the
-        coordinator gives every worker's heartbeat a grace period, since none could reach the store either."""
-        self.seen_hb.clear()
-        self.progress.clear()
-        self._grace_until = time.time() + self.args.detect_timeout_s + self.args.leader_ttl_s
-        n = self._signal_workers(signal.SIGCONT)
-        self.event(event="resumed", host_rank=self.args.host_rank, paused_s=round(paused_s, 3), workers=n)
-        log.warning("host %d: the store answers again after %.1fs; %d worker(s) resumed", self.args.host_rank,
-                    paused_s, n)
-
-    def _self_fence(self, why: str) -> NoReturn:
-        """Cut off from the store for longer than the lease allows (called on the lease's renewal thread, whatever
-        the main loop is blocked in): another launcher is about to give this host's ranks to spares, so its
-        workers are stopped now, before the store can expire the lease (no two processes ever train as one
-        rank), their memory is dropped and the launcher leaves with code 3."""
-        if not self._fence_once.acquire(blocking=False):  # the renewal thread and the main loop both saw it
-            time.sleep(60)
-            os._exit(3)
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.procs.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                log.error("worker pid %d did not die after SIGKILL", p.pid)
-        for node in self.local_nodes:
-            shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
-        msg = (f"host {self.args.host_rank} lost contact with the store: {why}. Its workers were stopped so that "
-               f"spares can take their ranks; this launcher leaves (start it again to offer this host as spares)")
-        try:
-            self.event(event="self_fenced", host_rank=self.args.host_rank, reason=why)
-        finally:
-            print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
-            os._exit(3)
-
     def _leads(self) -> bool:
         if self.election is None:
             return bool(self.leader)
@@ -487,7 +432,7 @@ class Supervisor:
                 continue
             hb = self.store.get(f"hb/{wid}")
             if hb is not None:
-                beat = _parse_heartbeat(hb)
+                beat = parse_heartbeat(hb)
                 if beat is not None:
                     seen_hb[wid] = float(beat["t"])
                     self.progress[wid] = beat
@@ -536,27 +481,13 @@ class Supervisor:
         return None
 
     def _stalled(self, active: set[str], now: float) -> dict[str, str]:
-        """Hangs by progress (``rebuild/progress.py``): no active rank finished a step for --progress-timeout-s,
-        at least one waits inside a collective, and a rank whose main thread has stood still outside any
-        collective for that long is the one they wait for."""
-        limit = self.args.progress_timeout_s
-        beats = {w: self.progress.get(w) for w in active}
-        if limit <= 0 or not beats or any(b is None or int(b["step"]) < 0 for b in beats.values()):
-            return {}  # off, or a rank not past its first step yet (start-up, a spare that just took over)
-        stalled_s = {w: now - float(b["step_at"]) for w, b in beats.items() if b is not None}
-        if min(stalled_s.values()) <= limit:
-            return {}
-        waiting = [w for w, b in beats.items() if b is not None and b["coll"]]
-        stuck = {w: b for w, b in beats.items() if b is not None and not b["coll"] and float(b["still_s"]) > limit}
-        if not waiting or not stuck:
-            if waiting and len(waiting) == len(beats) and not self._all_in_collective_logged:
-                self._all_in_collective_logged = True
-                log.warning("no rank finished a step for %.0fs and every rank is inside a collective: no rank can "
-                            "be singled out; left to the collective timeout", min(stalled_s.values()))
-            return {}
-        return {w: (f"no progress: step {b['step']} finished {stalled_s[w]:.1f}s ago and its main thread has stood "
-                    f"still outside any collective for {float(b['still_s']):.1f}s while {len(waiting)} rank(s) wait "
-                    f"in one (heartbeat alive; SIGKILLed to fence it)") for w, b in stuck.items()}
+        """Hangs by progress (``launcher/hangs.py``), logged once when every rank is inside a collective."""
+        failed, all_in_collective = stalled(self.progress, active, now, self.args.progress_timeout_s)
+        if all_in_collective and not self._all_in_collective_logged:
+            self._all_in_collective_logged = True
+            log.warning("no rank finished a step for %.0fs and every rank is inside a collective: no rank can be "
+                        "singled out; left to the collective timeout", self.args.progress_timeout_s)
+        return failed
 
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
         deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)
@@ -591,23 +522,6 @@ class Supervisor:
             self.server.stop()
         if self.timeline is not None:
             self.timeline.close()
-
-
-def _parse_heartbeat(raw: bytes) -> dict[str, Any] | None:
-    """A worker's ``hb/`` value: JSON ``{"t", "step", "step_at", "coll", "still_s"}`` (or a bare time, from an older
-    worker); None for anything else (logged: a heartbeat nobody can read must not pass for a live one)."""
-    try:
-        beat = json.loads(raw)
-        if isinstance(beat, (int, float)) and not isinstance(beat, bool):
-            return {"t": float(beat), "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0}
-        if (isinstance(beat, dict) and all(isinstance(beat.get(k), (int, float)) for k in ("t", "step", "step_at",
-                                                                                          "still_s"))
-                and isinstance(beat.get("coll"), bool)):
-            return beat
-    except (ValueError, RecursionError):
-        pass
-    log.warning("unreadable heartbeat %r", raw[:80])
-    return None
 
 
 def _one_line(exc: BaseException) -> str:

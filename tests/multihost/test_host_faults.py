@@ -19,7 +19,7 @@ _baseline: dict[int, float] = {}
 def baseline(host_bed, tmp_path) -> dict[int, float]:
     if not _baseline:
         bed = host_bed(3)
-        res = run_hosts(bed, tmp_path, name="base")
+        res = run_hosts(bed, tmp_path, name="base", spares=0)   # spares change nothing without a failure
         assert res.rcs == [0, 0, 0], res.tails()
         _baseline.update(res.metrics)
         bed.close()
@@ -47,7 +47,7 @@ def test_coordinator_host_lost(host_bed, tmp_path):
 def test_follower_host_lost(host_bed, tmp_path):
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="follower", fault=lambda b, _: b.kill_host(2), launch="slurm")
+    res = run_hosts(bed, tmp_path, name="follower", fault=lambda b, _: b.kill_host(2), launch="slurm", spares=1)
     assert res.rcs[:2] == [0, 0], res.tails()
     assert f"SLURM job follower: host 1 of 3 ({bed.addr(1)})" in res.log(1), res.log(1)[:2000]
     assert res.metrics == base, res.tails()
@@ -111,7 +111,7 @@ def test_etcd_quorum_lost_pauses_the_job(host_bed, tmp_path):
         b.etcd.restart_member(1)
         b.etcd.restart_member(2)
 
-    res = run_hosts(bed, tmp_path, name="quorum", fault=lose_quorum)
+    res = run_hosts(bed, tmp_path, name="quorum", fault=lose_quorum, spares=0)
     assert res.rcs == [0, 0, 0], res.tails()
     assert res.metrics == base, res.tails()
     assert sorted(e["host_rank"] for e in res.events if e.get("event") == "paused") == [0, 1, 2], res.events
@@ -125,7 +125,7 @@ def test_etcd_member_lost(host_bed, tmp_path):
     detected as failed, and the losses are those of the run without failure."""
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="etcd1", fault=lambda b, _: b.etcd.kill_member(0))
+    res = run_hosts(bed, tmp_path, name="etcd1", fault=lambda b, _: b.etcd.kill_member(0), spares=0)
     assert res.rcs == [0, 0, 0], res.tails()
     assert res.metrics == base, res.tails()
     assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events

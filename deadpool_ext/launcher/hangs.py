@@ -1,0 +1,51 @@
+"""The coordinator's reading of heartbeats: what a worker's ``hb/`` value says, and which ranks are alive but not
+training (pure: no store, no processes; ``rebuild/progress.py`` is the worker's side)."""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Set
+from typing import Any
+
+log = logging.getLogger("deadpool_ext.launcher")
+
+
+def parse_heartbeat(raw: bytes) -> dict[str, Any] | None:
+    """A worker's ``hb/`` value: JSON ``{"t", "step", "step_at", "coll", "still_s"}`` (or a bare time, from an older
+    worker); None for anything else (logged: a heartbeat nobody can read must not pass for a live one)."""
+    try:
+        beat = json.loads(raw)
+        if isinstance(beat, (int, float)) and not isinstance(beat, bool):
+            return {"t": float(beat), "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0}
+        if (isinstance(beat, dict)
+                and all(isinstance(beat.get(k), (int, float)) and not isinstance(beat.get(k), bool)
+                        for k in ("t", "step", "step_at", "still_s"))
+                and isinstance(beat.get("coll"), bool)):
+            return beat
+    except (ValueError, RecursionError):
+        pass
+    log.warning("unreadable heartbeat %r", raw[:80])
+    return None
+
+
+def stalled(progress: Mapping[str, dict[str, Any] | None], active: Set[str], now: float,
+            limit_s: float) -> tuple[dict[str, str], bool]:
+    """``(failed, all_in_collective)``. The rule: no active rank finished a step for ``limit_s``, at least one waits
+    inside a collective, and a rank whose main thread has stood still outside any collective for that long is the
+    one they wait for (``failed``: worker -> why). ``all_in_collective``: stalled with every rank inside a
+    collective, where no rank can be singled out. Off for ``limit_s <= 0``, and while any rank has not finished its
+    first step (start-up, a spare that just took over)."""
+    beats = {w: progress.get(w) for w in active}
+    if limit_s <= 0 or not beats or any(b is None or int(b["step"]) < 0 for b in beats.values()):
+        return {}, False
+    known = {w: b for w, b in beats.items() if b is not None}
+    stalled_s = {w: now - float(b["step_at"]) for w, b in known.items()}
+    if min(stalled_s.values()) <= limit_s:
+        return {}, False
+    waiting = [w for w, b in known.items() if b["coll"]]
+    stuck = {w: b for w, b in known.items() if not b["coll"] and float(b["still_s"]) > limit_s}
+    if not waiting or not stuck:
+        return {}, bool(waiting) and len(waiting) == len(known)
+    return {w: (f"no progress: step {b['step']} finished {stalled_s[w]:.1f}s ago and its main thread has stood "
+                f"still outside any collective for {float(b['still_s']):.1f}s while {len(waiting)} rank(s) wait "
+                f"in one (heartbeat alive; SIGKILLed to fence it)") for w, b in stuck.items()}, False

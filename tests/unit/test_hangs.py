@@ -1,0 +1,36 @@
+"""The coordinator's hang-by-progress rule and heartbeat parsing (launcher/hangs.py), pure."""
+from __future__ import annotations
+
+from deadpool_ext.launcher.hangs import parse_heartbeat, stalled
+
+
+def beat(step=5, step_at=100.0, coll=False, still_s=0.0):
+    return {"t": 200.0, "step": step, "step_at": step_at, "coll": coll, "still_s": still_s}
+
+
+def test_the_rank_standing_still_outside_a_collective_is_the_hung_one():
+    progress = {"a": beat(coll=True, still_s=20), "b": beat(coll=True, still_s=20), "c": beat(still_s=20)}
+    failed, all_in = stalled(progress, {"a", "b", "c"}, now=120.0, limit_s=10)
+    assert list(failed) == ["c"] and not all_in
+    assert failed["c"].startswith("no progress: step 5") and "2 rank(s) wait" in failed["c"]
+
+
+def test_no_verdict_while_steps_progress_or_before_the_first_step_or_when_off():
+    progress = {"a": beat(coll=True, still_s=20), "c": beat(still_s=20)}
+    assert stalled(progress, {"a", "c"}, now=105.0, limit_s=10) == ({}, False)      # a step 5 s ago
+    assert stalled({**progress, "s": beat(step=-1)}, {"a", "c", "s"}, 120.0, 10) == ({}, False)  # a fresh spare
+    assert stalled(progress, {"a", "c"}, 120.0, 0) == ({}, False)                   # off
+    # the stuck rank still computing (its frames change): nothing to blame yet
+    assert stalled({"a": beat(coll=True, still_s=20), "c": beat(still_s=1)}, {"a", "c"}, 120.0, 10) == ({}, False)
+
+
+def test_everyone_inside_a_collective_is_left_to_the_collective_timeout():
+    progress = {w: beat(coll=True, still_s=30) for w in "abc"}
+    assert stalled(progress, set("abc"), 130.0, 10) == ({}, True)
+
+
+def test_heartbeat_parsing():
+    assert parse_heartbeat(b"123.5")["t"] == 123.5
+    assert parse_heartbeat(b'{"t": 1, "step": 2, "step_at": 3, "coll": true, "still_s": 0.5}')["coll"] is True
+    for bad in (b"x", b"[]", b'{"t": 1}', b'{"t": true, "step": 2, "step_at": 3, "coll": true, "still_s": 0}'):
+        assert parse_heartbeat(bad) is None
