@@ -13,13 +13,13 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
 
 from deadpool_ext.store.etcd import bootstrap_etcd_auth
+from deadpool_ext.testing.hosts import etcd_healthy
 
 __all__ = ["EtcdEndpoint", "etcd_server", "etcd_command", "start_etcd", "stop_etcd", "free_port"]
 
@@ -65,15 +65,6 @@ def etcd_command(binary: str, data_dir: str, client_port: int, peer_port: int,
             "--logger", "zap", "--log-level", "warn"]
 
 
-def _healthy(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url + "/health", timeout=1.0) as resp:
-            return b'"true"' in resp.read()
-    except OSError:
-        return False
-
-
 def stop_etcd(proc: subprocess.Popen[bytes]) -> None:
     """Terminate etcd and everything in its process group (it was started in its own session)."""
     if proc.poll() is None:
@@ -110,7 +101,7 @@ def start_etcd(workdir: str, attempts: int = 3) -> tuple[subprocess.Popen[bytes]
         url = f"http://127.0.0.1:{client_port}"
         deadline = time.monotonic() + START_DEADLINE_S
         while time.monotonic() < deadline and proc.poll() is None:
-            if _healthy(url):
+            if etcd_healthy(url):
                 return proc, url, cmd
             time.sleep(0.05)
         stop_etcd(proc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 HELP = "chaos suite: random faults over many trials, state compared with a fault-free run"
 
@@ -31,6 +32,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "coordinator_loss, partition, etcd_member, etcd_quorum, stuck (docs/chaos.md)")
 
 
+def _indices(args: argparse.Namespace, default: int) -> list[int]:
+    if args.trial is not None and args.trials is not None:
+        raise ValueError("give --trials N or --trial T, not both")
+    indices = args.trial if args.trial is not None else list(range(default if args.trials is None else args.trials))
+    if not indices:
+        raise ValueError("--trials must be >= 1")
+    return list(indices)
+
+
+def _faults(args: argparse.Namespace, kind: Any) -> list[Any] | None:
+    return None if args.faults is None else [kind(s.strip()) for s in args.faults.split(",") if s.strip()]
+
+
+def _print_plan(args: argparse.Namespace, scenarios: list[Any], width: int) -> int:
+    print(json.dumps([s.to_json() for s in scenarios], indent=1) if args.json else
+          "\n".join(f"{s.trial:>4} {s.layout:<8} {s.fault.value:<{width}} {s.describe()}" for s in scenarios))
+    return 0
+
+
+def _print_report(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    from ..chaos.report import format_table
+
+    print(json.dumps(report, indent=1) if args.json else format_table(report["rows"], report["summary"]))
+    return 1 if report["summary"]["failed"] else 0
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
 def _run_bed(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -39,31 +70,20 @@ def _run_bed(args: argparse.Namespace) -> int:
 
     try:
         layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
-        faults = None if args.faults is None else [HostFault(s.strip()) for s in args.faults.split(",") if s.strip()]
-        if args.trial is not None and args.trials is not None:
-            raise ValueError("give --trials N or --trial T, not both")
-        indices = args.trial if args.trial is not None else list(range(6 if args.trials is None else args.trials))
-        if not indices:
-            raise ValueError("--trials must be >= 1")
-        scenarios = [plan_host_trial(args.seed, t, layouts, faults) for t in indices]
+        faults = _faults(args, HostFault)
+        scenarios = [plan_host_trial(args.seed, t, layouts, faults) for t in _indices(args, 6)]
     except ValueError as exc:
         print(f"deadpool chaos --bed: {exc}", file=sys.stderr)
         return 2
     if args.plan_only:
-        out = [s.to_json() for s in scenarios]
-        print(json.dumps(out, indent=1) if args.json else
-              "\n".join(f"{s.trial:>4} {s.layout:<8} {s.fault.value:<16} {s.describe()}" for s in scenarios))
-        return 0
+        return _print_plan(args, scenarios, 16)
     why = missing_requirements()
     if why is not None:
         print(f"deadpool chaos --bed: {why}", file=sys.stderr)
         return 2
-    report = run_host_campaign(scenarios, workdir=args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-bed-"),
-                               job_timeout_s=args.job_timeout_s, log=(lambda m: print(m, file=sys.stderr, flush=True)))
-    from ..chaos.report import format_table
-
-    print(json.dumps(report, indent=1) if args.json else format_table(report["rows"], report["summary"]))
-    return 1 if report["summary"]["failed"] else 0
+    return _print_report(args, run_host_campaign(
+        scenarios, workdir=args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-bed-"),
+        job_timeout_s=args.job_timeout_s, log=_log))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,26 +94,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         layouts = check_layouts([s.strip() for s in args.layouts.split(",") if s.strip()])
-        faults = None if args.faults is None else [Fault(s.strip()) for s in args.faults.split(",") if s.strip()]
-        if args.trial is not None and args.trials is not None:
-            raise ValueError("give --trials N or --trial T, not both")
-        indices = args.trial if args.trial is not None else list(range(4 if args.trials is None else args.trials))
-        if not indices:
-            raise ValueError("--trials must be >= 1")
-        scenarios = [plan_trial(args.seed, t, layouts, faults) for t in indices]
+        faults = _faults(args, Fault)
+        scenarios = [plan_trial(args.seed, t, layouts, faults) for t in _indices(args, 4)]
     except ValueError as exc:
         print(f"deadpool chaos: {exc}", file=sys.stderr)
         return 2
     if args.plan_only:
-        out = [s.to_json() for s in scenarios]
-        print(json.dumps(out, indent=1) if args.json else
-              "\n".join(f"{s.trial:>4} {s.layout:<8} {s.fault.value:<15} {s.describe()}" for s in scenarios))
-        return 0
+        return _print_plan(args, scenarios, 15)
     from ..chaos.campaign import run_campaign
 
-    report = run_campaign(scenarios, workdir=args.workdir, job_timeout_s=args.job_timeout_s,
-                          log=(lambda m: print(m, file=sys.stderr, flush=True)))
-    from ..chaos.report import format_table
-
-    print(json.dumps(report, indent=1) if args.json else format_table(report["rows"], report["summary"]))
-    return 1 if report["summary"]["failed"] else 0
+    return _print_report(args, run_campaign(scenarios, workdir=args.workdir, job_timeout_s=args.job_timeout_s,
+                                            log=_log))

@@ -197,7 +197,8 @@ def _start_member(cmd: list[str], log_path: str) -> subprocess.Popen[bytes]:
                                 start_new_session=True)
 
 
-def _healthy(endpoint: str) -> bool:
+def etcd_healthy(endpoint: str) -> bool:
+    """Whether the etcd member at ``endpoint`` (http://host:port) answers /health with true, within 1 s."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(endpoint + "/health", timeout=1.0) as resp:
@@ -393,7 +394,7 @@ class HostBed:
         self.etcd = EtcdCluster(host, client_ports, peer_ports, procs, commands, logs, token)
         self._write_record()
         deadline = time.monotonic() + START_DEADLINE_S
-        while not all(_healthy(e) for e in self.etcd.endpoints):
+        while not all(etcd_healthy(e) for e in self.etcd.endpoints):
             if time.monotonic() > deadline or any(p is not None and p.poll() is not None for p in procs):
                 tails = []
                 for lg in logs:
