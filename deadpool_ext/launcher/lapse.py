@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from ..memory.shm import job_shm_dir
@@ -27,9 +28,7 @@ class LeaseLapse:
     progress: dict[str, dict[str, Any]]
     _grace_until: float
     _fence_once: threading.Lock
-
-    def event(self, **rec: Any) -> None:
-        raise NotImplementedError
+    event: Callable[..., None]   # the Supervisor's timeline record
 
     def _signal_workers(self, sig: int) -> int:
         n = 0
