@@ -56,6 +56,8 @@ from .leader import LeaderElection, LeaseStore, supports_leases
 
 log = logging.getLogger("deadpool_ext.launcher")
 
+TURN_GAP_S = 1.0
+"""A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
 STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
 
@@ -89,10 +91,12 @@ class Supervisor(LeaseLapse):
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
         self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
-        self.hosts_seen: set[int] = set()
+        self.hosts_seen: set[int] = set()   # every host whose launcher ever held its lease
+        self.hosts_now: set[int] = set()    # the hosts whose lease is alive, as of this loop turn
         self.seen_hb: dict[str, float] = {}
         self.progress: dict[str, dict[str, Any]] = {}   # worker -> its last heartbeat's progress sample
         self._all_in_collective_logged = False
+        self._last_turn = time.time()
         self._grace_until = 0.0   # epoch seconds: heartbeat-based detection waits after a store outage
         self._reported: set[str] = set()
         self._fenced: set[str] = set()
@@ -300,7 +304,8 @@ class Supervisor(LeaseLapse):
             if state == PAUSED:
                 return None  # workers stopped until the store answers again (self._pause / self._resume)
             try:
-                self.hosts_seen |= {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
+                self.hosts_now = self._hosts_alive()   # read once per turn; the coordinator's part uses it too
+                self.hosts_seen |= self.hosts_now
             except Exception as exc:
                 log.debug("host list: %s", exc)
         try:
@@ -338,6 +343,7 @@ class Supervisor(LeaseLapse):
     def _take_over(self) -> None:
         """This launcher holds the coordinator role now (host 0 at the start, or another launcher after the
         coordinator was lost): the job's state comes from the store."""
+        self._last_turn = time.time()
         raw = self.store.get_json("assignment")
         if raw is None:
             raise RuntimeError("took the coordinator role over but the store holds no assignment")
@@ -419,12 +425,20 @@ class Supervisor(LeaseLapse):
                 failed[wid] = f"exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
         lost_hosts: set[int] = set()
         if self.election is not None:
-            lost_hosts = self.hosts_seen - self._hosts_alive()
+            lost_hosts = self.hosts_seen - self.hosts_now
             for wid in active - set(failed):
                 h = self.node_host[a.nodes[wid]]
                 if h in lost_hosts:
                     failed[wid] = f"host {h} lost (its launcher's lease lapsed)"
         now = time.time()
+        gap = now - self._last_turn
+        self._last_turn = now
+        if gap > TURN_GAP_S:
+            # This turn came late (the store was slow for everyone, e.g. an etcd member lost and its leader being
+            # re-elected): no worker could write a heartbeat meanwhile either, so staleness says nothing yet.
+            self._grace_until = max(self._grace_until, now + self.args.detect_timeout_s)
+            log.info("coordinator: %.1fs since its last turn (store slow); heartbeats get %.0fs of grace", gap,
+                     self.args.detect_timeout_s)
         for wid in active - set(failed):
             if rcs[wid] is not None:
                 continue

@@ -21,6 +21,10 @@ def run_hosts(bed: HostBed, tmp_path, *, nnodes: int = 3, spares: int = 2, stage
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     script = ["scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(iters),
               "--metrics-out", metrics]
+    # 8 s heartbeat detection (deadpool-run's default is 3 s): losing an etcd member that was the cluster's leader
+    # holds every heartbeat for its re-election plus a failover (seen: 4.4 s on the loaded 2-core host); a lost or
+    # cut-off host is found by its lease (4 s) first anyway.
     return run_on_hosts(bed, str(tmp_path), script, metrics, nnodes=nnodes, spares=spares, name=name, fault=fault,
-                        fault_step=fault_step, timeout_s=timeout_s, extra=extra, launch=launch,
+                        fault_step=fault_step, timeout_s=timeout_s, extra=("--detect-timeout-s", "8", *extra),
+                        launch=launch,
                         leader_ttl_s=LEADER_TTL_S)
