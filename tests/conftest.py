@@ -9,6 +9,24 @@ import pytest
 
 from deadpool_ext.testing.launch import REPO
 
+FULL_MATRIX = os.environ.get("DEADPOOL_FULL_MATRIX", "") == "1"
+"""Run every combination of the end-to-end matrices (ZeRO stage x fault x framework); by default a fixed subset."""
+
+
+def matrix(values: list, ci: list) -> list:
+    """The values of an end-to-end test matrix this run covers: all of them with ``DEADPOOL_FULL_MATRIX=1``,
+    else the fixed subset ``ci`` (chosen so the suite fits CI's 30 minutes while every stage, fault and
+    framework is still exercised by some test of the module). The subset is explicit, never random: a CI failure
+    replays as it ran."""
+    missing = [v for v in ci if v not in values]
+    assert not missing, f"matrix subset {missing} not among {values}"
+    return list(values) if FULL_MATRIX else [v for v in values if v in ci]
+
+
+def pytest_report_header(config):
+    return ("end-to-end matrices: full (DEADPOOL_FULL_MATRIX=1)" if FULL_MATRIX else
+            "end-to-end matrices: the CI subset (DEADPOOL_FULL_MATRIX=1 runs every combination)")
+
 
 @pytest.fixture
 def shm_root():

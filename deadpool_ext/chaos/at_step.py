@@ -17,7 +17,9 @@ variables and never calls into this module.
 
 - the action before ``@``: ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang), ``term`` (SIGTERM),
   ``raise`` (a Python exception out of ``engine.step()``) or ``hang`` (the main thread blocks for good while
-  every other thread, the heartbeat included, runs on: a rank alive but not training);
+  every other thread, the heartbeat included, runs on: a rank alive but not training) or ``hold`` (the main
+  thread waits until the file ``<marker>.release`` exists, at most ``HOLD_MAX_S``: the job kept at a step while
+  a harness lands a sequence of faults on it, e.g. on the store);
 - ``step``: the optimizer step (``engine.global_steps`` after the step) to fail at;
 - ``rank``: the global rank that fails;
 - ``marker``: a file created (exclusively, holding the pid) just before the fault fires. It makes the fault
@@ -37,7 +39,9 @@ from dataclasses import dataclass
 log = logging.getLogger("deadpool_ext")
 
 ENV = "DEADPOOL_INJECT"
-ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "raise": None, "hang": None}
+ACTIONS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM, "raise": None, "hang": None,
+           "hold": None}
+HOLD_MAX_S = 120.0
 
 
 class InjectedFault(RuntimeError):
@@ -96,6 +100,17 @@ class StepFault:
             import threading
 
             threading.Event().wait()
+        if self.action == "hold":
+            import time
+
+            deadline = time.monotonic() + HOLD_MAX_S
+            while not os.path.exists(self.marker + ".release"):
+                if time.monotonic() > deadline:
+                    log.warning("fault injection (%s): hold at step %d released by its %.0f s deadline (no %s)",
+                                ENV, self.step, HOLD_MAX_S, self.marker + ".release")
+                    break
+                time.sleep(0.05)
+            return
         sig = ACTIONS[self.action]
         if sig is None:
             raise InjectedFault(f"injected fault at step {self.step} on rank {self.rank}")

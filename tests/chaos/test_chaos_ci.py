@@ -1,8 +1,8 @@
-"""The seeded CI subset of the chaos suite (docs/chaos.md): three trials on ZeRO-3 under deadpool-run - a node
-lost and a survivor's tier-1 copies corrupted, a node lost and the newest replica of its state corrupted, a worker
-SIGKILLed while its tier-1 slot is being written - each compared step for step with one fault-free baseline.
-About 4 minutes on an idle 2-core machine (one baseline + three jobs); the full catalogue runs with
-`deadpool chaos --trials N`."""
+"""The seeded CI subset of the chaos suite (docs/chaos.md): two trials on ZeRO-3 under deadpool-run - a node
+lost and the newest replica of its state corrupted, a worker SIGKILLed while its tier-1 slot is being written -
+each compared step for step with one fault-free baseline (a survivor's corrupt tier-1 copy has its own test,
+tests/integration/test_memory_tiers.py). About 40 s on an idle 2-core machine (one baseline + two jobs); the full
+catalogue runs with `deadpool chaos --trials N`."""
 from __future__ import annotations
 
 import pytest
@@ -14,11 +14,11 @@ from deadpool_ext.chaos.report import format_table
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 SEED = 11
-CI_FAULTS = [Fault.CORRUPT_TIER1, Fault.CORRUPT_TIER2, Fault.IN_SNAPSHOT]
+CI_FAULTS = [Fault.CORRUPT_TIER2, Fault.IN_SNAPSHOT]
 
 
 def test_seeded_chaos_subset(tmp_path):
-    scenarios = plan_campaign(SEED, 3, layouts=["zero3"], faults=CI_FAULTS)
+    scenarios = plan_campaign(SEED, 2, layouts=["zero3"], faults=CI_FAULTS)
     assert {s.fault for s in scenarios} == set(CI_FAULTS)
     report = run_campaign(scenarios, workdir=str(tmp_path), job_timeout_s=480)
     table = format_table(report["rows"], report["summary"])
@@ -26,8 +26,8 @@ def test_seeded_chaos_subset(tmp_path):
     s = report["summary"]
     assert s["state_mismatches"] == 0, table
     assert s["failed"] == 0, table
-    assert s["faults_injected"] >= 5, table  # 3 kills + at least 2 corruptions actually landed
-    assert s["hot_swaps"] >= 3, table
+    assert s["faults_injected"] >= 3, table  # 2 kills + the corruption actually landed
+    assert s["hot_swaps"] >= 2, table
     # Every corrupt copy a restore used was refused first, and none was restored: the per-trial oracle
     # (chaos/check.py, counted in "failed") and the loss comparison ("state_mismatches"). How many copies are
     # refused depends on where the kill lands: a corrupted newest slot whose version no restore chose (the lost

@@ -22,6 +22,7 @@ from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from tests.conftest import matrix
 from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at, kill_node_agents, worker_proc
 
 pytestmark = pytest.mark.slow
@@ -259,8 +260,9 @@ LOOPS = {  # script, its config, the flags naming the config and the steps, the 
 }
 
 
-@pytest.mark.parametrize("tag", sorted(LOOPS))
-@pytest.mark.parametrize("mode", ["hot_swap", "restart"])
+@pytest.mark.parametrize("mode,tag", matrix(
+    [(m, t) for m in ("hot_swap", "restart") for t in sorted(LOOPS)],
+    ci=[("hot_swap", "own_loop"), ("restart", "accelerate_loop")]))
 def test_hand_written_loops_survive_a_lost_worker_bit_for_bit(tmp_path, shm_root, tag, mode):
     """A hand-written DeepSpeed loop and an Accelerate loop with ``resilient_steps`` (two lines): rank 1 dies right
     after its optimizer step 4; under deadpool-run the survivor recovers in place (same process, same engine) and

@@ -15,7 +15,7 @@ import pytest
 from deadpool_ext.chaos.at_step import ENV, harness_env
 from deadpool_ext.recovery.timeline import phases, read_events
 from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
-from tests.conftest import make_config
+from tests.conftest import make_config, matrix
 from tests.integration.helpers import worker_proc
 
 pytestmark = pytest.mark.slow
@@ -72,7 +72,7 @@ def baseline(tmp_path, shm_root, stage):
     return _baselines[stage]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1, 3]))
 def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
     base = baseline(tmp_path, shm_root, stage)
     res, metrics, events, pids = dprun(tmp_path, shm_root, stage=stage, faults=[(4, "node1.0", signal.SIGKILL)],
@@ -99,10 +99,10 @@ def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, 
     # the survivors are at the start of step 5's micro-batches): they must leave on the launcher's notice, not
     # at the boundary's collective, and the losses stay identical to an uninterrupted run.
     long = {"gradient_accumulation_steps": 96}
-    res0, base, _, _ = dprun(tmp_path, shm_root, stage=1, spares=0, iters=6, name="busy_base", **long)
+    res0, base, _, _ = dprun(tmp_path, shm_root, stage=1, spares=0, iters=5, name="busy_base", **long)
     assert res0.returncode == 0, res0.output[-3000:]
     marker = os.path.join(str(tmp_path), "busy.fault")
-    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=6, name="busy", **long,
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=5, name="busy", **long,
                                        env=harness_env({ENV: f"kill@step=4,rank=1,marker={marker}"}))
     assert res.returncode == 0, res.output[-4000:]
     assert os.path.exists(marker)

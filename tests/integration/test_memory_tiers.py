@@ -10,7 +10,7 @@ import socket
 import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
-from tests.conftest import make_config
+from tests.conftest import make_config, matrix
 from tests.integration.helpers import Baselines, kill_at, kill_node_agents, memory_tier_config, pretrain, restore_of
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ _cfg = memory_tier_config
 _baseline = Baselines(_cfg, ITERS)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1, 3]))
 def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
     res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, max_restarts=1,
@@ -31,7 +31,7 @@ def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1, 3]))
 def test_lost_node_memory_restores_from_tier2(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
     res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, max_restarts=1,
@@ -62,8 +62,9 @@ def test_corrupt_tier1_falls_back_to_peer(tmp_path, shm_root):
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage,bf16,gas,derive", [(1, False, 1, True), (2, True, 2, True), (3, False, 1, True),
-                                                   (3, True, 1, True), (3, False, 1, False)])
+@pytest.mark.parametrize("stage,bf16,gas,derive", matrix(
+    [(1, False, 1, True), (2, True, 2, True), (3, False, 1, True), (3, True, 1, True), (3, False, 1, False)],
+    ci=[(1, False, 1, True), (2, True, 2, True), (3, False, 1, False)]))
 def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive):
     from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
     extra = {"gradient_accumulation_steps": gas}

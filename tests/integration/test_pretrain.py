@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from deadpool_ext.testing.launch import REPO, base_env, free_port, read_metrics, run_job
-from tests.conftest import make_config
+from tests.conftest import make_config, matrix
 from tests.integration.helpers import pretrain
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ def _no_snapshot_cfg(tmp_path, stage, shm_root):
                                                         "persist": {"when_busy": "wait"}})
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[2, 3]))
 def test_save_reload_continue_identical(tmp_path, shm_root, stage):
     cfg = _no_snapshot_cfg(tmp_path, stage, shm_root)
     ckpt = os.path.join(str(tmp_path), "ckpt")

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job, torchrun_cmd
-from tests.conftest import make_config
+from tests.conftest import make_config, matrix
 from tests.integration.helpers import JOB_TIMEOUT_S, pretrain, summary
 
 pytestmark = pytest.mark.slow
@@ -229,7 +229,7 @@ def test_reshard_dp4_to_dp2_same_consolidated_weights(tmp_path, stage):
     assert res2.returncode == 0 and "RESHARD_OK" in res2.output, res2.output[-4000:]
 
 
-@pytest.mark.parametrize("when_busy", ["skip", "wait"])
+@pytest.mark.parametrize("when_busy", matrix(["skip", "wait"], ci=["wait"]))
 def test_base_due_while_previous_is_written(tmp_path, shm_root, when_busy):
     # 0.2 MiB/s: a base of the tiny model takes seconds to write, so base 2 is still in flight at step 3.
     cfg = make_config(tmp_path, stage=2, deadpool={"local": {"shm_root": shm_root},

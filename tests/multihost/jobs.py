@@ -16,7 +16,8 @@ __all__ = ["HostsRun", "run_hosts", "ITERS"]
 
 def run_hosts(bed: HostBed, tmp_path, *, nnodes: int = 3, spares: int = 2, stage: int = 3, iters: int = ITERS,
               name: str = "mh", fault: Callable[[HostBed, str], None] | None = None, fault_step: int = 4,
-              timeout_s: float = 300, extra: tuple[str, ...] = (), launch: str = "flags") -> HostsRun:
+              timeout_s: float = 300, extra: tuple[str, ...] = (), launch: str = "flags",
+              env: dict[str, str] | None = None) -> HostsRun:
     cfg = make_config(tmp_path, stage=stage, deadpool={})
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     script = ["scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(iters),
@@ -26,5 +27,4 @@ def run_hosts(bed: HostBed, tmp_path, *, nnodes: int = 3, spares: int = 2, stage
     # cut-off host is found by its lease (4 s) first anyway.
     return run_on_hosts(bed, str(tmp_path), script, metrics, nnodes=nnodes, spares=spares, name=name, fault=fault,
                         fault_step=fault_step, timeout_s=timeout_s, extra=("--detect-timeout-s", "8", *extra),
-                        launch=launch,
-                        leader_ttl_s=LEADER_TTL_S)
+                        launch=launch, leader_ttl_s=LEADER_TTL_S, env=env)

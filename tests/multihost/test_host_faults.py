@@ -3,12 +3,16 @@ cluster: whole hosts lost, the coordinator's host included, and the job continue
 failure, bit for bit."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
+from deadpool_ext.chaos.at_step import ENV, harness_env
 from deadpool_ext.recovery.timeline import read_events
+from deadpool_ext.testing.hosts import etcd_healthy
 from deadpool_ext.testing.wait import wait_until
+from tests.conftest import matrix
 from tests.multihost.jobs import run_hosts
 
 pytestmark = pytest.mark.slow
@@ -71,7 +75,7 @@ def _partition_until_reassigned(host: int):
     return partition
 
 
-@pytest.mark.parametrize("host", [2, 0], ids=["follower", "coordinator"])
+@pytest.mark.parametrize("host", matrix([2, 0], ci=[0]), ids=lambda h: "coordinator" if h == 0 else "follower")
 def test_host_partitioned_then_healed(host_bed, tmp_path, host):
     """A host's link cut (its processes alive): its launcher pauses its workers (SIGSTOP) before its lease can
     lapse, and only then does the coordinator (another launcher, when the cut host held the role) give that
@@ -97,35 +101,34 @@ def test_host_partitioned_then_healed(host_bed, tmp_path, host):
         assert [e["host_rank"] for e in res.events if e.get("event") == "leader"][-1] in (1, 2)
 
 
-def test_etcd_quorum_lost_pauses_the_job(host_bed, tmp_path):
+def test_etcd_quorum_lost_pauses_the_job_then_a_member_lost_is_failed_over(host_bed, tmp_path):
     """Two of the three etcd members SIGKILLed for 6 s (quorum lost: nothing can be written anywhere): every
-    launcher pauses its workers, nothing is reassigned; when the members return, the leases are intact, the
-    workers resume and the losses are those of a run without failure."""
+    launcher pauses its workers, nothing is reassigned; when the members return, the leases are intact and the
+    workers resume. Then, the cluster healthy again, one member SIGKILLed for good mid-run: every client fails
+    over to another member and nothing is detected as failed. The losses are those of a run without failure."""
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
+    hold = str(tmp_path / "hold")   # rank 0 waits after step 6 until the member is lost (the job cannot end first)
+    landed: dict[str, bool] = {}
 
-    def lose_quorum(b, _timeline):
+    def quorum_then_member(b, _timeline):
         b.etcd.kill_member(1)
         b.etcd.kill_member(2)
         time.sleep(6.0)
         b.etcd.restart_member(1)
         b.etcd.restart_member(2)
+        wait_until(lambda: all(etcd_healthy(e) for e in b.etcd.endpoints), 60, "every etcd member healthy again")
+        wait_until(lambda: os.path.exists(hold), 60, "rank 0 held after step 6")
+        b.etcd.kill_member(0)
+        landed["member_lost_while_held"] = True
+        open(hold + ".release", "w").close()
 
-    res = run_hosts(bed, tmp_path, name="quorum", fault=lose_quorum, spares=0)
+    res = run_hosts(bed, tmp_path, name="etcd", fault=quorum_then_member, fault_step=2, spares=0,
+                    env=harness_env({ENV: f"hold@step=6,rank=0,marker={hold}"}))
     assert res.rcs == [0, 0, 0], res.tails()
     assert res.metrics == base, res.tails()
+    assert landed == {"member_lost_while_held": True}
     assert sorted(e["host_rank"] for e in res.events if e.get("event") == "paused") == [0, 1, 2], res.events
     assert sorted(e["host_rank"] for e in res.events if e.get("event") == "resumed") == [0, 1, 2], res.events
     assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events
     assert "paused (SIGSTOP) until it answers again" in res.log(0)
-
-
-def test_etcd_member_lost(host_bed, tmp_path):
-    """One of the three etcd members SIGKILLed mid-run: every client fails over to another member, nothing is
-    detected as failed, and the losses are those of the run without failure."""
-    base = baseline(host_bed, tmp_path)
-    bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name="etcd1", fault=lambda b, _: b.etcd.kill_member(0), spares=0)
-    assert res.rcs == [0, 0, 0], res.tails()
-    assert res.metrics == base, res.tails()
-    assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events

@@ -85,3 +85,19 @@ def test_restore_gate_holds_only_a_hot_swap_restore(tmp_path, monkeypatch):
     t0 = time.monotonic()
     restore_gate(generation=1, timeout_s=0.3)  # bounded: goes on after the deadline
     assert time.monotonic() - t0 < 2
+
+
+def test_hold_waits_for_its_release_file_then_returns(tmp_path):
+    import threading
+    import time
+
+    marker = str(tmp_path / "hold")
+    fault = StepFault.parse(f"hold@step=2,rank=0,marker={marker}")
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (fault.fire(), done.set()), daemon=True)
+    t.start()
+    time.sleep(0.3)
+    assert os.path.exists(marker) and not done.is_set()   # held: the marker says so, the step does not go on
+    open(marker + ".release", "w").close()
+    assert done.wait(5)
+    assert not fault.due(2, 0)   # once per job

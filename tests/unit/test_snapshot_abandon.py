@@ -1,0 +1,58 @@
+"""A hot-swap's teardown of the snapshot worker when the worker is blocked in the global commit (the side group's
+all-reduce) on a dead peer: the worker is abandoned within seconds, not waited for until the teardown timeout
+(a rank that raised there left the job; CI stop 22, a lost host), and when that all-reduce returns later its
+result never reaches the manager (the new generation's versions stay as they were).
+
+Real SnapshotManager in a gloo world of one; the one stand-in is the all-reduce itself (a gloo receive from a dead
+peer that does not fail), made to block until the test releases it."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from deadpool_ext.snapshot import manager as mgr
+from tests.security.memory_job import Adapter, manager, world_of_one
+
+
+def test_worker_blocked_in_the_commit_is_abandoned_and_commits_nothing(tmp_path, monkeypatch, caplog):
+    release = threading.Event()
+    entered = threading.Event()
+    real = mgr.dist.all_reduce
+
+    def blocked_all_reduce(tensor: torch.Tensor, *args, **kwargs):
+        if int(tensor[0]) == 3:  # the commit of step 3: blocked like a receive from a peer that died
+            entered.set()
+            release.wait(60)
+        return real(tensor, *args, **kwargs)
+
+    with world_of_one():
+        a = Adapter()
+        m = manager(str(tmp_path), a)
+        monkeypatch.setattr(mgr.dist, "all_reduce", blocked_all_reduce)
+        for step in (1, 2, 3):
+            m.before_optimizer_step()
+            a.w.fill_(step)
+            a.steps = step
+            m.after_step()
+            if step < 3:
+                m.wait_idle()
+        assert m.committed_version == 2
+        assert entered.wait(30), "the worker never reached the commit of step 3"
+        thread = m._thread
+        assert thread is not None and m._phase == mgr._COMMITTING
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="deadpool_ext"):
+            m.stop_worker(30.0)   # raised SnapshotWorkerError after 30 s before the fix
+        waited = time.monotonic() - t0
+        assert waited < mgr.ABANDON_AFTER_S + 5, waited
+        assert any("abandoned" in r.message and "global commit" in r.message and "step 3" in r.message
+                   for r in caplog.records), [r.message for r in caplog.records]
+        release.set()        # the dead generation's all-reduce returns after all (here: with the value 3)
+        thread.join(30)
+        assert not thread.is_alive()
+        assert m.committed_version == 2 and m.committed_base == 2  # the stale commit was dropped
+        assert m._error is None   # an abandoned worker's end is not the new generation's error
+        m.close()
