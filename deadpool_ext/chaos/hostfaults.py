@@ -36,6 +36,7 @@ from typing import Any
 
 from .at_step import ENV, harness_env
 from .catalogue import LAYOUTS
+from .journal import Journal
 
 HOSTS = 3
 LEADER_TTL_S = 4
@@ -264,27 +265,54 @@ def check_host_trial(sc: HostScenario, job: dict[str, Any], base: dict[int, floa
 
 
 def run_host_campaign(scenarios: Sequence[HostScenario], *, workdir: str, job_timeout_s: float = 480.0,
-                      log: Callable[[str], None] = print) -> dict[str, Any]:
+                      log: Callable[[str], None] = print, journal: Journal | None = None,
+                      stop_after_s: float | None = None) -> dict[str, Any]:
+    """The bed's campaign; ``journal`` and ``stop_after_s`` as in :func:`chaos.campaign.run_campaign`."""
     from .report import summarize
 
     os.makedirs(workdir, exist_ok=True)
     baselines: dict[str, dict[str, Any]] = {}
     rows = []
     t0 = time.time()
+    pending = 0
     for sc in scenarios:
+        key = sc.reproduce()
+        if journal is not None and journal.has(key):
+            continue
+        if stop_after_s is not None and time.time() - t0 > stop_after_s:
+            pending += 1
+            continue
         if sc.layout not in baselines:
-            log(f"[chaos --bed] baseline {sc.layout} on a fresh bed")
-            baselines[sc.layout] = run_bed_job(sc.layout, workdir, f"base-{sc.layout}", job_timeout_s=job_timeout_s)
-            if baselines[sc.layout]["rcs"] != [0] * HOSTS:
-                raise RuntimeError(f"the fault-free {sc.layout} run on the bed failed: {baselines[sc.layout]['rcs']}"
-                                   f"\n{baselines[sc.layout]['tails']}")
+            baselines[sc.layout] = _bed_baseline(sc, workdir, job_timeout_s, log, journal)
         log(f"[chaos --bed] trial {sc.trial} ({sc.layout}, {sc.fault.value}): {sc.describe()}")
         job = run_bed_job(sc.layout, workdir, f"trial-{sc.seed}-{sc.trial}", sc=sc, job_timeout_s=job_timeout_s)
         verdict = check_host_trial(sc, job, baselines[sc.layout]["metrics"])
         log(f"[chaos --bed] trial {sc.trial}: {verdict['status']}"
             + (f" - {verdict['problems']}" if verdict["problems"] else ""))
-        rows.append({"scenario": sc.to_json(), "verdict": verdict, "elapsed_s": job["elapsed_s"], "injected": [],
-                     "workdir": workdir})
-    return {"rows": rows, "summary": summarize(rows), "workdir": os.path.abspath(workdir),
-            "elapsed_s": time.time() - t0,
+        row = {"scenario": sc.to_json(), "verdict": verdict, "elapsed_s": job["elapsed_s"], "injected": [],
+               "workdir": workdir}
+        rows.append(row)
+        if journal is not None:
+            journal.add_trial(key, row)
+    if pending:
+        log(f"[chaos --bed] time budget of {stop_after_s:.0f} s spent: {pending} trial(s) not started "
+            "(run the same command again to continue from the journal)")
+    every = journal.rows() if journal is not None else rows
+    return {"rows": every, "summary": {**summarize(every), "pending": pending, "ran_now": len(rows)},
+            "workdir": os.path.abspath(workdir), "elapsed_s": time.time() - t0,
             "baselines": {k: {"elapsed_s": b["elapsed_s"]} for k, b in baselines.items()}}
+
+
+def _bed_baseline(sc: HostScenario, workdir: str, job_timeout_s: float, log: Callable[[str], None],
+                  journal: Journal | None) -> dict[str, Any]:
+    rec = journal.baseline(sc.layout, sc.iters) if journal is not None else None
+    if rec is not None:
+        log(f"[chaos --bed] baseline {sc.layout} from the journal ({journal.path if journal else ''})")
+        return {"metrics": rec["metrics"], "elapsed_s": rec["elapsed_s"]}
+    log(f"[chaos --bed] baseline {sc.layout} on a fresh bed")
+    base = run_bed_job(sc.layout, workdir, f"base-{sc.layout}", job_timeout_s=job_timeout_s)
+    if base["rcs"] != [0] * HOSTS:
+        raise RuntimeError(f"the fault-free {sc.layout} run on the bed failed: {base['rcs']}\n{base['tails']}")
+    if journal is not None:
+        journal.add_baseline(sc.layout, sc.iters, base["metrics"], base["elapsed_s"])
+    return base

@@ -4,6 +4,7 @@ trials, each compared with a fault-free run (docs/chaos.md).
     deadpool chaos --trials 12 --seed 1                 # a campaign; prints a table, exit 1 if any trial failed
     deadpool chaos --seed 1 --trial 7 --layouts zero3   # replay trial 7 of that campaign exactly
     deadpool chaos --trials 30 --plan-only              # show the scenarios without running anything
+    deadpool chaos --trials 200 --journal c.jsonl --stop-after-min 60   # a long campaign, an hour at a time
 """
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--job-timeout-s", type=float, default=480.0, help="deadline of each job")
     p.add_argument("--plan-only", action="store_true", help="print the planned scenarios and exit")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--journal", default=None, metavar="FILE",
+                   help="append each finished trial to FILE (JSON lines) and skip the trials it already holds, "
+                        "baselines included: a long campaign runs in pieces; the report covers every trial in FILE")
+    p.add_argument("--stop-after-min", type=float, default=None, metavar="M",
+                   help="start no new trial after M minutes (with --journal, the next run continues)")
     p.add_argument("--bed", action="store_true",
                    help="host-level faults on the namespace bed (3 hosts, a 3-member etcd; needs root): host_loss, "
                         "coordinator_loss, partition, etcd_member, etcd_quorum, stuck (docs/chaos.md)")
@@ -62,6 +68,16 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def _pieces(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """``journal`` and ``stop_after_s`` of the campaign functions, from --journal / --stop-after-min."""
+    from ..chaos.journal import Journal
+
+    if args.stop_after_min is not None and args.stop_after_min <= 0:
+        raise ValueError(f"--stop-after-min must be > 0, got {args.stop_after_min}")
+    return {"journal": Journal(args.journal, mode, _log) if args.journal else None,
+            "stop_after_s": None if args.stop_after_min is None else 60.0 * args.stop_after_min}
+
+
 def _run_bed(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -72,6 +88,7 @@ def _run_bed(args: argparse.Namespace) -> int:
         layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
         faults = _faults(args, HostFault)
         scenarios = [plan_host_trial(args.seed, t, layouts, faults) for t in _indices(args, 6)]
+        pieces = _pieces(args, "bed")
     except ValueError as exc:
         print(f"deadpool chaos --bed: {exc}", file=sys.stderr)
         return 2
@@ -83,7 +100,7 @@ def _run_bed(args: argparse.Namespace) -> int:
         return 2
     return _print_report(args, run_host_campaign(
         scenarios, workdir=args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos-bed-"),
-        job_timeout_s=args.job_timeout_s, log=_log))
+        job_timeout_s=args.job_timeout_s, log=_log, **pieces))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         layouts = check_layouts([s.strip() for s in args.layouts.split(",") if s.strip()])
         faults = _faults(args, Fault)
         scenarios = [plan_trial(args.seed, t, layouts, faults) for t in _indices(args, 4)]
+        pieces = _pieces(args, "host")
     except ValueError as exc:
         print(f"deadpool chaos: {exc}", file=sys.stderr)
         return 2
@@ -104,4 +122,4 @@ def run(args: argparse.Namespace) -> int:
     from ..chaos.campaign import run_campaign
 
     return _print_report(args, run_campaign(scenarios, workdir=args.workdir, job_timeout_s=args.job_timeout_s,
-                                            log=_log))
+                                            log=_log, **pieces))

@@ -95,20 +95,20 @@ def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
 
 def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, shm_root):
     # ZeRO-1 with 96 micro-batches per step: a survivor's forward/backward passes run for a while without any
-    # collective (gradients are reduced at the boundary). Rank 1 dies right after step 4 (in-process fault, so
-    # the survivors are at the start of step 5's micro-batches): they must leave on the launcher's notice, not
+    # collective (gradients are reduced at the boundary). Rank 1 dies right after step 2 (in-process fault, so
+    # the survivors are at the start of step 3's micro-batches): they must leave on the launcher's notice, not
     # at the boundary's collective, and the losses stay identical to an uninterrupted run.
     long = {"gradient_accumulation_steps": 96}
-    res0, base, _, _ = dprun(tmp_path, shm_root, stage=1, spares=0, iters=5, name="busy_base", **long)
+    res0, base, _, _ = dprun(tmp_path, shm_root, stage=1, spares=0, iters=3, name="busy_base", **long)
     assert res0.returncode == 0, res0.output[-3000:]
     marker = os.path.join(str(tmp_path), "busy.fault")
-    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=5, name="busy", **long,
-                                       env=harness_env({ENV: f"kill@step=4,rank=1,marker={marker}"}))
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, iters=3, name="busy", **long,
+                                       env=harness_env({ENV: f"kill@step=2,rank=1,marker={marker}"}))
     assert res.returncode == 0, res.output[-4000:]
     assert os.path.exists(marker)
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert sorted((e["old_rank"], e["failed_step"], e["cause"]) for e in survivors) == [
-        (0, 4, "launcher_notice"), (2, 4, "launcher_notice")], survivors
+        (0, 2, "launcher_notice"), (2, 2, "launcher_notice")], survivors
     assert metrics == base
     assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])
 

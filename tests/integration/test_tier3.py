@@ -215,7 +215,7 @@ RESHARD_CHECK = textwrap.dedent('''
 ''')
 
 
-@pytest.mark.parametrize("stage", [3, 2])
+@pytest.mark.parametrize("stage", matrix([3, 2], ci=[3]))
 def test_reshard_dp4_to_dp2_same_consolidated_weights(tmp_path, stage):
     cfg = make_config(tmp_path, stage=stage, deadpool=None)
     url = os.path.join(str(tmp_path), "tier3")

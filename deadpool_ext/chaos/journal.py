@@ -1,0 +1,125 @@
+"""A campaign's journal: each finished trial, and each layout's fault-free baseline, appended as one JSON line, so a
+long campaign runs in pieces (``deadpool chaos --journal FILE``): a later run skips the trials the file already
+holds, reuses its baselines, and reports every trial in it.
+
+Call order: ``Journal(path, mode)`` reads the file (a missing file is an empty journal); ``has(scenario)`` before
+running a trial; ``baseline(layout, iters)`` before running a baseline, ``add_baseline`` after one; ``add_trial(row)``
+after each trial (flushed and fsynced before the next starts); ``rows()`` for the report.
+
+Format, one JSON object per line (JSON only: nothing read from the file can run code)::
+
+    {"kind": "baseline", "mode": "host"|"bed", "layout": str, "iters": int, "metrics": {"1": loss, ...},
+     "elapsed_s": float}
+    {"kind": "trial", "mode": "host"|"bed", "key": str, "row": {...}}
+
+``key`` is the trial's reproducing command (seed, index, layouts, fault filter: the scenario itself). A line that is
+not such an object stops the campaign with the file and line named; a torn last line (a campaign killed while
+writing it) is dropped with a warning and rewritten by the next trial.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+MODES = ("host", "bed")
+
+
+class JournalError(ValueError):
+    """The journal file is not one this module wrote (named with its line)."""
+
+
+def _check_metrics(raw: object, where: str) -> dict[int, float]:
+    if not isinstance(raw, dict) or not raw:
+        raise JournalError(f"{where}: 'metrics' must be a non-empty object of step -> loss")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        if not (isinstance(k, str) and k.isdigit()) or isinstance(v, bool) or not isinstance(v, (int, float)) \
+                or not math.isfinite(v):
+            raise JournalError(f"{where}: 'metrics' entry {k!r}: {v!r} is not step (digits) -> finite loss")
+        out[int(k)] = float(v)
+    return out
+
+
+def _check(rec: object, where: str) -> dict[str, Any]:
+    if not isinstance(rec, dict):
+        raise JournalError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    kind, mode = rec.get("kind"), rec.get("mode")
+    if mode not in MODES:
+        raise JournalError(f"{where}: 'mode' must be one of {list(MODES)}, got {mode!r}")
+    if kind == "baseline":
+        if not isinstance(rec.get("layout"), str) or isinstance(rec.get("iters"), bool) \
+                or not isinstance(rec.get("iters"), int):
+            raise JournalError(f"{where}: a baseline needs 'layout' (string) and 'iters' (integer)")
+        rec["metrics"] = _check_metrics(rec.get("metrics"), where)
+        return rec
+    if kind == "trial":
+        row = rec.get("row")
+        if not isinstance(rec.get("key"), str) or not isinstance(row, dict) \
+                or not isinstance(row.get("scenario"), dict) or not isinstance(row.get("verdict"), dict):
+            raise JournalError(f"{where}: a trial needs 'key' (string) and 'row' with 'scenario' and 'verdict'")
+        return rec
+    raise JournalError(f"{where}: 'kind' must be 'baseline' or 'trial', got {kind!r}")
+
+
+class Journal:
+    def __init__(self, path: str, mode: str, log: Callable[[str], None] = print) -> None:
+        if mode not in MODES:
+            raise ValueError(f"journal mode must be one of {list(MODES)}, got {mode!r}")
+        self.path, self.mode, self.log = path, mode, log
+        self.records: list[dict[str, Any]] = []
+        if os.path.exists(path):
+            self._read()
+
+    def _read(self) -> None:
+        with open(self.path, "rb") as fh:
+            lines = fh.read().split(b"\n")
+        complete, last = lines[:-1], lines[-1]
+        if last.strip():   # no newline after it: written when the campaign was killed
+            self.log(f"[chaos] journal {self.path}: its last line is torn (a campaign stopped while writing it): "
+                     "dropped, that trial runs again")
+            with open(self.path, "r+b") as fh:
+                fh.truncate(sum(len(x) + 1 for x in complete))
+        for n, line in enumerate(complete, 1):
+            if not line.strip():
+                continue
+            where = f"{self.path}:{n}"
+            try:
+                rec = json.loads(line)
+            except ValueError as exc:
+                raise JournalError(f"{where}: not JSON ({exc})") from None
+            self.records.append(_check(rec, where))
+
+    def _mine(self, kind: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["kind"] == kind and r["mode"] == self.mode]
+
+    def has(self, key: str) -> bool:
+        return any(r["key"] == key for r in self._mine("trial"))
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [r["row"] for r in self._mine("trial")]
+
+    def baseline(self, layout: str, iters: int) -> dict[str, Any] | None:
+        found = [r for r in self._mine("baseline") if r["layout"] == layout and r["iters"] == iters]
+        return found[-1] if found else None
+
+    def add_baseline(self, layout: str, iters: int, metrics: dict[int, float], elapsed_s: float) -> None:
+        self._append({"kind": "baseline", "mode": self.mode, "layout": layout, "iters": iters,
+                      "metrics": {str(k): v for k, v in sorted(metrics.items())}, "elapsed_s": elapsed_s})
+
+    def add_trial(self, key: str, row: dict[str, Any]) -> None:
+        self._append({"kind": "trial", "mode": self.mode, "key": key, "row": row})
+
+    def _append(self, rec: dict[str, Any]) -> None:
+        line = json.dumps(rec, sort_keys=True)
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        with open(self.path, "a") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        stored = json.loads(line)
+        if stored["kind"] == "baseline":
+            stored["metrics"] = _check_metrics(stored["metrics"], self.path)
+        self.records.append(stored)
