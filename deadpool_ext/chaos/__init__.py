@@ -6,6 +6,8 @@
 - :mod:`.runner`     launching a scenario under ``deadpool-run`` with deadlines, baselines cached per layout
 - :mod:`.check`      what a trial must satisfy: identical losses, every corrupt copy refused and never used
 - :mod:`.report`     the summary table and its JSON
+- :mod:`.journal`    a campaign in pieces: finished trials and baselines as JSON lines, skipped when run again
+- :mod:`.hostfaults` host-level faults on the namespace bed (``deadpool chaos --bed``)
 
 The CLI is ``deadpool chaos`` (``deadpool_ext/commands/chaos.py``).
 """

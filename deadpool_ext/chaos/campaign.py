@@ -10,7 +10,7 @@ import tempfile
 import time
 
 from .check import check_trial
-from .journal import Journal
+from .journal import Journal, Pieces
 from .report import summarize
 from .runner import JobRun, Runner
 
@@ -35,34 +35,21 @@ def run_campaign(scenarios, *, workdir: str | None = None, job_timeout_s: float 
     trial of the journal when one is given)."""
     workdir = workdir or tempfile.mkdtemp(prefix="deadpool-chaos-")
     runner = Runner(workdir, job_timeout_s=job_timeout_s, log=log)
-    rows = []
     t0 = time.time()
-    pending = 0
+    pieces = Pieces(journal, stop_after_s, log, "[chaos]", clock=lambda: time.time())
     try:
-        for sc in scenarios:
-            key = sc.reproduce()
-            if journal is not None and journal.has(key):
-                continue
-            if stop_after_s is not None and time.time() - t0 > stop_after_s:
-                pending += 1
-                continue
+        for sc in pieces.select(scenarios):
             base = _baseline(runner, journal, sc.layout, sc.iters, log)
             log(f"[chaos] trial {sc.trial} ({sc.layout}, {sc.fault.value}): {sc.describe()}")
             start = time.time()
             tr = runner.run_trial(sc)
             verdict = check_trial(tr, base.metrics)
             log(f"[chaos] trial {sc.trial}: {verdict.status}" + (f" - {verdict.problems}" if verdict.problems else ""))
-            row = {"scenario": sc.to_json(), "verdict": verdict.to_json(), "elapsed_s": time.time() - start,
-                   "injected": tr.injected, "workdir": tr.workdir}
-            rows.append(row)
-            if journal is not None:
-                journal.add_trial(key, row)
+            pieces.record(sc, {"scenario": sc.to_json(), "verdict": verdict.to_json(),
+                               "elapsed_s": time.time() - start, "injected": tr.injected, "workdir": tr.workdir})
     finally:
         runner.close()
-    if pending:
-        log(f"[chaos] time budget of {stop_after_s:.0f} s spent: {pending} trial(s) not started "
-            "(run the same command again to continue from the journal)")
-    every = journal.rows() if journal is not None else rows
-    return {"rows": every, "summary": {**summarize(every), "pending": pending, "ran_now": len(rows)},
+    every, counts = pieces.finish()
+    return {"rows": every, "summary": {**summarize(every), **counts},
             "workdir": os.path.abspath(workdir), "elapsed_s": time.time() - t0,
             "baselines": {f"{k[0]}/{k[1]}": {"elapsed_s": b.elapsed_s} for k, b in runner.baselines.items()}}

@@ -36,7 +36,7 @@ from typing import Any
 
 from .at_step import ENV, harness_env
 from .catalogue import LAYOUTS
-from .journal import Journal
+from .journal import Journal, Pieces
 
 HOSTS = 3
 LEADER_TTL_S = 4
@@ -272,16 +272,9 @@ def run_host_campaign(scenarios: Sequence[HostScenario], *, workdir: str, job_ti
 
     os.makedirs(workdir, exist_ok=True)
     baselines: dict[str, dict[str, Any]] = {}
-    rows = []
     t0 = time.time()
-    pending = 0
-    for sc in scenarios:
-        key = sc.reproduce()
-        if journal is not None and journal.has(key):
-            continue
-        if stop_after_s is not None and time.time() - t0 > stop_after_s:
-            pending += 1
-            continue
+    pieces = Pieces(journal, stop_after_s, log, "[chaos --bed]")
+    for sc in pieces.select(scenarios):
         if sc.layout not in baselines:
             baselines[sc.layout] = _bed_baseline(sc, workdir, job_timeout_s, log, journal)
         log(f"[chaos --bed] trial {sc.trial} ({sc.layout}, {sc.fault.value}): {sc.describe()}")
@@ -289,16 +282,10 @@ def run_host_campaign(scenarios: Sequence[HostScenario], *, workdir: str, job_ti
         verdict = check_host_trial(sc, job, baselines[sc.layout]["metrics"])
         log(f"[chaos --bed] trial {sc.trial}: {verdict['status']}"
             + (f" - {verdict['problems']}" if verdict["problems"] else ""))
-        row = {"scenario": sc.to_json(), "verdict": verdict, "elapsed_s": job["elapsed_s"], "injected": [],
-               "workdir": workdir}
-        rows.append(row)
-        if journal is not None:
-            journal.add_trial(key, row)
-    if pending:
-        log(f"[chaos --bed] time budget of {stop_after_s:.0f} s spent: {pending} trial(s) not started "
-            "(run the same command again to continue from the journal)")
-    every = journal.rows() if journal is not None else rows
-    return {"rows": every, "summary": {**summarize(every), "pending": pending, "ran_now": len(rows)},
+        pieces.record(sc, {"scenario": sc.to_json(), "verdict": verdict, "elapsed_s": job["elapsed_s"],
+                           "injected": [], "workdir": workdir})
+    every, counts = pieces.finish()
+    return {"rows": every, "summary": {**summarize(every), **counts},
             "workdir": os.path.abspath(workdir), "elapsed_s": time.time() - t0,
             "baselines": {k: {"elapsed_s": b["elapsed_s"]} for k, b in baselines.items()}}
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
 MODES = ("host", "bed")
 
@@ -123,3 +124,42 @@ class Journal:
         if stored["kind"] == "baseline":
             stored["metrics"] = _check_metrics(stored["metrics"], self.path)
         self.records.append(stored)
+
+
+class _Scenario(Protocol):
+    def reproduce(self) -> str: ...
+
+
+class Pieces:
+    """Which scenarios of a campaign run now, for both campaigns (single host and bed). Call order: iterate
+    ``select(scenarios)`` as the campaign's loop, ``record(scenario, row)`` after each trial, ``finish()`` once."""
+
+    def __init__(self, journal: Journal | None, stop_after_s: float | None, log: Callable[[str], None], tag: str,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.journal, self.stop_after_s, self.log, self.tag, self.clock = journal, stop_after_s, log, tag, clock
+        self.t0 = clock()
+        self.pending = 0
+        self.rows: list[dict[str, Any]] = []
+
+    def select(self, scenarios: Iterable[_Scenario]) -> Iterator[Any]:
+        """The scenarios not in the journal, until the time budget is spent (the rest counted as pending)."""
+        for sc in scenarios:
+            if self.journal is not None and self.journal.has(sc.reproduce()):
+                continue
+            if self.stop_after_s is not None and self.clock() - self.t0 > self.stop_after_s:
+                self.pending += 1
+                continue
+            yield sc
+
+    def record(self, sc: _Scenario, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        if self.journal is not None:
+            self.journal.add_trial(sc.reproduce(), row)
+
+    def finish(self) -> tuple[list[dict[str, Any]], dict[str, int]]:
+        """Every row to report (the journal's when there is one) and the counts for the summary."""
+        if self.pending:
+            self.log(f"{self.tag} time budget of {self.stop_after_s:.0f} s spent: {self.pending} trial(s) not "
+                     "started (run the same command again to continue from the journal)")
+        every = self.journal.rows() if self.journal is not None else self.rows
+        return every, {"pending": self.pending, "ran_now": len(self.rows)}
