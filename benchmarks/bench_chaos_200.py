@@ -43,7 +43,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run(budget_s: float, workdir: str) -> None:
+def run(budget_s: float, workdir: str, replay_failed: bool = False) -> None:
     from deadpool_ext.chaos.campaign import run_campaign
     from deadpool_ext.chaos.hostfaults import plan_host_trial, run_host_campaign
     from deadpool_ext.chaos.plan import DEFAULT_LAYOUTS, plan_trial
@@ -54,14 +54,14 @@ def run(budget_s: float, workdir: str) -> None:
     if why is None:
         bed = [plan_host_trial(SEED, t) for t in range(BED_TRIALS)]
         run_host_campaign(bed, workdir=os.path.join(workdir, "bed"), log=_log, journal=Journal(JOURNAL, "bed", _log),
-                          stop_after_s=budget_s)
+                          stop_after_s=budget_s, replay_failed=replay_failed)
     else:
         _log(f"[chaos_200] bed trials skipped in this run: {why}")
     left = budget_s - (time.time() - t0)
     if left > 0:
         host = [plan_trial(SEED, t, DEFAULT_LAYOUTS) for t in range(HOST_TRIALS)]
         run_campaign(host, workdir=os.path.join(workdir, "host"), log=_log, journal=Journal(JOURNAL, "host", _log),
-                     stop_after_s=left)
+                     stop_after_s=left, replay_failed=replay_failed)
 
 
 TIERS = ("tier1", "tier2", "tier3")
@@ -121,13 +121,22 @@ def render() -> dict[str, Any]:
     for mode, title in (("host", "Single host"), ("bed", "Namespace bed")):
         if rows[mode]:
             lines += [f"## {title}", "", "```", format_table(rows[mode], summarize(rows[mode])), "```", ""]
+    replaced = [r for j in parts.values() for r in j.replaced()]
+    if replaced:
+        lines += ["## Replayed trials", "", "Rows superseded by a replay of the same trial after a fix (the replay's "
+                  "row is the one counted above; both are in the journal):", ""]
+        lines += [f"- {r['scenario']['reproduce']}: was {r['verdict']['status']} - {r['verdict'].get('problems')}"
+                  for r in replaced]
+        lines += [""]
     if total.get("failing"):
         lines += ["## Failing trials (reproduce with the command shown)", ""]
         lines += [f"- trial {f['trial']} (seed {f['seed']}): `{f['reproduce']}`: {f['problems']}"
                   for f in total["failing"]]
     write_text(os.path.join(RESULTS, "chaos_200.md"), "\n".join(lines) + "\n")
-    out = {"status": status, "done": done, "planned": HOST_TRIALS + BED_TRIALS, "seed": SEED, "summary": total,
-           "silent_hangs": hangs, "machine_s": wall_s, "machine": machine_info(), "rows": every}
+    out = {"command": "python benchmarks/bench_chaos_200.py --budget-min M (in pieces, continued from the journal)",
+           "status": status, "done": done, "planned": HOST_TRIALS + BED_TRIALS, "seed": SEED, "summary": total,
+           "silent_hangs": hangs, "machine_s": wall_s, "machine": machine_info(), "rows": every,
+           "replaced": replaced}
     write_json(os.path.join(RESULTS, "chaos_200.json"), out)
     return out
 
@@ -136,12 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--budget-min", type=float, default=60.0, help="stop starting trials after this long (default 60)")
     p.add_argument("--render-only", action="store_true", help="render the journal, run nothing")
+    p.add_argument("--replay-failed", action="store_true",
+                   help="run again the trials whose latest row failed (after a fix); both rows stay in the journal")
     p.add_argument("--workdir", default=None, help="where the jobs write (default: a temp dir)")
     args = p.parse_args(argv)
     if args.budget_min <= 0:
         p.error("--budget-min must be > 0")
     if not args.render_only:
-        run(args.budget_min * 60, args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos200-"))
+        run(args.budget_min * 60, args.workdir or tempfile.mkdtemp(prefix="deadpool-chaos200-"), args.replay_failed)
     out = render()
     print(f"chaos_200: {out['status']}; failed {out['summary'].get('failed', 0)}, state mismatches "
           f"{out['summary'].get('state_mismatches', 0)}, silent hangs {out['silent_hangs']}")

@@ -93,6 +93,12 @@ CURRENT: tuple[Current, ...] = (
             command="deadpool chaos --bed --trials 24 --seed 0 --json",
             note="Two rows failed on the checker (a stuck rank 0 never logs its step's loss line) and were replayed "
                  "with the fixed checker; both rows and replays are in the JSON."),
+    Current("chaos_200", "chaos_200", "the 200-trial campaign over every fault kind (in pieces)",
+            "150 single-host trials (the catalogue's eleven faults over ZeRO-1/2/3 and Megatron TP2) and 50 bed "
+            "trials (the six host-level faults), seed 200: recovered, fallbacks per tier, state mismatches, silent "
+            "hangs; run across sessions from the journal.",
+            companions=("chaos_200.jsonl",),
+            note="The `.md` says how many of the 200 trials are done; `bench_chaos_200.py` continues the rest."),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",

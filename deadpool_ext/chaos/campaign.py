@@ -30,13 +30,14 @@ def _baseline(runner: Runner, journal: Journal | None, layout: str, iters: int, 
 
 
 def run_campaign(scenarios, *, workdir: str | None = None, job_timeout_s: float = 480.0, log=print,
-                 journal: Journal | None = None, stop_after_s: float | None = None) -> dict:
+                 journal: Journal | None = None, stop_after_s: float | None = None,
+                 replay_failed: bool = False) -> dict:
     """Run the scenarios one after another (baselines first, once per layout); returns rows + summary (every
     trial of the journal when one is given)."""
     workdir = workdir or tempfile.mkdtemp(prefix="deadpool-chaos-")
     runner = Runner(workdir, job_timeout_s=job_timeout_s, log=log)
     t0 = time.time()
-    pieces = Pieces(journal, stop_after_s, log, "[chaos]", clock=lambda: time.time())
+    pieces = Pieces(journal, stop_after_s, log, "[chaos]", clock=lambda: time.time(), replay_failed=replay_failed)
     try:
         for sc in pieces.select(scenarios):
             base = _baseline(runner, journal, sc.layout, sc.iters, log)

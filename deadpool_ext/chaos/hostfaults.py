@@ -266,14 +266,14 @@ def check_host_trial(sc: HostScenario, job: dict[str, Any], base: dict[int, floa
 
 def run_host_campaign(scenarios: Sequence[HostScenario], *, workdir: str, job_timeout_s: float = 480.0,
                       log: Callable[[str], None] = print, journal: Journal | None = None,
-                      stop_after_s: float | None = None) -> dict[str, Any]:
+                      stop_after_s: float | None = None, replay_failed: bool = False) -> dict[str, Any]:
     """The bed's campaign; ``journal`` and ``stop_after_s`` as in :func:`chaos.campaign.run_campaign`."""
     from .report import summarize
 
     os.makedirs(workdir, exist_ok=True)
     baselines: dict[str, dict[str, Any]] = {}
     t0 = time.time()
-    pieces = Pieces(journal, stop_after_s, log, "[chaos --bed]")
+    pieces = Pieces(journal, stop_after_s, log, "[chaos --bed]", replay_failed=replay_failed)
     for sc in pieces.select(scenarios):
         if sc.layout not in baselines:
             baselines[sc.layout] = _bed_baseline(sc, workdir, job_timeout_s, log, journal)

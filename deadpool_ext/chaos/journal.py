@@ -12,7 +12,9 @@ Format, one JSON object per line (JSON only: nothing read from the file can run 
      "elapsed_s": float}
     {"kind": "trial", "mode": "host"|"bed", "key": str, "row": {...}}
 
-``key`` is the trial's reproducing command (seed, index, layouts, fault filter: the scenario itself). A line that is
+``key`` is the trial's reproducing command (seed, index, layouts, fault filter: the scenario itself). A trial may
+appear more than once: ``replay_failed`` runs a trial whose latest row failed again (after a fix), its new row
+supersedes the old one in the report, and the superseded rows are kept and listed (``replaced``). A line that is
 not such an object stops the campaign with the file and line named; a torn last line (a campaign killed while
 writing it) is dropped with a warning and rewritten by the next trial.
 """
@@ -99,8 +101,26 @@ class Journal:
     def has(self, key: str) -> bool:
         return any(r["key"] == key for r in self._mine("trial"))
 
+    def _latest(self) -> dict[str, dict[str, Any]]:
+        latest: dict[str, dict[str, Any]] = {}   # in order of first appearance, the last row of each trial
+        for r in self._mine("trial"):
+            latest[r["key"]] = r["row"]
+        return latest
+
+    def failed(self, key: str) -> bool:
+        """Whether the trial's latest row failed (``--replay-failed`` runs it again)."""
+        row = self._latest().get(key)
+        return row is not None and row["verdict"].get("status") == "failed"
+
     def rows(self) -> list[dict[str, Any]]:
-        return [r["row"] for r in self._mine("trial")]
+        """One row per trial: its latest (a replay supersedes the row it replays)."""
+        return list(self._latest().values())
+
+    def replaced(self) -> list[dict[str, Any]]:
+        """The rows a later replay of the same trial superseded (kept in the file and reported as such)."""
+        trials = self._mine("trial")
+        last = {r["key"]: i for i, r in enumerate(trials)}
+        return [r["row"] for i, r in enumerate(trials) if last[r["key"]] != i]
 
     def baseline(self, layout: str, iters: int) -> dict[str, Any] | None:
         found = [r for r in self._mine("baseline") if r["layout"] == layout and r["iters"] == iters]
@@ -135,17 +155,22 @@ class Pieces:
     ``select(scenarios)`` as the campaign's loop, ``record(scenario, row)`` after each trial, ``finish()`` once."""
 
     def __init__(self, journal: Journal | None, stop_after_s: float | None, log: Callable[[str], None], tag: str,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, replay_failed: bool = False) -> None:
         self.journal, self.stop_after_s, self.log, self.tag, self.clock = journal, stop_after_s, log, tag, clock
+        self.replay_failed = replay_failed
         self.t0 = clock()
         self.pending = 0
         self.rows: list[dict[str, Any]] = []
 
     def select(self, scenarios: Iterable[_Scenario]) -> Iterator[Any]:
-        """The scenarios not in the journal, until the time budget is spent (the rest counted as pending)."""
+        """The scenarios not in the journal (and, with ``replay_failed``, those whose latest row failed), until the
+        time budget is spent (the rest counted as pending)."""
         for sc in scenarios:
-            if self.journal is not None and self.journal.has(sc.reproduce()):
-                continue
+            key = sc.reproduce()
+            if self.journal is not None and self.journal.has(key):
+                if not (self.replay_failed and self.journal.failed(key)):
+                    continue
+                self.log(f"{self.tag} trial {getattr(sc, 'trial', key)}: replaying (its latest row failed)")
             if self.stop_after_s is not None and self.clock() - self.t0 > self.stop_after_s:
                 self.pending += 1
                 continue

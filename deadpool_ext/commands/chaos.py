@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "baselines included: a long campaign runs in pieces; the report covers every trial in FILE")
     p.add_argument("--stop-after-min", type=float, default=None, metavar="M",
                    help="start no new trial after M minutes (with --journal, the next run continues)")
+    p.add_argument("--replay-failed", action="store_true",
+                   help="with --journal: run again the trials whose latest row failed (after a fix); the new row "
+                        "supersedes the old in the report, the old stays in the file")
     p.add_argument("--bed", action="store_true",
                    help="host-level faults on the namespace bed (3 hosts, a 3-member etcd; needs root): host_loss, "
                         "coordinator_loss, partition, etcd_member, etcd_quorum, stuck (docs/chaos.md)")
@@ -74,8 +77,11 @@ def _pieces(args: argparse.Namespace, mode: str) -> dict[str, Any]:
 
     if args.stop_after_min is not None and args.stop_after_min <= 0:
         raise ValueError(f"--stop-after-min must be > 0, got {args.stop_after_min}")
+    if args.replay_failed and not args.journal:
+        raise ValueError("--replay-failed needs --journal (the failed rows it replays are read from it)")
     return {"journal": Journal(args.journal, mode, _log) if args.journal else None,
-            "stop_after_s": None if args.stop_after_min is None else 60.0 * args.stop_after_min}
+            "stop_after_s": None if args.stop_after_min is None else 60.0 * args.stop_after_min,
+            "replay_failed": args.replay_failed}
 
 
 def _run_bed(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from deadpool_ext.chaos import campaign
-from deadpool_ext.chaos.journal import Journal, JournalError
+from deadpool_ext.chaos.journal import Journal, JournalError, Pieces
 from deadpool_ext.chaos.plan import plan_trial
 from deadpool_ext.chaos.runner import JobRun, TrialRun
 
@@ -128,3 +128,27 @@ def test_the_bed_campaign_continues_from_the_journal(tmp_path, monkeypatch):
                                           log=lambda m: None)
     assert ran == ["trial-3-2"]                     # baseline and trials 0, 1 from the journal
     assert [r["scenario"]["trial"] for r in report["rows"]] == [0, 1, 2]
+
+
+def test_replay_failed_runs_only_failed_trials_again_and_the_replay_supersedes(tmp_path):
+    path = str(tmp_path / "j.jsonl")
+    j = Journal(path, "host")
+    j.add_trial("a", {"scenario": {"trial": 0}, "verdict": {"status": "failed"}})
+    j.add_trial("b", {"scenario": {"trial": 1}, "verdict": {"status": "passed"}})
+
+    class Sc:
+        def __init__(self, key, trial):
+            self.key, self.trial = key, trial
+
+        def reproduce(self):
+            return self.key
+
+    scenarios = [Sc("a", 0), Sc("b", 1), Sc("c", 2)]
+    assert [s.key for s in Pieces(Journal(path, "host"), None, lambda m: None, "t").select(scenarios)] == ["c"]
+    said: list[str] = []
+    pieces = Pieces(Journal(path, "host"), None, said.append, "t", replay_failed=True)
+    assert [s.key for s in pieces.select(scenarios)] == ["a", "c"] and "replaying" in said[0]
+    pieces.record(scenarios[0], {"scenario": {"trial": 0}, "verdict": {"status": "passed"}})
+    again = Journal(path, "host")
+    assert [r["verdict"]["status"] for r in again.rows()] == ["passed", "passed"]   # a first, then b
+    assert [r["verdict"]["status"] for r in again.replaced()] == ["failed"] and not again.failed("a")
