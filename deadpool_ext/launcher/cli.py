@@ -50,9 +50,10 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     check_args,
 )
 from .contract import HotSwapEnv
-from .hangs import parse_heartbeat, stalled
+from .hangs import parse_heartbeat
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
+from .watch import HeartbeatWatch
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -62,7 +63,7 @@ STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
 
 
-class Supervisor(LeaseLapse):
+class Supervisor(LeaseLapse, HeartbeatWatch):
     def __init__(self, args: argparse.Namespace) -> None:
         for flag in ("nnodes", "nproc_per_node"):
             if getattr(args, flag) < 1:
@@ -94,6 +95,8 @@ class Supervisor(LeaseLapse):
         self.hosts_seen: set[int] = set()   # every host whose launcher ever held its lease
         self.hosts_now: set[int] = set()    # the hosts whose lease is alive, as of this loop turn
         self.seen_hb: dict[str, float] = {}
+        self.spare_hb: dict[str, float] = {}   # live spares' heartbeat times (a store stall leaves them stale too)
+        self._stall_logged = False
         self.progress: dict[str, dict[str, Any]] = {}   # worker -> its last heartbeat's progress sample
         self._all_in_collective_logged = False
         self._last_turn = time.time()
@@ -452,6 +455,7 @@ class Supervisor(LeaseLapse):
                     self.progress[wid] = beat
             if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
+        self._store_stall(active, now, any(v.startswith("hung") for v in failed.values()))
         if now < self._grace_until:  # the store was unreachable for everyone: heartbeats restart
             for wid in list(failed):
                 if failed[wid].startswith("hung"):
@@ -493,15 +497,6 @@ class Supervisor(LeaseLapse):
         self.event(event="assignment", generation=new.generation, replaced=new.replaced,
                    published_at=time.time(), spares_left=list(new.spares), host_rank=self.args.host_rank)
         return None
-
-    def _stalled(self, active: set[str], now: float) -> dict[str, str]:
-        """Hangs by progress (``launcher/hangs.py``), logged once when every rank is inside a collective."""
-        failed, all_in_collective = stalled(self.progress, active, now, self.args.progress_timeout_s)
-        if all_in_collective and not self._all_in_collective_logged:
-            self._all_in_collective_logged = True
-            log.warning("no rank finished a step for %.0fs and every rank is inside a collective: no rank can be "
-                        "singled out; left to the collective timeout", self.args.progress_timeout_s)
-        return failed
 
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
         deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)

@@ -49,3 +49,11 @@ def stalled(progress: Mapping[str, dict[str, Any] | None], active: Set[str], now
     return {w: (f"no progress: step {b['step']} finished {stalled_s[w]:.1f}s ago and its main thread has stood "
                 f"still outside any collective for {float(b['still_s']):.1f}s while {len(waiting)} rank(s) wait "
                 f"in one (heartbeat alive; SIGKILLed to fence it)") for w, b in stuck.items()}, False
+
+
+def store_stalled(beats: Mapping[str, float], now: float, limit_s: float) -> bool:
+    """Whether every worker's last heartbeat (``worker -> its time``, spares included) is older than ``limit_s``:
+    nobody could write to the store (an etcd member lost and its leader being re-elected, seen holding every
+    heartbeat of a bed job for 7 s), which says nothing about any one worker. With fewer than two heartbeats there
+    is nothing to compare, and the plain rule applies."""
+    return len(beats) >= 2 and all(now - t > limit_s for t in beats.values())

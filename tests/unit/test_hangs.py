@@ -34,3 +34,13 @@ def test_heartbeat_parsing():
     assert parse_heartbeat(b'{"t": 1, "step": 2, "step_at": 3, "coll": true, "still_s": 0.5}')["coll"] is True
     for bad in (b"x", b"[]", b'{"t": 1}', b'{"t": true, "step": 2, "step_at": 3, "coll": true, "still_s": 0}'):
         assert parse_heartbeat(bad) is None
+
+
+def test_every_heartbeat_stale_at_once_is_a_store_stall_not_a_hang():
+    from deadpool_ext.launcher.hangs import store_stalled
+
+    now = 100.0
+    assert store_stalled({"node0.0": 92.0, "node1.0": 92.5, "spare0.0": 92.4}, now, 6.0)   # nobody could write
+    assert not store_stalled({"node0.0": 92.0, "node1.0": 99.5, "spare0.0": 99.6}, now, 6.0)  # node0 alone: a hang
+    assert not store_stalled({"node0.0": 92.0}, now, 6.0)   # nothing to compare with: the plain rule
+    assert not store_stalled({}, now, 6.0)

@@ -129,8 +129,10 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                rt.coords.dp)
         with rt.stoppable():
             losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
-        _, grad_norm = rt.step()
+        # Reduced before the optimizer step (as Megatron-LM averages losses in the forward pass): a peer stuck in
+        # the step's hooks then cannot keep rank 0 from logging the step it completed (chaos --bed, stuck).
         loss = global_mean_loss(losses, num_micro)
+        _, grad_norm = rt.step()
         if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
             from .checkpoint import save_base
 
