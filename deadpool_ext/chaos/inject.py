@@ -262,10 +262,16 @@ class Injector:
                 # copy would make the loss unrecoverable by design. Corrupt a replica nobody needs instead (a
                 # survivor's, held on a surviving node): it must not stop the restore, and is reported only if a
                 # restore reads it (the restore checks the copies it uses).
-                others = [(p, segment_info(p)) for p in self._shm_files("deadpool.{job}.replica.r*.h*")
-                          if f".replica.r{a.rank}." not in os.path.basename(p)]
+                # A rank whose own slots are gone was on the lost node too (its memory is dropped with it; the
+                # restore gate holds the spare before it writes any): its replicas are needed as much as a.rank's.
+                def owner(path: str) -> int:
+                    return int(os.path.basename(path).split(".")[3][1:])
+
+                replicas = self._shm_files("deadpool.{job}.replica.r*.h*")
+                lost = {owner(p) for p in replicas if not self._shm_files(f"deadpool.{{job}}.snap.r{owner(p)}.*")}
+                others = [(p, segment_info(p)) for p in replicas if owner(p) != a.rank and owner(p) not in lost]
                 sealed_o = sorted(((i["version"], p, i) for p, i in others if i), reverse=True)
-                chosen = [(v, p, i, int(os.path.basename(p).split(".")[3][1:])) for v, p, i in sealed_o[:1]]
+                chosen = [(v, p, i, owner(p)) for v, p, i in sealed_o[:1]]
                 rec.note = (f"only {len(sealed)} sealed replica buffer(s) of rank {a.rank}: corrupted a survivor's "
                             f"replica instead" if chosen else f"only {len(sealed)} sealed replica buffer(s) of rank "
                             f"{a.rank} and no other replica held: corrupting none")
