@@ -152,10 +152,13 @@ def _corruption_problems(tr: TrialRun, output: str) -> list[str]:
             elif c["tier"] == 2:
                 # The restore checks the checksums of the copies it uses (docs/architecture.md): a corrupt replica
                 # that no restore fetched (a survivor's, when the lost rank's other buffer was torn by the kill)
-                # need not be reported; one that a restore of its version fetched must have been refused.
+                # need not be reported, nor one whose version no restore chose (the agreed version was older: another
+                # lost rank's copy of the newest was torn by the kill); one that a restore of its version fetched, or
+                # needed, must have been refused.
                 fetched_it = any(version == c["version"] and f"{c['rank']}:" in fetched
                                  for version, fetched in restores)
-                if (c["index"], c["rank"]) not in t2 and (fetched_it or not c.get("unneeded")):
+                chosen = any(version == c["version"] for version, _ in restores)
+                if (c["index"], c["rank"]) not in t2 and (fetched_it or (chosen and not c.get("unneeded"))):
                     problems.append(f"corrupt replica buffer {c['index']} of rank {c['rank']} (step {c['version']}) "
                                     f"was never reported unusable")
             else:
