@@ -29,9 +29,12 @@ class HeartbeatWatch:
         """Every heartbeat stale at once, the live spares' too: the store took nobody's writes, which is no hang.
         Heartbeat detection waits (a grace as long as the detection timeout after the last such turn), for at most
         --store-outage-s from the oldest heartbeat; logged once per stall."""
+        if not any_hung:   # the spares' heartbeats are read only when a worker looks hung (no store reads per turn)
+            self._stall_logged = False
+            return
         self._spare_beats(active)
         beats = {**{w: self.seen_hb[w] for w in active if w in self.seen_hb}, **self.spare_hb}
-        if not (any_hung and store_stalled(beats, now, self.args.detect_timeout_s)):
+        if not store_stalled(beats, now, self.args.detect_timeout_s):
             self._stall_logged = False
             return
         if now - min(beats.values()) > self.args.store_outage_s:
