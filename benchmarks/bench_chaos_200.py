@@ -1,7 +1,11 @@
 #!/usr/bin/env python
 """The 200-trial chaos campaign over every fault kind: 150 single-host trials (the catalogue's eleven faults over
 DeepSpeed ZeRO-1/2/3 and Megatron TP2, ``deadpool chaos``) and 50 host-level trials on the namespace bed (host
-loss, coordinator loss, partition, etcd member and quorum loss, stuck rank, ``deadpool chaos --bed``), seed 200.
+loss, coordinator loss, partition, etcd member and quorum loss, stuck rank, ``deadpool chaos --bed``), seed 200;
+then 44 single-host trials of seed 201 under planner 2, which run every fault on every layout that takes it.
+
+The 150 were planned under planner 1 (``--planner 1``), whose layout rotation put each of the eleven faults on one
+layout only; the cover trials are what closes that gap (the fault x layout table of the report shows it).
 
 About 3 h of machine time on the 2-core host, so it runs in pieces: every finished trial is appended to the
 journal ``benchmarks/results/chaos_200.jsonl`` and a later run continues where the last one stopped (baselines
@@ -35,6 +39,10 @@ from deadpool_ext.chaos.journal import Journal  # noqa: E402
 SEED = 200
 HOST_TRIALS = 150
 BED_TRIALS = 50
+COVER_SEED = 201
+COVER_TRIALS = 44
+"""11 faults x 4 layouts: under planner 2, every (fault, layout) pair the catalogue allows."""
+PLANNED = HOST_TRIALS + BED_TRIALS + COVER_TRIALS
 RESULTS = os.path.join(HERE, "results")
 JOURNAL = os.path.join(RESULTS, "chaos_200.jsonl")
 
@@ -57,14 +65,16 @@ def run(budget_s: float, workdir: str, replay_failed: bool = False) -> None:
                           stop_after_s=budget_s, replay_failed=replay_failed)
     else:
         _log(f"[chaos_200] bed trials skipped in this run: {why}")
+    host = [plan_trial(SEED, t, DEFAULT_LAYOUTS, planner=1) for t in range(HOST_TRIALS)]
+    host += [plan_trial(COVER_SEED, t, DEFAULT_LAYOUTS, planner=2) for t in range(COVER_TRIALS)]
     left = budget_s - (time.time() - t0)
     if left > 0:
-        host = [plan_trial(SEED, t, DEFAULT_LAYOUTS) for t in range(HOST_TRIALS)]
         run_campaign(host, workdir=os.path.join(workdir, "host"), log=_log, journal=Journal(JOURNAL, "host", _log),
                      stop_after_s=left, replay_failed=replay_failed)
 
 
 TIERS = ("tier1", "tier2", "tier3")
+LAYOUT_NAMES = ("zero1", "zero2", "zero3", "megatron")
 
 
 def _tiers(counts: dict[str, int]) -> str:
@@ -87,6 +97,18 @@ def _by_fault(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return out
 
 
+def _pairs(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """Trials per fault and layout, single host (``-``: the layout cannot take the fault)."""
+    from deadpool_ext.chaos.catalogue import FAULTS, LAYOUTS
+
+    count: dict[tuple[str, str], int] = {}
+    for r in rows:
+        key = (r["scenario"]["fault"], r["scenario"]["layout"])
+        count[key] = count.get(key, 0) + 1
+    return [[f.value] + [count.get((f.value, name), 0) if f in lay.faults else "-" for name, lay in LAYOUTS.items()]
+            for f in FAULTS]
+
+
 def render() -> dict[str, Any]:
     from deadpool_ext.chaos.report import format_table, summarize
 
@@ -98,14 +120,17 @@ def render() -> dict[str, Any]:
     wall_s = sum(r["elapsed_s"] for r in every) + sum(
         rec["elapsed_s"] for j in parts.values() for rec in j.records if rec["kind"] == "baseline")
     done = len(every)
-    status = "complete" if done >= HOST_TRIALS + BED_TRIALS else f"IN PROGRESS: {done} of {HOST_TRIALS + BED_TRIALS}"
+    status = "complete" if done >= PLANNED else f"IN PROGRESS: {done} of {PLANNED}"
     lines = [
-        f"# Chaos campaign, 200 trials over every fault kind ({status})", "",
-        f"Seed {SEED}: trials 0-{HOST_TRIALS - 1} of `deadpool chaos --seed {SEED}` (single host, the catalogue's "
-        f"eleven faults, ZeRO-1/2/3 + Megatron TP2) and trials 0-{BED_TRIALS - 1} of `deadpool chaos --bed --seed "
-        f"{SEED}` (namespace bed: 3 hosts, a 3-member etcd; the six host-level faults). Tiny GPT, gloo, on the shared "
-        "2-core CPU host. Written by `benchmarks/bench_chaos_200.py` from the journal `chaos_200.jsonl` (one JSON "
-        "line per finished trial; the campaign runs in pieces across sessions). Columns: `docs/chaos.md`.", "",
+        f"# Chaos campaign, {PLANNED} trials over every fault kind ({status})", "",
+        f"Seed {SEED}: trials 0-{HOST_TRIALS - 1} of `deadpool chaos --seed {SEED} --planner 1` (single host, the "
+        f"catalogue's eleven faults, ZeRO-1/2/3 + Megatron TP2) and trials 0-{BED_TRIALS - 1} of `deadpool chaos "
+        f"--bed --seed {SEED}` (namespace bed: 3 hosts, a 3-member etcd; the six host-level faults); then trials "
+        f"0-{COVER_TRIALS - 1} of `deadpool chaos --seed {COVER_SEED}` (planner 2: every fault on every layout that "
+        "takes it; planner 1 had put each fault on one layout, see the table by fault and layout). Tiny GPT, gloo, "
+        "on the shared 2-core CPU host. Written by `benchmarks/bench_chaos_200.py` from the journal "
+        "`chaos_200.jsonl` (one JSON line per finished trial; the campaign runs in pieces across sessions). "
+        "Columns: `docs/chaos.md`.", "",
         f"**Trials done {done}** (single host {len(rows['host'])}, bed {len(rows['bed'])}); "
         f"faults injected {total.get('faults_injected', 0)}; recovered {total.get('recovered', 0)}; "
         f"fault landed late/never {total.get('not_injected', 0)}; **failed {total.get('failed', 0)}**; "
@@ -117,6 +142,8 @@ def render() -> dict[str, Any]:
         "## By fault", "",
         md_table(["fault", "trials", "recovered", "late/never", "failed", "mismatches", "silent hangs",
                   "refused t1/t2/t3", "layouts"], _by_fault(every)), "",
+        "## Single host, by fault and layout", "",
+        md_table(["fault", *LAYOUT_NAMES], _pairs(rows["host"])), "",
     ]
     for mode, title in (("host", "Single host"), ("bed", "Namespace bed")):
         if rows[mode]:
@@ -134,7 +161,8 @@ def render() -> dict[str, Any]:
                   for f in total["failing"]]
     write_text(os.path.join(RESULTS, "chaos_200.md"), "\n".join(lines) + "\n")
     out = {"command": "python benchmarks/bench_chaos_200.py --budget-min M (in pieces, continued from the journal)",
-           "status": status, "done": done, "planned": HOST_TRIALS + BED_TRIALS, "seed": SEED, "summary": total,
+           "status": status, "done": done, "planned": PLANNED, "seed": SEED,
+           "cover_seed": COVER_SEED, "summary": total,
            "silent_hangs": hangs, "machine_s": wall_s, "machine": machine_info(), "rows": every,
            "replaced": replaced}
     write_json(os.path.join(RESULTS, "chaos_200.json"), out)

@@ -1,11 +1,15 @@
 """The trial planner: ``plan_trial(seed, trial, layouts)`` is a pure function (no clock, no global random state,
 no environment), so ``deadpool chaos --seed S --trial T`` replays exactly the scenario a campaign ran.
 
-Coverage: the fault of trial ``t`` is the catalogue entry at ``(offset(seed) + t) mod len(catalogue)`` (skipping
-entries none of the chosen layouts can take), so any ``len(FAULTS)`` consecutive trials cover every fault the
-layouts support. Everything else (layout, victim, step, signal, which copy) is drawn from a generator seeded by
-the string ``"deadpool-chaos/<seed>/<trial>"`` (string seeds are hashed with SHA-512 by :mod:`random`, so the
-draw does not depend on PYTHONHASHSEED).
+Coverage: the fault of trial ``t`` is the catalogue entry at ``(offset(seed) + t) mod n`` (``n`` faults: the
+catalogue less entries none of the chosen layouts can take), so any ``n`` consecutive trials cover every fault the
+layouts support. The layout is entry ``(t // n + t mod n) mod c`` of the ``c`` chosen layouts that can take the
+fault (planner 2, the default), so trials ``0 .. n * len(layouts) - 1`` run every fault on every layout that takes
+it. Planner 1 (``--planner 1``) used ``(t // n + t) mod c``, which with 11 faults and 4 layouts puts each fault on
+one layout only; it is kept so that trials recorded under it (``chaos_200``) replay exactly.
+Everything else (victim, step, signal, which copy) is drawn from a generator seeded by the string
+``"deadpool-chaos/<seed>/<trial>"`` (string seeds are hashed with SHA-512 by :mod:`random`, so the draw does not
+depend on PYTHONHASHSEED).
 """
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from typing import Any
 
 from .catalogue import DEFAULT_LAYOUTS, FAULTS, LAYOUTS, TIER3_FAULTS, Action, Fault, Layout, Trigger
 
+PLANNERS = (1, 2)
+"""Layout-rotation rules (see the module docstring); the default is the last."""
+DEFAULT_PLANNER = PLANNERS[-1]
 SAVE_INTERVAL = 2
 """Tier-3 base interval of the relaunch trials (steps)."""
 
@@ -41,6 +48,8 @@ class Scenario:
     """The campaign's layouts and ..."""
     only: tuple[str, ...] = ()
     """... its fault filter (empty: the whole catalogue): both are needed to replay the trial."""
+    planner: int = DEFAULT_PLANNER
+    """The layout-rotation rule the trial was planned with."""
 
     def describe(self) -> str:
         return "; ".join(a.describe() for a in self.actions)
@@ -48,12 +57,14 @@ class Scenario:
     def reproduce(self) -> str:
         cmd = (f"deadpool chaos --seed {self.seed} --trial {self.trial} "
                f"--layouts {','.join(self.layouts or [self.layout])}")
-        return cmd + (f" --faults {','.join(self.only)}" if self.only else "")
+        cmd += f" --faults {','.join(self.only)}" if self.only else ""
+        return cmd + (f" --planner {self.planner}" if self.planner != DEFAULT_PLANNER else "")
 
     def to_json(self) -> dict:
         return {"seed": self.seed, "trial": self.trial, "layout": self.layout, "fault": self.fault.value,
                 "iters": self.iters, "spares": self.spares, "save_interval": self.save_interval,
-                "relaunch": self.relaunch, "expect_swaps": self.expect_swaps, "description": self.describe(),
+                "relaunch": self.relaunch, "expect_swaps": self.expect_swaps, "planner": self.planner,
+                "description": self.describe(),
                 "reproduce": self.reproduce()}
 
 
@@ -75,11 +86,13 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 
 
 def plan_trial(seed: int, trial: int, layouts: Sequence[str] = DEFAULT_LAYOUTS,
-               faults: Sequence[Fault] | None = None) -> Scenario:
+               faults: Sequence[Fault] | None = None, planner: int = DEFAULT_PLANNER) -> Scenario:
     """The scenario of trial ``trial`` of the campaign seeded ``seed`` over ``layouts`` (and, if given, only the
-    catalogue entries ``faults``)."""
+    catalogue entries ``faults``), with layout-rotation rule ``planner``."""
     _check_int("seed", seed, 0)
     _check_int("trial", trial, 0)
+    if planner not in PLANNERS:
+        raise ValueError(f"planner must be one of {list(PLANNERS)}, got {planner!r}")
     names = check_layouts(layouts)
     catalogue = FAULTS if faults is None else tuple(Fault(f) for f in faults)
     if not catalogue:
@@ -89,18 +102,20 @@ def plan_trial(seed: int, trial: int, layouts: Sequence[str] = DEFAULT_LAYOUTS,
         raise ValueError(f"none of the faults {[f.value for f in catalogue]} can run on layouts {list(names)}")
     offset = random.Random(f"deadpool-chaos/{seed}").randrange(len(usable))
     fault = usable[(offset + trial) % len(usable)]
-    # Layouts rotate too (independently of the faults), so a campaign spreads over all of them.
+    # Layouts rotate too: one step per cycle through the faults, so each fault meets every layout that takes it.
     candidates = [n for n in names if fault in LAYOUTS[n].faults]
-    layout = LAYOUTS[candidates[(trial // len(usable) + trial) % len(candidates)]]
+    turn = trial // len(usable) + (trial if planner == 1 else trial % len(usable))
+    layout = LAYOUTS[candidates[turn % len(candidates)]]
     rng = random.Random(f"deadpool-chaos/{seed}/{trial}")
     sc = _expand(seed, trial, layout, fault, rng)
-    return replace(sc, layouts=names, only=() if faults is None else tuple(f.value for f in catalogue))
+    return replace(sc, layouts=names, only=() if faults is None else tuple(f.value for f in catalogue),
+                   planner=planner)
 
 
 def plan_campaign(seed: int, trials: int, layouts: Sequence[str] = DEFAULT_LAYOUTS,
-                  faults: Sequence[Fault] | None = None) -> list[Scenario]:
+                  faults: Sequence[Fault] | None = None, planner: int = DEFAULT_PLANNER) -> list[Scenario]:
     _check_int("trials", trials, 1)
-    return [plan_trial(seed, t, layouts, faults) for t in range(trials)]
+    return [plan_trial(seed, t, layouts, faults, planner) for t in range(trials)]
 
 
 def _expand(seed: int, trial: int, layout: Layout, fault: Fault, rng: random.Random) -> Scenario:

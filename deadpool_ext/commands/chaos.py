@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layouts", default="zero1,zero2,zero3,megatron",
                    help="comma-separated: zero1, zero2, zero3 (DeepSpeed), megatron (TP2)")
     p.add_argument("--faults", default=None, help="comma-separated subset of the catalogue (default: all)")
+    p.add_argument("--planner", type=int, default=None, metavar="N",
+                   help="layout-rotation rule of a single-host campaign: 2 (default) runs every fault on every "
+                        "layout within 11 x layouts trials; 1 replays trials recorded under the old rule")
     p.add_argument("--workdir", default=None, help="where jobs write logs, metrics and timelines (default: a temp dir)")
     p.add_argument("--job-timeout-s", type=float, default=480.0, help="deadline of each job")
     p.add_argument("--plan-only", action="store_true", help="print the planned scenarios and exit")
@@ -91,6 +94,8 @@ def _run_bed(args: argparse.Namespace) -> int:
     from ..testing.hosts import missing_requirements
 
     try:
+        if args.planner is not None:
+            raise ValueError("--planner applies to single-host campaigns; the bed's planner has one rule")
         layouts = [s.strip() for s in args.layouts.split(",") if s.strip()]
         faults = _faults(args, HostFault)
         scenarios = [plan_host_trial(args.seed, t, layouts, faults) for t in _indices(args, 6)]
@@ -113,12 +118,13 @@ def run(args: argparse.Namespace) -> int:
     if args.bed:
         return _run_bed(args)
     from ..chaos.catalogue import Fault
-    from ..chaos.plan import check_layouts, plan_trial
+    from ..chaos.plan import DEFAULT_PLANNER, check_layouts, plan_trial
 
     try:
         layouts = check_layouts([s.strip() for s in args.layouts.split(",") if s.strip()])
         faults = _faults(args, Fault)
-        scenarios = [plan_trial(args.seed, t, layouts, faults) for t in _indices(args, 4)]
+        planner = DEFAULT_PLANNER if args.planner is None else args.planner
+        scenarios = [plan_trial(args.seed, t, layouts, faults, planner) for t in _indices(args, 4)]
         pieces = _pieces(args, "host")
     except ValueError as exc:
         print(f"deadpool chaos: {exc}", file=sys.stderr)

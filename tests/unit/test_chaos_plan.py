@@ -162,3 +162,23 @@ def test_checker_requires_a_report_only_for_a_corrupt_slot_whose_version_was_res
     v = run("restoring step 7: 2 rank(s) from own memory, 1 from peer replicas {0: 1}\n")
     assert not v.ok and any("never reported unusable" in p for p in v.problems)
     assert any("own (corrupt) memory" in p for p in v.problems)
+
+
+def test_planner_2_runs_every_fault_on_every_layout_that_takes_it():
+    for seed in range(10):
+        pairs = {(s.fault, s.layout) for s in plan_campaign(seed, len(FAULTS) * len(LAYOUTS))}
+        assert pairs == {(f, name) for name, lay in LAYOUTS.items() for f in FAULTS if f in lay.faults}, seed
+
+
+def test_planner_1_is_kept_for_recorded_trials():
+    # The flaw planner 2 fixes: with 11 faults over 4 layouts, planner 1 puts each fault on one layout only.
+    old = plan_campaign(200, 3 * len(FAULTS), planner=1)
+    assert len({(s.fault, s.layout) for s in old}) == len(FAULTS)
+    # A trial chaos_200.jsonl recorded under planner 1 (trial 0: zero1, in_replication) replays exactly ...
+    sc = plan_trial(200, 0, planner=1)
+    assert (sc.layout, sc.fault) == ("zero1", Fault.IN_REPLICATION)
+    assert sc.reproduce().endswith(" --planner 1") and sc.to_json()["planner"] == 1
+    # ... and the default planner's command needs no flag.
+    assert "--planner" not in plan_trial(200, 0).reproduce()
+    with pytest.raises(ValueError, match="planner must be one of"):
+        plan_trial(0, 0, planner=3)
