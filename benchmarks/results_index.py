@@ -143,6 +143,11 @@ CURRENT: tuple[Current, ...] = (
             "costs calibrated from this project's current results (each cost's source in simulate.md); "
             "Young/Daly checks.",
             companions=("simulate_goodput.png", "simulate_breakdown.png", "simulate_young_daly.png")),
+    Current("simulate_shrink", "simulate_shrink", "simulated goodput without spares: fail / wait / shrink",
+            "Simulated (not measured) goodput at 16,384 GPUs with 0, 4, 16 and 64 spare nodes when the pool runs "
+            "dry: the job stops (fail), waits for repaired nodes (wait) or goes on with fewer data-parallel "
+            "replicas and grows back (shrink); DeadPool hot-swap at fixed intervals, plus 16-node replicas and the "
+            "whole-job restart policies at 4 spares; seeds 0-2 x 20 trials x 30 days."),
     Current("REPORT", "report", "all of the above with figures",
             "Everything above in one page with figures, rendered from the current results by "
             "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,

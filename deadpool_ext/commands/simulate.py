@@ -9,6 +9,7 @@ DeadPool hot-swap and TierCheck tiers, each at its best intervals found by sweep
     deadpool simulate --gpus 16384                       # table + recommendation
     deadpool simulate --gpus 4096 --params-b 70 --iteration-s 4 --json
     deadpool simulate --params my_cluster.json --set costs.detect_s=60 --checks
+    deadpool simulate --spare-nodes 4 --no-spare-policy shrink --policies deadpool
 
 Precedence: defaults < measured results (unless --no-calibrate) < --params FILE < flags < --set.
 """
@@ -27,6 +28,12 @@ FLAGS = {
     "gpus": ("cluster.gpus", int, "GPUs in the job (default 16384)"),
     "gpus_per_node": ("cluster.gpus_per_node", int, "GPUs per node (default 8)"),
     "spare_nodes": ("cluster.spare_nodes", int, "spare nodes (default: 1%% of the nodes, at least 1)"),
+    "no_spare_policy": ("cluster.no_spare_policy", str,
+                        "what the job does when it needs a node and no spare is left, as deadpool-run's flag: wait "
+                        "(default) for a repaired node; fail: the job stops, only the persistent tier counts; "
+                        "shrink: the survivors go on with fewer data-parallel replicas (reshard from memory, "
+                        "throughput in proportion) and grow back when a node returns; nodes per replica: "
+                        "--set cluster.shrink_unit_nodes=N"),
     "params_b": ("workload.params_b", float, "model parameters in billions (default 405)"),
     "iteration_s": ("workload.iteration_s", float, "seconds per iteration (default 6)"),
     "storage_write_gbs": ("bandwidth.storage_write_gbs", float, "aggregate storage write GB/s (default 2000)"),
@@ -40,8 +47,14 @@ FLAGS = {
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..sim.params import NO_SPARE_POLICIES
+
+    # The flag takes any string: an unknown value is rejected by the parameter check, with the one message
+    # --set and --params give.
+    metavars = {"no_spare_policy": "{" + ",".join(NO_SPARE_POLICIES) + "}"}
     for name, (_, typ, help_) in FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_)
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None, help=help_,
+                       metavar=metavars.get(name))
     p.add_argument("--params", metavar="JSON", help="parameters file: {section: {key: value}} (see docs/simulator.md)")
     p.add_argument("--set", metavar="SECTION.KEY=VALUE", action="append", default=[],
                    help="override any parameter, e.g. --set failure.cluster_outage_per_day=0 (repeatable)")

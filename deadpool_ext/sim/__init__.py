@@ -7,6 +7,7 @@ Pure Python (no torch). Modules, in dependency order:
 * :mod:`.calibration` fixed costs taken from this project's measured benchmark results
 * :mod:`.failures`    seeded failure traces (Poisson, per-kind), shared by all policies
 * :mod:`.policies`    restart from storage (sync/async), Gemini, DeadPool hot-swap, TierCheck
+* :mod:`.elastic`     shrink and grow: the cost of running on fewer data-parallel replicas (no spare left)
 * :mod:`.engine`      the discrete-event engine: one trial of one policy on one trace
 * :mod:`.analytic`    Young / Daly closed forms
 * :mod:`.sweep`       Monte Carlo summaries and the interval search

@@ -36,6 +36,9 @@ class Derived:
     detect_s: float
     restart_s: float
     """Whole-job relaunch up to loading state: scheduler + start-up."""
+    startup_s: float
+    """Process start-up alone (no scheduler): what the survivors pay to restart at a new world size (shrink and
+    grow, :mod:`deadpool_ext.sim.elastic`)."""
     hotswap_fixed_s: float
     restore_fixed_s: float
     replay_s_per_diff: float
@@ -47,6 +50,10 @@ class Derived:
     node_repair_s: float
     node_reboot_s: float
     host_memory_bytes: float
+    no_spare_policy: str
+    """``fail``, ``wait`` or ``shrink``: what the engine does when a node is needed and the pool is empty."""
+    shrink_unit_nodes: int
+    """Nodes per data-parallel replica (the unit a shrink removes)."""
 
     @property
     def snapshot_background_s(self) -> float:
@@ -73,8 +80,9 @@ def derive(p: Params) -> Derived:
         peer_fetch_s=node_bytes / (b.peer_network_gbs * GB),
         interference_s=(k.snapshot_overhead_ratio - 1.0) * w.iteration_s,
         persist_interference_s=(k.persist_overhead_ratio - 1.0) * w.iteration_s, detect_s=k.detect_s,
-        restart_s=k.scheduler_s + k.startup_s, hotswap_fixed_s=k.hotswap_fixed_s,
+        restart_s=k.scheduler_s + k.startup_s, startup_s=k.startup_s, hotswap_fixed_s=k.hotswap_fixed_s,
         restore_fixed_s=k.restore_fixed_s, replay_s_per_diff=k.replay_s_per_diff, diff_fraction=w.diff_fraction,
         failure_rate_per_s=f.rate_per_gpu_hour * c.gpus / 3600.0, node_lost_fraction=f.node_lost_fraction,
         outage_rate_per_s=f.cluster_outage_per_day / 86_400.0, node_repair_s=c.node_repair_h * 3600.0,
-        node_reboot_s=c.node_reboot_s, host_memory_bytes=c.host_memory_gb * GB)
+        node_reboot_s=c.node_reboot_s, host_memory_bytes=c.host_memory_gb * GB,
+        no_spare_policy=c.no_spare_policy, shrink_unit_nodes=c.shrink_unit_nodes)

@@ -9,15 +9,23 @@ Training between events is not simulated iteration by iteration (a 30-day run ha
 trial): a running *segment* maps wall time to completed iterations in closed form from the policy's tracks,
 and the newest committed version of each track at a failure time is computed from the same map.
 
-Job states: RUNNING -> (failure) -> WAITING for a node from the pool, if the policy needs one and none is
-free -> RECOVERING (detect, restart or rebuild, load, replay) -> RUNNING. A failure during WAITING or
+Job states: RUNNING -> (failure) -> RECOVERING (detect, restart or rebuild, load, replay) -> RUNNING. When the
+policy needs a node and the pool is empty, ``cluster.no_spare_policy`` decides: ``wait``: WAITING for the next
+repaired node, then RECOVERING; ``fail``: STOPPED for the rest of the horizon, back at the newest persistent
+version (the launcher stops the job and drops its memory; a resubmission would load from storage); ``shrink``:
+the failed node's data-parallel replica leaves the job (its healthy nodes join the pool), the recovery is priced
+by :func:`~deadpool_ext.sim.elastic.shrink`, and iterations take ``replicas / live`` times as long until a
+repaired node lets the job grow back (:func:`~deadpool_ext.sim.elastic.grow`, a planned recovery at once;
+failures of the slots that are out of the job do not touch it). A failure during WAITING or
 RECOVERING starts the recovery over, escalated to the worst failure seen (memory lost > node lost >
 transient). Memory of a lost node exists only as its peer's replica until the recovery has re-replicated it;
 losing that peer in the window loses the node's in-memory state (fallback to storage).
 
 Time is accounted into categories that sum to the horizon (checked by the tests): useful, overhead (step time
 added by checkpoints), rework (iterations computed and then rolled back, plus the partial iteration a failure
-interrupts), the recovery phases, wait, and unfinished (the partial iteration at the horizon).
+or a grow interrupts), the recovery phases, wait, shrunk (the step time added by running on fewer replicas:
+useful counts each iteration at its full-size time), stopped (after ``fail``) and unfinished (the partial
+iteration at the horizon).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import elastic
 from .costs import Derived
 from .failures import Failure, FailureKind
 from .policies import PHASES, Policy, Track
@@ -33,7 +42,7 @@ from .policies import PHASES, Policy, Track
 # Event kinds and their priority at equal times (lower first).
 REPAIR, RECOVERY_DONE, FAILURE, END = "repair", "recovery_done", "failure", "end"
 PRIORITY = {REPAIR: 0, RECOVERY_DONE: 1, FAILURE: 2, END: 3}
-CATEGORIES = ("useful", "overhead", "rework", *PHASES, "unfinished")
+CATEGORIES = ("useful", "overhead", "rework", *PHASES, "shrunk", "stopped", "unfinished")
 
 
 @dataclass(order=True, frozen=True, slots=True)
@@ -116,6 +125,14 @@ class TrialResult:
     waits: int
     """Recoveries that had to wait for a node because the spare pool was empty."""
     iterations: int
+    shrinks: int = 0
+    """Replicas that left the job for want of a spare (``shrink``)."""
+    grows: int = 0
+    """Replicas that came back (``shrink``)."""
+    capacity: float = 1.0
+    """Time-average fraction of the replicas in the job; goodput cannot exceed it."""
+    stopped_s: float | None = None
+    """When the job stopped for want of a spare (``fail``); None: it did not."""
 
 
 _SEVERITY = {FailureKind.TRANSIENT: 0, FailureKind.NODE_LOST: 1, FailureKind.CLUSTER: 2}
@@ -137,7 +154,13 @@ class _Trial:
         self.progress = 0
         self.mode = "running"
         self.seg = Segment(0.0, 0, self.tracks, d.iteration_s)
-        self.mark = 0.0                      # when the current WAITING / RECOVERING state began
+        self.unit, self.replicas = d.shrink_unit_nodes, elastic.replicas(d)
+        self.out: list[int] = []             # replicas out of the job (shrink), oldest first
+        self.resized = False                 # the current recovery changes the world size
+        self.shrinks = self.grows = 0
+        self.stopped_at: float | None = None
+        self.cap_s = self.cap_t = 0.0        # integral of the live fraction up to cap_t
+        self.mark = 0.0                      # when the current WAITING / RECOVERING / STOPPED state began
         self.token = 0                       # identifies the live RECOVERY_DONE event
         self.needed = 0                      # nodes the job still waits for
         self.kind: FailureKind | None = None  # worst failure of the current recovery
@@ -154,6 +177,7 @@ class _Trial:
             if v is not None:
                 self.versions[tr.name] = v
         self.acc["useful"] += n * self.d.iteration_s  # provisional: rolled-back iterations move to rework
+        self.acc["shrunk"] += n * (self.seg.it - self.d.iteration_s)
         self.acc["overhead"] += self.seg.overhead(n)
         self.acc["rework" if t < self.horizon else "unfinished"] += dt - self.seg.wall(n)
         self.progress = self.seg.n0 + n
@@ -170,6 +194,15 @@ class _Trial:
             left -= spent
         self.acc["load"] += max(0.0, left)  # float rounding only
 
+    @property
+    def live(self) -> int:
+        return self.replicas - len(self.out)
+
+    def _capacity(self, t: float) -> None:
+        """Integrate the live fraction up to ``t``; call before the number of live replicas changes."""
+        self.cap_s += (t - self.cap_t) * self.live / self.replicas
+        self.cap_t = t
+
     def _rollback(self, version: int) -> None:
         if version < self.progress:
             lost = (self.progress - version) * self.d.iteration_s
@@ -179,6 +212,8 @@ class _Trial:
 
     # -- events ------------------------------------------------------------------------------------------
     def on_failure(self, t: float, f: Failure) -> None:
+        if self.mode == "stopped" or (f.node >= 0 and f.node // self.unit in self.out):
+            return  # no job left, or a slot that is out of the job (its healthy nodes idle as spares)
         self.failures += 1
         if self.mode == "running":
             self._close_segment(t)
@@ -200,8 +235,14 @@ class _Trial:
             self.q.push(t + back, REPAIR)
             self.needed += 1
         self._take_nodes()
+        if self.needed and self.d.no_spare_policy == "fail":
+            self._stop(t)
+            return
+        if self.needed and self.d.no_spare_policy == "shrink" and self.live > 1:
+            self._shrink(t, f.node // self.unit)
         kind = FailureKind.CLUSTER if not self.memory_ok else self.kind
-        self.restore_plan = self.policy.restore(self.d, kind, self.versions, self.memory_ok)
+        plan = self.policy.restore(self.d, kind, self.versions, self.memory_ok)
+        self.restore_plan = elastic.shrink(plan, self.d, self.live) if self.resized else plan
         self._rollback(self.restore_plan.version)
         self.mark = t
         if self.needed:
@@ -216,6 +257,37 @@ class _Trial:
         self.pool -= take
         self.needed -= take
 
+    def _shrink(self, t: float, replica: int) -> None:
+        """The failed node's replica leaves the job; its other nodes are healthy and become spares."""
+        self._capacity(t)
+        self.out.append(replica)
+        self.needed -= 1
+        self.pool += self.unit - 1
+        self.shrinks += 1
+        self.resized = True
+        self._take_nodes()
+
+    def _maybe_grow(self, t: float) -> None:
+        """A running, shrunk job grows back, by every replica the pool can fill, as soon as it can fill one (a
+        recovery in progress finishes first)."""
+        back = min(len(self.out), self.pool // self.unit)
+        if self.mode != "running" or not back:
+            return
+        self._close_segment(t)  # the iteration in flight is redone
+        self._capacity(t)
+        self.pool -= back * self.unit
+        del self.out[:back]
+        self.grows += back
+        self.resized = True
+        self.restore_plan = elastic.grow(self.d, self.progress, self.live)
+        self._start_recovery(t)
+
+    def _stop(self, t: float) -> None:
+        """``fail``: the job ends here; what counts is what the persistent tier holds."""
+        self._rollback(max((self.versions[tr.name] for tr in self.tracks if tr.durable), default=0))
+        self._capacity(t)  # no replica is in the job from here on
+        self.mode, self.mark, self.stopped_at = "stopped", t, t
+
     def _start_recovery(self, t: float) -> None:
         self.mode, self.mark = "recovering", t
         self.token += 1
@@ -228,13 +300,15 @@ class _Trial:
             if not self.needed:
                 self.acc["wait"] += t - self.mark
                 self._start_recovery(t)
+        self._maybe_grow(t)
 
     def on_recovery_done(self, t: float, token: int) -> None:
         if self.mode != "recovering" or token != self.token:
             return  # superseded by a failure during the recovery
         self._close_recovery(t)
         plan = self.restore_plan
-        self.restores[plan.source] += 1
+        if plan.source in self.restores:
+            self.restores[plan.source] += 1
         if plan.source == "storage":
             # Memory tiers start again from the reloaded state.
             for name in self.memory_names:
@@ -244,7 +318,9 @@ class _Trial:
         window = max((tr.interval * self.d.iteration_s + tr.latency_s for tr in memory), default=0.0)
         self.exposed = {n: t + window for n, u in self.exposed.items() if u > t}
         self.mode, self.kind, self.memory_ok, self.restore_plan = "running", None, True, None
-        self.seg = Segment(t, self.progress, self.tracks, self.d.iteration_s)
+        self.resized = False
+        self.seg = Segment(t, self.progress, self.tracks, elastic.iteration_s(self.d, self.live))
+        self._maybe_grow(t)
 
     def on_end(self, t: float) -> None:
         if self.mode == "running":
@@ -252,7 +328,9 @@ class _Trial:
         elif self.mode == "recovering":
             self._close_recovery(t)
         else:
-            self.acc["wait"] += t - self.mark
+            self.acc["stopped" if self.mode == "stopped" else "wait"] += t - self.mark
+        if self.mode != "stopped":
+            self._capacity(t)
 
 
 def run_trial(policy: Policy, d: Derived, trace: list[Failure], horizon_s: float) -> TrialResult:
@@ -274,4 +352,5 @@ def run_trial(policy: Policy, d: Derived, trace: list[Failure], horizon_s: float
         else:
             s.on_recovery_done(ev.time_s, ev.payload)
     return TrialResult(goodput=s.acc["useful"] / horizon_s, breakdown=dict(s.acc), failures=s.failures,
-                       restores=dict(s.restores), waits=s.waits, iterations=s.progress)
+                       restores=dict(s.restores), waits=s.waits, iterations=s.progress, shrinks=s.shrinks,
+                       grows=s.grows, capacity=s.cap_s / horizon_s, stopped_s=s.stopped_at)

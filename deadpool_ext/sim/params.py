@@ -33,6 +33,9 @@ LLAMA3_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24.0 * LLAMA3_G
 
 GB = 1e9
 
+NO_SPARE_POLICIES = ("fail", "wait", "shrink")
+"""What the job does when it needs a node and the spare pool is empty (the launcher's ``--no-spare-policy``)."""
+
 
 class SimParamError(ValueError):
     """A simulator parameter is missing, unknown or out of range; the message names ``section.key``."""
@@ -92,6 +95,15 @@ class Cluster:
     """Seconds until a node that only had a transient fault is back in the pool (hot-swap fences it; assumption)."""
     host_memory_gb: float = 2048.0
     """Host memory per node (GB) for the feasibility check of in-memory tiers (DGX H100: 2 TB)."""
+    no_spare_policy: str = "wait"
+    """When the job needs a node and the pool is empty (deadpool-run ``--no-spare-policy``): ``wait`` for the
+    next repaired one; ``fail``: the job stops for the rest of the horizon and keeps only what the persistent tier
+    holds; ``shrink``: the survivors go on with fewer data-parallel replicas (throughput in proportion) and grow
+    back when a node returns. Default ``wait``: what the results before shrink existed were computed with."""
+    shrink_unit_nodes: int = 1
+    """Nodes per data-parallel replica, the unit a shrink removes: 1 = fully sharded data parallel (a node holds
+    whole data-parallel ranks); with tensor x pipeline parallel spanning r nodes, losing one node idles its
+    replica, whose r - 1 healthy nodes join the spare pool. ``nodes`` must be a multiple."""
 
     def __post_init__(self) -> None:
         _num("cluster", "gpus_per_node", self.gpus_per_node, lo=1, hi=1024, integer=True)
@@ -108,6 +120,13 @@ class Cluster:
         _num("cluster", "node_repair_h", self.node_repair_h, lo=0.0, hi=24.0 * 365)
         _num("cluster", "node_reboot_s", self.node_reboot_s, lo=0.0, hi=86_400.0 * 30)
         _num("cluster", "host_memory_gb", self.host_memory_gb, lo=0.0, lo_open=True)
+        if self.no_spare_policy not in NO_SPARE_POLICIES:
+            raise SimParamError(f"cluster.no_spare_policy: must be one of {', '.join(NO_SPARE_POLICIES)}, got "
+                                f"{self.no_spare_policy!r}")
+        _num("cluster", "shrink_unit_nodes", self.shrink_unit_nodes, lo=1, hi=1_000_000, integer=True)
+        if self.nodes % self.shrink_unit_nodes or self.nodes // self.shrink_unit_nodes < 2:
+            raise SimParamError(f"cluster.shrink_unit_nodes: must divide the {self.nodes} nodes into at least 2 "
+                                f"replicas, got {self.shrink_unit_nodes}")
 
     @property
     def nodes(self) -> int:

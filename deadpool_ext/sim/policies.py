@@ -180,8 +180,8 @@ class MemoryRestart(Policy):
 class HotSwap(Policy):
     """DeadPool: snapshots every ``memory_interval`` iterations (ping-pong slots + a peer replica); a failed
     node is replaced by a spare while the survivors keep their processes (communicator rebuild), the spare
-    fetches the lost state from the peer. No spare: the engine waits for one. Memory lost: whole-job restart
-    from storage (written in the background every ``persist_interval``)."""
+    fetches the lost state from the peer. No spare: the engine waits, stops or shrinks (``cluster.no_spare_policy``).
+    Memory lost: whole-job restart from storage (written in the background every ``persist_interval``)."""
 
     memory_interval: int
     persist_interval: int

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-LOST = ("overhead", "rework", "detect", "wait", "restart", "load", "replay")
+LOST = ("overhead", "rework", "detect", "wait", "restart", "load", "replay", "shrunk", "stopped")
+NO_SPARE_COLUMN = {"wait": ("wait", "wait for node"), "shrink": ("shrunk", "shrunk (fewer replicas)"),
+                   "fail": ("stopped", "stopped (no spare)")}
+"""The table column of what the job lost when the pool was empty, per ``cluster.no_spare_policy``."""
 
 DESCRIPTIONS = {
     "ckpt_sync": "persistent checkpoint, step waits for the write; restart the job",
@@ -28,8 +31,13 @@ def _dur(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
+def _no_spare(rep: dict[str, Any]) -> tuple[str, str]:
+    return NO_SPARE_COLUMN[rep["params"]["cluster"].get("no_spare_policy", "wait")]
+
+
 def _rows(rep: dict[str, Any]) -> list[list[str]]:
     it = rep["params"]["workload"]["iteration_s"]
+    lost = _no_spare(rep)[0]
     rows = []
     for name, s in rep["policies"].items():
         b = s["breakdown"]
@@ -37,7 +45,7 @@ def _rows(rep: dict[str, Any]) -> list[list[str]]:
         r = s["restores_mean"]
         rows.append([name, _intervals(s["intervals"], it), f"{s['goodput_mean']:.4f}", f"{s['goodput_std']:.4f}",
                      f"[{s['goodput_p5']:.4f}, {s['goodput_p95']:.4f}]", f"{100 * b['overhead']:.2f}%",
-                     f"{100 * b['rework']:.2f}%", f"{100 * recovery:.2f}%", f"{100 * b['wait']:.2f}%",
+                     f"{100 * b['rework']:.2f}%", f"{100 * recovery:.2f}%", f"{100 * b.get(lost, 0.0):.2f}%",
                      f"{r['local']:.0f}/{r['peer']:.0f}/{r['storage']:.1f}",
                      "" if s["fits_memory"] else "does not fit host memory"])
     return rows
@@ -47,13 +55,21 @@ HEADERS = ["policy", "best intervals (iterations)", "goodput", "sd", "[p5, p95]"
            "recovery", "wait for node", "restores local/peer/storage", "note"]
 
 
+def headers(rep: dict[str, Any]) -> list[str]:
+    """:data:`HEADERS` with the no-spare column named for the report's ``cluster.no_spare_policy``."""
+    return [_no_spare(rep)[1] if h == "wait for node" else h for h in HEADERS]
+
+
 def header_lines(rep: dict[str, Any]) -> list[str]:
     p, d = rep["params"], rep["derived"]
     c, w, f, sim = p["cluster"], p["workload"], p["failure"], p["sim"]
     outage = f["cluster_outage_per_day"]
+    policy = c.get("no_spare_policy", "wait")
+    unit = c.get("shrink_unit_nodes", 1)
     return [
         f"cluster: {c['gpus']:,} GPUs = {d['nodes']:,} nodes x {c['gpus_per_node']}, {d['spares']} spare node(s), "
-        f"repair {c['node_repair_h']:g} h",
+        f"repair {c['node_repair_h']:g} h; no spare left: {policy}"
+        + (f" ({unit} nodes per data-parallel replica)" if policy == "shrink" and unit > 1 else ""),
         f"model: {w['params_b']:g}B parameters x {w['state_bytes_per_param']:g} B = "
         f"{w['params_b'] * w['state_bytes_per_param'] / 1000:.2f} TB "
         f"of state, {d['node_bytes'] / 1e9:.2f} GB per node; iteration {w['iteration_s']:g} s",
@@ -77,9 +93,10 @@ def recommendation_line(rep: dict[str, Any]) -> str:
 
 def text_report(rep: dict[str, Any]) -> str:
     rows = _rows(rep)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(HEADERS)]
+    heads = headers(rep)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = header_lines(rep) + ["", fmt.format(*HEADERS), fmt.format(*("-" * w for w in widths))]
+    lines = header_lines(rep) + ["", fmt.format(*heads), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r) for r in rows]
     a = rep["analytic"]
     lines += ["", recommendation_line(rep),
@@ -96,7 +113,8 @@ def markdown_table(rep: dict[str, Any]) -> str:
     def cell(v: str) -> str:
         return v.replace("|", "\\|")
 
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "|".join("---" for _ in HEADERS) + "|"]
+    heads = headers(rep)
+    lines = ["| " + " | ".join(heads) + " |", "|" + "|".join("---" for _ in heads) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in _rows(rep)]
     return "\n".join(lines)
 

@@ -40,6 +40,14 @@ class Summary:
     memory_bytes_per_node: float
     fits_memory: bool
     trials: int
+    shrinks_mean: float = 0.0
+    """Replicas that left the job per trial (``cluster.no_spare_policy = shrink``)."""
+    capacity_mean: float = 1.0
+    """Mean time-average fraction of the replicas in the job (an upper bound on goodput)."""
+    stopped_share: float = 0.0
+    """Share of the trials in which the job stopped for want of a spare (``fail``)."""
+    stopped_day_mean: float | None = None
+    """Mean day on which those trials stopped; None when none did."""
     extra: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -71,6 +79,7 @@ class Evaluator:
         n = len(results)
         breakdown = {c: sum(r.breakdown[c] for r in results) / n / self.horizon_s for c in CATEGORIES}
         mem = policy.memory_bytes_per_node(self.d)
+        stops = [r.stopped_s / 86_400.0 for r in results if r.stopped_s is not None]
         return Summary(
             policy=policy.name, intervals=policy.intervals(), goodput_mean=statistics.fmean(goodputs),
             goodput_std=statistics.pstdev(goodputs) if n > 1 else 0.0, goodput_p5=_pct(goodputs, 0.05),
@@ -78,7 +87,9 @@ class Evaluator:
             failures_mean=sum(r.failures for r in results) / n,
             restores_mean={k: sum(r.restores[k] for r in results) / n for k in ("local", "peer", "storage")},
             waits_mean=sum(r.waits for r in results) / n, memory_bytes_per_node=mem,
-            fits_memory=mem <= self.d.host_memory_bytes, trials=n)
+            fits_memory=mem <= self.d.host_memory_bytes, trials=n, shrinks_mean=sum(r.shrinks for r in results) / n,
+            capacity_mean=statistics.fmean(r.capacity for r in results), stopped_share=len(stops) / n,
+            stopped_day_mean=statistics.fmean(stops) if stops else None)
 
 
 def _iters(seconds: float, iteration_s: float, cap: int) -> int:
