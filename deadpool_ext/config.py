@@ -250,6 +250,28 @@ class PersistConfig:
             _fail("when_busy", f"must be one of skip, wait; got {_show(self.when_busy)}")
 
 
+NO_SPARE_POLICIES = ("fail", "wait", "shrink")
+
+
+@dataclass(kw_only=True, slots=True)
+class ElasticConfig:
+    """What happens when a node is lost and no spare is left (docs/elastic.md)."""
+
+    no_spare_policy: str | None = None
+    """``fail`` (stop the job), ``wait`` (for a spare, ``--spare-wait-s``) or ``shrink`` (continue on fewer
+    data-parallel ranks, the state resharded from memory). Unset: ``deadpool-run --no-spare-policy`` decides
+    (default ``fail``); set, it is what deadpool-run does unless its flag is given explicitly."""
+    allow_batch_change: bool = False
+    """A shrink keeps the global batch size by raising gradient accumulation; where that cannot be exact
+    (the global batch is not a multiple of micro batch x the new data-parallel size) it is refused, unless this
+    is true: then micro batch and accumulation stay and the global batch changes (logged)."""
+
+    def __post_init__(self) -> None:
+        if self.no_spare_policy is not None and self.no_spare_policy not in NO_SPARE_POLICIES:
+            _fail("no_spare_policy",
+                  f"must be one of {', '.join(NO_SPARE_POLICIES)}; got {_show(self.no_spare_policy)}")
+
+
 @dataclass(kw_only=True, slots=True)
 class DeadpoolConfig:
     """The whole ``"deadpool"`` section."""
@@ -274,6 +296,7 @@ class DeadpoolConfig:
     hot_swap: HotSwapConfig = field(default_factory=HotSwapConfig)
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     persist: PersistConfig = field(default_factory=PersistConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not (isinstance(self.job_id, str)

@@ -8,9 +8,12 @@ the product's own code.
 Points, who fires them, and with which keyword arguments:
 
 - ``AFTER_STEP`` (every rank, main thread, after each optimizer step and its snapshot hook, before the next
-  step): ``step`` (the optimizer-step counter after the step), ``rank`` (global rank).
+  step): ``step`` (the optimizer-step counter after the step), ``rank`` (global rank), ``state`` (the rank's
+  :class:`~deadpool_ext.snapshot.state.RankStateAdapter`, read only).
 - ``BEFORE_RESTORE`` (every rank, main thread, before a memory-tier restore scans its buffers):
   ``generation`` (the hot-swap generation; 0 at job start), ``rank``.
+- ``AFTER_RESTORE`` (every rank, main thread, after a memory-tier restore put a version in place, before the
+  next step): ``generation``, ``rank``, ``version``, ``state`` (as for ``AFTER_STEP``).
 
 A callback may raise: the exception surfaces where the point was fired (e.g. out of ``engine.step()``),
 exactly as a failure there would.
@@ -22,7 +25,8 @@ from typing import Any
 
 AFTER_STEP = "after_step"
 BEFORE_RESTORE = "before_restore"
-POINTS = (AFTER_STEP, BEFORE_RESTORE)
+AFTER_RESTORE = "after_restore"
+POINTS = (AFTER_STEP, BEFORE_RESTORE, AFTER_RESTORE)
 
 _registry: dict[str, list[Callable[..., None]]] = {}
 

@@ -37,18 +37,22 @@ class Assignment:
     """Port of this generation's c10d store (a fresh one per generation, served by the launcher)."""
     master_addr: str = "127.0.0.1"
     """Address of that store: the coordinating launcher's --host."""
+    shrunk: tuple[str, ...] = ()
+    """Nodes this generation dropped without a replacement (elastic shrink): the world is smaller."""
 
     def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
                 "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced,
-                "master_port": self.master_port, "master_addr": self.master_addr}
+                "master_port": self.master_port, "master_addr": self.master_addr,
+                **({"shrunk": list(self.shrunk)} if self.shrunk else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Assignment:
         return cls(generation=int(d["generation"]), world_size=int(d["world_size"]),
                    ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
                    spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),
-                   master_port=int(d.get("master_port", 0)), master_addr=str(d.get("master_addr", "127.0.0.1")))
+                   master_port=int(d.get("master_port", 0)), master_addr=str(d.get("master_addr", "127.0.0.1")),
+                   shrunk=tuple(str(n) for n in d.get("shrunk", ())))
 
     def node_ranks(self, node: str) -> list[int]:
         return sorted(r for w, r in self.ranks.items() if self.nodes[w] == node)
@@ -100,3 +104,20 @@ def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: Abs
         replaced[node] = spare
     return Assignment(generation=current.generation + 1, world_size=current.world_size, ranks=ranks, nodes=nodes,
                       spares=tuple(spares), replaced=replaced)
+
+
+def shrink_failed(current: Assignment, failed_nodes: AbstractSet[str],
+                  dead_spares: AbstractSet[str] = frozenset()) -> Assignment:
+    """Next generation without the failed nodes (no spare left, ``--no-spare-policy shrink``): the survivors
+    keep their order and are renumbered ``0 .. M-1`` (a node's ranks stay consecutive), the world is M.
+
+    Raises :class:`NoSpareError` when no node would be left."""
+    failed = {n for n in failed_nodes if n in set(current.nodes.values())}
+    survivors = sorted((r, w) for w, r in current.ranks.items() if current.nodes[w] not in failed)
+    if not survivors:
+        raise NoSpareError(f"node(s) {sorted(failed)} failed and no node is left to shrink to")
+    ranks = {w: i for i, (_, w) in enumerate(survivors)}
+    nodes = {w: current.nodes[w] for _, w in survivors}
+    spares = tuple(s for s in current.spares if s not in dead_spares and s not in failed)
+    return Assignment(generation=current.generation + 1, world_size=len(ranks), ranks=ranks, nodes=nodes,
+                      spares=spares, shrunk=tuple(sorted(failed)))

@@ -221,7 +221,7 @@ class ResilientRuntime(ABC):
         progress.note_step(step)
         if protocol.caught_up(self._catch_up, step, self.rank, self._restored_version):
             self._catch_up = None
-        hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank)
+        hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank, state=self.adapter)
 
     # -- resume ---------------------------------------------------------------------------------------
     def resume(self, newer_than: int | None = None) -> int:
@@ -243,6 +243,10 @@ class ResilientRuntime(ABC):
         self._restored_version = version or 0
         if version is None:
             return self.step_counter()
+        from .. import hooks
+        from ..distributed import generation
+
+        hooks.fire(hooks.AFTER_RESTORE, generation=generation(), rank=self.rank, version=version, state=self.adapter)
         log.info("resumed from in-memory snapshot of %s %d in %.2f s%s", self.step_name, version,
                  time.perf_counter() - t0, "".join(f", {k} {v}" for k, v in extra.items()))
         return version
@@ -315,8 +319,11 @@ class ResilientRuntime(ABC):
         if self.snapshots is not None:
             self.snapshots.stop_worker(hc.teardown_timeout_s)
         self._abandon_step()
-        r = protocol.rejoin(hc, begun, in_place=True, build=lambda _a: self._rewire_snapshots(),
-                            resume=lambda _h: self.resume())
+        try:
+            r = protocol.rejoin(hc, begun, in_place=True, build=lambda _a: self._rewire_snapshots(),
+                                resume=lambda _h: self.resume())
+        except protocol.Resized as resized:
+            return self._recover_resized(begun, resized.assignment, old_rank)
         self._expect_catch_up(begun.failed_step + 1, r.restored_at)
         protocol.finish(begun, r, old_rank=old_rank, in_place=True)
         # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
@@ -328,11 +335,39 @@ class ResilientRuntime(ABC):
             log.debug("after the in-place recovery: %s", _memory_census())
         return self._handle()
 
+    def _recover_resized(self, begun: protocol.Begun, joined: Any, old_rank: int) -> Any:
+        """In-place path, but the next generation has another size (elastic shrink or grow): the framework's
+        objects are rebuilt by the factory on the new world, with live swappable groups on every rank, and the
+        new runtime's restore reshards the state from memory (``snapshot/reshard.py``)."""
+        hc = self.config.hot_swap
+        factory = self._factory
+        if factory is None:
+            raise RuntimeError(f"generation {joined.generation} has {joined.world_size} ranks (was "
+                               f"{begun.world_size}): resizing needs set_rebuild(factory)")
+        log.warning("generation %d: %d ranks (was %d): rebuilding the framework's objects on the new world, the "
+                    "state resharded from memory", joined.generation, joined.world_size, begun.world_size)
+        self._closed = True
+        self.adapter = None
+        self._release()
+        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True,
+                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), True),
+                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
+        self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
+        protocol.finish(begun, r, old_rank=old_rank, resized_from=begun.world_size)
+        return r.result
+
     def _expect_catch_up(self, step: int, since: float) -> None:
         """Write the ``caught_up`` timeline event once ``step`` is completed again (after a recovery)."""
         self._catch_up = (step, since)
 
     # -- misc -----------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Wait (bounded) for the snapshot in flight; its failure is raised (a recoverable one, when a peer was
+        lost during it). The loop calls this once its last step is done."""
+        if self.snapshots is not None:
+            with self.stoppable():
+                self.snapshots.wait_idle()
+
     def stats(self) -> dict[str, Any]:
         """Snapshot statistics; waits (bounded) for the in-flight snapshot so the counts are final."""
         if self.snapshots is None:

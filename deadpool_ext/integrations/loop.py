@@ -31,8 +31,16 @@ class ResilientLoop(Generic[H, R]):
         self._runtime, self._done, self._step, self._after_swap = runtime, done, step, after_swap
 
     def __iter__(self) -> Iterator[tuple[H, R]]:
-        while not self._done(self.handle):
+        while True:
             try:
+                if self._done(self.handle):
+                    # The last step's snapshot is drained here, inside the recovery scope: a peer lost while it
+                    # was replicated or committed is a failure like any other (recovered, the step redone if
+                    # the restored version is older), not an error at the end of a finished loop.
+                    rt = self._runtime(self.handle)
+                    if rt is not None:
+                        rt.drain()
+                    return
                 out = self._step(self.handle)
             except Exception as exc:
                 rt = self._runtime(self.handle)

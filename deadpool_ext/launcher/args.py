@@ -79,7 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank whose main thread stands still outside any collective while the others wait in one, "
                         "with no rank finishing a step for this long, is hung (alive but not training) and is fenced; "
                         "0 turns this detection off (the collective timeout remains)")
-    p.add_argument("--no-spare-policy", choices=["fail", "wait"], default="fail")
+    p.add_argument("--no-spare-policy", choices=["fail", "wait", "shrink"], default="fail",
+                   help="a node lost with no spare left: fail (stop the job), wait (--spare-wait-s for a spare) or "
+                        "shrink (continue on fewer data-parallel ranks, the state resharded from memory; "
+                        "docs/elastic.md)")
     p.add_argument("--spare-wait-s", type=float, default=60.0)
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--keep-memory-on-failure", action="store_true",

@@ -35,7 +35,14 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from ..cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
+from ..cluster.membership import (
+    Assignment,
+    NoSpareError,
+    Worker,
+    initial_assignment,
+    replace_failed,
+    shrink_failed,
+)
 from ..memory.shm import job_shm_dir
 from ..store.base import StoreAuthError, StoreError, parse_store_endpoints
 from . import contract
@@ -136,7 +143,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
         env = dict(os.environ)
         env.update(HotSwapEnv(store_url=self.store_url, token=self.token, job_id=self.job_id, worker_id=w.worker_id,
                               node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
-                              watch_s=self.args.watch_s, shm_root=self.args.shm_root).to_environ())
+                              watch_s=self.args.watch_s, shm_root=self.args.shm_root,
+                              no_spare_policy=self.args.no_spare_policy).to_environ())
         env.update({
             contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
@@ -503,7 +511,18 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
         while True:
             try:
                 return replace_failed(a, self.workers, failed_nodes, self.dead_spares)
-            except NoSpareError as exc:
+            except NoSpareError as no_spare:
+                exc: NoSpareError = no_spare
+                if self.args.no_spare_policy == "shrink":
+                    try:
+                        new = shrink_failed(a, failed_nodes, self.dead_spares)
+                    except NoSpareError as none_left:
+                        exc = none_left
+                    else:
+                        print(f"deadpool-run: {exc}; --no-spare-policy shrink: continuing without node(s) "
+                              f"{list(new.shrunk)} on {new.world_size} ranks (was {a.world_size}), the state "
+                              "resharded from memory", file=sys.stderr, flush=True)
+                        return new
                 if time.time() >= deadline:
                     msg = (f"{exc}. Policy --no-spare-policy={self.args.no_spare_policy}: stopping the job. "
                            "Restart it with --load from the persistent tier to resume.")

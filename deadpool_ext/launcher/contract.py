@@ -55,6 +55,8 @@ LAUNCHER_PID = "DEADPOOL_LAUNCHER_PID"
 HEARTBEAT_S = "DEADPOOL_HEARTBEAT_S"
 WATCH_S = "DEADPOOL_WATCH_S"
 SHM_ROOT = "DEADPOOL_SHM_ROOT"
+NO_SPARE_POLICY = "DEADPOOL_NO_SPARE_POLICY"
+"""deadpool-run's --no-spare-policy (fail, wait, shrink): with shrink, restores may reshard (docs/elastic.md)."""
 TIMELINE = "DEADPOOL_TIMELINE"
 """JSON-lines file the workers append recovery events to (``deadpool-run --timeline``)."""
 
@@ -62,6 +64,7 @@ LOG_LEVEL = "DEADPOOL_LOG_LEVEL"
 """deadpool-run's own log level (INFO by default); workers take theirs from the config's ``log_level``."""
 
 ROLES = ("active", "spare")
+NO_SPARE_POLICIES = ("fail", "wait", "shrink")
 
 
 class LaunchEnvError(ValueError):
@@ -82,11 +85,12 @@ class HotSwapEnv:
     heartbeat_s: float = 0.5
     watch_s: float = 0.5
     shm_root: str | None = None
+    no_spare_policy: str = "fail"
 
     def to_environ(self) -> dict[str, str]:
         env = {STORE: self.store_url, STORE_TOKEN: self.token, JOB_ID: self.job_id, WORKER_ID: self.worker_id,
                NODE: self.node, ROLE: self.role, LAUNCHER_PID: str(self.launcher_pid),
-               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s)}
+               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s), NO_SPARE_POLICY: self.no_spare_policy}
         if self.shm_root:
             env[SHM_ROOT] = self.shm_root
         return env
@@ -102,10 +106,14 @@ class HotSwapEnv:
         role = environ.get(ROLE, "active")
         if role not in ROLES:
             raise LaunchEnvError(f"{ROLE}={role!r}: allowed {list(ROLES)}")
+        policy = environ.get(NO_SPARE_POLICY, "fail")
+        if policy not in NO_SPARE_POLICIES:
+            raise LaunchEnvError(f"{NO_SPARE_POLICY}={policy!r}: allowed {list(NO_SPARE_POLICIES)}")
         return cls(store_url=url, token=environ[STORE_TOKEN], job_id=environ[JOB_ID],
                    worker_id=environ[WORKER_ID], node=environ[NODE], role=role,
                    launcher_pid=_int(environ, LAUNCHER_PID, 0), heartbeat_s=_float(environ, HEARTBEAT_S, 0.5),
-                   watch_s=_float(environ, WATCH_S, 0.5), shm_root=environ.get(SHM_ROOT) or None)
+                   watch_s=_float(environ, WATCH_S, 0.5), shm_root=environ.get(SHM_ROOT) or None,
+                   no_spare_policy=policy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -42,6 +42,8 @@ class Begun:
     generation: int
     failed_step: int
     noticed_at: float
+    world_size: int
+    """The world of the generation that failed (a generation of another size is a resize: elastic)."""
     cause: str
     """What stopped the step: ``"launcher_notice"`` (the launcher's notice of a new generation) or
     ``"collective_failed"`` (a collective with a lost peer raised); the ``recover`` event's ``cause``."""
@@ -116,12 +118,28 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
                                       exit=True)
     m.report_failure(gen, repr(exc))
     return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time(),
+                 world_size=m.assignment.world_size,
                  cause="launcher_notice" if noticed else "collective_failed")
 
 
+class Resized(Exception):
+    """In-place path: the next generation has another world size (an elastic shrink or grow), so the
+    communicators cannot be swapped beneath the framework's objects; the integration rebuilds them instead,
+    starting from this already-joined ``assignment``."""
+
+    def __init__(self, assignment: Assignment) -> None:
+        super().__init__(f"generation {assignment.generation} has {assignment.world_size} ranks")
+        self.assignment = assignment
+
+
 def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
-           release: Callable[[], None] = lambda: None, in_place: bool = False) -> Rejoined[T]:
+           release: Callable[[], None] = lambda: None, in_place: bool = False,
+           joined: Assignment | None = None, live_groups: bool = False) -> Rejoined[T]:
     """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
+
+    ``joined``: the first generation is already joined (the in-place path found it resized, :class:`Resized`);
+    ``live_groups``: its groups are built swappable and live on every rank (all ranks rebuild together, none
+    builds solo), so later failures swap in place again.
 
     ``release()`` drops framework state built on a generation that failed while forming (called before each
     teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised.
@@ -142,13 +160,17 @@ def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T],
     leave()
     min_gen = begun.generation + 1
     while True:
-        a = m.join(min_gen, timeout_s=hc.assignment_timeout_s)
+        a = joined if joined is not None else m.join(min_gen, timeout_s=hc.assignment_timeout_s)
+        joined = None
         t_assigned = time.time()
+        if in_place and a.world_size != begun.world_size:
+            raise Resized(a)
         try:
             if in_place:
                 swap_into(a, m.worker_id, hc.collective_timeout_s)
             else:
-                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s)
+                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s,
+                                   in_place=live_groups, solo=not live_groups)
             t_pg = time.time()
             result = build(a)
             t_engine = time.time()

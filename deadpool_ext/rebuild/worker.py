@@ -208,14 +208,15 @@ def _abort_nccl_groups(why: str) -> None:
 
 
 def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: float, *,
-                       in_place: bool = False) -> None:
+                       in_place: bool = False, solo: bool = True) -> None:
     """Build this process's default group for generation ``a``.
 
     ``in_place`` (``hot_swap.in_place``): the groups are swappable (``rebuild/swap.py``). A process that builds
     its first group in a generation after the first (a spare taking a node's place, or a worker whose first
     generation failed while forming) builds it *solo*: the survivors keep their framework objects and do not
     answer the collectives of an engine build, so the spare builds locally and goes live at its restore
-    (:func:`go_live_pending`)."""
+    (:func:`go_live_pending`). ``solo=False``: every rank rebuilds (an elastic resize), so the groups go live
+    at once."""
     global _pending_live
     rank = a.ranks[worker_id]
     _export_world(a, rank)
@@ -231,7 +232,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
         log.warning("hot_swap.in_place: not with %s; survivors rebuild their engine after a failure", why)
     if in_place and why is None:
         swap.use()
-        if a.generation > 0:
+        if a.generation > 0 and solo:
             swap.set_mode("solo")
             _pending_live = (a, worker_id, timeout_s)
             init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size, timeout=timeout)

@@ -471,10 +471,15 @@ class SnapshotManager(MemoryRestore):
                     f"{job.snap.version if job is not None else '?'} ({self._phase}), at {where}")
 
     def wait_idle(self) -> None:
-        if self._inflight is not None:
-            if not self._inflight.done.is_set():
+        """Wait (``replication.timeout_s`` at most) for the snapshot in flight, in short slices so that the
+        launcher's notice (``rebuild.interrupt``, inside an armed region) can stop the wait; raise its error."""
+        job = self._inflight
+        if job is not None:
+            if not job.done.is_set():
                 self.priority.boost()
-            self._inflight.done.wait(self.config.replication.timeout_s)
+            deadline = time.monotonic() + self.config.replication.timeout_s
+            while not job.done.wait(0.2) and time.monotonic() < deadline:
+                pass
         self._raise_worker_error()
 
     def close(self) -> None:

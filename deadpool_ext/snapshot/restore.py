@@ -114,6 +114,12 @@ class MemoryRestore:
     def restore_latest(self, newer_than: int | None = None) -> int | None:
         """Collective. Restore the newest version every rank can obtain from the memory tiers; ``None`` when
         there is none, or none newer than ``newer_than`` (a tier-3 base already loaded)."""
+        if self.elastic():
+            from .reshard import elastic_restore
+
+            handled, version = elastic_restore(self, newer_than)  # type: ignore[arg-type]  # self is the manager
+            if handled:
+                return version
         t0 = time.perf_counter()
         verify = self.config.snapshot.verify_on_restore
         # Checksums only of what is used: every rank verifies the copy it restores from (its own slot, or the
@@ -207,6 +213,28 @@ class MemoryRestore:
                       bases={str(r): plan.base.get(r, plan.version) for r in range(self.world)},
                       fetched_diffs={str(r): sorted(vs) for r, vs in sorted(plan.fetch_diffs.items()) if vs})
         return plan.version
+
+    def elastic(self) -> bool:
+        """Whether a restore may reshard from a world of another size: ``--no-spare-policy shrink`` or
+        ``deadpool.elastic.no_spare_policy: shrink``."""
+        from ..launcher.contract import worker_env
+
+        hs = worker_env().hot_swap
+        return self.config.elastic.no_spare_policy == "shrink" or (hs is not None and hs.no_spare_policy == "shrink")
+
+    def note_resharded(self, version: int, record: dict[str, Any], drawn: list[int], seconds: float) -> None:
+        """After an elastic restore: this rank holds no slot of the new world yet (the first snapshot sizes them
+        as on a fresh start); the restored version counts as committed."""
+        self._stats["restore"] = {**record, "drawn_from": drawn}
+        self.latest = None
+        self.committed_version = version
+        self.committed_base = version
+        self._last_version = None
+        self.ring.versions = {}
+        self._stats["restore_s"] = seconds
+        self._stats["restored_version"] = version
+        self._stats["restored_from"] = "resharded"
+        self._stats["replayed"] = 0
 
     def _unopened(self) -> None:
         """No restore after all (a copy refused before use left no common version): close slots an earlier

@@ -49,7 +49,8 @@ def _tied(model: torch.nn.Module, init: bool) -> torch.nn.Module:
     return model
 
 
-def build_gpt(size: str, init: bool = True) -> torch.nn.Module:
+def build_gpt(size: str, init: bool = True, dropout: float | None = None) -> torch.nn.Module:
+    """``dropout``: residual, embedding and attention dropout (None: GPT-2's 0.1)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     layers, hidden, heads, seq = _check_size(size)
@@ -57,6 +58,8 @@ def build_gpt(size: str, init: bool = True) -> torch.nn.Module:
         vocab_size=VOCAB_SIZE, n_positions=seq, n_embd=hidden, n_layer=layers, n_head=heads,
         bos_token_id=0, eos_token_id=0, pad_token_id=PAD_ID,
     )
+    if dropout is not None:
+        cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = dropout
     with _weights_init(init):
         model = GPT2LMHeadModel(cfg)
     return _tied(model, init)

@@ -35,6 +35,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",
                    help="tiny for tests, small (~25M) and medium (~125M) for benchmarks")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--dropout", type=float, default=None, metavar="P",
+                   help="GPT only: dropout probability (default: the model's own, 0.1); 0 makes a run at another "
+                        "data-parallel size (an elastic shrink) follow the same loss trajectory up to reduction order")
     p.add_argument("--metrics-out", default=None, help="JSON lines, one per completed step (global rank 0)")
     p.add_argument("--save", default=None, metavar="URL",
                    help="tier 3: where base checkpoints are persisted in the background (a path or an fsspec URL "
@@ -99,7 +102,16 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     # The first model is built before the process group: a spare builds it while it waits for an assignment
     # instead of after (same seed, same random numbers consumed, so the same model as before on every rank).
     seed_everything(args.seed)
-    build_model = {"gpt": build_gpt, "bert": build_bert}[objective]
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        raise SystemExit(f"--dropout must be in [0, 1), got {args.dropout}")
+    if args.dropout is not None and objective != "gpt":
+        raise SystemExit("--dropout applies to the GPT script only")
+
+    def build_model(size: str, init: bool = True) -> Any:
+        if objective == "gpt":
+            return build_gpt(size, init=init, dropout=args.dropout)
+        return build_bert(size, init=init)
+
     prebuilt = [build_model(args.model_size)]
     ds_config = _with_persist_flags(args)
     # The collective timeout of the first generation is the section's (hot_swap.collective_timeout_s).

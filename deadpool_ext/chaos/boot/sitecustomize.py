@@ -14,6 +14,10 @@ def _install() -> None:
         from deadpool_ext.chaos.at_step import install
 
         install()
+    if os.environ.get("DEADPOOL_DUMP_STATE"):
+        from deadpool_ext.chaos.dump import install as install_dump
+
+        install_dump()
 
 
 def _chain() -> None:

@@ -36,6 +36,9 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     cfg = (config if isinstance(config, DeadpoolConfig)
            else DeadpoolConfig() if config is None else DeadpoolConfig.from_dict(config))
     configure_logging(cfg.log_level)
+    from .batch import record
+
+    record(engine)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
     return runtime
@@ -71,6 +74,8 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
         from ..deepspeed_hook import original_initialize
 
         _ds_initialize = original_initialize()
+    if dp_config is not None and dp_config.enabled and isinstance(ds_config, dict):
+        ds_config = _keep_global_batch(ds_config, dp_config, kwargs)
     _quiet_zero3_init()
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
         out = _ds_initialize(*args, config=ds_config, **kwargs)
@@ -81,6 +86,19 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     else:
         register(engine, dp_config)
     return out
+
+
+def _keep_global_batch(ds_config: dict[str, Any], cfg: DeadpoolConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """An engine rebuilt in this process on a world of another data-parallel size keeps the first engine's global
+    batch (``batch.py``); model parallelism (an ``mpu``) is left to its framework."""
+    import torch.distributed as dist
+
+    from .batch import recorded, rescale
+
+    first = recorded()
+    if first is None or kwargs.get("mpu") is not None or not dist.is_initialized():
+        return ds_config
+    return rescale(ds_config, first, dist.get_world_size(), cfg.elastic.allow_batch_change)
 
 
 def _patches() -> Any:

@@ -36,6 +36,7 @@ class DeadpoolRuntime(ResilientRuntime):
         self.engine = engine
         adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state,
                                         derive_params=config.snapshot.derive_params)
+        adapter.allow_batch_change = config.elastic.allow_batch_change
         self.zero_stage = adapter.zero_stage
         super().__init__(config, adapter, rank=int(engine.global_rank))
         self.checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank, before_io=self.wait_for_copy)

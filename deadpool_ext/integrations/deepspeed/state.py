@@ -65,6 +65,15 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         # device tensor would need the very device-to-host copy that deriving saves.
         self.derive_params = bool(derive_params and self.zero_stage in (1, 2, 3)
                                   and all(t.device.type == "cpu" for t in self._bit16()))
+        self.allow_batch_change = False  # deadpool.elastic.allow_batch_change (set by the runtime)
+        self._layout: dict[str, Any] | None = None
+        self._layout_why = ""  # why there is no layout (what a refused reshard says)
+        try:
+            from .layout import partition_layout
+
+            self._layout = partition_layout(engine, self.zero_stage)
+        except ValueError as exc:
+            self._layout_why = str(exc)
 
     # -- capture ---------------------------------------------------------------------------------
     def step(self) -> int:
@@ -95,6 +104,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             "micro_steps": int(e.micro_steps),
             "zero_stage": self.zero_stage,
             "dp_world_size": int(e.dp_world_size),
+            "train_batch_size": int(e.train_batch_size()),
             "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)}
                              for g in opt.param_groups],
             "optim_scalars": {str(i): {k: v for k, v in self._inner.state.get(t, {}).items() if not torch.is_tensor(v)}
@@ -104,7 +114,49 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             "rng": capture_rng(),
             "client": self._client_state() if self._client_state else {},
         }
+        if self._layout is not None:
+            meta["layout"] = self._layout
         return meta
+
+    # -- elastic ------------------------------------------------------------------------------------------
+    def partition_layout(self) -> dict[str, Any] | None:
+        return self._layout
+
+    def why_no_layout(self) -> str:
+        return self._layout_why
+
+    def restore_resharded(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """New partitions of masters and moments copied in, parameters derived from the masters (what
+        DeepSpeed's step does at its end), then the small state of ``meta``."""
+        from ...recovery.agree import RecoveryError
+
+        opt = self.engine.optimizer
+        was, now = meta.get("train_batch_size"), int(self.engine.train_batch_size())
+        if was is not None and was != now and not self.allow_batch_change:
+            raise RecoveryError(f"elastic: the snapshots were taken at global batch {was}, this engine's is {now}; "
+                                "set train_batch_size in the DeepSpeed config (kept across data-parallel sizes), or "
+                                "deadpool.elastic.allow_batch_change to true")
+        # DeepSpeed finds the accumulation boundary by micro_steps mod accumulation steps, and accumulation changed
+        # with the data-parallel size: count the restored steps in this engine's micro steps.
+        meta = {**meta, "micro_steps": int(meta["global_steps"]) * int(self.engine.gradient_accumulation_steps())}
+        if self.zero_stage == 3:
+            opt.checkpoint_event_prologue()
+        scalars = (meta.get("optim_scalars") or {}).get("0", {})
+        with torch.no_grad():
+            for i, t in enumerate(self._master()):
+                copy_into(t, tensors[f"master.{i}"], f"master.{i}")
+                state = self._inner.state.setdefault(t, {})
+                restore_optimizer_state(state, tensors, f"optim.{i}.")
+                state.update(scalars)
+            if self.zero_stage == 3:
+                for bit16, master in zip(self._bit16(), self._master()):
+                    bit16.copy_(master)
+        if self.zero_stage == 3:
+            opt.checkpoint_event_epilogue()
+        else:
+            with torch.no_grad():
+                opt.update_lp_params()  # collective over data parallel
+        self.restore_meta(meta)
 
     # -- differential checkpoints ------------------------------------------------------------------
     def inner_optimizer(self) -> Any:
