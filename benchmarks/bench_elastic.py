@@ -10,11 +10,11 @@ global batch 8 = micro 2 x accumulation 1 x dp 4, dropout 0), interleaved per re
                job is started again on one node of 2 ranks with ``--load`` (DeepSpeed's universal checkpoint
                conversion, ``integrations/deepspeed/reshard.py``), what a team does today.
 
-Measured from the SIGKILL (t = 0) to the moment the job has again completed the step that was in flight at the
-kill (``kill_step + 1``): for shrink from the rank-0 metrics line, the recovery's phases from the timeline; for
-relaunch the failed job's exit, the relaunch's start and the same step's line. Also: the losses after the
-shrink against the uninterrupted dp-4 run (max relative difference; reduction order differs), and each rank's
-peak RSS.
+Measured from the SIGKILL (t = 0) to the first step the job completes after it (rank 0's metrics line): for
+shrink the first line after the restore, the recovery's phases from the timeline; for relaunch the failed job's
+exit, the relaunch's start and its first line (it resumed from the newest tier-3 base, written every step).
+Also: the losses after the shrink against the uninterrupted dp-4 run (max relative difference; reduction order
+differs), and the peak RSS of the job's processes.
 
     python benchmarks/bench_elastic.py                       # GPT small, ZeRO-1 and 3, 2 repeats (~15 min)
     python benchmarks/bench_elastic.py --size tiny --repeats 1   # smoke run (~3 min)
@@ -60,15 +60,19 @@ def _config(path: str, stage: int, shm_root: str, dp: int = 4) -> None:
         json.dump(cfg, fh, indent=2)
 
 
-def _times(path: str) -> dict[int, float]:
-    """step -> wall time of its (last) metrics line."""
-    out: dict[int, float] = {}
+def _times(path: str) -> list[tuple[int, float]]:
+    """(step, wall time) of every metrics line, in file order (a redone step appears twice)."""
+    out: list[tuple[int, float]] = []
     if os.path.exists(path):
         for line in open(path):
             if line.strip():
                 rec = json.loads(line)
-                out[int(rec["step"])] = float(rec["time"])
+                out.append((int(rec["step"]), float(rec["time"])))
     return out
+
+
+def _first_after(times: list[tuple[int, float]], t: float) -> float:
+    return min(tt for _, tt in times if tt > t)
 
 
 def _workers(launcher: int, node: str) -> list[psutil.Process]:
@@ -137,7 +141,6 @@ def one_repeat(stage: int, rep: int, args: argparse.Namespace, root: str) -> dic
     shm = tempfile.mkdtemp(prefix="dp-el-", dir="/dev/shm")
     cfg = os.path.join(wd, "ds.json")
     _config(cfg, stage, shm)
-    k = args.kill_step
     row: dict[str, Any] = {"stage": stage, "repeat": rep}
     # the uninterrupted run (its losses are the reference)
     base = _job(wd, "base", nnodes=2, policy="fail", args=args, cfg=cfg, shm_root=shm, extra=[], kill=False)
@@ -145,7 +148,7 @@ def one_repeat(stage: int, rep: int, args: argparse.Namespace, root: str) -> dic
     s = _job(wd, "shrink", nnodes=2, policy="shrink", args=args, cfg=cfg, shm_root=shm, extra=[], kill=True)
     rec = [e for e in s["events"] if e.get("event") == "recover" and e.get("role") == "survivor"]
     first = min(rec, key=lambda e: e["rank"])
-    row["shrink"] = {"to_next_step_s": s["times"][k + 1] - s["kill_at"],
+    row["shrink"] = {"to_next_step_s": _first_after(s["times"], first["restored_at"]) - s["kill_at"],
                      "assigned_s": first["assigned_at"] - s["kill_at"],
                      "pg_ready_s": first["pg_ready_at"] - s["kill_at"],
                      "engine_ready_s": first["engine_ready_at"] - s["kill_at"],
@@ -160,9 +163,11 @@ def one_repeat(stage: int, rep: int, args: argparse.Namespace, root: str) -> dic
     again = _job(wd, "relaunch", nnodes=1, policy="fail", args=args, cfg=cfg2, shm_root=shm,
                  extra=["--save", save, "--save-interval", "0", "--load", save], kill=False)
     assert again["rc"] == 0, again
-    row["relaunch"] = {"to_next_step_s": again["times"][k + 1] - failed["kill_at"],
+    first_new = _first_after(again["times"], 0.0)
+    row["relaunch"] = {"to_next_step_s": first_new - failed["kill_at"],
                        "failed_job_exit_s": failed["ended"] - failed["kill_at"],
-                       "relaunch_to_step_s": again["times"][k + 1] - again["started"],
+                       "relaunch_to_step_s": first_new - again["started"],
+                       "resumed_from_step": min(st for st, _ in again["times"]) - 1,
                        "loss_rel_diff_max": _rel(again["metrics"], {s_: v for s_, v in base["metrics"].items()
                                                                     if s_ in again["metrics"]}),
                        "peak_rss": again["peak_rss"]}
@@ -179,8 +184,8 @@ def render(doc: dict[str, Any]) -> str:
              "A node of two ranks SIGKILLed after step "
              f"{doc['kill_step']} with no spare left. `shrink`: the survivors continue on 2 ranks, state resharded "
              "from memory. `relaunch`: the job stops, and is started again on 2 ranks with `--load` from tier 3 "
-             "(DeepSpeed's universal checkpoint conversion). Time from the SIGKILL until the step in flight at the "
-             "kill is completed again. Written by `benchmarks/bench_elastic.py`.", ""]
+             "(DeepSpeed's universal checkpoint conversion, the newest base of tier 3, written every step). Time from "
+             "the SIGKILL to the first step completed after it. Written by `benchmarks/bench_elastic.py`.", ""]
     table = []
     for stage in sorted({r["stage"] for r in rows}):
         rs = [r for r in rows if r["stage"] == stage]

@@ -1,7 +1,8 @@
 """State dumps for tests of record (installed by the harness, never by the product): with
 ``DEADPOOL_DUMP_STATE=<dir>`` every rank writes its partitioned training state after each memory-tier restore
-(``restored.v<version>.r<rank>``) and, with ``DEADPOOL_DUMP_STEPS=3,5``, after those optimizer steps
-(``step.v<step>.r<rank>``). Each file is a snapshot-format blob (pickle-free): the rank's ``master.*`` and
+(``restored.v<version>.w<dp>.r<rank>``) and, with ``DEADPOOL_DUMP_STEPS=3,5``, after those optimizer steps
+(``step.v<step>.w<dp>.r<rank>``; ``dp``: the data-parallel size of the world that wrote it). Each file is a
+snapshot-format blob (pickle-free): the rank's ``master.*`` and
 ``optim.*`` tensors and its partition layout, so a test assembles whole parameters from any data-parallel size
 (:func:`gather`) and compares two runs element for element."""
 from __future__ import annotations
@@ -27,15 +28,20 @@ def _write(path: str, state: Any) -> None:
     os.replace(tmp, path)
 
 
+def _dp(state: Any) -> int:
+    layout = state.partition_layout()
+    return int(layout["dp"]) if layout else 0
+
+
 def after_restore(rank: int, version: int, state: Any = None, **_: object) -> None:
     if state is not None:
-        _write(os.path.join(os.environ[DIR], f"restored.v{version}.r{rank}"), state)
+        _write(os.path.join(os.environ[DIR], f"restored.v{version}.w{_dp(state)}.r{rank}"), state)
 
 
 def after_step(step: int, rank: int, state: Any = None, **_: object) -> None:
     wanted = {int(s) for s in os.environ.get(STEPS, "").split(",") if s.strip()}
     if state is not None and step in wanted:
-        _write(os.path.join(os.environ[DIR], f"step.v{step}.r{rank}"), state)
+        _write(os.path.join(os.environ[DIR], f"step.v{step}.w{_dp(state)}.r{rank}"), state)
 
 
 def install() -> bool:

@@ -39,12 +39,20 @@ class Assignment:
     """Address of that store: the coordinating launcher's --host."""
     shrunk: tuple[str, ...] = ()
     """Nodes this generation dropped without a replacement (elastic shrink): the world is smaller."""
+    grown: tuple[str, ...] = ()
+    """Nodes this generation added to a shrunk world (elastic grow): the world is larger."""
+
+    @property
+    def resized(self) -> bool:
+        """This generation has another world size than the one before (every rank rebuilds, none solo)."""
+        return bool(self.shrunk or self.grown)
 
     def to_json(self) -> dict[str, Any]:
         return {"generation": self.generation, "world_size": self.world_size, "ranks": self.ranks,
                 "nodes": self.nodes, "spares": list(self.spares), "replaced": self.replaced,
                 "master_port": self.master_port, "master_addr": self.master_addr,
-                **({"shrunk": list(self.shrunk)} if self.shrunk else {})}
+                **({"shrunk": list(self.shrunk)} if self.shrunk else {}),
+                **({"grown": list(self.grown)} if self.grown else {})}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Assignment:
@@ -52,7 +60,8 @@ class Assignment:
                    ranks={k: int(v) for k, v in d["ranks"].items()}, nodes=dict(d["nodes"]),
                    spares=tuple(d.get("spares", ())), replaced=dict(d.get("replaced", {})),
                    master_port=int(d.get("master_port", 0)), master_addr=str(d.get("master_addr", "127.0.0.1")),
-                   shrunk=tuple(str(n) for n in d.get("shrunk", ())))
+                   shrunk=tuple(str(n) for n in d.get("shrunk", ())),
+                   grown=tuple(str(n) for n in d.get("grown", ())))
 
     def node_ranks(self, node: str) -> list[int]:
         return sorted(r for w, r in self.ranks.items() if self.nodes[w] == node)
@@ -121,3 +130,20 @@ def shrink_failed(current: Assignment, failed_nodes: AbstractSet[str],
     spares = tuple(s for s in current.spares if s not in dead_spares and s not in failed)
     return Assignment(generation=current.generation + 1, world_size=len(ranks), ranks=ranks, nodes=nodes,
                       spares=spares, shrunk=tuple(sorted(failed)))
+
+
+def grow_into(current: Assignment, workers: list[Worker], node: str) -> Assignment:
+    """Next generation with ``node`` (a repaired node or a new spare, its processes started and waiting) added
+    to a shrunk world: everyone keeps their rank, the node's processes take ranks ``M .. M+k-1``."""
+    if node in set(current.nodes.values()):
+        raise ValueError(f"node {node} is already in generation {current.generation}")
+    joining = sorted((w for w in workers if w.node == node), key=lambda w: w.local_index)
+    if not joining:
+        raise ValueError(f"node {node} has no processes")
+    ranks = dict(current.ranks)
+    nodes = dict(current.nodes)
+    for i, w in enumerate(joining):
+        ranks[w.worker_id] = current.world_size + i
+        nodes[w.worker_id] = node
+    return Assignment(generation=current.generation + 1, world_size=len(ranks), ranks=ranks, nodes=nodes,
+                      spares=tuple(s for s in current.spares if s != node), grown=(node,))

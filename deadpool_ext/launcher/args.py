@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shrink (continue on fewer data-parallel ranks, the state resharded from memory; "
                         "docs/elastic.md)")
     p.add_argument("--spare-wait-s", type=float, default=60.0)
+    p.add_argument("--repair-after-s", type=float, default=0.0,
+                   help="with --no-spare-policy shrink: start a dropped node's processes again this long after the "
+                        "shrink (a repaired machine; the job grows back to it); 0 (default): never")
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--keep-memory-on-failure", action="store_true",
                    help="do not drop a failed node's shared memory (a process crash on a healthy node)")
@@ -258,6 +261,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.detect_timeout_s <= args.heartbeat_s:
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")
+    if not (math.isfinite(args.repair_after_s) and 0 <= args.repair_after_s <= MAX_SECONDS):
+        parser.error(f"--repair-after-s {args.repair_after_s}: must be a finite number of seconds in 0..{MAX_SECONDS}")
+    if args.repair_after_s and args.no_spare_policy != "shrink":
+        parser.error("--repair-after-s needs --no-spare-policy shrink (a repaired node grows a shrunk job back)")
     if not (math.isfinite(args.spare_wait_s) and 0 <= args.spare_wait_s <= MAX_SECONDS):
         parser.error(f"--spare-wait-s {args.spare_wait_s}: must be a finite number of seconds in 0..{MAX_SECONDS}")
     if args.job_id is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}", args.job_id):

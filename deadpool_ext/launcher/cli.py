@@ -60,6 +60,7 @@ from .contract import HotSwapEnv
 from .hangs import parse_heartbeat
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
+from .resize import ElasticResize
 from .watch import HeartbeatWatch
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -70,7 +71,7 @@ STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
 
 
-class Supervisor(LeaseLapse, HeartbeatWatch):
+class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
     def __init__(self, args: argparse.Namespace) -> None:
         for flag in ("nnodes", "nproc_per_node"):
             if getattr(args, flag) < 1:
@@ -305,6 +306,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
     def _host_tick(self) -> int | None:
         """This host's part: report its workers' exits, obey fences, keep the lease; an exit code to stop."""
         if self.election is None and self.leader:
+            self._repair_tick()
             return None  # one coordinator for good, on this host: it sees its own processes directly
         if self.election is not None:
             from .leader import LOST, PAUSED
@@ -344,6 +346,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
                         self.procs[wid].kill()
                 shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
                 self.store.set(f"fenced/{node}", b"1")
+        self._repair_tick()
         return None
 
     def _leads(self) -> bool:
@@ -483,6 +486,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
         if spares_lost and self.election is not None:
             self.store.set_json("dead_spares", sorted(self.dead_spares))
         if not failed:
+            self._grow_tick(a)
             return None
         failed_nodes = {a.nodes[w] for w in failed}
         self.event(event="failure", generation=a.generation, detected_at=now,
@@ -522,6 +526,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch):
                         print(f"deadpool-run: {exc}; --no-spare-policy shrink: continuing without node(s) "
                               f"{list(new.shrunk)} on {new.world_size} ranks (was {a.world_size}), the state "
                               "resharded from memory", file=sys.stderr, flush=True)
+                        self._note_dropped(new)
                         return new
                 if time.time() >= deadline:
                     msg = (f"{exc}. Policy --no-spare-policy={self.args.no_spare_policy}: stopping the job. "

@@ -215,8 +215,8 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     its first group in a generation after the first (a spare taking a node's place, or a worker whose first
     generation failed while forming) builds it *solo*: the survivors keep their framework objects and do not
     answer the collectives of an engine build, so the spare builds locally and goes live at its restore
-    (:func:`go_live_pending`). ``solo=False``: every rank rebuilds (an elastic resize), so the groups go live
-    at once."""
+    (:func:`go_live_pending`). In a resized generation (elastic shrink or grow, or ``solo=False``) every rank
+    rebuilds, so the groups go live at once."""
     global _pending_live
     rank = a.ranks[worker_id]
     _export_world(a, rank)
@@ -232,7 +232,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
         log.warning("hot_swap.in_place: not with %s; survivors rebuild their engine after a failure", why)
     if in_place and why is None:
         swap.use()
-        if a.generation > 0 and solo:
+        if a.generation > 0 and solo and not a.resized:
             swap.set_mode("solo")
             _pending_live = (a, worker_id, timeout_s)
             init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size, timeout=timeout)

@@ -28,17 +28,18 @@ ITERS = 8
 
 
 def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=None, kill_at=4, dump_steps=(),
-                policy="shrink", **cfg):
-    config = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
+                policy="shrink", iters=ITERS, launcher=(), inject_env=None, then=None, deadpool=None, **cfg):
+    config = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}, **(deadpool or {})},
+                         **cfg)
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     dumps = os.path.join(str(tmp_path), f"{name}.dumps")
     os.makedirs(dumps, exist_ok=True)
     cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
            "--spare-nodes", "0", "--no-spare-policy", policy, "--shm-root", shm_root, "--timeline", timeline,
-           "scripts/pretrain_gpt.py", "--deepspeed_config", config, "--train-iters", str(ITERS),
+           *launcher, "scripts/pretrain_gpt.py", "--deepspeed_config", config, "--train-iters", str(iters),
            "--metrics-out", metrics, "--dropout", "0"]
-    env = harness_env({DIR: dumps, STEPS: ",".join(map(str, dump_steps))})
+    env = harness_env({DIR: dumps, STEPS: ",".join(map(str, dump_steps)), **(inject_env or {})})
 
     def inject(proc):
         if kill_node is None:
@@ -47,6 +48,8 @@ def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=Non
         wait_for_step(metrics, kill_at, timeout_s=240, proc=proc)
         for v in victims:
             v.send_signal(signal.SIGKILL)
+        if then is not None:
+            then(proc, timeline)
 
     res = run_job(cmd, timeout_s=400, while_running=inject, env=base_env(env))
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
@@ -56,8 +59,8 @@ def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=Non
     return res, read_metrics(metrics), events, dumps
 
 
-def _restored(dumps: str) -> tuple[int, list[str]]:
-    files = sorted(glob.glob(os.path.join(dumps, "restored.v*.r*")))
+def _restored(dumps: str, world: str = "*") -> tuple[int, list[str]]:
+    files = sorted(glob.glob(os.path.join(dumps, f"restored.v*.w{world}.r*")))
     versions = {int(os.path.basename(f).split(".")[1][1:]) for f in files}
     assert len(versions) == 1, files
     return versions.pop(), files
@@ -71,8 +74,8 @@ def _assert_same_state(a: dict, b: dict) -> None:
             assert torch.equal(a[kind][pid], b[kind][pid]), (kind, pid)
 
 
-def _close(metrics: dict[int, float], base: dict[int, float]) -> None:
-    assert sorted(metrics) == sorted(base) == list(range(1, ITERS + 1))
+def _close(metrics: dict[int, float], base: dict[int, float], iters: int = ITERS) -> None:
+    assert sorted(metrics) == sorted(base) == list(range(1, iters + 1))
     for step in base:
         assert metrics[step] == pytest.approx(base[step], rel=1e-6), (step, metrics[step], base[step])
 
@@ -102,7 +105,7 @@ def test_shrink_reshards_from_memory_element_exact(tmp_path, shm_root, stage, sh
     res0, base, _, base_dumps = elastic_run(tmp_path, shm_root, stage=stage, nnodes=nnodes, nproc=nproc,
                                             name="base", dump_steps=(version,), policy="fail", **batch)
     assert res0.returncode == 0, res0.output[-4000:]
-    ref = sorted(glob.glob(os.path.join(base_dumps, f"step.v{version}.r*")))
+    ref = sorted(glob.glob(os.path.join(base_dumps, f"step.v{version}.w*.r*")))
     assert len(ref) == nnodes * nproc
     _assert_same_state(gather(files), gather(ref))
     _close(metrics, base)
@@ -119,3 +122,43 @@ def test_shrink_refused_when_the_global_batch_cannot_be_kept(tmp_path, shm_root)
     assert res.returncode != 0
     assert "cannot keep the global batch 6 at data-parallel size 2" in res.output
     assert "allow_batch_change" in res.output
+
+
+def test_grow_back_when_the_node_is_repaired(tmp_path, shm_root):
+    """4 ranks -> node1 lost, shrink to 2 -> node1 repaired (its processes started again) -> grow back to 4: the
+    state restored on 4 ranks equals, element for element, what the 2-rank world held at that step; the losses
+    follow the uninterrupted run. Rank 0 is held at step 7 until the grow is published (so the tiny model's job
+    does not end before the repaired processes are up); the collective and progress deadlines are raised
+    above that wait."""
+    import json
+    import time
+
+    iters, batch = 10, SHAPES[(2, 2)]
+    marker = os.path.join(str(tmp_path), "hold")
+
+    def release_on_grow(proc, timeline):
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
+                                                for e in read_events(timeline)):
+                break
+            time.sleep(0.1)
+        with open(marker + ".release", "w") as fh:
+            json.dump({"released": time.time()}, fh)
+
+    res, metrics, events, dumps = elastic_run(
+        tmp_path, shm_root, stage=3, nnodes=2, nproc=2, name="grow", kill_node="node1", kill_at=2, iters=iters,
+        dump_steps=(5, 6, 7), launcher=("--repair-after-s", "0.5", "--progress-timeout-s", "200"),
+        inject_env={"DEADPOOL_INJECT": f"hold@step=7,rank=0,marker={marker}"}, then=release_on_grow,
+        deadpool={"hot_swap": {"collective_timeout_s": 200}}, **batch)
+    assert res.returncode == 0, res.output[-5000:]
+    assert "node node1 repaired" in res.output and "node node1 joins: growing to 4 ranks (was 2)" in res.output
+    version, files = _restored(dumps, world="4")
+    assert len(files) == 4
+    held = sorted(glob.glob(os.path.join(dumps, f"step.v{version}.w2.r*")))
+    assert len(held) == 2, os.listdir(dumps)
+    _assert_same_state(gather(files), gather(held))
+    res0, base, _, _ = elastic_run(tmp_path, shm_root, stage=3, nnodes=2, nproc=2, name="base", iters=iters,
+                                   policy="fail", **batch)
+    assert res0.returncode == 0, res0.output[-4000:]
+    _close(metrics, base, iters)

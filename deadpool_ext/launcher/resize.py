@@ -1,0 +1,94 @@
+"""Elastic grow: a node dropped by a shrink comes back and the job grows to it (docs/elastic.md). A mixin of
+:class:`deadpool_ext.launcher.cli.Supervisor`, whose state it uses.
+
+Call order, through the store (so it works on one host and across hosts alike):
+
+1. the coordinator, publishing a shrink, writes ``dropped/<node>`` (:meth:`_note_dropped`);
+2. the launcher of that node's host, ``--repair-after-s`` later (the stand-in for a repaired machine on this
+   test bed; 0: never), clears what the node's dead processes left in the store (exit, done, heartbeat, fence
+   records), starts its processes again as spares and writes ``repaired/<node>`` (:meth:`_repair_tick`);
+3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired node whose processes
+   all live (:meth:`_grow_tick`): everyone keeps their rank, the node's processes take the next ones. The
+   survivors get the new generation's notice like any other (the step in flight is redone), every rank
+   rebuilds on the larger world and the restore reshards from memory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..cluster.membership import Assignment, Worker, grow_into
+
+log = logging.getLogger("deadpool_ext.launcher")
+
+
+class ElasticResize:
+    args: Any
+    store: Any
+    procs: dict[str, subprocess.Popen[bytes]]
+    workers: list[Worker]
+    local_nodes: set[str]
+    active_nodes: list[str]
+    seen_hb: dict[str, float]
+    _reported: set[str]
+    _fenced: set[str]
+
+    if TYPE_CHECKING:  # provided by the Supervisor
+        def event(self, **rec: Any) -> None: ...
+
+        def _spawn(self, w: Worker, role: str) -> None: ...
+
+        def publish(self, a: Assignment) -> Assignment: ...
+
+    def _note_dropped(self, new: Assignment) -> None:
+        for node in new.shrunk:
+            self.store.set_json(f"dropped/{node}", {"time": time.time(), "generation": new.generation})
+
+    def _repair_tick(self) -> None:
+        wait = getattr(self.args, "repair_after_s", 0.0)
+        if not wait:
+            return
+        for key, raw in self.store.list("dropped/").items():
+            node = key.split("/", 1)[1]
+            if node not in self.local_nodes:
+                continue
+            if time.time() - float(json.loads(raw)["time"]) < wait:
+                continue
+            for w in (w for w in self.workers if w.node == node):
+                for k in (f"exit/{w.worker_id}", f"done/{w.worker_id}", f"hb/{w.worker_id}"):
+                    self.store.delete(k)
+                self._reported.discard(w.worker_id)
+                self._spawn(w, "spare")
+            for k in (f"fence/{node}", f"fenced/{node}", key):
+                self.store.delete(k)
+            self._fenced.discard(node)
+            self.store.set_json(f"repaired/{node}", {"time": time.time()})
+            self.event(event="repaired", node=node)
+            print(f"deadpool-run: node {node} repaired (--repair-after-s {wait:g}): its processes started again, "
+                  "waiting to join the job", file=sys.stderr, flush=True)
+
+    def _grow_tick(self, a: Assignment) -> None:
+        if self.args.no_spare_policy != "shrink" or len(set(a.nodes.values())) >= len(self.active_nodes):
+            return
+        for key in sorted(self.store.list("repaired/")):
+            node = key.split("/", 1)[1]
+            if node in set(a.nodes.values()):
+                self.store.delete(key)
+                continue
+            ids = [w.worker_id for w in self.workers if w.node == node]
+            if any(self.store.get(f"exit/{wid}") is not None
+                   or (wid in self.procs and self.procs[wid].poll() is not None) for wid in ids):
+                continue  # a process of the repaired node already died: not offered
+            new = self.publish(grow_into(a, self.workers, node))
+            self.store.delete(key)
+            for wid in new.ranks:
+                self.seen_hb.pop(wid, None)
+            self.event(event="assignment", generation=new.generation, grown=[node], published_at=time.time(),
+                       world_size=new.world_size)
+            print(f"deadpool-run: node {node} joins: growing to {new.world_size} ranks (was {a.world_size}), the "
+                  "state resharded from memory", file=sys.stderr, flush=True)
+            return
