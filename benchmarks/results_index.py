@@ -98,7 +98,13 @@ CURRENT: tuple[Current, ...] = (
             "trials (the six host-level faults), seed 200: recovered, fallbacks per tier, state mismatches, silent "
             "hangs; run across sessions from the journal.",
             companions=("chaos_200.jsonl",),
-            note="The `.md` says how many of the 200 trials are done; `bench_chaos_200.py` continues the rest."),
+            note="The `.md` says how many of the 244 trials are done (200 + 44 planner-2 cover trials of seed 201, "
+                 "every fault on every layout); `bench_chaos_200.py` continues the rest."),
+    Current("elastic", "elastic", "elastic shrink vs relaunch at fewer ranks, GPT small",
+            "A node of two ranks SIGKILLed with no spare left, dp 4 -> 2, ZeRO-1 and ZeRO-3: SIGKILL to the first "
+            "step after it with --no-spare-policy shrink (resharded from memory) against stopping and relaunching "
+            "on 2 ranks with --load (DeepSpeed's universal checkpoint conversion); shrink losses against the "
+            "uninterrupted run."),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",

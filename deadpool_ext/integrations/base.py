@@ -119,6 +119,8 @@ class ResilientRuntime(ABC):
     """The framework's objects survive a swap of the communicators beneath them (``rebuild/swap.py``): the
     subclass implements :meth:`_abandon_step` and :meth:`_handle`."""
     step_name: ClassVar[str] = "step"
+    refuse_resize: ClassVar[str | None] = None
+    """Why this integration cannot continue on a world of another size (elastic shrink/grow); None: it can."""
     attached_total: ClassVar[int] = 0
     """Runtimes created in this process (any framework): ``python -m deadpool_ext.run`` checks it at exit."""
 
@@ -141,6 +143,10 @@ class ResilientRuntime(ABC):
         self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
         self.snapshots: SnapshotManager | None = (
             SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
+        m = membership()
+        if m is not None and rank == 0 and config.elastic.no_spare_policy is not None:
+            with contextlib.suppress(Exception):  # the launcher's flag, if given, wins anyway
+                m.store.set_json("config/no_spare_policy", config.elastic.no_spare_policy)
         atexit.register(self.close)
 
     # -- what a framework supplies ------------------------------------------------------------------------
@@ -299,7 +305,8 @@ class ResilientRuntime(ABC):
         r = protocol.rejoin(hc, begun,
                             build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory),
                                                                         restore_follows),
-                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
+                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial,
+                            refuse_resize=self.refuse_resize)
         # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
         protocol.finish(begun, r, old_rank=old_rank)
@@ -349,7 +356,7 @@ class ResilientRuntime(ABC):
         self._closed = True
         self.adapter = None
         self._release()
-        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True,
+        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True, refuse_resize=self.refuse_resize,
                             build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), True),
                             resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)

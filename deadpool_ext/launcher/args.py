@@ -79,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rank whose main thread stands still outside any collective while the others wait in one, "
                         "with no rank finishing a step for this long, is hung (alive but not training) and is fenced; "
                         "0 turns this detection off (the collective timeout remains)")
-    p.add_argument("--no-spare-policy", choices=["fail", "wait", "shrink"], default="fail",
+    p.add_argument("--no-spare-policy", choices=["fail", "wait", "shrink"], default=None,
                    help="a node lost with no spare left: fail (stop the job), wait (--spare-wait-s for a spare) or "
                         "shrink (continue on fewer data-parallel ranks, the state resharded from memory; "
-                        "docs/elastic.md)")
+                        "docs/elastic.md); default: the job's deadpool.elastic.no_spare_policy, else fail")
     p.add_argument("--spare-wait-s", type=float, default=60.0)
     p.add_argument("--repair-after-s", type=float, default=0.0,
                    help="with --no-spare-policy shrink: start a dropped node's processes again this long after the "
@@ -263,7 +263,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")
     if not (math.isfinite(args.repair_after_s) and 0 <= args.repair_after_s <= MAX_SECONDS):
         parser.error(f"--repair-after-s {args.repair_after_s}: must be a finite number of seconds in 0..{MAX_SECONDS}")
-    if args.repair_after_s and args.no_spare_policy != "shrink":
+    if args.repair_after_s and args.no_spare_policy not in (None, "shrink"):
         parser.error("--repair-after-s needs --no-spare-policy shrink (a repaired node grows a shrunk job back)")
     if not (math.isfinite(args.spare_wait_s) and 0 <= args.spare_wait_s <= MAX_SECONDS):
         parser.error(f"--spare-wait-s {args.spare_wait_s}: must be a finite number of seconds in 0..{MAX_SECONDS}")

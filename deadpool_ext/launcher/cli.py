@@ -145,7 +145,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         env.update(HotSwapEnv(store_url=self.store_url, token=self.token, job_id=self.job_id, worker_id=w.worker_id,
                               node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
                               watch_s=self.args.watch_s, shm_root=self.args.shm_root,
-                              no_spare_policy=self.args.no_spare_policy).to_environ())
+                              no_spare_policy=self.args.no_spare_policy or "fail").to_environ())
         env.update({
             contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",
@@ -511,13 +511,14 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         return None
 
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
-        deadline = time.time() + (self.args.spare_wait_s if self.args.no_spare_policy == "wait" else 0)
+        policy = self.no_spare_policy()
+        deadline = time.time() + (self.args.spare_wait_s if policy == "wait" else 0)
         while True:
             try:
                 return replace_failed(a, self.workers, failed_nodes, self.dead_spares)
             except NoSpareError as no_spare:
                 exc: NoSpareError = no_spare
-                if self.args.no_spare_policy == "shrink":
+                if policy == "shrink":
                     try:
                         new = shrink_failed(a, failed_nodes, self.dead_spares)
                     except NoSpareError as none_left:
@@ -529,7 +530,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
                         self._note_dropped(new)
                         return new
                 if time.time() >= deadline:
-                    msg = (f"{exc}. Policy --no-spare-policy={self.args.no_spare_policy}: stopping the job. "
+                    msg = (f"{exc}. Policy --no-spare-policy={policy}: stopping the job. "
                            "Restart it with --load from the persistent tier to resume.")
                     self.event(event="stopped", reason=msg)
                     self.store.set_json("assignment", {**a.to_json(), "stop": msg})

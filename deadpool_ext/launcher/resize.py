@@ -44,6 +44,18 @@ class ElasticResize:
 
         def publish(self, a: Assignment) -> Assignment: ...
 
+    def no_spare_policy(self) -> str:
+        """``--no-spare-policy`` if given, else the job's ``deadpool.elastic.no_spare_policy`` (written to the store
+        by rank 0 at attach: ``config/no_spare_policy``), else ``fail``."""
+        if self.args.no_spare_policy:
+            return str(self.args.no_spare_policy)
+        try:
+            raw = self.store.get_json("config/no_spare_policy")
+        except Exception as exc:  # the store unreachable: the default, said once in the stop line
+            log.debug("config/no_spare_policy: %s", exc)
+            raw = None
+        return raw if raw in ("fail", "wait", "shrink") else "fail"
+
     def _note_dropped(self, new: Assignment) -> None:
         for node in new.shrunk:
             self.store.set_json(f"dropped/{node}", {"time": time.time(), "generation": new.generation})
@@ -72,7 +84,7 @@ class ElasticResize:
                   "waiting to join the job", file=sys.stderr, flush=True)
 
     def _grow_tick(self, a: Assignment) -> None:
-        if self.args.no_spare_policy != "shrink" or len(set(a.nodes.values())) >= len(self.active_nodes):
+        if self.no_spare_policy() != "shrink" or len(set(a.nodes.values())) >= len(self.active_nodes):
             return
         for key in sorted(self.store.list("repaired/")):
             node = key.split("/", 1)[1]

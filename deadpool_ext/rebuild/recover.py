@@ -134,12 +134,14 @@ class Resized(Exception):
 
 def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
            release: Callable[[], None] = lambda: None, in_place: bool = False,
-           joined: Assignment | None = None, live_groups: bool = False) -> Rejoined[T]:
+           joined: Assignment | None = None, live_groups: bool = False,
+           refuse_resize: str | None = None) -> Rejoined[T]:
     """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
 
     ``joined``: the first generation is already joined (the in-place path found it resized, :class:`Resized`);
     ``live_groups``: its groups are built swappable and live on every rank (all ranks rebuild together, none
-    builds solo), so later failures swap in place again.
+    builds solo), so later failures swap in place again. ``refuse_resize``: this integration cannot change its
+    world size; a resized generation stops the job with this message (reported fatal).
 
     ``release()`` drops framework state built on a generation that failed while forming (called before each
     teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised.
@@ -163,6 +165,10 @@ def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T],
         a = joined if joined is not None else m.join(min_gen, timeout_s=hc.assignment_timeout_s)
         joined = None
         t_assigned = time.time()
+        if refuse_resize is not None and a.world_size != begun.world_size:
+            msg = (f"generation {a.generation} has {a.world_size} ranks (was {begun.world_size}): {refuse_resize}")
+            m.report_fatal(msg)
+            raise RecoveryError(msg)
         if in_place and a.world_size != begun.world_size:
             raise Resized(a)
         try:

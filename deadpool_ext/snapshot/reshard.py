@@ -165,6 +165,7 @@ def elastic_restore(mgr: SnapshotManager, newer_than: int | None) -> tuple[bool,
         mgr.adapter.restore_resharded(tensors, meta)
         del tensors
         mgr.note_resharded(version, {"outcome": "resharded", "version": version, "from_world": world_old,
+                                     **getattr(mgr, "reshard_memory", {}),
                                      "to_world": world_new, "tier3_base": newer_than, "refused_before_use": sorted(
                                          f"{p}:{f}" for p, f in refused),
                                      "providers": {str(r): [p, b["tier"]] for r, (p, b) in sorted(providers.items())}},
@@ -200,6 +201,7 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
     me = mgr.rank
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}
+    received_max = 0
     scalars: dict[str, torch.Tensor] = {}
     meta: dict[str, Any] | None = None
     drawn: list[int] = []
@@ -218,6 +220,7 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                 continue
             else:
                 into = torch.empty(b["nbytes"], dtype=torch.uint8)
+                received_max = max(received_max, b["nbytes"])
                 refused = mgr.peers.transport.exchange([], [BlobReceive(provider, into, b["nbytes"])])
                 buf = memoryview(into.numpy())  # type: ignore[arg-type]  # a uint8 ndarray is a buffer
                 got, why = probe_slot(buf, verify=True, restorable=True)
@@ -248,6 +251,8 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                 raise RecoveryError(f"rank {me}: resharded {name} has {filled.get(name, 0)} of its {want[g]} "
                                     "elements")
     out.update(scalars)
+    mgr.reshard_memory = {"assembled_bytes": sum(t.numel() * t.element_size() for t in out.values()),
+                          "received_max_bytes": received_max}
     return out, meta, drawn
 
 

@@ -62,6 +62,8 @@ class MemoryRestore:
     committed_base: int | None
     _last_version: int | None
     _stats: dict[str, Any]
+    reshard_memory: dict[str, int]
+    """What the last elastic restore held beyond the state (``snapshot/reshard.py``)."""
 
     if TYPE_CHECKING:  # provided by SnapshotManager
         def _open_slots(self, nbytes: int) -> None: ...

@@ -128,3 +128,23 @@ def test_tier3_base_saved_at_tp2_loads_at_tp1(tmp_path, shm_root):
     assert sorted(tp1) == [9, 10, 11, 12]  # loaded the base of iteration 8 (a new job: nothing in memory)
     for step in tp1:
         assert tp1[step] == pytest.approx(tp2[step], rel=2e-4), (step, tp1[step], tp2[step])
+
+
+def test_shrink_is_refused_with_one_line(tmp_path, shm_root):
+    # TP2 x DP2 on 2 nodes, no spare, --no-spare-policy shrink: the launcher offers 2 ranks, Megatron says it
+    # cannot reshard onto them and the job stops with that line (not a hang, not a traceback loop).
+    metrics = os.path.join(str(tmp_path), "shrink.jsonl")
+    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "2",
+           "--spare-nodes", "0", "--no-spare-policy", "shrink", "--shm-root", shm_root, SCRIPT,
+           "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS), "--metrics-out", metrics,
+           "--deadpool-config", _config(tmp_path, shm_root)]
+
+    def inject(proc):
+        wait_for_step(metrics, 3, timeout_s=JOB_TIMEOUT_S, proc=proc)
+        worker_proc(proc.pid, "node1.1").send_signal(signal.SIGKILL)
+
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=inject)
+    assert not res.timed_out, res.output[-4000:]
+    assert res.returncode != 0
+    assert "continuing without node(s) ['node1'] on 2 ranks" in res.output
+    assert "generation 1 has 2 ranks (was 4): Megatron-Core cannot reshard its state" in res.output

@@ -142,3 +142,43 @@ def test_global_batch_kept_or_refused():
     with pytest.raises(BatchChangeRefused, match="cannot keep the global batch 8 at data-parallel size 3"):
         rescale(cfg, first, 3, False)
     assert rescale(cfg, first, 3, True)["train_batch_size"] == 6
+
+
+class _Store:
+    def __init__(self, value=None, broken=False):
+        self.value, self.broken = value, broken
+
+    def get_json(self, key):
+        assert key == "config/no_spare_policy"
+        if self.broken:
+            raise OSError("store down")
+        return self.value
+
+
+def test_launcher_policy_flag_then_config_key_then_fail():
+    import argparse
+
+    from deadpool_ext.launcher.resize import ElasticResize
+
+    def policy(flag, store):
+        r = ElasticResize()
+        r.args, r.store = argparse.Namespace(no_spare_policy=flag), store
+        return r.no_spare_policy()
+
+    assert policy("wait", _Store("shrink")) == "wait"       # the flag, given, wins
+    assert policy(None, _Store("shrink")) == "shrink"       # else the job's deadpool.elastic.no_spare_policy
+    assert policy(None, _Store(None)) == "fail"
+    assert policy(None, _Store("grow")) == "fail"           # a foreign value from the store is not obeyed
+    assert policy(None, _Store(broken=True)) == "fail"
+
+
+def test_grow_appends_the_node_with_the_next_ranks():
+    from deadpool_ext.cluster.membership import Worker, grow_into
+
+    a = shrink_failed(_assignment({"n0": ["a", "b"], "n1": ["c", "d"]}), {"n1"})
+    workers = [Worker("c", "n1", 0), Worker("d", "n1", 1)]
+    g = grow_into(a, workers, "n1")
+    assert g.world_size == 4 and g.ranks == {"a": 0, "b": 1, "c": 2, "d": 3} and g.grown == ("n1",) and g.resized
+    assert not Assignment.from_json({**a.to_json(), "shrunk": []}).resized
+    with pytest.raises(ValueError, match="already in generation"):
+        grow_into(g, workers, "n1")

@@ -49,6 +49,9 @@ class Progress:
 class MegatronRuntime(ResilientRuntime):
     what_recovers = "rebuilding parallel state"
     step_name = "iteration"
+    refuse_resize = ("Megatron-Core cannot reshard its state onto another world size yet (a data-parallel shrink is "
+                     "not built); the job stops. Start it with more --spare-nodes (a tensor- or pipeline-parallel "
+                     "group that loses a member always needs one), or relaunch with --load from tier 3")
 
     def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
                  global_batch: int) -> None:
