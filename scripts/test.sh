@@ -43,4 +43,5 @@ else
   gate lint-imports env PYTHONPATH="$pp" lint-imports
 fi
 export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions" DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
-exec python -m pytest -q -p no:cacheprovider "$@"
+# The 25 slowest tests are listed at the end: what to look at when the suite nears CI's 30 minutes.
+exec python -m pytest -q -p no:cacheprovider --durations=25 "$@"

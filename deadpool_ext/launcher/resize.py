@@ -84,8 +84,8 @@ class ElasticResize:
                   "waiting to join the job", file=sys.stderr, flush=True)
 
     def _grow_tick(self, a: Assignment) -> None:
-        if self.no_spare_policy() != "shrink" or len(set(a.nodes.values())) >= len(self.active_nodes):
-            return
+        if len(set(a.nodes.values())) >= len(self.active_nodes) or self.no_spare_policy() != "shrink":
+            return  # the policy (a store read without the flag) only once the world is shrunk
         for key in sorted(self.store.list("repaired/")):
             node = key.split("/", 1)[1]
             if node in set(a.nodes.values()):
