@@ -72,7 +72,7 @@ def baseline(tmp_path, shm_root, stage):
     return _baselines[stage]
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1, 3]))
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))  # ZeRO-1: the busy-survivors test
 def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
     base = baseline(tmp_path, shm_root, stage)
     res, metrics, events, pids = dprun(tmp_path, shm_root, stage=stage, faults=[(4, "node1.0", signal.SIGKILL)],

@@ -20,7 +20,7 @@ def _no_snapshot_cfg(tmp_path, stage, shm_root):
                                                         "persist": {"when_busy": "wait"}})
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[2, 3]))
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[2]))  # ZeRO-1/3: test_hot_swap, test_memory_tiers, test_elastic
 def test_save_reload_continue_identical(tmp_path, shm_root, stage):
     cfg = _no_snapshot_cfg(tmp_path, stage, shm_root)
     ckpt = os.path.join(str(tmp_path), "ckpt")
