@@ -104,7 +104,7 @@ def test_corrupt_differential_falls_back_to_an_older_version(tmp_path, shm_root)
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))  # ZeRO-2: the test above; ZeRO-1: test_elastic, test_memory_tiers
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))  # ZeRO-2: the test above; ZeRO-1: elsewhere
 def test_replay_in_place_equals_the_live_state(tmp_path, shm_root, stage):
     """Train 6 steps (base 4, differentials 5 and 6), wreck the live state, restore: every tensor, counter and
     a forward pass equal what they were, bit for bit."""
