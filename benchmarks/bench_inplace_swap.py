@@ -58,7 +58,7 @@ def _mode_settings(size: str, in_place: bool, overrides: dict[str, Any] | None =
     """The job settings of one mode; ``overrides`` (``--deadpool-overrides``) are sections of the deadpool config
     merged in, e.g. ``{"hot_swap": {"release_memory": false}}`` (the mode's ``hot_swap.in_place`` wins)."""
     d = dict(DEFAULTS[size])
-    sections = {k: dict(v) for k, v in (overrides or {}).items()}
+    sections = {k: (dict(v) if isinstance(v, dict) else v) for k, v in (overrides or {}).items()}
     sections["hot_swap"] = {**sections.get("hot_swap", {}), "in_place": in_place}
     d["deadpool"] = sections
     return d

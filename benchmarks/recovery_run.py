@@ -107,7 +107,10 @@ def write_config(path: str, size: str, d: dict[str, Any], shm_root: str | None) 
         cfg["deadpool"] = {"enabled": True, "snapshot": {"interval": 1}, "replication": {"factor": 1},
                            "local": {"shm_root": shm_root}}
         for key, value in d.get("deadpool", {}).items():  # per-benchmark overrides (bench_inplace_swap's mode)
-            cfg["deadpool"].setdefault(key, {}).update(value)
+            if isinstance(value, dict):
+                cfg["deadpool"].setdefault(key, {}).update(value)
+            else:  # a top-level key of the section, e.g. log_level
+                cfg["deadpool"][key] = value
     write_text(path, json.dumps(cfg, indent=2))
     return cfg
 

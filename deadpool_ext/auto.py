@@ -5,10 +5,11 @@ it already is). Importing ``deadpool_ext`` itself never does this.
 """
 from __future__ import annotations
 
-from .integrations import transformers_trainer
+from .integrations import lightning, transformers_trainer
 from .integrations.deepspeed_hook import install
 from .logs import configure_logging
 
 configure_logging("info")
 install(lazy=True)
 transformers_trainer.install(lazy=True)
+lightning.install(lazy=True)

@@ -90,21 +90,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"deadpool_ext.run: {exc}", file=sys.stderr)
             return 2
         log.warning("deadpool_ext.run: no hook on deepspeed.initialize: %s", exc)
-    from .integrations import transformers_trainer
+    from .integrations import lightning, transformers_trainer
 
     transformers_trainer.install(lazy=True)
+    lightning.install(lazy=True)
     from .launcher.contract import worker_env
 
     env = worker_env()
     if env.hot_swap is not None or (configs and not env.missing_for_init()):
         from .distributed import init_distributed
 
+        in_place = bool(ds_configs) and cfg is not None and cfg.enabled and cfg.hot_swap.in_place
         init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None,
                          # swappable groups for DeepSpeed jobs only (Megatron-Core rebuilds: docs/megatron.md)
-                         in_place=bool(ds_configs) and cfg is not None and cfg.enabled and cfg.hot_swap.in_place)
+                         in_place=in_place)
         from . import patches  # type: ignore[attr-defined]
 
         patches.get("torch_init_process_group_once").apply()
+        if in_place:  # a spare's solo set-up: object broadcasts keep the caller's objects (patch docstring)
+            from .rebuild import swap
+
+            solo = patches.get("torch_solo_broadcast_object")
+            solo.set_local(lambda: swap.mode() == "solo")
+            solo.apply()
     code = _run_script(module, args[0] if module is None else None, script_args)
     if code == 0 and configs:
         from .integrations.base import ResilientRuntime

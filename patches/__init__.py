@@ -27,9 +27,12 @@ REGISTRY: dict[str, str] = {
     "deepspeed_unsynced_init": "deepspeed_unsynced_init",
     "deepspeed_initialize_hook": "deepspeed_initialize_hook",
     "torch_init_process_group_once": "torch_init_process_group_once",
+    "torch_solo_broadcast_object": "torch_solo_broadcast_object",
     "transformers_trainer_resume": "transformers_trainer_resume",
     "transformers_trainer_logs": "transformers_trainer_logs",
     "transformers_trainer_hot_swap": "transformers_trainer_hot_swap",
+    "lightning_fit_loop": "lightning_fit_loop",
+    "lightning_deepspeed_cpu": "lightning_deepspeed_cpu",
 }
 """Patch name -> module of this package. Modules are imported only when a patch is requested."""
 

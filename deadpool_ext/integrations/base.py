@@ -368,6 +368,14 @@ class ResilientRuntime(ABC):
         self._catch_up = (step, since)
 
     # -- misc -----------------------------------------------------------------------------------------
+    def settle_rng(self) -> None:
+        """After a restore: set the restored RNG now rather than right before the framework's next forward (where
+        the adapter sets it by default); for callers that draw from it before that forward exactly as the
+        uninterrupted run did after the snapshot. A no-op for adapters without a deferred RNG."""
+        settle = getattr(self.adapter, "settle_rng", None)
+        if callable(settle):
+            settle()
+
     def drain(self) -> None:
         """Wait (bounded) for the snapshot in flight; its failure is raised (a recoverable one, when a peer was
         lost during it). The loop calls this once its last step is done."""

@@ -35,6 +35,9 @@ LOCAL_SIZE = "LOCAL_SIZE"
 """The deepspeed launcher's name for the local world size (it sets no LOCAL_WORLD_SIZE)."""
 MASTER_ADDR = "MASTER_ADDR"
 MASTER_PORT = "MASTER_PORT"
+GROUP_RANK = "GROUP_RANK"
+"""torchrun's node rank; deadpool-run writes it with each generation's world (frameworks such as Lightning derive
+a worker's global rank from it and the local rank)."""
 # torchrun only
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"

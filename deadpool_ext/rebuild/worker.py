@@ -219,7 +219,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     rebuilds, so the groups go live at once."""
     global _pending_live
     rank = a.ranks[worker_id]
-    _export_world(a, rank)
+    _export_world(a, rank, worker_id)
     timeout = timedelta(seconds=timeout_s)
     # torch's own function, never a wrapper around it (the runner makes a *script's* call a no-op once a group
     # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
@@ -246,11 +246,20 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
 
 
-def _export_world(a: Assignment, rank: int) -> None:
+def node_rank(a: Assignment, worker_id: str) -> int:
+    """The index of ``worker_id``'s node among the generation's nodes, ordered by their lowest rank."""
+    lowest: dict[str, int] = {}
+    for wid, r in a.ranks.items():
+        node = a.nodes[wid]
+        lowest[node] = min(r, lowest.get(node, r))
+    return sorted(lowest, key=lambda n: lowest[n]).index(a.nodes[worker_id])
+
+
+def _export_world(a: Assignment, rank: int, worker_id: str) -> None:
     # For frameworks that read the world from the environment (DeepSpeed's init_distributed, device
-    # selection); deadpool_ext itself takes it from the assignment.
+    # selection, Lightning's ranks from the node rank); deadpool_ext itself takes it from the assignment.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr,
-                      MASTER_PORT=str(a.master_port))
+                      MASTER_PORT=str(a.master_port), GROUP_RANK=str(node_rank(a, worker_id)))
 
 
 def _generation_store(a: Assignment, timeout: timedelta) -> Any:
@@ -307,7 +316,7 @@ def swap_into(a: Assignment, worker_id: str, timeout_s: float) -> None:
     from . import swap
 
     rank = a.ranks[worker_id]
-    _export_world(a, rank)
+    _export_world(a, rank, worker_id)
     store = _generation_store(a, timedelta(seconds=timeout_s))
     swap.set_mode("live")
     n = swap.go_live(store, a.generation, rank, check=_check_same_groups)

@@ -39,6 +39,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         self._client_state = client_state
         self._restore_client_state = restore_client_state
         self._rng_hook: Any = None  # a one-shot forward pre-hook that sets the restored RNG again
+        self._rng_pending: dict[str, Any] = {}
         self.zero_stage = int(engine.zero_optimization_stage())
         opt = engine.optimizer
         kind = type(opt).__name__
@@ -210,6 +211,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         otherwise shift dropout and every later random number."""
         if self._rng_hook is not None:
             self._rng_hook.remove()
+        self._rng_pending = rng
 
         def again(_module: Any, _inputs: Any) -> None:
             restore_rng(rng)
@@ -219,6 +221,15 @@ class DeepSpeedStateAdapter(RankStateAdapter):
                 hook.remove()
 
         self._rng_hook = self.engine.register_forward_pre_hook(again)
+
+    def settle_rng(self) -> None:
+        """Set the restored RNG now instead of at the next forward, for a caller whose next draws from the global
+        RNG before the redone step are ones the uninterrupted run also made after the snapshot (Lightning creating
+        the next epoch's iterator after a restored step that ended an epoch)."""
+        hook, self._rng_hook = self._rng_hook, None
+        if hook is not None:
+            hook.remove()
+            restore_rng(self._rng_pending)
 
     # -- restore ---------------------------------------------------------------------------------
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
