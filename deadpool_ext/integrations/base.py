@@ -91,6 +91,7 @@ def _memory_census() -> str:
 
     seen: set[int] = set()
     n = nbytes = 0
+    largest: list[tuple[int, str]] = []
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor):
             n += 1
@@ -99,15 +100,20 @@ def _memory_census() -> str:
                 if st.data_ptr() not in seen:
                     seen.add(st.data_ptr())
                     nbytes += st.nbytes()
+                    kind = "param" if isinstance(obj, torch.nn.Parameter) else "tensor"
+                    largest.append((st.nbytes(), f"{kind}{tuple(obj.shape)}"))
             except Exception:
                 continue
+    largest.sort(reverse=True)
+    top = ", ".join(f"{what} {b / 2**20:.1f} MiB" for b, what in largest[:6])
     anon = "?"
     try:
         with open("/proc/self/status") as fh:
             anon = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("RssAnon")), "?")
     except OSError:
         pass
-    return f"{threading.active_count()} threads, {n} tensors ({nbytes / 2**20:.1f} MiB of storage), RssAnon {anon}"
+    return (f"{threading.active_count()} threads, {n} tensors ({nbytes / 2**20:.1f} MiB of storage), RssAnon {anon}; "
+            f"largest storages: {top}")
 
 
 class ResilientRuntime(ABC):
