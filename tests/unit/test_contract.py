@@ -76,3 +76,18 @@ def test_the_deepspeed_launchers_local_size_is_the_local_world_size():
     assert contract.WorkerEnv.from_environ({"LOCAL_SIZE": "4"}).local_world_size == 4
     assert contract.WorkerEnv.from_environ({"LOCAL_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}).local_world_size == 2
     assert contract.WorkerEnv.from_environ({}).local_world_size == 1
+
+
+def test_node_rank_orders_nodes_by_their_lowest_rank():
+    """GROUP_RANK (torchrun's node rank) as deadpool-run exports it with each generation: the spare that took a
+    node's ranks takes that node's place (Lightning derives global ranks from it and the local rank)."""
+    from deadpool_ext.cluster.membership import Assignment
+    from deadpool_ext.rebuild.worker import node_rank
+
+    a = Assignment(generation=1, world_size=4,
+                   ranks={"node0.0": 0, "node0.1": 1, "spare0.0": 2, "spare0.1": 3},
+                   nodes={"node0.0": "node0", "node0.1": "node0", "spare0.0": "spare0", "spare0.1": "spare0"})
+    assert [node_rank(a, w) for w in ("node0.0", "node0.1", "spare0.0", "spare0.1")] == [0, 0, 1, 1]
+    b = Assignment(generation=2, world_size=2, ranks={"spare1.0": 0, "node1.0": 1},
+                   nodes={"spare1.0": "spare1", "node1.0": "node1"})
+    assert node_rank(b, "spare1.0") == 0 and node_rank(b, "node1.0") == 1
