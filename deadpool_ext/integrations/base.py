@@ -83,8 +83,10 @@ def _drop_frames(exc: BaseException) -> None:
 
 
 def _memory_census() -> str:
-    """Threads, live tensors (count, bytes of their storages) and anonymous RSS: what to compare across hot-swaps
-    when a survivor's memory grows (debug level only: it walks every object the collector tracks)."""
+    """Threads, live tensors (count, bytes of their storages, the largest groups by kind and shape) and anonymous RSS:
+    what to compare across hot-swaps when a survivor's memory grows (debug level only: it walks every object the
+    collector tracks). Activation-shaped tensors right after a recovery are the interrupted step's autograd graph,
+    held from C++ until the redone step runs (freed by the catch-up collection)."""
     import threading
 
     import torch
@@ -104,8 +106,13 @@ def _memory_census() -> str:
                     largest.append((st.nbytes(), f"{kind}{tuple(obj.shape)}"))
             except Exception:
                 continue
-    largest.sort(reverse=True)
-    top = ", ".join(f"{what} {b / 2**20:.1f} MiB" for b, what in largest[:6])
+    by_shape: dict[str, list[int]] = {}
+    for b, what in largest:
+        agg = by_shape.setdefault(what, [0, 0])
+        agg[0] += 1
+        agg[1] += b
+    ranked = sorted(by_shape.items(), key=lambda kv: -kv[1][1])
+    top = ", ".join(f"{what} x{c} {b / 2**20:.1f} MiB" for what, (c, b) in ranked[:12])
     anon = "?"
     try:
         with open("/proc/self/status") as fh:
@@ -113,7 +120,7 @@ def _memory_census() -> str:
     except OSError:
         pass
     return (f"{threading.active_count()} threads, {n} tensors ({nbytes / 2**20:.1f} MiB of storage), RssAnon {anon}; "
-            f"largest storages: {top}")
+            f"storage by shape: {top}")
 
 
 class ResilientRuntime(ABC):
@@ -142,6 +149,7 @@ class ResilientRuntime(ABC):
         self._factory: Callable[[], Any] | None = None
         self._restored_version = 0
         self._catch_up: tuple[int, float] | None = None
+        self._trim_at_catch_up = False
         self._spare_logged = False
         self._hot_swap = membership() is not None and config.hot_swap.enabled
         from ..rebuild import swap
@@ -233,6 +241,9 @@ class ResilientRuntime(ABC):
         progress.note_step(step)
         if protocol.caught_up(self._catch_up, step, self.rank, self._restored_version):
             self._catch_up = None
+            if self._trim_at_catch_up:
+                self._trim_at_catch_up = False
+                self._release_after_recovery("after catching up")
         hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank, state=self.adapter)
 
     # -- resume ---------------------------------------------------------------------------------------
@@ -341,12 +352,19 @@ class ResilientRuntime(ABC):
         protocol.finish(begun, r, old_rank=old_rank, in_place=True)
         # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
         # them activations and autograd graphs) is freed now, not at some later collection during training.
+        self._release_after_recovery("after the in-place recovery")
+        self._trim_at_catch_up = True
+        return self._handle()
+
+    def _release_after_recovery(self, when: str) -> None:
+        """Collect what the interrupted step left and give the C heap's free memory back (``hot_swap.release_memory``).
+        Done twice per in-place recovery: right after it, and once the redone step is complete, because part of the
+        interrupted step (its autograd graph, held from C++) is freed only when the redone step runs."""
         gc.collect()
-        if hc.release_memory:
+        if self.config.hot_swap.release_memory:
             release_free_heap()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("after the in-place recovery: %s", _memory_census())
-        return self._handle()
+            log.debug("%s: %s", when, _memory_census())
 
     def _recover_resized(self, begun: protocol.Begun, joined: Any, old_rank: int) -> Any:
         """In-place path, but the next generation has another size (elastic shrink or grow): the framework's
