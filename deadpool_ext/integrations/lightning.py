@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import logging
+import warnings
 from typing import Any
 
 from .importhook import after_import
@@ -144,6 +145,9 @@ def position_fit_loop(loop: Any, step: int, restored: dict[str, Any] | None = No
                                 step_schedulers=sum(1 for c in configs if c.interval == "step"),
                                 epoch_schedulers=sum(1 for c in configs if c.interval == "epoch"))
     loop.load_state_dict(state)
+    # Lightning warns that a mid-epoch restart of a loader without state repeats the epoch's first batches; here the
+    # extension drops them itself (epoch_start), so that one warning is silenced (logged instead, below).
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
     # The snapshot was taken inside step S's optimizer step; Lightning steps its "step"-interval schedulers right
     # after it (before on_train_batch_end, where the loop now stands): that update is done here, by Lightning's own
     # rule (frequency, accumulation), and its progress counters set back to the state just loaded.

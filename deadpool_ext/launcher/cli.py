@@ -152,6 +152,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
             # GPU path: on an NCCL error, abort the communicators but keep the process (it rebuilds in-process).
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
         })
+        if self.args.malloc_arena_max and contract.MALLOC_ARENA_MAX not in os.environ:
+            env[contract.MALLOC_ARENA_MAX] = str(self.args.malloc_arena_max)
         if self.timeline is not None:
             env[contract.TIMELINE] = os.path.abspath(self.args.timeline)
         for k in (contract.RANK, contract.WORLD_SIZE, contract.MASTER_ADDR, contract.MASTER_PORT,
@@ -579,6 +581,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if getattr(args, "host_plan", None):
         log.info("%s", args.host_plan)
+    if contract.MALLOC_ARENA_MAX in os.environ:
+        log.info("workers: MALLOC_ARENA_MAX=%s from the environment", os.environ[contract.MALLOC_ARENA_MAX])
+    elif args.malloc_arena_max:
+        log.info("workers: MALLOC_ARENA_MAX=%d (--malloc-arena-max: a hot-swap's new communicator threads would "
+                 "otherwise each take a heap arena, and survivors' memory grow with failures)", args.malloc_arena_max)
     sup = Supervisor(args)
     try:
         return sup.run()

@@ -38,6 +38,8 @@ MASTER_PORT = "MASTER_PORT"
 GROUP_RANK = "GROUP_RANK"
 """torchrun's node rank; deadpool-run writes it with each generation's world (frameworks such as Lightning derive
 a worker's global rank from it and the local rank)."""
+MALLOC_ARENA_MAX = "MALLOC_ARENA_MAX"
+"""glibc's heap arena limit; deadpool-run sets it for its workers (``--malloc-arena-max``) unless it is set."""
 # torchrun only
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"

@@ -355,9 +355,21 @@ def _rows(tmp_path, name: str) -> list[dict]:
         return [json.loads(line) for line in fh if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def lightning_reference(tmp_path_factory):
+    """The Lightning script without the extension (Lightning's DeepSpeed on CPU only), once for the module:
+    (step -> loss, rows of the metrics file)."""
+    tmp = tmp_path_factory.mktemp("lightning_ref")
+    ref, ref_losses = _job(tmp, "ref", LIGHTNING, ["--deepspeed", _config(tmp, None, LIGHTNING_BASE), *LIGHTNING_ARGS],
+                           wrap=LIGHTNING_CPU)
+    assert _finished(ref, "lightning_fit"), ref.output[-3000:]
+    assert sorted(ref_losses) == list(range(1, 9))
+    return ref_losses, _rows(tmp, "ref")
+
+
 @pytest.mark.parametrize("mode", matrix(["hot_swap_after_step", "hot_swap_sigkill_anywhere", "restart"],
                                         ci=["hot_swap_after_step", "restart"]))
-def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode):
+def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, lightning_reference):
     """An unmodified Lightning script (``DeepSpeedStrategy`` ZeRO-3, gradient accumulation 2, a DeepSpeed scheduler
     that Lightning steps itself, a shuffled loader whose epochs end during the run): rank 1 dies (right after its
     optimizer step 4, or SIGKILLed from outside wherever it is once rank 0 logged step 3). Under deadpool-run the
@@ -365,11 +377,7 @@ def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode):
     rank 1; under ``torchrun --max-restarts 1 -m deadpool_ext.run`` both restart and restore from memory. Every
     logged loss (epoch and batch index too) equals the same script's without the extension, bit for bit.
     (``*_sigkill_anywhere`` runs with DEADPOOL_FULL_MATRIX=1; the HF Trainer's test covers that fault in CI.)"""
-    ref, ref_losses = _job(tmp_path, "ref", LIGHTNING, ["--deepspeed", _config(tmp_path, None, LIGHTNING_BASE),
-                                                        *LIGHTNING_ARGS], wrap=LIGHTNING_CPU)
-    assert _finished(ref, "lightning_fit"), ref.output[-3000:]
-    assert sorted(ref_losses) == list(range(1, 9))
-    ref_rows = _rows(tmp_path, "ref")
+    ref_losses, ref_rows = lightning_reference
     if mode == "restart":
         res, losses = _job(tmp_path, "restart", LIGHTNING, ["--deepspeed", _config(tmp_path, shm_root, LIGHTNING_BASE),
                                                             *LIGHTNING_ARGS],
