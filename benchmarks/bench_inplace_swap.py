@@ -123,7 +123,7 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     k0 = d["kill_step"]
     marks_at = [k0 + 2 * i for i in range(swaps)]  # a kill after each of these steps (none for no_failure)
     kills = [] if mode == "no_failure" else marks_at
-    n = marks_at[-1] + 3
+    n = marks_at[-1] + 2 + args.tail_steps  # the redone step, one step, then the steady tail that is measured
     tag = f"memory_{mode}"
     shm_root = os.path.join("/dev/shm", f"bench_inplace.{os.getpid()}.{tag}")
     os.makedirs(shm_root, exist_ok=True)
@@ -211,6 +211,7 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
             out["rss"][w][key] = {"before_first_kill": first, "after_each_swap": each,
                                   "ratio_last_to_first": each[-1] / first if first and each and each[-1] else None}
     out["peaks"] = memory_peaks(out)
+    out["steady"] = steady_peaks(out, args.tail_steps)
     if job["returncode"] != 0:
         out["failed"] = f"job exited rc={job['returncode']}"
     return out
@@ -238,6 +239,35 @@ def memory_peaks(m: dict[str, Any]) -> dict[str, Any]:
             ratio = rest[-1] / first if first and rest and rest[-1] else None
             out.setdefault(w, {})[key] = {"before_first_kill": first, "after_each_swap": rest,
                                           "ratio_last_to_first": ratio}
+    return out
+
+
+def steady_peaks(m: dict[str, Any], tail: int) -> dict[str, Any]:
+    """Per survivor and kind: the median of the per-step peaks of the steady steps before the first kill (every
+    step from the second up to the kill's) and of the last ``tail`` steps of the job (after the last swap, from two
+    steps after its redone step), and their ratio: a steady level at either end, where a single step's peak moves
+    with what that step happened to do (the control's single-step peaks move by up to ~3%)."""
+    status = m.get("status_series") or []
+    times = m.get("step_times") or {}
+    marks = m.get("marks_after_steps") or []
+    last = max((int(k) for k in times), default=0)
+    if not marks or not last:
+        return {}
+    before = list(range(2, marks[0] + 1))
+    after = list(range(last - tail + 1, last + 1))
+    out: dict[str, Any] = {"steps_before": before, "steps_after": after}
+    def peak(s: int, w: str, key: str) -> int | None:
+        lo, hi = times.get(str(s - 1)), times.get(str(s))
+        vals = [r[w][key] for ts, r in status if lo is not None and hi is not None and lo < ts <= hi
+                and w in r and key in r[w]]
+        return max(vals) if vals else None
+
+    for w in SURVIVORS:
+        for key in ("RssAnon", "VmRSS"):
+            b = _median([peak(s, w, key) for s in before])
+            a = _median([peak(s, w, key) for s in after])
+            out.setdefault(w, {})[key] = {"before": b, "after_last_swap": a,
+                                          "ratio": a / b if a and b else None}
     return out
 
 
@@ -325,6 +355,26 @@ def render(doc: dict[str, Any]) -> str:
                 each = ", ".join("—" if x is None else f"{x / 2**30:.2f}" for x in row["after_each_swap"])
                 lines.append(f"| {m['mode']} | {w} {label} | {f(row['before_first_kill'] / 2**30)} GiB | {each} GiB | "
                              f"{f(row['ratio_last_to_first'], 3)} |")
+    steady = [m for m in doc["memory"] if not m.get("failed") and m.get("steady")]
+    if steady:
+        st0 = steady[0]["steady"]
+        lines += ["", f"Steady level, the measure of record: the median of the per-step peaks of steps "
+                  f"{st0['steps_before'][0]}..{st0['steps_before'][-1]} (before the first kill) and of the last "
+                  f"{len(st0['steps_after'])} steps (steps {st0['steps_after'][0]}..{st0['steps_after'][-1]}, after "
+                  "the fifth swap's redone step and one more), per survivor:", "",
+                  "| mode | worker, memory | steady before the first kill | steady after the fifth swap | "
+                  "after / before |",
+                  "|---|---|---|---|---|"]
+        for m in steady:
+            for w, kinds in m["steady"].items():
+                if not isinstance(kinds, dict) or w.startswith("steps"):
+                    continue
+                for label, key in (("RSS", "VmRSS"), ("anonymous", "RssAnon")):
+                    row = kinds.get(key)
+                    if not row or not row["before"] or not row["after_last_swap"]:
+                        continue
+                    lines.append(f"| {m['mode']} | {w} {label} | {f(row['before'] / 2**30)} GiB | "
+                                 f"{f(row['after_last_swap'] / 2**30)} GiB | {f(row['ratio'], 3)} |")
     lines += ["", "Point samples (the last sample before each mark; they move with where in its step the sample "
               "falls):", "", "| mode | worker, memory | before the first kill | after swaps 1..5 | last / first |",
               "|---|---|---|---|---|"]
@@ -352,6 +402,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3, help="pairs of hot-swap jobs (one per mode each)")
     p.add_argument("--swaps", type=int, default=5, help="consecutive hot-swaps in the memory part (0: skip it)")
     p.add_argument("--kill-delay-frac", type=float, default=0.5)
+    p.add_argument("--tail-steps", type=int, default=4,
+                   help="memory part: steady steps measured after the last swap (from two steps after its redone step)")
     p.add_argument("--recovery-timeout-s", type=float, default=120.0)
     p.add_argument("--settle-s", type=float, default=10.0)
     p.add_argument("--settle-busy", type=float, default=0.35)
@@ -376,6 +428,8 @@ def main() -> int:
         for m in doc["memory"]:
             if not m.get("failed"):
                 m["peaks"] = memory_peaks(m)
+                if "steady" in m:
+                    m["steady"] = steady_peaks(m, len(m["steady"].get("steps_after") or []) or args.tail_steps)
         doc["summary"] = summarise(doc["runs"], doc["memory"])
         write_text(args.rerender, json.dumps(doc, indent=1, default=str))
         write_text(args.rerender[:-len(".json")] + ".md", render(doc))

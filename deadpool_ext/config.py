@@ -171,12 +171,14 @@ class HotSwapConfig:
     spare builds its engine locally before joining. ``false``: every rank rebuilds its engine through the
     script's ``set_rebuild`` factory (the older path). Megatron-Core jobs always rebuild."""
     release_memory: bool = True
-    """After an in-place recovery, give the C heap's free memory back to the OS (glibc ``malloc_trim``): what the
-    interrupted step and the dead communicators' threads left. Measured (GPT small, 5 consecutive swaps): survivor
-    RSS x1.05-1.07 of its level before the first failure with it, x1.10-1.12 without. Its price: the first step
-    after the recovery faults those pages in again (about 110,000 more page faults per survivor, ~0.1 s there:
-    ``docs/hot-swap.md``, "The first step after a swap"). ``false`` where memory is plentiful and that step
-    matters more."""
+    """After an in-place recovery, give the C heap's free memory back to the OS (glibc ``malloc_trim``), twice: right
+    after the recovery (what the dead communicators' threads and the interrupted step's frames left) and once the
+    redone step is complete (the interrupted step's autograd graph, held from C++, is freed only then). Measured
+    (GPT small, 5 consecutive swaps, ``benchmarks/results/inplace_swap.md``): survivor RSS x1.02 of its level
+    before the first failure with both and deadpool-run's 2 heap arenas, x1.05 with glibc's arena default, x1.08-1.13
+    with the first trim only, x1.10-1.12 with none. Its price: the steps after each trim fault those pages in again
+    (about 110,000 more page faults per survivor, ~0.1 s: ``docs/hot-swap.md``, "The first step after a swap").
+    ``false`` where memory is plentiful and those steps matter more."""
 
     def __post_init__(self) -> None:
         _seconds("teardown_timeout_s", self.teardown_timeout_s)

@@ -167,6 +167,15 @@ def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, 
     return res, read_metrics(metrics), read_events(timeline) if os.path.exists(timeline) else [], pids
 
 
+def _swap_fault(tmp_path, after_step: bool) -> tuple[dict | None, int | None]:
+    """(harness env, kill_after_step) for ``_dprun``: rank 1 killed in-process right after its optimizer step 4, or
+    SIGKILLed from outside wherever it is once rank 0 logged step 3."""
+    if after_step:
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        return at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()}), None
+    return None, 3
+
+
 def _hot_swapped_in_place(res, events, pids, *, reuse_line: bool = True) -> None:
     """One hot-swap, in place: the survivor kept its process (and its engine), the spare restored rank 1.
     ``reuse_line``: the framework builds its engine again through deepspeed.initialize (the HF Trainer does;
@@ -191,12 +200,7 @@ def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
                                                                 *args])
     assert _finished(plain, "hf_trainer"), plain.output[-3000:]
     cfg = _config(tmp_path, shm_root, hf_base, local={"shm_root": shm_root})
-    env, kill = None, None
-    if fault == "after_optimizer_step":
-        marker = os.path.join(str(tmp_path), "fault.marker")
-        env = at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()})
-    else:
-        kill = 3
+    env, kill = _swap_fault(tmp_path, fault == "after_optimizer_step")
     res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", HF_TRAINER, ["--deepspeed", cfg, *args], env=env,
                                        kill_after_step=kill)
     assert res.returncode == 0, res.output[-4000:]
@@ -389,17 +393,13 @@ def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, 
         rows = _rows(tmp_path, "restart")
     else:
         cfg = _config(tmp_path, shm_root, LIGHTNING_BASE, local={"shm_root": shm_root})
-        env, kill = None, None
-        if mode == "hot_swap_after_step":
-            marker = os.path.join(str(tmp_path), "fault.marker")
-            env = at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()})
-        else:
-            kill = 3
+        env, kill = _swap_fault(tmp_path, mode == "hot_swap_after_step")
         res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", LIGHTNING, ["--deepspeed", cfg,
                                                                                   *LIGHTNING_ARGS],
                                            env=env, kill_after_step=kill)
         assert res.returncode == 0, res.output[-4000:]
         _hot_swapped_in_place(res, events, pids, reuse_line=False)
+        assert "workers: MALLOC_ARENA_MAX=2 (--malloc-arena-max" in res.output  # bounded arenas: memory not growing
         assert "Lightning: recovered in place at step" in res.output and "fit loop re-entered" in res.output
         rows = _rows(tmp_path, "swap")
     _same_trajectory(losses, ref_losses, killed=4, last=8)

@@ -11,6 +11,7 @@ from deadpool_ext.launcher.cli import main
     (["--watch-s", "-1"], "--watch-s must be a positive number of seconds"),
     (["--detect-timeout-s", "0.4", "--heartbeat-s", "0.5"],
      "--detect-timeout-s (0.4) must be longer than --heartbeat-s"),
+    (["--malloc-arena-max", "-1"], "--malloc-arena-max -1: must be an integer in 0..1024"),
 ])
 def test_impossible_timing_is_refused(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
