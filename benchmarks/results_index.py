@@ -165,6 +165,8 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "inplace_swap_single_trim": "the in-place swap before the catch-up trim and bounded heap arenas (code 85a462f): "
+                                "survivor RSS x1.08-1.13 over 5 swaps (single-step peaks); rebuild 1.49 -> 0.016 s",
     "recovery": "first full run (small x2 + medium baseline), code 24a8763c",
     "recovery_code80fb1043": "run of deadpool_ext 80fb1043",
     "recovery_small_rerun": "rerun of 80fb1043 (small)",
