@@ -174,7 +174,7 @@ class HotSwapConfig:
     """After an in-place recovery, give the C heap's free memory back to the OS (glibc ``malloc_trim``), twice: right
     after the recovery (what the dead communicators' threads and the interrupted step's frames left) and once the
     redone step is complete (the interrupted step's autograd graph, held from C++, is freed only then). Measured
-    (GPT small, 5 consecutive swaps, ``benchmarks/results/inplace_swap.md``): survivor RSS x1.02 of its level
+    (GPT small, 5 consecutive swaps, ``benchmarks/results/inplace_swap.md``): survivor RSS x1.02-1.04 of its level
     before the first failure with both and deadpool-run's 2 heap arenas, x1.05 with glibc's arena default, x1.08-1.13
     with the first trim only, x1.10-1.12 with none. Its price: the steps after each trim fault those pages in again
     (about 110,000 more page faults per survivor, ~0.1 s: ``docs/hot-swap.md``, "The first step after a swap").
