@@ -33,6 +33,7 @@ import logging
 import warnings
 from typing import Any
 
+from ..config import ConfigError
 from .importhook import after_import
 from .lightning_state import fit_loop_state
 from .steps import _generators
@@ -40,8 +41,9 @@ from .steps import _generators
 log = logging.getLogger("deadpool_ext")
 
 
-class NotPositionableError(RuntimeError):
-    """The fit loop cannot be set to a restored step (a train dataloader without a length)."""
+class NotPositionableError(ConfigError):
+    """The fit loop cannot be set to a restored step (a train dataloader without a length): the runner prints it
+    as one line and exits with status 2."""
 
 
 def _runtime(trainer: Any) -> Any:
@@ -196,6 +198,7 @@ def resume_fit(loop: Any) -> None:
     if runtime is None:
         return
     rec = _record(loop)
+
     def put(st: dict[str, Any]) -> None:
         rec.restored.clear()
         rec.restored.update(st)

@@ -200,3 +200,18 @@ def test_lightning_scheduler_state_travels_as_json():
     assert sched.state_dict()["last_epoch"] != saved["last_epoch"]
     integ.set_lightning_state(trainer.fit_loop, st)
     assert sched.state_dict()["last_epoch"] == saved["last_epoch"]
+
+
+def test_a_loader_without_length_is_refused_with_one_line(fit_patch):
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(1)
+            while True:
+                yield torch.randn(4, generator=g), torch.randn(1, generator=g)
+
+    module = Module([])
+    module.deadpool = StandIn({3: {}}, step=3)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(integ.NotPositionableError, match="has no length .* give the dataloader a __len__"):
+        trainer.fit(module, torch.utils.data.DataLoader(Stream(), batch_size=2))
