@@ -79,6 +79,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         if args.spare_nodes < 0:
             raise SystemExit("deadpool-run: --spare-nodes must be >= 0")
         self.args = args
+        self._arena_logged = False
         self.job_id = args.job_id or f"dp{secrets.token_hex(4)}"
         self.token = os.environ.get(contract.STORE_TOKEN) or secrets.token_hex(16)
         self.active_nodes = [f"node{i}" for i in range(args.nnodes)]
@@ -154,6 +155,14 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         })
         if self.args.malloc_arena_max and contract.MALLOC_ARENA_MAX not in os.environ:
             env[contract.MALLOC_ARENA_MAX] = str(self.args.malloc_arena_max)
+        if not self._arena_logged:  # once, when the first worker starts (after every start-up check passed)
+            self._arena_logged = True
+            if contract.MALLOC_ARENA_MAX in os.environ:
+                log.info("workers: MALLOC_ARENA_MAX=%s from the environment", os.environ[contract.MALLOC_ARENA_MAX])
+            elif self.args.malloc_arena_max:
+                log.info("workers: MALLOC_ARENA_MAX=%d (--malloc-arena-max: a hot-swap's new communicator threads "
+                         "would otherwise each take a heap arena, and survivors' memory grow with failures)",
+                         self.args.malloc_arena_max)
         if self.timeline is not None:
             env[contract.TIMELINE] = os.path.abspath(self.args.timeline)
         for k in (contract.RANK, contract.WORLD_SIZE, contract.MASTER_ADDR, contract.MASTER_PORT,
@@ -581,11 +590,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if getattr(args, "host_plan", None):
         log.info("%s", args.host_plan)
-    if contract.MALLOC_ARENA_MAX in os.environ:
-        log.info("workers: MALLOC_ARENA_MAX=%s from the environment", os.environ[contract.MALLOC_ARENA_MAX])
-    elif args.malloc_arena_max:
-        log.info("workers: MALLOC_ARENA_MAX=%d (--malloc-arena-max: a hot-swap's new communicator threads would "
-                 "otherwise each take a heap arena, and survivors' memory grow with failures)", args.malloc_arena_max)
     sup = Supervisor(args)
     try:
         return sup.run()
