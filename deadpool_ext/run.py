@@ -114,6 +114,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             solo.set_local(lambda: swap.mode() == "solo")
             solo.apply()
     code = _run_script(module, args[0] if module is None else None, script_args)
+    if code == 0:
+        # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
+        # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
+        # take for a hang and fence: seen once in four Lightning hot-swap jobs).
+        from .distributed import membership
+
+        current = membership()
+        if current is not None:
+            current.mark_done()
     if code == 0 and configs:
         from .integrations.base import ResilientRuntime
 

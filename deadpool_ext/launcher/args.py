@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from ..memory.shm import SHM_ROOT
 from ..store.base import parse_store_url
+from .contract import MALLOC_ARENA_MAX
 
 MAX_NODES = 65536
 MAX_PROCS_PER_NODE = 1024
@@ -36,6 +37,22 @@ DEFAULT_MALLOC_ARENA_MAX = 2
 """Workers' glibc heap arenas (``--malloc-arena-max``). Measured (``benchmarks/results/inplace_swap.md``, GPT small,
 5 consecutive in-place hot-swaps): survivor RSS x1.022-1.025 of its level before the first failure with 2 arenas,
 x1.052 with glibc's default (one arena per thread that allocates, up to 8 per core)."""
+
+
+def malloc_env(arena_max: int, environ: Any, *, log: bool) -> dict[str, str]:
+    """The workers' ``MALLOC_ARENA_MAX`` (``--malloc-arena-max``; one already in ``environ`` wins, 0 sets none);
+    ``log``: say which (once, when the first worker starts, after every start-up check passed)."""
+    import logging
+
+    out = {} if not arena_max or MALLOC_ARENA_MAX in environ else {MALLOC_ARENA_MAX: str(arena_max)}
+    if log and MALLOC_ARENA_MAX in environ:
+        logging.getLogger("deadpool_ext.launcher").info("workers: MALLOC_ARENA_MAX=%s from the environment",
+                                                        environ[MALLOC_ARENA_MAX])
+    elif log and out:
+        logging.getLogger("deadpool_ext.launcher").info(
+            "workers: MALLOC_ARENA_MAX=%d (--malloc-arena-max: a hot-swap's new communicator threads would otherwise "
+            "each take a heap arena, and survivors' memory grow with failures)", arena_max)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:

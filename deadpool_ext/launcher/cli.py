@@ -55,6 +55,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     _script_error,
     build_parser,
     check_args,
+    malloc_env,
 )
 from .contract import HotSwapEnv
 from .hangs import parse_heartbeat
@@ -153,16 +154,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
             # GPU path: on an NCCL error, abort the communicators but keep the process (it rebuilds in-process).
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": env.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2"),
         })
-        if self.args.malloc_arena_max and contract.MALLOC_ARENA_MAX not in os.environ:
-            env[contract.MALLOC_ARENA_MAX] = str(self.args.malloc_arena_max)
-        if not self._arena_logged:  # once, when the first worker starts (after every start-up check passed)
-            self._arena_logged = True
-            if contract.MALLOC_ARENA_MAX in os.environ:
-                log.info("workers: MALLOC_ARENA_MAX=%s from the environment", os.environ[contract.MALLOC_ARENA_MAX])
-            elif self.args.malloc_arena_max:
-                log.info("workers: MALLOC_ARENA_MAX=%d (--malloc-arena-max: a hot-swap's new communicator threads "
-                         "would otherwise each take a heap arena, and survivors' memory grow with failures)",
-                         self.args.malloc_arena_max)
+        env.update(malloc_env(self.args.malloc_arena_max, os.environ, log=not self._arena_logged))
+        self._arena_logged = True
         if self.timeline is not None:
             env[contract.TIMELINE] = os.path.abspath(self.args.timeline)
         for k in (contract.RANK, contract.WORLD_SIZE, contract.MASTER_ADDR, contract.MASTER_PORT,
