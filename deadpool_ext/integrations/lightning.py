@@ -37,6 +37,7 @@ from ..config import ConfigError
 from .importhook import after_import
 from .lightning_state import fit_loop_state
 from .steps import _generators
+from .transformers_trainer import _plain  # JSON-safe values of a scheduler's state
 
 log = logging.getLogger("deadpool_ext")
 
@@ -49,12 +50,6 @@ class NotPositionableError(ConfigError):
 def _runtime(trainer: Any) -> Any:
     strategy = getattr(trainer, "strategy", None)
     return getattr(getattr(strategy, "model", None), "deadpool", None)
-
-
-def _plain(v: Any) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str)) or (
-        isinstance(v, (list, tuple)) and all(_plain(x) for x in v)) or (
-        isinstance(v, dict) and all(isinstance(k, str) and _plain(x) for k, x in v.items()))
 
 
 def _schedulers(trainer: Any) -> list[Any]:
