@@ -65,7 +65,7 @@ def worker(args: argparse.Namespace) -> None:
     parallel.initialize(layout, 1234)
     gb = spec.micro_batch * spec.num_microbatches * layout.dp
     rt = MegatronRuntime(build(spec, 1234), cfg, layout, coordinates(dist.get_rank(), layout), seed=1234,
-                         global_batch=gb)
+                         global_batch=gb, micro_batch=spec.micro_batch)
     data = ByteLMData(seq_len=spec.seq_len + 1, seed=1234)
     times: dict[str, list[float]] = {"on": [], "off": []}
     plan = ["warm"] * args.warmup + [m for _ in range(args.blocks) for m in ("on", "off") for _ in range(args.block)]

@@ -4,7 +4,9 @@
 (``step.v<step>.w<dp>.r<rank>``; ``dp``: the data-parallel size of the world that wrote it). Each file is a
 snapshot-format blob (pickle-free): the rank's ``master.*`` and
 ``optim.*`` tensors and its partition layout, so a test assembles whole parameters from any data-parallel size
-(:func:`gather`) and compares two runs element for element."""
+(:func:`gather`) and compares two runs element for element. A rank of a replicated layout (Megatron-Core:
+its state is its model-parallel shard's) dumps every tensor it captures, and :func:`by_shard` gives each
+shard's state, checked equal on every rank of it."""
 from __future__ import annotations
 
 import os
@@ -20,8 +22,9 @@ def _write(path: str, state: Any) -> None:
     from ..snapshot.format import serialize
 
     layout = state.partition_layout()
+    whole = isinstance(layout, dict) and layout.get("rule") == "replicated"
     tensors = {name: t.detach().to("cpu").clone() for name, t in state.tensors()
-               if name.startswith(("master.", "optim."))}
+               if whole or name.startswith(("master.", "optim."))}
     tmp = path + ".tmp"
     with open(tmp, "wb") as fh:
         fh.write(serialize({"tensors": tensors}, {"layout": layout}))
@@ -82,4 +85,25 @@ def gather(paths: list[str]) -> dict[str, dict[int, torch.Tensor]]:
         for pid, n in per.items():
             if n != sizes[pid]:
                 raise AssertionError(f"{what} of parameter {pid}: {n} of {sizes[pid]} elements in the dumps")
+    return out
+
+
+def by_shard(paths: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+    """Replicated layouts: shard -> its tensors, from the dumps of every rank of one world; the ranks of one
+    shard must hold the very same tensors (the premise of the rule)."""
+    from ..recovery.reshard import ReplicatedLayout
+    from ..snapshot.format import deserialize
+
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for path in paths:
+        with open(path, "rb") as fh:
+            obj, meta = deserialize(fh.read())
+        shard = ReplicatedLayout.from_json(meta["layout"]).shard
+        tensors = obj["tensors"]
+        if shard in out:
+            first = out[shard]
+            if first.keys() != tensors.keys() or any(not torch.equal(first[k], tensors[k]) for k in first):
+                raise AssertionError(f"{path}: the ranks of shard {shard} hold different state")
+        else:
+            out[shard] = tensors
     return out

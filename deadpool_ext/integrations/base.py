@@ -132,8 +132,6 @@ class ResilientRuntime(ABC):
     """The framework's objects survive a swap of the communicators beneath them (``rebuild/swap.py``): the
     subclass implements :meth:`_abandon_step` and :meth:`_handle`."""
     step_name: ClassVar[str] = "step"
-    refuse_resize: ClassVar[str | None] = None
-    """Why this integration cannot continue on a world of another size (elastic shrink/grow); None: it can."""
     attached_total: ClassVar[int] = 0
     """Runtimes created in this process (any framework): ``python -m deadpool_ext.run`` checks it at exit."""
 
@@ -192,6 +190,12 @@ class ResilientRuntime(ABC):
 
     def _release_partial(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
         """Drop what a rebuild built on a generation that failed while forming (before its teardown)."""
+
+    def _resize_refusal(self, old: Any, new: Any) -> str | None:
+        """Why this integration cannot continue on generation ``new`` (an ``Assignment`` of another world size
+        than ``old``: elastic shrink or grow); None: it can (the default). Called on every rank, before anything
+        is built on the new world."""
+        return None
 
     def _timeline_fields(self) -> dict[str, Any]:
         """Extra fields of this rank's ``recover`` timeline events (e.g. Megatron's tp/pp/dp coordinates)."""
@@ -323,7 +327,7 @@ class ResilientRuntime(ABC):
                             build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory),
                                                                         restore_follows),
                             resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial,
-                            refuse_resize=self.refuse_resize)
+                            resize_check=self._resize_refusal)
         # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
         protocol.finish(begun, r, old_rank=old_rank)
@@ -380,7 +384,7 @@ class ResilientRuntime(ABC):
         self._closed = True
         self.adapter = None
         self._release()
-        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True, refuse_resize=self.refuse_resize,
+        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True, resize_check=self._resize_refusal,
                             build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), True),
                             resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
         self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)

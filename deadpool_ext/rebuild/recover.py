@@ -44,6 +44,8 @@ class Begun:
     noticed_at: float
     world_size: int
     """The world of the generation that failed (a generation of another size is a resize: elastic)."""
+    assignment: Assignment
+    """That generation's assignment (who held which rank: an integration's resize check compares it)."""
     cause: str
     """What stopped the step: ``"launcher_notice"`` (the launcher's notice of a new generation) or
     ``"collective_failed"`` (a collective with a lost peer raised); the ``recover`` event's ``cause``."""
@@ -118,7 +120,7 @@ def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuild
                                       exit=True)
     m.report_failure(gen, repr(exc))
     return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time(),
-                 world_size=m.assignment.world_size,
+                 world_size=m.assignment.world_size, assignment=m.assignment,
                  cause="launcher_notice" if noticed else "collective_failed")
 
 
@@ -135,13 +137,14 @@ class Resized(Exception):
 def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
            release: Callable[[], None] = lambda: None, in_place: bool = False,
            joined: Assignment | None = None, live_groups: bool = False,
-           refuse_resize: str | None = None) -> Rejoined[T]:
+           resize_check: Callable[[Assignment, Assignment], str | None] | None = None) -> Rejoined[T]:
     """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
 
     ``joined``: the first generation is already joined (the in-place path found it resized, :class:`Resized`);
     ``live_groups``: its groups are built swappable and live on every rank (all ranks rebuild together, none
-    builds solo), so later failures swap in place again. ``refuse_resize``: this integration cannot change its
-    world size; a resized generation stops the job with this message (reported fatal).
+    builds solo), so later failures swap in place again. ``resize_check(old, new)``: for a generation of another
+    world size, why this integration cannot continue on it (None: it can); a reason stops the job with that
+    message (reported fatal).
 
     ``release()`` drops framework state built on a generation that failed while forming (called before each
     teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised.
@@ -165,8 +168,9 @@ def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T],
         a = joined if joined is not None else m.join(min_gen, timeout_s=hc.assignment_timeout_s)
         joined = None
         t_assigned = time.time()
-        if refuse_resize is not None and a.world_size != begun.world_size:
-            msg = (f"generation {a.generation} has {a.world_size} ranks (was {begun.world_size}): {refuse_resize}")
+        why = resize_check(begun.assignment, a) if resize_check and a.world_size != begun.world_size else None
+        if why is not None:
+            msg = f"generation {a.generation} has {a.world_size} ranks (was {begun.world_size}): {why}"
             m.report_fatal(msg)
             raise RecoveryError(msg)
         if in_place and a.world_size != begun.world_size:

@@ -18,14 +18,20 @@ where. :func:`needed_sources` is which old ranks a new rank needs at all (the tr
 
 Padding is never copied: a new partition's padding stays zero, as in a freshly built engine (whose moments of
 padding stay zero: their gradient is zero).
+
+A third rule, :class:`ReplicatedLayout` (``rule="replicated"``, Megatron-Core without the distributed
+optimizer), has no partitions at all: the state of a model-parallel *shard* (a tensor- and pipeline-parallel
+slice of the model) is the same on every data-parallel rank of it, so a new rank takes its shard's state whole
+from one old rank of that shard (:func:`replica_moves`).
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 RULES = ("flat", "per_param")
+REPLICATED = "replicated"
 
 
 class ReshardError(ValueError):
@@ -178,3 +184,65 @@ def with_rank(layout: PartitionLayout, dp: int, dp_rank: int, part: Sequence[int
     rank's partition lengths)."""
     return PartitionLayout(rule=layout.rule, dp=dp, dp_rank=dp_rank, groups=layout.groups, part=tuple(part),
                            model=layout.model)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicatedLayout:
+    """A rank whose whole state is that of its model-parallel shard, replicated along data parallelism."""
+
+    dp: int
+    dp_rank: int
+    shard: str
+    """Which model-parallel slice of the model (the framework's name for it, compared for equality only)."""
+    model: str
+    """Fingerprint of the shard's tensors (names and shapes)."""
+    rule: str = REPLICATED
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rule": self.rule, "dp": self.dp, "dp_rank": self.dp_rank, "shard": self.shard, "model": self.model}
+
+    @classmethod
+    def from_json(cls, d: Any) -> ReplicatedLayout:
+        """Strict, like :meth:`PartitionLayout.from_json`."""
+        if not isinstance(d, dict) or set(d) != {"rule", "dp", "dp_rank", "shard", "model"} or d["rule"] != REPLICATED:
+            raise ReshardError("malformed replicated layout in a snapshot (fields)")
+        dp, dp_rank, shard, model = d["dp"], d["dp_rank"], d["shard"], d["model"]
+        if type(dp) is not int or dp < 1 or type(dp_rank) is not int or not 0 <= dp_rank < dp:
+            raise ReshardError(f"malformed replicated layout: dp {dp!r}, dp_rank {dp_rank!r}")
+        if not isinstance(shard, str) or not isinstance(model, str) or len(shard) > 200 or len(model) > 200:
+            raise ReshardError("malformed replicated layout: shard or model fingerprint")
+        return cls(dp=dp, dp_rank=dp_rank, shard=shard, model=model)
+
+
+AnyLayout = PartitionLayout | ReplicatedLayout
+
+
+def layout_from_json(d: Any) -> AnyLayout:
+    """The layout a snapshot header carries, of whichever rule (strict)."""
+    if isinstance(d, dict) and d.get("rule") == REPLICATED:
+        return ReplicatedLayout.from_json(d)
+    return PartitionLayout.from_json(d)
+
+
+def replica_moves(old: Mapping[int, ReplicatedLayout], new: Sequence[ReplicatedLayout],
+                  provider_of: Mapping[int, int]) -> list[tuple[int, int]]:
+    """(old rank, new rank) for every new rank of a replicated layout: the old rank whose copy it takes whole.
+
+    Among the old ranks of its shard, a new rank takes one whose copy it serves itself (``provider_of``: old
+    rank -> the new rank that holds its copy; nothing moves), else the lowest. Every new rank's shard must have
+    an old rank, of the same model: else :class:`ReshardError`."""
+    by_shard: dict[str, list[int]] = {}
+    for r in sorted(old):
+        by_shard.setdefault(old[r].shard, []).append(r)
+    moves: list[tuple[int, int]] = []
+    for n, layout in enumerate(new):
+        candidates = by_shard.get(layout.shard)
+        if not candidates:
+            raise ReshardError(f"no old rank holds shard {layout.shard} (new rank {n}); the old world held "
+                               f"{sorted(by_shard) or 'none'}")
+        r = next((r for r in candidates if provider_of.get(r) == n), candidates[0])
+        if old[r].model != layout.model:
+            raise ReshardError(f"shard {layout.shard}: the snapshots were taken of another model (fingerprint "
+                               f"{old[r].model} != {layout.model})")
+        moves.append((r, n))
+    return sorted(moves)

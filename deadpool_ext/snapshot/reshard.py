@@ -18,6 +18,10 @@ world's own layout):
 5. **restore**: every element of the new partitions is accounted for, then the adapter restores them
    (parameters derived from the masters) with the small state of the lowest old rank it drew from.
 
+A replicated layout (``rule="replicated"``: Megatron-Core without the distributed optimizer) has no partitions
+to cut: step 4 gives each new rank the whole copy of one old rank of its model-parallel shard (its own copy
+where it serves one, :func:`deadpool_ext.recovery.reshard.replica_moves`), and step 5 restores that.
+
 Memory: the node's copies are read where they lie (mapped files); a rank holds its new partitions plus one
 received blob at a time.
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,7 +38,19 @@ import torch
 from ..cluster.comm import allgather_json
 from ..memory.shm import ShmSegment
 from ..recovery.agree import NoCommonVersionError, RecoveryError
-from ..recovery.reshard import PartitionLayout, ReshardError, check_compatible, covered, overlaps, with_rank
+from ..recovery.reshard import (
+    REPLICATED,
+    AnyLayout,
+    PartitionLayout,
+    ReplicatedLayout,
+    ReshardError,
+    check_compatible,
+    covered,
+    layout_from_json,
+    overlaps,
+    replica_moves,
+    with_rank,
+)
 from ..replicate.transport import BlobReceive, BlobSend
 from .slots import probe_slot, restore_from
 
@@ -50,7 +67,7 @@ def _census(mgr: SnapshotManager) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if not os.path.isdir(mgr.dir):
         return out
-    layouts: set[int] = set()
+    rules: dict[int, str] = {}  # world size -> the rule of its layout (a replicated one differs rank by rank)
     for fname in sorted(os.listdir(mgr.dir)):
         parts = fname.split(".")
         if len(parts) != 5 or parts[0] != "deadpool" or parts[1] != mgr.job_id or parts[2] not in ("snap", "replica"):
@@ -66,11 +83,11 @@ def _census(mgr: SnapshotManager) -> list[dict[str, Any]]:
             entry: dict[str, Any] = {"file": fname, "tier": 1 if parts[2] == "snap" else 2, "rank": meta["rank"],
                                      "world": meta["world_size"], "version": int(meta["version"]),
                                      "nbytes": int(meta["blob_nbytes"])}
-            if meta["world_size"] not in layouts:
+            if rules.get(meta["world_size"], REPLICATED) == REPLICATED:
                 _, state, _ = restore_from(seg.buf, verify=False)
                 if isinstance(state.get("layout"), dict):
                     entry["layout"] = state["layout"]
-                    layouts.add(meta["world_size"])
+                    rules[meta["world_size"]] = str(state["layout"].get("rule"))
             out.append(entry)
         finally:
             seg.close()
@@ -94,11 +111,11 @@ def _choose(reports: list[list[dict[str, Any]]], refused: set[tuple[int, str]]
     return world, version, {r: (p, b) for r, (_, p, b) in chosen.items()}
 
 
-def _old_layout(reports: list[list[dict[str, Any]]], world: int) -> PartitionLayout:
+def _old_layout(reports: list[list[dict[str, Any]]], world: int) -> AnyLayout:
     for blobs in reports:
         for b in blobs:
             if b["world"] == world and "layout" in b:
-                return PartitionLayout.from_json(b["layout"])
+                return layout_from_json(b["layout"])
     raise RecoveryError(f"the snapshots of the world of {world} ranks carry no partition layout (taken by a "
                         "version of deadpool_ext or a framework that cannot reshard): cannot restore them at another "
                         "data-parallel size")
@@ -115,13 +132,16 @@ def elastic_restore(mgr: SnapshotManager, newer_than: int | None) -> tuple[bool,
     reports = allgather_json(_census(mgr) if reporter else [], group=mgr.group)
     refused: set[tuple[int, str]] = set()
     new_json = mgr.adapter.partition_layout()
+    # A replicated layout names each rank's shard: every rank needs all of the new world's (one exchange).
+    news_replicated = ([ReplicatedLayout.from_json(j) for j in allgather_json(new_json, group=mgr.group)]
+                       if isinstance(new_json, dict) and new_json.get("rule") == REPLICATED else None)
     for _ in range(_MAX_ROUNDS):
         pick = _choose(reports, refused)
         if pick is None:
             return False, None
         world_old, version, providers = pick
         same_layout = world_old == world_new and (new_json is None or _old_layout(reports, world_old).dp
-                                                  == PartitionLayout.from_json(new_json).dp)
+                                                  == layout_from_json(new_json).dp)
         if same_layout:
             return False, None  # this world's own snapshots: the ordinary restore
         if newer_than is not None and version <= newer_than:
@@ -134,18 +154,33 @@ def elastic_restore(mgr: SnapshotManager, newer_than: int | None) -> tuple[bool,
             raise RecoveryError(f"the newest state in memory (step {version}) was taken by a world of {world_old} "
                                 f"ranks, this one has {world_new}, and this engine's state cannot be resharded"
                                 + (f" ({why})" if why else ""))
-        new = PartitionLayout.from_json(new_json)
+        new = layout_from_json(new_json)
+        olds: Mapping[int, AnyLayout]
+        news: list[PartitionLayout] = []
         try:
             base = _old_layout(reports, world_old)
-            check_compatible(base, new)
-            if base.dp != world_old or new.dp != world_new:
-                raise ReshardError(f"resharding covers data parallelism only (dp {base.dp} of {world_old} ranks -> "
-                                   f"dp {new.dp} of {world_new})")
+            if news_replicated is not None:
+                if not isinstance(base, ReplicatedLayout):
+                    raise ReshardError(f"the snapshots' partition rule {base.rule!r} differs from this job's "
+                                       f"{REPLICATED!r}")
+                replicas = _old_replicas(providers)
+                moves = replica_moves(replicas, news_replicated, {r: p for r, (p, _) in providers.items()})
+                olds = replicas
+            else:
+                assert isinstance(new, PartitionLayout)
+                if not isinstance(base, PartitionLayout):
+                    raise ReshardError(f"the snapshots' partition rule {base.rule!r} differs from this engine's "
+                                       f"{new.rule!r}")
+                check_compatible(base, new)
+                if base.dp != world_old or new.dp != world_new:
+                    raise ReshardError(f"resharding covers data parallelism only (dp {base.dp} of {world_old} "
+                                       f"ranks -> dp {new.dp} of {world_new})")
+                parts = {r: with_rank(base, world_old, r, base.part) for r in range(world_old)}
+                news = [with_rank(new, world_new, n, new.part) for n in range(world_new)]
+                moves = [(r, n) for r in range(world_old) for n in range(world_new) if overlaps(parts[r], news[n])]
+                olds = parts
         except ReshardError as exc:
             raise RecoveryError(f"cannot reshard step {version} from {world_old} to {world_new} ranks: {exc}") from None
-        olds = [with_rank(base, world_old, r, base.part) for r in range(world_old)]
-        news = [with_rank(new, world_new, n, new.part) for n in range(world_new)]
-        moves = [(r, n) for r in range(world_old) for n in range(world_new) if overlaps(olds[r], news[n])]
         bad = _check_served(mgr, providers, moves, version)
         problems = [p for p in allgather_json(bad, group=mgr.group) if p]
         if problems:
@@ -157,11 +192,14 @@ def elastic_restore(mgr: SnapshotManager, newer_than: int | None) -> tuple[bool,
                                                f"({p['why']})" for p in problems))
             continue
         if me == 0:
-            tiers = [b["tier"] for _, b in providers.values()]
+            tiers = [providers[r][1]["tier"] for r in sorted({r for r, _ in moves})]
             log.info("elastic: restoring step %d of a world of %d ranks onto %d ranks, resharded from memory "
                      "(%d copies from tier 1, %d from tier 2 replicas; no storage read)", version, world_old,
                      world_new, tiers.count(1), tiers.count(2))
-        tensors, meta, drawn = _assemble(mgr, providers, moves, olds, news[me], version)
+        if news_replicated is not None:
+            tensors, meta, drawn = _assemble_whole(mgr, providers, moves, olds, version)
+        else:
+            tensors, meta, drawn = _assemble(mgr, providers, moves, olds, news[me], version)
         mgr.adapter.restore_resharded(tensors, meta)
         del tensors
         mgr.note_resharded(version, {"outcome": "resharded", "version": version, "from_world": world_old,
@@ -170,7 +208,8 @@ def elastic_restore(mgr: SnapshotManager, newer_than: int | None) -> tuple[bool,
                                          f"{p}:{f}" for p, f in refused),
                                      "providers": {str(r): [p, b["tier"]] for r, (p, b) in sorted(providers.items())}},
                            drawn, time.perf_counter() - t0)
-        log.info("rank %d: new partition assembled from old ranks %s in %.2f s", me, drawn, time.perf_counter() - t0)
+        log.info("rank %d: new %s from old ranks %s in %.2f s", me, "state taken whole" if news_replicated is not None
+                 else "partition assembled", drawn, time.perf_counter() - t0)
         return True, version
     raise NoCommonVersionError(f"elastic restore: every candidate copy was refused after {_MAX_ROUNDS} rounds")
 
@@ -193,18 +232,30 @@ def _check_served(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str
     return None
 
 
-def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, Any]]], moves: list[tuple[int, int]],
-              olds: list[PartitionLayout], new: PartitionLayout, version: int
-              ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[int]]:
-    """Run the moves (every rank, the same order); return this rank's new partitions, the small state of the
-    lowest old rank it drew from, and the old ranks it drew from."""
+def _old_replicas(providers: dict[int, tuple[int, dict[str, Any]]]) -> dict[int, ReplicatedLayout]:
+    """Each old rank's replicated layout, from the census entry of the copy chosen for it."""
+    out: dict[int, ReplicatedLayout] = {}
+    for r, (_, b) in sorted(providers.items()):
+        layout = layout_from_json(b.get("layout"))
+        if not isinstance(layout, ReplicatedLayout):
+            raise ReshardError(f"rank {r}'s copy {b['file']} carries a {layout.rule!r} layout among replicated ones")
+        out[r] = layout
+    return out
+
+
+class _Received:
+    """The most bytes this rank received in one blob during the moves."""
+
+    max_bytes = 0
+
+
+def _incoming(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, Any]]], moves: list[tuple[int, int]],
+              olds: Mapping[int, AnyLayout], version: int, received: _Received
+              ) -> Iterator[tuple[int, dict[str, torch.Tensor], dict[str, Any]]]:
+    """Run the moves (every rank, the same order): serve the copies this rank provides, and yield (old rank,
+    tensors, state) of each copy this rank receives, checked (checksums, version, rank, layout). The tensors
+    are views of a mapped or received buffer, valid until the next item."""
     me = mgr.rank
-    out: dict[str, torch.Tensor] = {}
-    filled: dict[str, int] = {}
-    received_max = 0
-    scalars: dict[str, torch.Tensor] = {}
-    meta: dict[str, Any] | None = None
-    drawn: list[int] = []
     for r, n in moves:
         provider, b = providers[r]
         if me not in (provider, n):
@@ -220,7 +271,7 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                 continue
             else:
                 into = torch.empty(b["nbytes"], dtype=torch.uint8)
-                received_max = max(received_max, b["nbytes"])
+                received.max_bytes = max(received.max_bytes, b["nbytes"])
                 refused = mgr.peers.transport.exchange([], [BlobReceive(provider, into, b["nbytes"])])
                 buf = memoryview(into.numpy())  # type: ignore[arg-type]  # a uint8 ndarray is a buffer
                 got, why = probe_slot(buf, verify=True, restorable=True)
@@ -228,17 +279,39 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                     raise RecoveryError(f"rank {me}: rank {r}'s copy of step {version} received from rank "
                                         f"{provider} is unusable ({why or 'refused by the transport'})")
             tensors, state, _ = restore_from(buf, verify=False)
-            if PartitionLayout.from_json(state.get("layout")) != olds[r]:
+            try:
+                same = layout_from_json(state.get("layout")) == olds[r]
+            except ReshardError:
+                same = False
+            if not same:
                 raise RecoveryError(f"rank {me}: rank {r}'s copy of step {version} has another partition layout "
                                     "than the world it belongs to")
-            _copy_overlap(tensors, olds[r], new, out, filled, scalars)
-            if meta is None:
-                meta = state
-            drawn.append(r)
+            yield r, tensors, state
             del tensors, state, buf
         finally:
             if seg is not None:
                 seg.close()
+
+
+def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, Any]]], moves: list[tuple[int, int]],
+              olds: Mapping[int, AnyLayout], new: PartitionLayout, version: int
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[int]]:
+    """Run the moves; return this rank's new partitions, the small state of the lowest old rank it drew from,
+    and the old ranks it drew from."""
+    me = mgr.rank
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
+    received = _Received()
+    scalars: dict[str, torch.Tensor] = {}
+    meta: dict[str, Any] | None = None
+    drawn: list[int] = []
+    for r, tensors, state in _incoming(mgr, providers, moves, olds, version, received):
+        old = olds[r]
+        assert isinstance(old, PartitionLayout)
+        _copy_overlap(tensors, old, new, out, filled, scalars)
+        if meta is None:
+            meta = state
+        drawn.append(r)
     assert meta is not None, "a new rank drew from no old rank"
     want = covered(new)
     per_group = {(name.split(".")[0], ".".join(name.split(".")[2:])): t.dtype for name, t in out.items()}
@@ -252,8 +325,26 @@ def _assemble(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                                     "elements")
     out.update(scalars)
     mgr.reshard_memory = {"assembled_bytes": sum(t.numel() * t.element_size() for t in out.values()),
-                          "received_max_bytes": received_max}
+                          "received_max_bytes": received.max_bytes}
     return out, meta, drawn
+
+
+def _assemble_whole(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, Any]]],
+                    moves: list[tuple[int, int]], olds: Mapping[int, AnyLayout], version: int
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[int]]:
+    """Replicated layout: run the moves; this rank's state is the one copy it receives (or serves itself),
+    taken whole (one transient copy of the state, then copied into the framework's tensors)."""
+    received = _Received()
+    got: tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None = None
+    for r, tensors, state in _incoming(mgr, providers, moves, olds, version, received):
+        assert got is None, "a new rank of a replicated layout draws from one old rank"
+        got = (r, {name: t.clone() for name, t in tensors.items()}, state)
+    if got is None:
+        raise RecoveryError(f"rank {mgr.rank}: no copy of step {version} reached this rank")
+    r, out, meta = got
+    mgr.reshard_memory = {"assembled_bytes": sum(t.numel() * t.element_size() for t in out.values()),
+                          "received_max_bytes": received.max_bytes}
+    return out, meta, [r]
 
 
 def _copy_overlap(tensors: dict[str, torch.Tensor], old: PartitionLayout, new: PartitionLayout,

@@ -84,14 +84,15 @@ class RankStateAdapter(ABC):
 
     # -- elastic (resharding to another data-parallel size): optional ----------------------------------------
     def partition_layout(self) -> dict[str, Any] | None:
-        """This rank's :class:`deadpool_ext.recovery.reshard.PartitionLayout` as JSON (captured in every
-        snapshot's metadata as ``layout``), or ``None``: this state cannot be resharded."""
+        """This rank's :class:`deadpool_ext.recovery.reshard.PartitionLayout` (or ``ReplicatedLayout``) as JSON
+        (captured in every snapshot's metadata as ``layout``), or ``None``: this state cannot be resharded."""
         return None
 
     def restore_resharded(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """Put a state assembled from another data-parallel size in place: ``tensors`` hold this rank's new
-        partitions (``master.<g>``, ``optim.<g>.<key>``; parameters are derived from the masters), ``meta`` the
-        small state of one old rank. Collective where deriving the parameters is (ZeRO-1/2)."""
+        partitions (``master.<g>``, ``optim.<g>.<key>``; parameters are derived from the masters), or, for a
+        replicated layout, the whole state of one old rank of this rank's shard; ``meta`` the small state of one
+        old rank. Collective where deriving the parameters is (ZeRO-1/2)."""
         raise UnsupportedEngineError(f"{type(self).__name__} cannot restore a resharded state")
 
     def captured(self) -> list[tuple[str, torch.Tensor]]:

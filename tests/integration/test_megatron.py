@@ -1,17 +1,25 @@
 """Megatron-Core path on CPU/gloo: hot-swap under deadpool-run (TP2xDP2, PP2xDP2; a node of 2 ranks is
 SIGKILLed mid-training, a spare node takes its ranks and TP/PP/DP coordinates) with losses identical bit for
-bit to an uninterrupted run; in-process restore; a tier-3 base saved at TP2 loads at TP1."""
+bit to an uninterrupted run; in-process restore; a tier-3 base saved at TP2 loads at TP1; elastic: a
+data-parallel shrink restored from memory shard for shard, and a shrink that breaks a pipeline group refused."""
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
 import sys
+import time
 
 import pytest
+import torch
 
+from deadpool_ext.chaos.at_step import harness_env
+from deadpool_ext.chaos.dump import DIR as DUMP_DIR
+from deadpool_ext.chaos.dump import STEPS as DUMP_STEPS
+from deadpool_ext.chaos.dump import by_shard
 from deadpool_ext.recovery.timeline import read_events
-from deadpool_ext.testing.launch import free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
 from tests.conftest import matrix
 from tests.integration.test_hot_swap import worker_proc
 
@@ -134,21 +142,106 @@ def test_tier3_base_saved_at_tp2_loads_at_tp1(tmp_path, shm_root):
         assert tp1[step] == pytest.approx(tp2[step], rel=2e-4), (step, tp1[step], tp2[step])
 
 
-def test_shrink_is_refused_with_one_line(tmp_path, shm_root):
-    # TP2 x DP2 on 2 nodes, no spare, --no-spare-policy shrink: the launcher offers 2 ranks, Megatron says it
-    # cannot reshard onto them and the job stops with that line (not a hang, not a traceback loop).
-    metrics = os.path.join(str(tmp_path), "shrink.jsonl")
+def _elastic(tmp_path, shm_root, layout, name, *, kill_node=None, kill_at=3, dump_steps=(), policy="shrink",
+             launcher=(), inject_env=None, then=None):
+    """A Megatron job under deadpool-run on 2 nodes x 2 processes and no spare; ``kill_node``'s processes are
+    SIGKILLed once step ``kill_at`` is logged (then ``then(proc, timeline)``); every rank dumps its state after
+    each memory restore and after ``dump_steps`` (harness hooks)."""
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    dumps = os.path.join(str(tmp_path), f"{name}.dumps")
+    os.makedirs(dumps, exist_ok=True)
     cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "2",
-           "--spare-nodes", "0", "--no-spare-policy", "shrink", "--shm-root", shm_root, SCRIPT,
-           "--tensor-model-parallel-size", "2", "--train-iters", str(ITERS), "--metrics-out", metrics,
+           "--spare-nodes", "0", "--no-spare-policy", policy, "--shm-root", shm_root, "--timeline", timeline,
+           *launcher, SCRIPT, *layout, "--train-iters", str(ITERS), "--metrics-out", metrics,
            "--deadpool-config", _config(tmp_path, shm_root)]
 
     def inject(proc):
-        wait_for_step(metrics, 3, timeout_s=JOB_TIMEOUT_S, proc=proc)
-        worker_proc(proc.pid, "node1.1").send_signal(signal.SIGKILL)
+        if kill_node is None:
+            return
+        victims = [worker_proc(proc.pid, f"{kill_node}.{i}") for i in range(2)]
+        wait_for_step(metrics, kill_at, timeout_s=JOB_TIMEOUT_S, proc=proc)
+        for v in victims:
+            v.send_signal(signal.SIGKILL)
+        if then is not None:
+            then(proc, timeline)
 
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=inject)
+    env = base_env(harness_env({DUMP_DIR: dumps, DUMP_STEPS: ",".join(map(str, dump_steps)), **(inject_env or {})}))
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=inject, env=env)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
+    return res, read_metrics(metrics), dumps
+
+
+def _same_shards(got: dict, ref: dict) -> None:
+    assert sorted(got) == sorted(ref) == ["tp0of2.pp0of1", "tp1of2.pp0of1"]
+    for shard, tensors in got.items():
+        assert tensors.keys() == ref[shard].keys() and any(k.startswith("optim.") for k in tensors)
+        for name, t in tensors.items():
+            assert torch.equal(t, ref[shard][name]), (shard, name)
+
+
+def _dumps(dumps: str, pattern: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(dumps, pattern)))
+
+
+def test_data_parallel_shrink_and_grow_restore_every_shard_from_memory(tmp_path, shm_root):
+    """TP2 x DP2, node1 (data-parallel replica 1) SIGKILLed with no spare: the survivors continue as TP2 x DP1,
+    two micro-batches per rank keeping the global batch, each new rank's state the one its shard had in the
+    uninterrupted run at the restored step, tensor for tensor. Then node1 is repaired and the job grows back
+    to TP2 x DP2: the returning replica's ranks restore their shard's state as the 1-replica world held it.
+    The losses follow the uninterrupted run within 1e-6 relative (another reduction order), exactly up to the
+    failure. The repair comes 3 s after the shrink (sooner, the grow can be published before the shrunk world
+    formed: then it never trains and the grow is an ordinary restore); rank 0 is held at step 9 until the grow
+    is published (the tiny model would end first)."""
+    marker = os.path.join(str(tmp_path), "hold")
+
+    def release_on_grow(proc, timeline):
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
+                                                for e in read_events(timeline)):
+                break
+            time.sleep(0.1)
+        with open(marker + ".release", "w") as fh:
+            json.dump({"released": time.time()}, fh)
+
+    res, metrics, dumps = _elastic(
+        tmp_path, shm_root, _TP2, "elastic", kill_node="node1", dump_steps=tuple(range(1, ITERS + 1)),
+        launcher=("--repair-after-s", "3", "--progress-timeout-s", "200"),
+        inject_env={"DEADPOOL_INJECT": f"hold@step=9,rank=0,marker={marker}"}, then=release_on_grow)
+    assert res.returncode == 0, res.output[-5000:]
+    assert "continuing without node(s) ['node1'] on 2 ranks" in res.output
+    assert "Megatron-Core data parallelism 2 -> 1 (tp 2, pp 1 kept): 2 micro-batch(es) of 4" in res.output
+    assert "global batch 8 (kept)" in res.output and "no storage read" in res.output
+    assert "node node1 joins: growing to 4 ranks (was 2)" in res.output
+    assert "Megatron-Core data parallelism 1 -> 2 (tp 2, pp 1 kept): 1 micro-batch(es) of 4" in res.output
+    shrunk = {int(os.path.basename(f).split(".")[1][1:]) for f in _dumps(dumps, "restored.v*.w1.r*")}
+    grown = {int(os.path.basename(f).split(".")[1][1:]) for f in _dumps(dumps, "restored.v*.w2.r*")}
+    assert len(shrunk) == 1 and len(grown) == 1, os.listdir(dumps)
+    version, grown_at = shrunk.pop(), grown.pop()
+    res0, base, base_dumps = _elastic(tmp_path, shm_root, _TP2, "base", dump_steps=(version,), policy="fail")
+    assert res0.returncode == 0, res0.output[-4000:]
+    # the shrink: both replicas of the uninterrupted run (checked equal) against the 1-replica restore
+    _same_shards(by_shard(_dumps(dumps, f"restored.v{version}.w1.r*")),
+                 by_shard(_dumps(base_dumps, f"step.v{version}.w2.r*")))
+    # the grow: the 4 ranks' restore against what the 1-replica world held at that step
+    held = _dumps(dumps, f"step.v{grown_at}.w1.r*") or _dumps(dumps, f"restored.v{grown_at}.w1.r*")
+    assert len(held) == 2 and len(_dumps(dumps, f"restored.v{grown_at}.w2.r*")) == 4
+    _same_shards(by_shard(_dumps(dumps, f"restored.v{grown_at}.w2.r*")), by_shard(held))
+    assert sorted(metrics) == sorted(base) == list(range(1, ITERS + 1))
+    for step in base:
+        assert metrics[step] == pytest.approx(base[step], rel=1e-6), (step, metrics[step], base[step])
+    for step in range(1, version + 1):
+        assert metrics[step] == base[step]
+
+
+def test_shrink_that_breaks_a_pipeline_group_is_refused_with_one_line(tmp_path, shm_root):
+    # PP2 x DP2 on 2 nodes: node1 holds pipeline stage 1 of both replicas; the survivors cannot form a
+    # data-parallel shrink, so the job stops with the reason (not a hang, not a traceback loop).
+    res, _, _ = _elastic(tmp_path, shm_root, _PP2, "refused", kill_node="node1")
     assert res.returncode != 0
     assert "continuing without node(s) ['node1'] on 2 ranks" in res.output
-    assert "generation 1 has 2 ranks (was 4): Megatron-Core cannot reshard its state" in res.output
+    assert ("generation 1 has 2 ranks (was 4): Megatron-Core shrinks and grows along data parallelism only: rank 1 "
+            "at (tp 0, pp 0) would become rank 1 at (tp 0, pp 1)") in res.output

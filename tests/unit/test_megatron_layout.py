@@ -86,3 +86,67 @@ def test_coordinates_cover_every_rank_once():
             continue
         lay = Layout(world_size=world, tp=tp, pp=pp)
         assert sorted(rank_of(coordinates(r, lay), lay) for r in range(world)) == list(range(world))
+
+
+# -- elastic: data parallelism only (dp_resize) and the global batch (keep_global_batch) --------------------------
+def _world(n: int, per_node: int) -> tuple[list[Worker], dict[str, int]]:
+    workers = [Worker(f"node{i // per_node}.{i % per_node}", f"node{i // per_node}", i % per_node) for i in range(n)]
+    return workers, {w.worker_id: r for r, w in enumerate(workers)}
+
+
+def _shrink(ranks: dict[str, int], lost_node: str) -> dict[str, int]:
+    from deadpool_ext.cluster.membership import Assignment, shrink_failed
+
+    nodes = {w: w.split(".")[0] for w in ranks}
+    a = Assignment(generation=0, world_size=len(ranks), ranks=ranks, nodes=nodes)
+    return shrink_failed(a, {lost_node}).ranks
+
+
+def test_shrink_that_drops_whole_data_parallel_replicas_keeps_every_shard():
+    from deadpool_ext.integrations.megatron.layout import dp_resize, shard_name
+
+    for tp, pp, n, per_node in ((2, 1, 4, 2), (1, 1, 4, 2), (2, 1, 8, 2), (2, 1, 6, 2), (1, 2, 8, 1)):
+        lay = Layout(world_size=n, tp=tp, pp=pp)
+        _, ranks = _world(n, per_node)
+        lost = "node1" if pp == 1 else None
+        if lost is None:  # pp 2 on single-process nodes: lose both ranks of dp replica 1 (ranks 1 and 5)
+            new = {w: i for i, w in enumerate(w for w, r in sorted(ranks.items(), key=lambda kv: kv[1])
+                                              if coordinates(r, lay).dp != 1)}
+        else:
+            new = _shrink(ranks, lost)
+        got = dp_resize(lay, ranks, new, len(new))
+        assert (got.tp, got.pp, got.world_size) == (tp, pp, len(new)) and got.dp < lay.dp
+        for w, r in new.items():  # every survivor keeps its shard
+            assert shard_name(coordinates(r, got), got) == shard_name(coordinates(ranks[w], lay), lay)
+
+
+def test_shrink_that_breaks_a_tensor_or_pipeline_group_is_refused_naming_the_rank():
+    from deadpool_ext.integrations.megatron.layout import dp_resize
+
+    # PP2 x DP2 on 2 nodes of 2: node1 holds pipeline stage 1 of both replicas.
+    _, ranks = _world(4, 2)
+    with pytest.raises(LayoutError, match=r"rank 1 at \(tp 0, pp 0\) would become rank 1 at \(tp 0, pp 1\).*"
+                                          r"\[2, 3\].*pipeline-parallel group lost a member"):
+        dp_resize(Layout(world_size=4, tp=1, pp=2), ranks, _shrink(ranks, "node1"), 2)
+    # TP2 x DP3 on 2 nodes of 3: 3 ranks left is no multiple of tp 2.
+    _, ranks = _world(6, 3)
+    with pytest.raises(LayoutError, match=r"3 ranks are not a multiple of tensor-parallel x pipeline-parallel = 2 x 1"):
+        dp_resize(Layout(world_size=6, tp=2, pp=1), ranks, _shrink(ranks, "node1"), 3)
+
+
+def test_grow_appends_whole_replicas():
+    from deadpool_ext.integrations.megatron.layout import dp_resize
+
+    _, old = _world(2, 2)
+    new = {**old, "node1.0": 2, "node1.1": 3}
+    assert dp_resize(Layout(world_size=2, tp=2, pp=1), old, new, 4) == Layout(world_size=4, tp=2, pp=1)
+
+
+def test_global_batch_kept_by_micro_batches_or_refused():
+    from deadpool_ext.integrations.megatron.layout import keep_global_batch
+
+    assert keep_global_batch(8, 4, 1, 1, False) == (2, 8)      # dp 2 -> 1: two micro-batches per rank
+    assert keep_global_batch(8, 4, 2, 2, False) == (1, 8)      # and back
+    with pytest.raises(LayoutError, match="cannot keep the global batch 12 at data-parallel size 2.*allow_batch_change"):
+        keep_global_batch(12, 4, 1, 2, False)
+    assert keep_global_batch(12, 4, 1, 2, True) == (1, 8)      # opted in: micro-batches stay, the batch changes

@@ -182,3 +182,36 @@ def test_grow_appends_the_node_with_the_next_ranks():
     assert not Assignment.from_json({**a.to_json(), "shrunk": []}).resized
     with pytest.raises(ValueError, match="already in generation"):
         grow_into(g, workers, "n1")
+
+
+# -- replicated layouts (Megatron-Core without the distributed optimizer) -----------------------------------------
+def test_replicated_layout_json_is_strict():
+    from deadpool_ext.recovery.reshard import ReplicatedLayout, layout_from_json
+
+    lay = ReplicatedLayout(dp=2, dp_rank=1, shard="tp1of2.pp0of1", model="abc")
+    assert layout_from_json(lay.to_json()) == lay
+    for bad in ({**lay.to_json(), "extra": 1}, {**lay.to_json(), "dp_rank": 2}, {**lay.to_json(), "shard": 3},
+                {**lay.to_json(), "dp": True}, {k: v for k, v in lay.to_json().items() if k != "model"}):
+        with pytest.raises(ReshardError):
+            layout_from_json(bad)
+
+
+def test_replica_moves_take_each_shard_whole_from_one_old_rank_preferring_its_own_copy():
+    from deadpool_ext.recovery.reshard import ReplicatedLayout, replica_moves
+
+    def rl(dp, d, shard, model="m"):
+        return ReplicatedLayout(dp=dp, dp_rank=d, shard=shard, model=model)
+
+    # TP2 x DP2 -> TP2 x DP1: old ranks 0,1 (replica 0) and 2,3 (replica 1); new ranks 0,1 serve copies of 0,1.
+    old = {0: rl(2, 0, "t0"), 1: rl(2, 0, "t1"), 2: rl(2, 1, "t0"), 3: rl(2, 1, "t1")}
+    new = [rl(1, 0, "t0"), rl(1, 0, "t1")]
+    assert replica_moves(old, new, {0: 0, 1: 1, 2: 1, 3: 0}) == [(0, 0), (1, 1)]
+    # where a new rank serves another copy of its shard, that one: nothing moves
+    assert replica_moves(old, new, {0: 1, 1: 0, 2: 0, 3: 1}) == [(2, 0), (3, 1)]
+    # grow: the new replica's ranks take the lowest old rank of their shard
+    assert replica_moves({0: rl(1, 0, "t0"), 1: rl(1, 0, "t1")}, new + [rl(2, 1, "t0"), rl(2, 1, "t1")],
+                         {0: 0, 1: 1}) == [(0, 0), (0, 2), (1, 1), (1, 3)]
+    with pytest.raises(ReshardError, match="no old rank holds shard t2"):
+        replica_moves(old, [rl(1, 0, "t2")], {})
+    with pytest.raises(ReshardError, match="another model"):
+        replica_moves(old, [rl(1, 0, "t0", model="other")], {})

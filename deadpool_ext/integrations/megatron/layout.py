@@ -10,11 +10,16 @@ So the coordinates of a rank are a function of the rank alone. deadpool-run give
 worker's global rank (``cluster.membership.replace_failed``), hence the spare takes exactly the failed
 rank's (tp, pp, dp) coordinates; :func:`coordinates` is also checked against ``parallel_state`` at runtime.
 
+Elastic (docs/elastic.md): a world of another size keeps tensor and pipeline parallelism and changes data
+parallelism only. :func:`dp_resize` is the rule a resized generation must pass (every worker in both keeps its
+tensor and pipeline coordinates), :func:`keep_global_batch` the micro-batch count that keeps the global batch.
+
 Tensor parallel groups should sit inside a node (they exchange every layer): :func:`tp_groups_within_nodes`
 says whether the launcher's node size allows it.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -65,3 +70,45 @@ def rank_of(c: Coordinates, layout: Layout) -> int:
 def tp_groups_within_nodes(layout: Layout, nproc_per_node: int) -> bool:
     """True when every tensor-parallel group lies on one node (tp divides the node size)."""
     return nproc_per_node % layout.tp == 0
+
+
+def shard_name(c: Coordinates, layout: Layout) -> str:
+    """The model-parallel shard a rank holds (its snapshots' ``ReplicatedLayout.shard``)."""
+    return f"tp{c.tp}of{layout.tp}.pp{c.pp}of{layout.pp}"
+
+
+def dp_resize(layout: Layout, old_ranks: Mapping[str, int], new_ranks: Mapping[str, int], new_world: int) -> Layout:
+    """The layout of a resized world (elastic shrink or grow) when it changes data parallelism only: tp x pp
+    divides ``new_world`` and every worker of both generations (``worker -> rank``) keeps its tensor- and
+    pipeline-parallel coordinates. Else :class:`LayoutError` naming the rank that would have to move (a tensor-
+    or pipeline-parallel group lost a member)."""
+    if new_world % (layout.tp * layout.pp):
+        lost = sorted(r for w, r in old_ranks.items() if w not in new_ranks)
+        raise LayoutError(f"{new_world} ranks are not a multiple of tensor-parallel x pipeline-parallel = "
+                          f"{layout.tp} x {layout.pp} (lost ranks {lost}: a tensor- or pipeline-parallel group lost "
+                          "a member)")
+    new = Layout(world_size=new_world, tp=layout.tp, pp=layout.pp)
+    for w, r in sorted(old_ranks.items(), key=lambda kv: kv[1]):
+        if w not in new_ranks:
+            continue
+        a, b = coordinates(r, layout), coordinates(new_ranks[w], new)
+        if (a.tp, a.pp) != (b.tp, b.pp):
+            lost = sorted(r for w, r in old_ranks.items() if w not in new_ranks)
+            raise LayoutError(f"rank {r} at (tp {a.tp}, pp {a.pp}) would become rank {new_ranks[w]} at (tp {b.tp}, "
+                              f"pp {b.pp}): the ranks lost{f' ({lost})' if lost else ''} were not whole data-parallel "
+                              "replicas (a tensor- or pipeline-parallel group lost a member)")
+    return new
+
+
+def keep_global_batch(global_batch: int, micro: int, num_micro: int, dp: int, allow_change: bool) -> tuple[int, int]:
+    """(micro-batches per iteration, global batch) at data-parallel size ``dp``: the global batch kept by the
+    number of micro-batches; where it is not a multiple of ``micro x dp``, :class:`LayoutError` unless
+    ``allow_change`` (then ``num_micro`` stays and the global batch changes)."""
+    if global_batch % (micro * dp) == 0:
+        return global_batch // (micro * dp), global_batch
+    if allow_change:
+        return num_micro, micro * num_micro * dp
+    raise LayoutError(f"cannot keep the global batch {global_batch} at data-parallel size {dp}: it is not a multiple "
+                      f"of micro batch {micro} x {dp}; set deadpool.elastic.allow_batch_change to true to continue "
+                      "with another global batch, or choose --global-batch-size / --micro-batch-size that divide "
+                      "every data-parallel size the job may run at")

@@ -5,10 +5,13 @@ Megatron-Core has no engine object to wrap, so the training loop calls the runti
 Call order (every rank, main thread):
 
 1. ``parallel.apply_cpu_shims()`` (CPU only), ``init_distributed()``, ``parallel.initialize(layout, seed)``.
-2. ``MegatronRuntime(built, config, layout, seed=..., global_batch=...)`` with freshly built model chunks and
-   optimizer (collective when snapshots are on: the side process group for replication is created).
+2. ``MegatronRuntime(built, config, layout, coords, seed=..., global_batch=..., micro_batch=...)`` with freshly
+   built model chunks and optimizer (collective when snapshots are on: the side process group for replication
+   is created). ``runtime.num_micro`` is the micro-batches per iteration and data-parallel rank.
 3. ``runtime.set_client_state(get, set)`` and ``runtime.set_rebuild(factory)``; ``factory()`` builds model
-   and optimizer on the current parallel state and returns a new runtime (hot-swap calls it on the new world).
+   and optimizer on the current parallel state and returns a new runtime (hot-swap calls it on the new world;
+   after an elastic shrink or grow that world has another data-parallel size: the factory lays it out with
+   ``layout.dp_resize`` / ``keep_global_batch`` and the restore reshards from memory, docs/elastic.md).
 4. ``runtime.resume()`` once before the loop (collective): restores the newest version every rank holds in
    memory; returns the iteration to continue from.
 5. Per iteration: forward/backward through Megatron's schedule, then ``runtime.step()`` instead of
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from ...config import DeadpoolConfig
 from ..base import ResilientRuntime
 from . import parallel
-from .layout import Coordinates, Layout
+from .layout import Coordinates, Layout, LayoutError, dp_resize, keep_global_batch
 from .model import Built
 from .state import MegatronStateAdapter
 
@@ -49,20 +52,24 @@ class Progress:
 class MegatronRuntime(ResilientRuntime):
     what_recovers = "rebuilding parallel state"
     step_name = "iteration"
-    refuse_resize = ("Megatron-Core cannot reshard its state onto another world size yet (a data-parallel shrink is "
-                     "not built); the job stops. Start it with more --spare-nodes (a tensor- or pipeline-parallel "
-                     "group that loses a member always needs one), or relaunch with --load from tier 3")
-
     def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
-                 global_batch: int) -> None:
+                 global_batch: int, micro_batch: int) -> None:
         self.built: Built | None = built
         self.layout = layout
         self.coords = coords
         self.seed = seed
         self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        if global_batch % (micro_batch * layout.dp):
+            raise LayoutError(f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x "
+                              f"data-parallel size {layout.dp}")
+        self.num_micro = global_batch // (micro_batch * layout.dp)
         self.progress = Progress()
         adapter = MegatronStateAdapter(built.chunks, built.optimizer, built.scheduler, layout, coords,
                                        self.progress, self._client_state, self._restore_client_state)
+        adapter.global_batch = global_batch
+        adapter.allow_batch_change = config.elastic.allow_batch_change
+        self._why_no_layout = adapter.why_no_layout()
         super().__init__(config, adapter, rank=dist.get_rank())
         if self.rank == 0:
             log.info("deadpool_ext attached to Megatron-Core: tp=%d pp=%d dp=%d, snapshots %s", layout.tp, layout.pp,
@@ -102,8 +109,30 @@ class MegatronRuntime(ResilientRuntime):
         parallel.destroy()
 
     def _rebuild(self, factory: Callable[[], Any]) -> Any:
-        parallel.initialize(self.layout, self.seed)
+        # The same tp and pp; the data-parallel size is the new world's (another one after an elastic resize).
+        parallel.initialize(Layout(world_size=dist.get_world_size(), tp=self.layout.tp, pp=self.layout.pp), self.seed)
         return factory()
+
+    def _resize_refusal(self, old: Any, new: Any) -> str | None:
+        """A resized generation is continued when it changes data parallelism only and the global batch can be
+        kept (or may change); every rank decides the same from the two assignments."""
+        stop = ("; the job stops. Start it with more --spare-nodes (a tensor- or pipeline-parallel group that loses "
+                "a member always needs one), or relaunch with --load from tier 3")
+        if self._why_no_layout:  # (the adapter is already released here)
+            return f"Megatron-Core cannot continue on another data-parallel size: {self._why_no_layout}{stop}"
+        try:
+            layout = dp_resize(self.layout, old.ranks, new.ranks, new.world_size)
+            num_micro, batch = keep_global_batch(self.global_batch, self.micro_batch, self.num_micro, layout.dp,
+                                                 self.config.elastic.allow_batch_change)
+        except LayoutError as exc:
+            return f"Megatron-Core shrinks and grows along data parallelism only: {exc}{stop}"
+        if self.rank == 0:
+            log.info("elastic: Megatron-Core data parallelism %d -> %d (tp %d, pp %d kept): %d micro-batch(es) of %d "
+                     "per rank and iteration, global batch %d%s", self.layout.dp, layout.dp, layout.tp, layout.pp,
+                     num_micro, self.micro_batch, batch,
+                     " (kept)" if batch == self.global_batch else f" (was {self.global_batch}: "
+                     "deadpool.elastic.allow_batch_change is true)")
+        return None
 
     def _runtime_of(self, handle: Any) -> ResilientRuntime:
         assert isinstance(handle, MegatronRuntime), "the Megatron rebuild factory must return a MegatronRuntime"

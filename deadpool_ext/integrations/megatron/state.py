@@ -14,14 +14,19 @@ Tensors (live references, in a stable order):
 - ``optim.<k>.<g>.<i>.<key>``: the inner torch optimizer's per-parameter state (Adam: ``exp_avg``,
   ``exp_avg_sq``, ``step``), ``k`` the sub-optimizer of a chained optimizer, ``g``/``i`` group and index.
 
-Meta: iteration, consumed samples, layout and coordinates, optimizer param-group scalars, the LR scheduler,
-the grad scaler, RNG (Python, NumPy, torch, the tensor-parallel RNG tracker), client state.
+Meta: iteration, consumed samples, global batch, the parallel sizes (``parallel``) and coordinates, optimizer
+param-group scalars, the LR scheduler, the grad scaler, RNG (Python, NumPy, torch, the tensor-parallel RNG
+tracker), client state, and ``layout``: without the distributed optimizer a rank's state is its model-parallel
+shard's, the same on every data-parallel rank of it (a ``ReplicatedLayout``), so an elastic restore onto
+another data-parallel size gives each new rank one old rank's copy of its shard (``restore_resharded``).
 
 Call order: as :class:`deadpool_ext.snapshot.state.RankStateAdapter` (``tensors``/``meta`` right after the
 optimizer step, ``restore`` after agreement on a version).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +65,9 @@ class MegatronStateAdapter(RankStateAdapter):
         self.progress = progress
         self._client_state = client_state
         self._restore_client_state = restore_client_state
+        self.global_batch: int | None = None  # samples per iteration (set by the runtime)
+        self.allow_batch_change = False  # deadpool.elastic.allow_batch_change (set by the runtime)
+        self._layout: dict[str, Any] | None = None
         model_storages = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
         # Main params that alias the model's storage are already captured as model parameters.
         self._main = [[[(g, i, p) for i, p in enumerate(group["params"])
@@ -94,8 +102,10 @@ class MegatronStateAdapter(RankStateAdapter):
         return {
             "iteration": int(self.progress.iteration),
             "consumed_samples": int(self.progress.consumed_samples),
-            "layout": {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp},
+            "parallel": self._parallel(),
             "coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp},
+            "global_batch": self.global_batch,
+            "layout": self.partition_layout(),
             "param_groups": [[{k: v for k, v in grp.items() if k != "params" and plain_value(v)}
                               for grp in inner.param_groups]
                              for inner in inners],
@@ -113,13 +123,57 @@ class MegatronStateAdapter(RankStateAdapter):
         }
 
     # -- restore ---------------------------------------------------------------------------------
+    def _parallel(self) -> dict[str, int]:
+        return {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp}
+
     def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-        want_layout = {"world_size": self.layout.world_size, "tp": self.layout.tp, "pp": self.layout.pp}
         want_coords = {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp}
-        if meta["layout"] != want_layout or meta["coords"] != want_coords:
-            raise ValueError(f"snapshot of layout {meta['layout']} at coordinates {meta['coords']} cannot be restored "
-                             f"at layout {want_layout}, coordinates {want_coords}: in-memory restore needs the rank's "
-                             "own (tp, pp, dp) shard")
+        if meta["parallel"] != self._parallel() or meta["coords"] != want_coords:
+            raise ValueError(f"snapshot of layout {meta['parallel']} at coordinates {meta['coords']} cannot be "
+                             f"restored at layout {self._parallel()}, coordinates {want_coords}: in-memory restore "
+                             "needs the rank's own (tp, pp, dp) shard")
+        self._restore_tensors(tensors, meta)
+
+    # -- elastic ------------------------------------------------------------------------------------------
+    def partition_layout(self) -> dict[str, Any] | None:
+        """A ``ReplicatedLayout``: this rank's state is its (tp, pp) shard's; None with the distributed optimizer
+        (its state is cut along data parallelism: not resharded)."""
+        if self._distributed():
+            return None
+        if self._layout is None:
+            from ...recovery.reshard import ReplicatedLayout
+            from .layout import shard_name
+
+            shapes = [[name, list(t.shape), str(t.dtype)] for name, t in self.tensors() if name.startswith("model.")]
+            fingerprint = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+            self._layout = ReplicatedLayout(dp=self.layout.dp, dp_rank=self.coords.dp,
+                                            shard=shard_name(self.coords, self.layout), model=fingerprint).to_json()
+        return self._layout
+
+    def why_no_layout(self) -> str:
+        return ("Megatron's distributed optimizer cuts its state along data parallelism, and resharding it is not "
+                "built; run without --use-distributed-optimizer to shrink" if self._distributed() else "")
+
+    def _distributed(self) -> bool:
+        subs = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return any(type(o).__name__ == "DistributedOptimizer" for o in subs)
+
+    def restore_resharded(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+        """One old rank's whole state of this rank's shard (another data-parallel size, the same tp and pp)."""
+        from ...recovery.agree import RecoveryError
+
+        got = {k: meta["parallel"][k] for k in ("tp", "pp")}, {k: meta["coords"][k] for k in ("tp", "pp")}
+        want = {"tp": self.layout.tp, "pp": self.layout.pp}, {"tp": self.coords.tp, "pp": self.coords.pp}
+        if got != want:
+            raise RecoveryError(f"elastic: a snapshot of shard {got} was handed to a rank of shard {want}")
+        was = meta.get("global_batch")
+        if was is not None and was != self.global_batch and not self.allow_batch_change:
+            raise RecoveryError(f"elastic: the snapshots were taken at global batch {was}, this job's is "
+                                f"{self.global_batch}; pass --global-batch-size {was} (kept across data-parallel "
+                                "sizes), or set deadpool.elastic.allow_batch_change to true")
+        self._restore_tensors(tensors, meta)
+
+    def _restore_tensors(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         with torch.no_grad():
             for name, live in self.tensors():
                 if name.startswith("optim."):

@@ -2,13 +2,17 @@
 
 Same flags and metrics as ``scripts/pretrain_gpt.py`` (``--train-iters``, ``--model-size``, ``--seed``,
 ``--metrics-out``, ``--save``/``--save-interval``/``--load``) plus Megatron-LM's
-``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size``. Deterministic: the model is drawn from
-``--seed`` and batches are a pure function of (seed, sample index), so two runs with one seed and layout
-write identical losses, and a run that lost a node mid-way writes the losses of one that did not.
+``--tensor-model-parallel-size`` / ``--pipeline-model-parallel-size`` / ``--global-batch-size``.
+Deterministic: the model is drawn from ``--seed`` and batches are a pure function of (seed, sample index), so
+two runs with one seed and layout write identical losses, and a run that lost a node mid-way writes the losses
+of one that did not. After an elastic shrink or grow (``deadpool-run --no-spare-policy shrink``) the world has
+another data-parallel size: the factory lays it out again with the global batch kept (more or fewer
+micro-batches per rank), and the losses follow the uninterrupted run's up to the order of the reductions.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import time
@@ -25,7 +29,7 @@ from ...training.data import ByteLMData, seed_everything
 from ...training.models import MODEL_SIZES
 from ..loop import ResilientLoop
 from . import parallel
-from .layout import Layout, coordinates
+from .layout import Layout, LayoutError, coordinates, keep_global_batch
 from .model import ModelSpec, build, count_parameters
 from .runtime import MegatronRuntime
 from .step import forward_backward, global_mean_loss, microbatches
@@ -43,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--num-microbatches", type=int, default=None,
                    help="micro-batches per iteration and DP rank (default: the pipeline-parallel size)")
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="samples per iteration, kept at every data-parallel size (Megatron-LM's flag; the "
+                        "micro-batches per rank follow from it); default: micro x num-microbatches x dp at start")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--dropout", type=float, default=0.0, help="hidden and attention dropout")
     p.add_argument("--use-distributed-optimizer", action="store_true", help="Megatron's DistributedOptimizer")
@@ -71,6 +78,14 @@ def load_deadpool_config(path: str | None) -> DeadpoolConfig:
 
 
 def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Train; a bad flag value or ``deadpool`` config ends the job with its one line."""
+    try:
+        return _run(argv)
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+def _run(argv: Sequence[str] | None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.save_interval and not args.save:
         raise SystemExit("--save-interval needs --save DIR")
@@ -81,17 +96,34 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     layout = Layout(world_size=dist.get_world_size(), tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size)
     num_micro = args.num_microbatches or layout.pp
+    global_batch = args.global_batch_size or args.micro_batch_size * num_micro * layout.dp
+    if args.global_batch_size is not None and args.num_microbatches is not None:
+        raise ConfigError("--global-batch-size and --num-microbatches: give one of them (the micro-batches per "
+                          "rank follow from the global batch)")
+    try:
+        num_micro, _ = keep_global_batch(global_batch, args.micro_batch_size, num_micro, layout.dp, False)
+    except LayoutError:
+        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
+                          f"{args.micro_batch_size} x data-parallel size {layout.dp}") from None
     spec = ModelSpec(size=args.model_size, lr=args.lr, train_iters=args.train_iters, dropout=args.dropout,
                      micro_batch=args.micro_batch_size, num_microbatches=num_micro,
                      distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16)
-    global_batch = spec.micro_batch * num_micro * layout.dp
     seed_everything(args.seed)
     data = ByteLMData(seq_len=spec.seq_len + 1, seed=args.seed)
     parallel.initialize(layout, args.seed)
 
+    now = {"num_micro": num_micro}
+
     def factory() -> MegatronRuntime:
-        c = coordinates(dist.get_rank(), layout)
-        rt = MegatronRuntime(build(spec, args.seed), config, layout, c, seed=args.seed, global_batch=global_batch)
+        # The current world: another data-parallel size after an elastic resize (tp and pp stay; the runtime
+        # refused a resize that breaks this rule or the global batch before anything was built).
+        here = Layout(world_size=dist.get_world_size(), tp=layout.tp, pp=layout.pp)
+        n, batch = keep_global_batch(global_batch, spec.micro_batch, now["num_micro"], here.dp,
+                                     config.elastic.allow_batch_change)
+        now["num_micro"] = n
+        built = build(dataclasses.replace(spec, num_microbatches=n), args.seed)
+        rt = MegatronRuntime(built, config, here, coordinates(dist.get_rank(), here), seed=args.seed,
+                             global_batch=batch, micro_batch=spec.micro_batch)
 
         def client_set(state: dict[str, Any]) -> None:
             if state.get("corpus", data.fingerprint) != data.fingerprint:
@@ -125,18 +157,18 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     def one_iteration(rt: MegatronRuntime) -> tuple[float, float | None, float]:
         t0 = time.perf_counter()
         assert rt.built is not None
-        batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, num_micro, layout.dp,
+        batches = microbatches(data, rt.progress.consumed_samples, spec.micro_batch, rt.num_micro, rt.layout.dp,
                                rt.coords.dp)
         with rt.stoppable():
             losses = forward_backward(rt.built.chunks, rt.built.optimizer, batches, spec.seq_len, spec.micro_batch)
         # Reduced before the optimizer step (as Megatron-LM averages losses in the forward pass): a peer stuck in
         # the step's hooks then cannot keep rank 0 from logging the step it completed (chaos --bed, stuck).
-        loss = global_mean_loss(losses, num_micro)
+        loss = global_mean_loss(losses, rt.num_micro)
         _, grad_norm = rt.step()
         if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
             from .checkpoint import save_base
 
-            save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, layout,
+            save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, rt.layout,
                       keep_last=config.persist.keep_last)
         return loss, grad_norm, time.perf_counter() - t0
 
@@ -163,7 +195,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
                   flush=True)
     rt, swaps = loop.handle, loop.swaps
     summary = {"objective": "gpt", "framework": "megatron-core", "model_size": args.model_size,
-               "world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+               "world_size": rt.layout.world_size, "tp": rt.layout.tp, "pp": rt.layout.pp, "dp": rt.layout.dp,
                "steps_run": len(step_times), "final_step": rt.progress.iteration, "final_loss": loss,
                "median_step_time_s": float(np.median(step_times)) if step_times else None, "hot_swaps": swaps,
                "deadpool": rt.stats()}

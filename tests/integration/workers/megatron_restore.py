@@ -47,7 +47,7 @@ def main() -> None:
     def factory() -> MegatronRuntime:
         parallel.initialize(layout, 1234)
         return MegatronRuntime(build(spec, 1234), cfg, layout, coordinates(dist.get_rank(), layout), seed=1234,
-                               global_batch=gb)
+                               global_batch=gb, micro_batch=spec.micro_batch)
 
     rt = factory()
     rt.resume()
