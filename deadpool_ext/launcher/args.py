@@ -58,7 +58,10 @@ def malloc_env(arena_max: int, environ: Any, *, log: bool) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deadpool-run", description=DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnodes", type=int, required=True, help="active nodes")
+    p.add_argument("--nnodes", type=int, default=None, help="active nodes (required, unless --join)")
+    p.add_argument("--join", default=None, metavar="NAME",
+                   help="add this machine to a running job as node NAME (with the job's --store-url, --job-id and "
+                        "DEADPOOL_STORE_TOKEN): a spare, or the node a shrunk job grows back to (docs/elastic.md)")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes per node (default 1; a hostfile's slots)")
     p.add_argument("--spare-nodes", type=int, default=0, help="pre-started spare nodes")
@@ -252,13 +255,34 @@ def apply_host_plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
             f"{args.nproc_per_node} process(es) per node")
 
 
+def _check_join(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--join NAME``: the job's size and hosts are the running job's, so those flags are refused."""
+    from .join import JOIN_RE
+
+    if not JOIN_RE.fullmatch(args.join):
+        parser.error(f"--join {args.join!r}: a node name of 1-63 characters of [A-Za-z0-9_-], the first a letter")
+    given = [f for f, v in (("--nnodes", args.nnodes), ("--spare-nodes", args.spare_nodes or None),
+                            ("--hostfile", args.hostfile), ("--from-slurm", args.from_slurm or None),
+                            ("--repair-after-s", args.repair_after_s or None)) if v is not None]
+    if given or args.hosts != 1 or args.host_rank != 0:
+        parser.error(f"--join: {', '.join(given) or '--hosts/--host-rank'} belong to the job's own launchers; "
+                     "drop them (a joining machine brings one node)")
+    if not args.store_url or not args.job_id:
+        parser.error("--join needs the running job's --store-url and --job-id (and DEADPOOL_STORE_TOKEN)")
+    args.nnodes = 0
+
+
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every flag in range before anything starts; a bad one exits through ``parser.error`` (one line, code 2)."""
     args.host_plan = apply_host_plan(parser, args)
     for dest, value in vars(args).items():
         if isinstance(value, list) and dest != "script_args":  # argparse reads "--nnodes=--" as an empty list
             parser.error(f"--{dest.replace('_', '-')}: expected one value, got none")
-    for flag, value, low, high in (("--nnodes", args.nnodes, 1, MAX_NODES),
+    if args.join is not None:
+        _check_join(parser, args)
+    elif args.nnodes is None:
+        parser.error("--nnodes is required (or --join NAME, to add this machine to a running job)")
+    for flag, value, low, high in (("--nnodes", args.nnodes, 0 if args.join else 1, MAX_NODES),
                                    ("--nproc-per-node", args.nproc_per_node, 1, MAX_PROCS_PER_NODE),
                                    ("--spare-nodes", args.spare_nodes, 0, MAX_NODES),
                                    ("--hosts", args.hosts, 1, MAX_NODES),

@@ -35,14 +35,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from ..cluster.membership import (
-    Assignment,
-    NoSpareError,
-    Worker,
-    initial_assignment,
-    replace_failed,
-    shrink_failed,
-)
+from ..cluster.membership import Assignment, Worker, initial_assignment
 from ..memory.shm import job_shm_dir
 from ..store.base import StoreAuthError, StoreError, parse_store_endpoints
 from . import contract
@@ -59,6 +52,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
 )
 from .contract import HotSwapEnv
 from .hangs import parse_heartbeat
+from .join import JOINED_HOST, JoinNodes
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
 from .resize import ElasticResize
@@ -72,9 +66,9 @@ STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
 
 
-class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
+class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
     def __init__(self, args: argparse.Namespace) -> None:
-        for flag in ("nnodes", "nproc_per_node"):
+        for flag in ("nproc_per_node",) if getattr(args, "join", None) else ("nnodes", "nproc_per_node"):
             if getattr(args, flag) < 1:
                 raise SystemExit(f"deadpool-run: --{flag.replace('_', '-')} must be >= 1")
         if args.spare_nodes < 0:
@@ -99,6 +93,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
                            {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
         self.node_host = {n: i % args.hosts for i, n in enumerate(self.active_nodes)} | \
                          {n: j % args.hosts for j, n in enumerate(self.spare_nodes)}
+        if self.joining:  # one node of its own, a follower without a lease (launcher/join.py)
+            if not (args.store_url and args.job_id and contract.STORE_TOKEN in os.environ):
+                raise SystemExit("deadpool-run: --join needs the job's --store-url, --job-id and its "
+                                 "DEADPOOL_STORE_TOKEN in the environment")
+            self.active_nodes, self.spare_nodes, self.leader = [], [args.join], False
+            self.workers = [Worker(f"{args.join}.{i}", args.join, i) for i in range(args.nproc_per_node)]
+            self.local_nodes, self.node_host = {args.join}, {args.join: JOINED_HOST}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.dead_spares: set[str] = set()
         self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
@@ -261,7 +262,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
                 self.server.start()
                 self.store_url = self.server.url
             self.store = connect(self.store_url, self.token, self.job_id, STORE_TIMEOUT_S)
-            if supports_leases(self.store):
+            if supports_leases(self.store) and not self.joining:
                 self.election = LeaderElection(
                     cast(LeaseStore, self.store),
                     lambda t: cast(LeaseStore, connect(self.store_url, self.token, self.job_id, t)),
@@ -275,6 +276,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
                 if self.election is not None:
                     self._campaign_first()
                 a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
+                if self.args.no_spare_policy:  # for machines that join later (their workers restore alike)
+                    self.store.set_json("launcher/no_spare_policy", self.args.no_spare_policy)
                 self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
                            store=self.store_url, active_nodes=self.active_nodes, spare_nodes=self.spare_nodes,
                            hosts=self.args.hosts, host_rank=self.args.host_rank)
@@ -282,6 +285,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
                 raw = self.store.wait(["assignment"], 120.0)["assignment"]
                 a0 = Assignment.from_json(json.loads(raw))
                 self.assignment = a0
+                if self.joining:
+                    self._join_request()
             for w in self.workers:
                 if w.node in self.local_nodes:
                     self._spawn(w, "active" if w.worker_id in a0.ranks else "spare")
@@ -309,6 +314,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
     # -- every launcher, every turn -----------------------------------------------------------------
     def _host_tick(self) -> int | None:
         """This host's part: report its workers' exits, obey fences, keep the lease; an exit code to stop."""
+        if self.joining and (rc := self._joiner_tick()) is not None:
+            return rc
         if self.election is None and self.leader:
             self._repair_tick()
             return None  # one coordinator for good, on this host: it sees its own processes directly
@@ -419,7 +426,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         """One turn of the coordinator: completion, fatal reports, crashes, hangs, lost hosts; a failure gets
         the failed nodes fenced and the next generation published."""
         seen_hb = self.seen_hb
-        a = self.assignment
+        a = self._join_tick(self.assignment)
         active = set(a.ranks)
         rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
         rcs.update({wid: p.poll() for wid, p in self.procs.items()})
@@ -513,34 +520,6 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize):
         self.event(event="assignment", generation=new.generation, replaced=new.replaced,
                    published_at=time.time(), spares_left=list(new.spares), host_rank=self.args.host_rank)
         return None
-
-    def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
-        policy = self.no_spare_policy()
-        deadline = time.time() + (self.args.spare_wait_s if policy == "wait" else 0)
-        while True:
-            try:
-                return replace_failed(a, self.workers, failed_nodes, self.dead_spares)
-            except NoSpareError as no_spare:
-                exc: NoSpareError = no_spare
-                if policy == "shrink":
-                    try:
-                        new = shrink_failed(a, failed_nodes, self.dead_spares)
-                    except NoSpareError as none_left:
-                        exc = none_left
-                    else:
-                        print(f"deadpool-run: {exc}; --no-spare-policy shrink: continuing without node(s) "
-                              f"{list(new.shrunk)} on {new.world_size} ranks (was {a.world_size}), the state "
-                              "resharded from memory", file=sys.stderr, flush=True)
-                        self._note_dropped(new)
-                        return new
-                if time.time() >= deadline:
-                    msg = (f"{exc}. Policy --no-spare-policy={policy}: stopping the job. "
-                           "Restart it with --load from the persistent tier to resume.")
-                    self.event(event="stopped", reason=msg)
-                    self.store.set_json("assignment", {**a.to_json(), "stop": msg})
-                    print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
-                    return None
-                time.sleep(0.5)
 
     def _shutdown(self) -> None:
         if self.election is not None:

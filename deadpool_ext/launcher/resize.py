@@ -7,9 +7,9 @@ Call order, through the store (so it works on one host and across hosts alike):
 2. the launcher of that node's host, ``--repair-after-s`` later (the stand-in for a repaired machine on this
    test bed; 0: never), clears what the node's dead processes left in the store (exit, done, heartbeat, fence
    records), starts its processes again as spares and writes ``repaired/<node>`` (:meth:`_repair_tick`);
-3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired node whose processes
-   all live (:meth:`_grow_tick`): everyone keeps their rank, the node's processes take the next ones. The
-   survivors get the new generation's notice like any other (the step in flight is redone), every rank
+3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired (or joined:
+   ``join.py``) node whose processes all live and beat (:meth:`_grow_tick`): everyone keeps their rank, the
+   node's processes take the next ones. The survivors get the new generation's notice like any other (the step in flight is redone), every rank
    rebuilds on the larger world and the restore reshards from memory.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..cluster.membership import Assignment, Worker, grow_into
+from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -31,6 +31,7 @@ class ElasticResize:
     store: Any
     procs: dict[str, subprocess.Popen[bytes]]
     workers: list[Worker]
+    dead_spares: set[str]
     local_nodes: set[str]
     active_nodes: list[str]
     seen_hb: dict[str, float]
@@ -43,6 +44,8 @@ class ElasticResize:
         def _spawn(self, w: Worker, role: str) -> None: ...
 
         def publish(self, a: Assignment) -> Assignment: ...
+
+        def _join_tick(self, a: Assignment) -> Assignment: ...
 
     def no_spare_policy(self) -> str:
         """``--no-spare-policy`` if given, else the job's ``deadpool.elastic.no_spare_policy`` (written to the store
@@ -95,6 +98,8 @@ class ElasticResize:
             if any(self.store.get(f"exit/{wid}") is not None
                    or (wid in self.procs and self.procs[wid].poll() is not None) for wid in ids):
                 continue  # a process of the repaired node already died: not offered
+            if any(self.store.get(f"hb/{wid}") is None for wid in ids):
+                continue  # its processes are still starting (no heartbeat yet): the world trains on meanwhile
             new = self.publish(grow_into(a, self.workers, node))
             self.store.delete(key)
             for wid in new.ranks:
@@ -104,3 +109,34 @@ class ElasticResize:
             print(f"deadpool-run: node {node} joins: growing to {new.world_size} ranks (was {a.world_size}), the "
                   "state resharded from memory", file=sys.stderr, flush=True)
             return
+
+    def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
+        """The generation after a failure: spares take the failed nodes' ranks; with none left, the policy (shrink,
+        wait for a spare to join, or stop). None: the job stops (said, and written to the store)."""
+        policy = self.no_spare_policy()
+        deadline = time.time() + (self.args.spare_wait_s if policy == "wait" else 0)
+        while True:
+            try:
+                return replace_failed(a, self.workers, failed_nodes, self.dead_spares)
+            except NoSpareError as no_spare:
+                exc: NoSpareError = no_spare
+                if policy == "shrink":
+                    try:
+                        new = shrink_failed(a, failed_nodes, self.dead_spares)
+                    except NoSpareError as none_left:
+                        exc = none_left
+                    else:
+                        print(f"deadpool-run: {exc}; --no-spare-policy shrink: continuing without node(s) "
+                              f"{list(new.shrunk)} on {new.world_size} ranks (was {a.world_size}), the state "
+                              "resharded from memory", file=sys.stderr, flush=True)
+                        self._note_dropped(new)
+                        return new
+                if time.time() >= deadline:
+                    msg = (f"{exc}. Policy --no-spare-policy={policy}: stopping the job. "
+                           "Restart it with --load from the persistent tier to resume.")
+                    self.event(event="stopped", reason=msg)
+                    self.store.set_json("assignment", {**a.to_json(), "stop": msg})
+                    print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
+                    return None
+                time.sleep(0.5)
+                a = self._join_tick(a)  # a machine joining meanwhile (deadpool-run --join) is a spare

@@ -19,7 +19,7 @@ import torch
 from deadpool_ext.chaos.at_step import harness_env
 from deadpool_ext.chaos.dump import DIR, STEPS, gather
 from deadpool_ext.recovery.timeline import read_events
-from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import worker_proc
 
@@ -49,7 +49,7 @@ def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=Non
         for v in victims:
             v.send_signal(signal.SIGKILL)
         if then is not None:
-            then(proc, timeline)
+            then(proc, timeline, cmd, metrics)
 
     res = run_job(cmd, timeout_s=400, while_running=inject, env=base_env(env))
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
@@ -124,19 +124,39 @@ def test_shrink_refused_when_the_global_batch_cannot_be_kept(tmp_path, shm_root)
     assert "allow_batch_change" in res.output
 
 
-def test_grow_back_when_the_node_is_repaired(tmp_path, shm_root):
-    """4 ranks -> node1 lost, shrink to 2 -> node1 repaired (its processes started again) -> grow back to 4: the
-    state restored on 4 ranks equals, element for element, what the 2-rank world held at that step; the losses
-    follow the uninterrupted run. Rank 0 is held at step 7 until the grow is published (so the tiny model's job
-    does not end before the repaired processes are up); the collective and progress deadlines are raised
-    above that wait."""
+@pytest.mark.parametrize("how", matrix(["repaired", "joined"], ci=["joined"]))  # repaired: the Megatron grow test
+def test_grow_back_when_a_node_returns(tmp_path, shm_root, how):
+    """4 ranks -> node1 lost, shrink to 2 -> a node comes back -> grow back to 4: the state restored on 4 ranks
+    equals, element for element, what the 2-rank world held at that step; the losses follow the uninterrupted
+    run. The node comes back ``repaired`` (node1's processes started again, --repair-after-s) or ``joined``: a
+    second launcher, ``deadpool-run --join extra0`` with the job's store, job id and token, started once the
+    shrunk world trains (the coordinator admits it and grows to it once its processes beat). Rank 0 is held at
+    step 7 until the grow is published (so the tiny model's job does not end before the new processes are up);
+    the collective and progress deadlines are raised above that wait."""
     import json
+    import threading
     import time
 
     iters, batch = 10, SHAPES[(2, 2)]
     marker = os.path.join(str(tmp_path), "hold")
+    token, job_id, port = "t0ken-" + os.urandom(8).hex(), "growjob", free_port()
+    joiner: dict = {}
 
-    def release_on_grow(proc, timeline):
+    def start_joiner(cmd, metrics):
+        wait_for_step(metrics, 4, timeout_s=240)  # the shrunk world redid step 3 and trains on
+        script = cmd.index("scripts/pretrain_gpt.py")
+        jcmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--join", "extra0", "--store-url",
+                f"dp://127.0.0.1:{port}", "--job-id", job_id, "--nproc-per-node", "2", "--shm-root", shm_root,
+                *cmd[script:]]
+        env = base_env(harness_env({DIR: dumps_dir, STEPS: ",".join(map(str, range(1, iters + 1))),
+                                    "DEADPOOL_STORE_TOKEN": token}))
+        t = threading.Thread(target=lambda: joiner.update(res=run_job(jcmd, timeout_s=300, env=env)), daemon=True)
+        t.start()
+        joiner["thread"] = t
+
+    def release_on_grow(proc, timeline, cmd, metrics):
+        if how == "joined":
+            start_joiner(cmd, metrics)
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
             if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
@@ -146,13 +166,26 @@ def test_grow_back_when_the_node_is_repaired(tmp_path, shm_root):
         with open(marker + ".release", "w") as fh:
             json.dump({"released": time.time()}, fh)
 
+    dumps_dir = os.path.join(str(tmp_path), "grow.dumps")
+    back = (("--repair-after-s", "0.5") if how == "repaired" else
+            ("--job-id", job_id, "--store-port", str(port)))
     res, metrics, events, dumps = elastic_run(
         tmp_path, shm_root, stage=3, nnodes=2, nproc=2, name="grow", kill_node="node1", kill_at=2, iters=iters,
-        dump_steps=tuple(range(1, iters + 1)), launcher=("--repair-after-s", "0.5", "--progress-timeout-s", "200"),
-        inject_env={"DEADPOOL_INJECT": f"hold@step=7,rank=0,marker={marker}"}, then=release_on_grow,
+        dump_steps=tuple(range(1, iters + 1)), launcher=(*back, "--progress-timeout-s", "200"),
+        inject_env={"DEADPOOL_INJECT": f"hold@step=7,rank=0,marker={marker}",
+                    "DEADPOOL_STORE_TOKEN": token}, then=release_on_grow,
         deadpool={"hot_swap": {"collective_timeout_s": 200}}, **batch)
     assert res.returncode == 0, res.output[-5000:]
-    assert "node node1 repaired" in res.output and "node node1 joins: growing to 4 ranks (was 2)" in res.output
+    node = "node1" if how == "repaired" else "extra0"
+    assert f"node {node} joins: growing to 4 ranks (was 2)" in res.output
+    if how == "repaired":
+        assert "node node1 repaired" in res.output
+    else:
+        joiner["thread"].join(60)
+        jres = joiner["res"]
+        assert jres.returncode == 0 and not jres.timed_out, jres.output[-4000:]
+        assert "node extra0 joined the job (2 process(es)): the shrunk world grows to it" in res.output
+        assert "--join extra0: admitted to job growjob (the world grows to it)" in jres.output
     version, files = _restored(dumps, world="4")
     assert len(files) == 4
     # what the 2-rank world held at that step: its state after the step, or its own restore if it took none

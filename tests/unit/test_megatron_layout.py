@@ -147,6 +147,6 @@ def test_global_batch_kept_by_micro_batches_or_refused():
 
     assert keep_global_batch(8, 4, 1, 1, False) == (2, 8)      # dp 2 -> 1: two micro-batches per rank
     assert keep_global_batch(8, 4, 2, 2, False) == (1, 8)      # and back
-    with pytest.raises(LayoutError, match="cannot keep the global batch 12 at data-parallel size 2.*allow_batch_change"):
+    with pytest.raises(LayoutError, match="cannot keep the global batch 12 at data-parallel size 2.*allow_batch"):
         keep_global_batch(12, 4, 1, 2, False)
     assert keep_global_batch(12, 4, 1, 2, True) == (1, 8)      # opted in: micro-batches stay, the batch changes
