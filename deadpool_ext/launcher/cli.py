@@ -15,8 +15,9 @@ On one host every node is simulated (its own failure domain: its own shared-memo
   in-process and the spare restores the failed ranks' state from peer replicas;
 - owns each node's tier-1 shared memory and removes it when the job ends.
 
-No spare left: the job stops with an error naming the failed node (``--no-spare-policy fail``, default) or
-waits ``--spare-wait-s`` for a spare to register (``wait``) before stopping.
+No spare left: the job stops with an error naming the failed node (``--no-spare-policy fail``, default), waits
+``--spare-wait-s`` for a machine to join as a spare (``wait``; ``deadpool-run --join``, ``join.py``) before
+stopping, or continues on fewer data-parallel ranks (``shrink``, ``resize.py``, docs/elastic.md).
 """
 from __future__ import annotations
 
