@@ -93,8 +93,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
         timeout = HotSwapConfig().collective_timeout_s if timeout_s is None else timeout_s
         min_gen, wait_s = 0, None
+        prepare = _spare_slots(env) if env.hot_swap.role == "spare" else None
         while True:
-            assignment = _membership.join(min_gen, timeout_s=wait_s)
+            assignment = _membership.join(min_gen, timeout_s=wait_s, while_waiting=prepare)
             try:
                 init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout,
                                    in_place=in_place)
@@ -192,6 +193,17 @@ def _destroy_groups(timeout_s: float = 10.0) -> None:
     # finalization: a worker that has just finished a collective releases its tensors next, which takes the GIL.
     # Hand the GIL over for a moment so that it does so while the interpreter is whole (the same abort otherwise).
     time.sleep(_GIL_YIELD_S)
+
+
+def _spare_slots(env: WorkerEnv) -> Callable[[], None]:
+    """A spare's wait also makes its snapshot slots, once their size is published (``snapshot/spare_slots.py``)."""
+    from .snapshot import spare_slots
+
+    hs, m = env.hot_swap, _membership
+    assert hs is not None and m is not None
+    local = env.local_rank or 0
+    root = hs.shm_root or spare_slots.SHM_ROOT
+    return lambda: spare_slots.tick(m.store, root, hs.job_id, hs.node, local)
 
 
 def _warm_up_spare() -> None:

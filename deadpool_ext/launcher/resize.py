@@ -9,8 +9,8 @@ Call order, through the store (so it works on one host and across hosts alike):
    records), starts its processes again as spares and writes ``repaired/<node>`` (:meth:`_repair_tick`);
 3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired (or joined:
    ``join.py``) node whose processes all live and beat (:meth:`_grow_tick`): everyone keeps their rank, the
-   node's processes take the next ones. The survivors get the new generation's notice like any other (the step in flight is redone), every rank
-   rebuilds on the larger world and the restore reshards from memory.
+   node's processes take the next ones. The survivors get the new generation's notice like any other (the
+   step in flight is redone), every rank rebuilds on the larger world and the restore reshards from memory.
 """
 from __future__ import annotations
 

@@ -140,10 +140,14 @@ class Membership:
                 log.error("worker %s: heartbeat thread stops: %s: %s", self.worker_id, type(exc).__name__, exc)
                 return
 
-    def join(self, min_generation: int, timeout_s: float | None = None) -> Assignment:
-        """Block until an assignment of generation >= ``min_generation`` includes this worker."""
+    def join(self, min_generation: int, timeout_s: float | None = None,
+             while_waiting: Callable[[], None] | None = None) -> Assignment:
+        """Block until an assignment of generation >= ``min_generation`` includes this worker; ``while_waiting()``
+        is called on every turn of the wait (a spare's preparations; it keeps its own pace)."""
         deadline = time.time() + (timeout_s if timeout_s is not None else float("inf"))
         while True:
+            if while_waiting is not None:
+                while_waiting()
             raw = self.store.get_json("assignment")
             if raw is not None:
                 a = Assignment.from_json(raw)

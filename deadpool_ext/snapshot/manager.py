@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
+from ..distributed import membership
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.shm import ShmSegment, ensure_private_dir, job_shm_dir, segment_name
 from ..persist.sign import checkpoint_key
@@ -337,6 +338,11 @@ class SnapshotManager(MemoryRestore):
         self.header_reserved = header_reserve(snap)
         nbytes = slot_nbytes(self.header_reserved, snap.data_nbytes)
         self._open_slots(nbytes)
+        m = membership()
+        if m is not None:  # for spares, which make their slots while they wait (snapshot/spare_slots.py)
+            from .spare_slots import publish_slot_size
+
+            publish_slot_size(m.store, self.rank, nbytes)
         self.peers.setup(nbytes)
         state = self.state_nbytes()
         derived = sum(t.numel() * t.element_size() for _, t in snap.derived)
@@ -376,6 +382,14 @@ class SnapshotManager(MemoryRestore):
                 _pin_for_cuda(seg)
 
     def _open_slots(self, nbytes: int) -> None:
+        from . import spare_slots
+
+        made = spare_slots.take(self.dir, self.job_id, self.rank, nbytes) if self.slots == [None, None] else None
+        if made is not None:  # a spare's slots, made while it waited (snapshot/spare_slots.py)
+            for i, ready in enumerate(made):
+                self.slots[i] = ready
+                _pin_for_cuda(ready)
+            return
         for i in (0, 1):
             seg = self.slots[i]
             if seg is None or seg.nbytes != nbytes:

@@ -1,0 +1,114 @@
+"""A spare's snapshot slots, made while it waits for an assignment (off the recovery path).
+
+A spare learns its rank, and so which slots it needs, only when it takes a failed node's place; making two
+slots then (allocating and zero-filling the shared memory, then faulting every page in) was ~0.1 s of the
+spare's restore for GPT small, while the survivors had theirs. So the spare makes them while it waits.
+
+Call order:
+
+1. every rank, at its first snapshot, publishes its slot size in the job's store (``slots/<rank>``:
+   :func:`publish_slot_size`, from ``SnapshotManager._allocate``);
+2. a spare, while it waits for an assignment (``distributed.init_distributed`` passes :func:`tick` as
+   ``Membership.join``'s ``while_waiting``), once sizes are published creates and pre-faults two segments of the
+   largest size in its node's directory under names of its own (kind ``prep``: the census and every scan ignore
+   them) and keeps them (:func:`tick`);
+3. at its restore, ``SnapshotManager._open_slots`` calls :func:`take`: each prepared file is renamed to the slot's
+   name and opened at the slot's exact size (its pages already allocated: a shrink frees the tail). A prepared
+   segment in another directory than the manager's (a config that moved ``local.shm_root``) is removed instead.
+
+The launcher removes the node's directory, prepared segments included, when the job ends.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from ..memory.shm import SHM_ROOT, ShmSegment, ShmSpaceError, ensure_private_dir, job_shm_dir, segment_name
+
+log = logging.getLogger("deadpool_ext")
+
+__all__ = ["SHM_ROOT", "publish_slot_size", "release", "take", "tick"]
+KIND = "prep"
+MAX_SLOT_BYTES = 1 << 40
+"""A published slot size above this is not a slot size (a record read from the store is checked)."""
+
+_prepared: list[ShmSegment] = []
+_state = {"done": False, "next": 0.0}
+
+
+def publish_slot_size(store: Any, rank: int, nbytes: int) -> None:
+    """Rank ``rank``'s slot size, for spares preparing theirs (best effort: a snapshot never fails for it)."""
+    try:
+        store.set_json(f"slots/{rank}", int(nbytes))
+    except Exception as exc:
+        log.debug("slots/%d not published: %s", rank, exc)
+
+
+def _largest(store: Any) -> int | None:
+    sizes = []
+    for raw in store.list("slots/").values():
+        try:
+            n = json.loads(raw)
+        except ValueError:
+            continue
+        if type(n) is int and 0 < n <= MAX_SLOT_BYTES:
+            sizes.append(n)
+    return max(sizes) if sizes else None
+
+
+def tick(store: Any, shm_root: str, job_id: str, node: str, local_index: int) -> None:
+    """A spare's wait, once a second at most: make the two slots as soon as their size is known (once)."""
+    now = time.monotonic()
+    if _state["done"] or now < _state["next"]:
+        return
+    _state["next"] = now + 1.0
+    try:
+        nbytes = _largest(store)
+    except Exception as exc:
+        log.debug("slot sizes unreadable: %s", exc)
+        return
+    if nbytes is None:
+        return
+    _state["done"] = True
+    directory = job_shm_dir(shm_root, job_id, node)
+    t0 = time.perf_counter()
+    try:
+        ensure_private_dir(directory)
+        for i in (0, 1):
+            _prepared.append(ShmSegment.create(segment_name(job_id, KIND, local_index, i), nbytes, root=directory,
+                                               touch=True))
+    except (OSError, ShmSpaceError, ValueError) as exc:
+        log.warning("spare: snapshot slots not prepared while waiting (%s); they are made at the restore", exc)
+        release()
+        return
+    log.info("spare: 2 snapshot slots of %.1f MB allocated and touched while waiting (%.2f s)", nbytes / 1e6,
+             time.perf_counter() - t0)
+
+
+def take(directory: str, job_id: str, rank: int, nbytes: int) -> list[ShmSegment] | None:
+    """The two slots of ``rank`` made from the prepared segments (renamed, opened at ``nbytes``), or None
+    when there are none for ``directory``."""
+    if not _prepared:
+        return None
+    if any(os.path.dirname(os.fspath(seg.path)) != os.path.abspath(directory) for seg in _prepared):
+        release()
+        return None
+    out = []
+    for i, seg in enumerate(_prepared):
+        name = segment_name(job_id, "snap", rank, i)
+        os.rename(seg.path, os.path.join(directory, name))
+        seg.close()
+        out.append(ShmSegment.create(name, nbytes, root=directory, touch=True))
+    _prepared.clear()
+    return out
+
+
+def release() -> None:
+    """Drop the prepared segments (unused)."""
+    for seg in _prepared:
+        seg.close()
+        seg.unlink()
+    _prepared.clear()
