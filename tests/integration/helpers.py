@@ -149,3 +149,18 @@ def kill_node_agents(shm_root: str) -> None:
 
 __all__ = ["worker_proc", "kill_node_agents", "pretrain", "kill_at", "memory_tier_config", "Baselines",
            "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]
+
+
+def release_hold_when_grown(proc, timeline: str, marker: str, timeout_s: float) -> None:
+    """Elastic grow tests: once the launcher's timeline shows a grown assignment (or the job ended, or
+    ``timeout_s`` passed), release the harness's ``hold@step`` fault waiting on ``marker``."""
+    from deadpool_ext.recovery.timeline import read_events
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
+                                            for e in read_events(timeline)):
+            break
+        time.sleep(0.1)
+    with open(marker + ".release", "w") as fh:
+        json.dump({"released": time.time()}, fh)

@@ -21,7 +21,7 @@ from deadpool_ext.chaos.dump import DIR, STEPS, gather
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import worker_proc
+from tests.integration.helpers import release_hold_when_grown, worker_proc
 
 pytestmark = pytest.mark.slow
 ITERS = 8
@@ -133,9 +133,7 @@ def test_grow_back_when_a_node_returns(tmp_path, shm_root, how):
     shrunk world trains (the coordinator admits it and grows to it once its processes beat). Rank 0 is held at
     step 7 until the grow is published (so the tiny model's job does not end before the new processes are up);
     the collective and progress deadlines are raised above that wait."""
-    import json
     import threading
-    import time
 
     iters, batch = 10, SHAPES[(2, 2)]
     marker = os.path.join(str(tmp_path), "hold")
@@ -157,14 +155,7 @@ def test_grow_back_when_a_node_returns(tmp_path, shm_root, how):
     def release_on_grow(proc, timeline, cmd, metrics):
         if how == "joined":
             start_joiner(cmd, metrics)
-        deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None:
-            if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
-                                                for e in read_events(timeline)):
-                break
-            time.sleep(0.1)
-        with open(marker + ".release", "w") as fh:
-            json.dump({"released": time.time()}, fh)
+        release_hold_when_grown(proc, timeline, marker, 240)
 
     dumps_dir = os.path.join(str(tmp_path), "grow.dumps")
     back = (("--repair-after-s", "0.5") if how == "repaired" else

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ from deadpool_ext.chaos.dump import by_shard
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
 from tests.conftest import matrix
+from tests.integration.helpers import release_hold_when_grown
 from tests.integration.test_hot_swap import worker_proc
 
 pytestmark = pytest.mark.slow
@@ -198,14 +198,7 @@ def test_data_parallel_shrink_and_grow_restore_every_shard_from_memory(tmp_path,
     marker = os.path.join(str(tmp_path), "hold")
 
     def release_on_grow(proc, timeline):
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if os.path.exists(timeline) and any(e.get("event") == "assignment" and e.get("grown")
-                                                for e in read_events(timeline)):
-                break
-            time.sleep(0.1)
-        with open(marker + ".release", "w") as fh:
-            json.dump({"released": time.time()}, fh)
+        release_hold_when_grown(proc, timeline, marker, 300)
 
     res, metrics, dumps = _elastic(
         tmp_path, shm_root, _TP2, "elastic", kill_node="node1", dump_steps=tuple(range(1, ITERS + 1)),
