@@ -198,7 +198,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             try:
                 if self.store.get(f"fenced/{node}") is not None:
                     return
-                if self.election is not None and self.store.get(f"host/{self.node_host[node]}") is None:
+                if (self.election is not None and self.node_host[node] != JOINED_HOST
+                        and self.store.get(f"host/{self.node_host[node]}") is None):  # a joined node has no lease
                     log.info("node %s: its host %d's lease has lapsed, so its launcher stopped its workers",
                              node, self.node_host[node])
                     return

@@ -37,6 +37,8 @@ JOIN_ACK_S = 120.0
 """How long a joiner waits for the coordinator's answer."""
 JOIN_STORE_LOST_S = 30.0
 """An admitted joiner whose job's store has not answered for this long stops its processes (the job is gone)."""
+JOIN_POLL_S = 1.0
+"""How often the coordinator reads the join requests."""
 JOINED_HOST = -1
 """The host index of a joined node (it is none of the job's --hosts: never among the hosts whose lease lapsed)."""
 
@@ -110,7 +112,12 @@ class JoinNodes:
 
     # -- the coordinator ----------------------------------------------------------------------------------
     def _join_tick(self, a: Assignment) -> Assignment:
-        """Answer every new join request; returns the current assignment (with a spare added, if one joined)."""
+        """Answer every new join request (the store is read once a second at most); returns the current
+        assignment (with a spare added, if one joined)."""
+        now = time.monotonic()
+        if now < self.__dict__.get("_join_next", 0.0):
+            return a
+        self._join_next = now + JOIN_POLL_S
         decided: set[str] = self.__dict__.setdefault("_join_decided", set())
         for key, raw in sorted(self.store.list("joined/").items()):
             name = key.split("/", 1)[1]
