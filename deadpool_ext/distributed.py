@@ -93,7 +93,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
             log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
         timeout = HotSwapConfig().collective_timeout_s if timeout_s is None else timeout_s
         min_gen, wait_s = 0, None
-        prepare = _spare_slots(env) if env.hot_swap.role == "spare" else None
+        prepare = (_spare_slots(env) if env.hot_swap.role == "spare" and env.hot_swap.spare_slots == "prepare"
+                   else None)
         while True:
             assignment = _membership.join(min_gen, timeout_s=wait_s, while_waiting=prepare)
             try:

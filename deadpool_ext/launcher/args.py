@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repair-after-s", type=float, default=0.0,
                    help="with --no-spare-policy shrink: start a dropped node's processes again this long after the "
                         "shrink (a repaired machine; the job grows back to it); 0 (default): never")
+    p.add_argument("--spare-slots", choices=["prepare", "at-restore"], default="prepare",
+                   help="prepare (default): a waiting spare makes and pre-faults its two snapshot slots once their "
+                        "size is known (two slots of the largest rank's size in /dev/shm per spare process while it "
+                        "waits; its restore is that much faster); at-restore: made when it takes a node's place")
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENA_MAX,
                    help="MALLOC_ARENA_MAX for the workers (glibc heap arenas): every hot-swap starts new communicator "

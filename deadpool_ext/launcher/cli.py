@@ -149,7 +149,8 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         env.update(HotSwapEnv(store_url=self.store_url, token=self.token, job_id=self.job_id, worker_id=w.worker_id,
                               node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
                               watch_s=self.args.watch_s, shm_root=self.args.shm_root,
-                              no_spare_policy=self.args.no_spare_policy or "fail").to_environ())
+                              no_spare_policy=self.args.no_spare_policy or "fail",
+                              spare_slots=getattr(self.args, "spare_slots", "prepare")).to_environ())
         env.update({
             contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",

@@ -62,6 +62,8 @@ WATCH_S = "DEADPOOL_WATCH_S"
 SHM_ROOT = "DEADPOOL_SHM_ROOT"
 NO_SPARE_POLICY = "DEADPOOL_NO_SPARE_POLICY"
 """deadpool-run's --no-spare-policy (fail, wait, shrink): with shrink, restores may reshard (docs/elastic.md)."""
+SPARE_SLOTS = "DEADPOOL_SPARE_SLOTS"
+"""deadpool-run's --spare-slots: ``prepare`` (a waiting spare makes its snapshot slots) or ``at-restore``."""
 TIMELINE = "DEADPOOL_TIMELINE"
 """JSON-lines file the workers append recovery events to (``deadpool-run --timeline``)."""
 
@@ -70,6 +72,7 @@ LOG_LEVEL = "DEADPOOL_LOG_LEVEL"
 
 ROLES = ("active", "spare")
 NO_SPARE_POLICIES = ("fail", "wait", "shrink")
+SPARE_SLOT_MODES = ("prepare", "at-restore")
 
 
 class LaunchEnvError(ValueError):
@@ -91,11 +94,13 @@ class HotSwapEnv:
     watch_s: float = 0.5
     shm_root: str | None = None
     no_spare_policy: str = "fail"
+    spare_slots: str = "prepare"
 
     def to_environ(self) -> dict[str, str]:
         env = {STORE: self.store_url, STORE_TOKEN: self.token, JOB_ID: self.job_id, WORKER_ID: self.worker_id,
                NODE: self.node, ROLE: self.role, LAUNCHER_PID: str(self.launcher_pid),
-               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s), NO_SPARE_POLICY: self.no_spare_policy}
+               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s), NO_SPARE_POLICY: self.no_spare_policy,
+               SPARE_SLOTS: self.spare_slots}
         if self.shm_root:
             env[SHM_ROOT] = self.shm_root
         return env
@@ -114,11 +119,14 @@ class HotSwapEnv:
         policy = environ.get(NO_SPARE_POLICY, "fail")
         if policy not in NO_SPARE_POLICIES:
             raise LaunchEnvError(f"{NO_SPARE_POLICY}={policy!r}: allowed {list(NO_SPARE_POLICIES)}")
+        slots = environ.get(SPARE_SLOTS, "prepare")
+        if slots not in SPARE_SLOT_MODES:
+            raise LaunchEnvError(f"{SPARE_SLOTS}={slots!r}: allowed {list(SPARE_SLOT_MODES)}")
         return cls(store_url=url, token=environ[STORE_TOKEN], job_id=environ[JOB_ID],
                    worker_id=environ[WORKER_ID], node=environ[NODE], role=role,
                    launcher_pid=_int(environ, LAUNCHER_PID, 0), heartbeat_s=_float(environ, HEARTBEAT_S, 0.5),
                    watch_s=_float(environ, WATCH_S, 0.5), shm_root=environ.get(SHM_ROOT) or None,
-                   no_spare_policy=policy)
+                   no_spare_policy=policy, spare_slots=slots)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

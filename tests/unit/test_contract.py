@@ -16,8 +16,9 @@ def _hs(**kw: object) -> HotSwapEnv:
     return HotSwapEnv(**base)  # type: ignore[arg-type]
 
 
-def test_what_the_launcher_writes_is_what_the_worker_reads():
-    hs = _hs()
+@pytest.mark.parametrize("slots", ["prepare", "at-restore"])
+def test_what_the_launcher_writes_is_what_the_worker_reads(slots):
+    hs = _hs(spare_slots=slots)
     env = {**hs.to_environ(), contract.LOCAL_RANK: "1", contract.LOCAL_WORLD_SIZE: "2"}
     w = WorkerEnv.from_environ(env)
     assert w.hot_swap == hs
@@ -52,6 +53,7 @@ def test_missing_variables_are_named():
     ({**_hs().to_environ(), contract.ROLE: "boss"}, "DEADPOOL_ROLE='boss'"),
     ({**_hs().to_environ(), contract.HEARTBEAT_S: "nan"}, "DEADPOOL_HEARTBEAT_S='nan'"),
     ({**_hs().to_environ(), contract.WATCH_S: "-1"}, "DEADPOOL_WATCH_S='-1'"),
+    ({**_hs().to_environ(), contract.SPARE_SLOTS: "eager"}, "DEADPOOL_SPARE_SLOTS='eager'"),
 ])
 def test_bad_values_name_the_variable(env, named):
     with pytest.raises(LaunchEnvError, match=named.replace("(", r"\(")):
