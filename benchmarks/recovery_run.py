@@ -140,7 +140,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     _fresh(metrics, timeline)
     launcher = [sys.executable, "-m", "deadpool_ext.launcher.cli"]
     flags = ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC_PER_NODE), "--spare-nodes", str(SPARE_NODES),
-             "--shm-root", shm_root, "--timeline", timeline, SCRIPT]
+             "--shm-root", shm_root, "--timeline", timeline, *d.get("launcher_flags", ()), SCRIPT]
     cmd = launcher + flags + script_args(size, cfg_path, n, metrics, args.seed)
     out: dict[str, Any] = {"kind": "hotswap", "tag": tag,
                            "cmd": shlex.join(["deadpool-run"] + flags +
