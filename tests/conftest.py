@@ -23,6 +23,22 @@ def matrix(values: list, ci: list) -> list:
     return list(values) if FULL_MATRIX else [v for v in values if v in ci]
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``full_matrix(covered_by=...)`` run only with ``DEADPOOL_FULL_MATRIX=1`` (deselected, as the
+    matrix subsets leave combinations out); the marker must name what covers them in CI."""
+    if FULL_MATRIX:
+        return
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("full_matrix")
+        if mark is not None:
+            assert mark.kwargs.get("covered_by"), f"{item.nodeid}: full_matrix needs covered_by=..."
+        (drop if mark is not None else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 def pytest_report_header(config):
     return ("end-to-end matrices: full (DEADPOOL_FULL_MATRIX=1)" if FULL_MATRIX else
             "end-to-end matrices: the CI subset (DEADPOOL_FULL_MATRIX=1 runs every combination)")

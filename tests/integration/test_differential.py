@@ -69,7 +69,7 @@ def test_single_tensor_adam_kernel_replays_bit_exact(tmp_path, shm_root):
     assert _baseline(tmp_path, 3, shm_root) != base
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", matrix([2, 3], ci=[3]))  # ZeRO-2 differentials: the local-replay test above
 def test_lost_node_memory_replays_peer_differentials(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
     res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, max_restarts=1,

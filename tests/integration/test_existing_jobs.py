@@ -188,7 +188,8 @@ def _hot_swapped_in_place(res, events, pids, *, reuse_line: bool = True) -> None
         assert "returns the engine recovered in place (no new engine)" in res.output, res.output[-4000:]
 
 
-@pytest.mark.parametrize("fault", ["after_optimizer_step", "sigkill_anywhere"])
+@pytest.mark.parametrize("fault", matrix(["after_optimizer_step", "sigkill_anywhere"],
+                                         ci=["after_optimizer_step"]))  # SIGKILL anywhere: test_hot_swap
 def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
     """An unmodified Trainer script (ZeRO-3, gradient accumulation 2) under deadpool-run: rank 1 dies (right after
     its optimizer step 4, or SIGKILLed from outside wherever it is after rank 0 logged step 3); the survivor keeps
@@ -255,6 +256,8 @@ def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
     assert missing.returncode == 2 and "cannot read it as JSON" in missing.stderr
 
 
+@pytest.mark.full_matrix(covered_by="test_hand_written_loops_survive_a_lost_worker_bit_for_bit[restart-accelerate_loop]"
+                                    " (the same script through the runner, every loss bit for bit)")
 def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path, shm_root):
     script, base = "scripts/examples/accelerate_loop.py", "configs/gpt_tiny_zero3_cpu_noopt.json"
     _plain_then_runner(tmp_path, script, "accelerate_loop", ["--deepspeed", _config(tmp_path, shm_root, base),
@@ -302,6 +305,9 @@ def test_hand_written_loops_survive_a_lost_worker_bit_for_bit(tmp_path, shm_root
     _same_trajectory(losses, ref_losses, killed=4, last=10)
 
 
+@pytest.mark.full_matrix(covered_by="test_memory_tiers::test_relaunch_under_the_deepspeed_launcher_restores_"
+                                    "from_memory (the same relaunch path) and "
+                                    "test_own_loop_survives_a_torchrun_restart_bit_for_bit")
 def test_own_loop_survives_a_relaunch_under_the_deepspeed_launcher(tmp_path, shm_root):
     """DeepSpeed's launcher ends the job when a worker dies and never restarts it; relaunching the same command
     with ``local.keep_after_exit_s`` (the node agent keeps tier 1 meanwhile) restores the own loop from memory: the

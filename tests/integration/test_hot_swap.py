@@ -188,6 +188,8 @@ def test_node_and_its_replica_holder_lost_is_a_clear_error(tmp_path, shm_root):
 from tests.store_fixtures import etcd_server  # noqa: E402,F401  (pytest fixture)
 
 
+@pytest.mark.full_matrix(covered_by="tests/multihost (every bed job runs one launcher per host joined through a "
+                                    "real etcd cluster)")
 def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):  # noqa: F811 - the fixture above
     """Multi-host shape on one machine: two deadpool-run launchers (hosts) share an etcd store; a worker on the
     follower host dies, the coordinator fences that node through the store and a spare on its own host takes

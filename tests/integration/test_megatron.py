@@ -88,6 +88,9 @@ def test_node_loss_hot_swap_identical_losses(tmp_path, shm_root, layout):
     assert sorted(e["rank"] for e in survivors) == [0, 1]
 
 
+@pytest.mark.full_matrix(covered_by="test_differential_replay_in_process_is_exact (the same worker at PP2: rebuild, "
+                                    "restore and replay exact) and the node-loss and elastic tests (rebuild under "
+                                    "deadpool-run)")
 def test_in_process_rebuild_and_restore_is_exact(tmp_path, shm_root):
     out = {}
     for restore_at in (0, 3):

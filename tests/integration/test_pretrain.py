@@ -73,6 +73,8 @@ def test_two_runs_same_seed_identical_and_bert_runs(tmp_path, shm_root):
     assert sorted(bert) == [1, 2, 3] and all(v == v for v in bert.values())
 
 
+@pytest.mark.full_matrix(covered_by="test_memory_tiers::test_relaunch_under_the_deepspeed_launcher_restores_"
+                                    "from_memory (the pretraining script under the deepspeed launcher)")
 def test_deepspeed_launcher_matches_torchrun(tmp_path, shm_root):
     cfg = _no_snapshot_cfg(tmp_path, 3, shm_root)
     _, ref, _ = pretrain(tmp_path, cfg, iters=3, name="ref")

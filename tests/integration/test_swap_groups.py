@@ -4,6 +4,8 @@ engine built *solo* (a spare's local build) trains identically once it goes live
 spare, the restore) is test_hot_swap's: every hot-swap there swaps in place."""
 import json
 
+import pytest
+
 from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
 
 WORKER = "tests/integration/workers/swap_groups.py"
@@ -17,6 +19,9 @@ def _ranks(tmp_path, mode: str) -> dict[int, dict]:
     return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
 
 
+@pytest.mark.full_matrix(covered_by="test_hot_swap (every hot-swap there swaps in place under a ZeRO-3 engine: engine "
+                                    "kept, losses bit-identical); tests/unit/test_swap.py (groups swapped in place, "
+                                    "a detached group refuses collectives)")
 def test_swap_mid_run_keeps_the_engine_and_its_losses(tmp_path):
     plain, swapped = _ranks(tmp_path, "plain"), _ranks(tmp_path, "swap")
     assert swapped[0]["losses"] == plain[0]["losses"]  # floats compared exactly
