@@ -105,6 +105,11 @@ CURRENT: tuple[Current, ...] = (
             "step after it with --no-spare-policy shrink (resharded from memory) against stopping and relaunching "
             "on 2 ranks with --load (DeepSpeed's universal checkpoint conversion); shrink losses against the "
             "uninterrupted run."),
+    Current("spare_slots", "spare_slots", "a spare's slots made while it waits vs at its restore",
+            "The hot-swap job of bench_recovery (GPT small, ZeRO-3, 3 nodes + 1 spare, node1.0 SIGKILLed mid-step) "
+            "in interleaved pairs with deadpool-run --spare-slots prepare / at-restore: the spare's restore call, "
+            "spare and survivors restored, SIGKILL to the next step; per-pair differences.",
+            companions=("spare_slots_logs",)),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",
