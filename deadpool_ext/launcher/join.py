@@ -72,6 +72,9 @@ class JoinNodes:
                              f"but job {self.job_id} runs with {job_policy}: drop the flag")
         if job_policy in ("fail", "wait", "shrink"):
             self.args.no_spare_policy = job_policy
+        if self.store.get(f"joined/{self.args.join}") is not None:
+            raise SystemExit(f"deadpool-run: --join {self.args.join}: a machine already asked to join job "
+                             f"{self.job_id} under that name; pass another --join NAME")
         self._join_deadline = time.time() + JOIN_ACK_S
         self._join_answered = False
         self.store.set_json(f"joined/{self.args.join}", {"nproc": int(self.args.nproc_per_node), "time": time.time()})

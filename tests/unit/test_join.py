@@ -102,6 +102,8 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
     assert me._joiner_tick() == 2
     assert ("--join extra0: refused by job joinjob's coordinator: the joining node has 3 process(es), this job's "
             "nodes have 2: pass --nproc-per-node 2") in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="a machine already asked to join job joinjob under that name"):
+        me._join_request()   # a second machine under the same name is refused before it starts anything
 
 
 @pytest.mark.parametrize("argv,needle", [
