@@ -80,6 +80,12 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
         out = _ds_initialize(*args, config=ds_config, **kwargs)
     engine = out[0]
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # the groups DeepSpeed made too: torn down while the interpreter is whole at exit
+        from ...distributed import destroy_groups_at_exit
+
+        destroy_groups_at_exit()
     if dp_config is None:
         engine.deadpool = None
         log.info("no \"deadpool\" section in the DeepSpeed config: extension not attached")
