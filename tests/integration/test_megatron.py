@@ -241,3 +241,16 @@ def test_shrink_that_breaks_a_pipeline_group_is_refused_with_one_line(tmp_path, 
     assert "continuing without node(s) ['node1'] on 2 ranks" in res.output
     assert ("generation 1 has 2 ranks (was 4): Megatron-Core shrinks and grows along data parallelism only: rank 1 "
             "at (tp 0, pp 0) would become rank 1 at (tp 0, pp 1)") in res.output
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--global-batch-size", "5", "--micro-batch-size", "4"],
+     "--global-batch-size 5 is not a multiple of --micro-batch-size 4 x data-parallel size 1"),
+    (["--global-batch-size", "8", "--num-microbatches", "2"], "--global-batch-size and --num-microbatches: give one"),
+])
+def test_bad_batch_flags_are_one_line(tmp_path, shm_root, flags, line):
+    cmd = torchrun_cmd(1, SCRIPT, [*flags, "--train-iters", "2", "--deadpool-config", _config(tmp_path, shm_root)],
+                       port=free_port())
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+    assert res.returncode != 0 and not res.timed_out
+    assert line in res.output and "raise ConfigError" not in res.output, res.output[-3000:]
