@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from ..memory.shm import ShmSegment, segment_name
 from ..snapshot.slots import probe_slot
 from .auth import UNSIGNED, BlobSigner
 from .gloo import GlooTransport
-from .transport import BlobReceive, BlobSend, Transport
+from .transport import FETCH_CHUNK_BYTES, BlobReceive, BlobSend, Transport
 
 log = logging.getLogger("deadpool_ext")
 
@@ -176,9 +177,12 @@ class PeerReplicator:
         return found
 
     def serve_fetches(self, version: int, fetch: dict[int, tuple[int, int]], into: torch.Tensor | None,
-                      versions: dict[int, int] | None = None) -> bool:
+                      versions: dict[int, int] | None = None,
+                      progress: Callable[[int], None] | None = None) -> bool:
         """Send held replicas to the ranks that lost theirs; receive ours into ``into`` if we are one.
         ``versions``: per-destination version, where ranks restore different bases (differential mode).
+        ``progress``: called as our blob's pieces land (``FETCH_CHUNK_BYTES``), so its checksums are checked while
+        the rest arrives (:class:`~deadpool_ext.snapshot.format.StreamVerifier`).
         False if the blob received into ``into`` was refused (left torn: the caller's check refuses it)."""
         sends, receives = [], []
         for dst, (holder, nbytes) in sorted(fetch.items()):
@@ -187,8 +191,8 @@ class PeerReplicator:
                 sends.append(BlobSend(dst, seg.tensor()[:nbytes]))
             if dst == self.rank:
                 assert into is not None
-                receives.append(BlobReceive(holder, into, nbytes))
-        return not self.transport.exchange(sends, receives)
+                receives.append(BlobReceive(holder, into, nbytes, progress))
+        return not self.transport.exchange(sends, receives, FETCH_CHUNK_BYTES)
 
 
 def _same_key_everywhere(fingerprints: list[str | None]) -> None:

@@ -14,16 +14,19 @@ transfer leaves a torn buffer, and so does a blob whose tag the key refuses; eve
 Call order (every rank of the job, the same rounds in the same order on every rank):
 
 1. ``Transport(...)``: on all ranks (an implementation may build communicators: collective).
-2. ``exchange(sends, receives)``: one round; every rank posts what it sends and what it receives in this
-   round (possibly nothing) and returns when all of its own transfers are complete, with the peers whose blob
-   it refused (tag does not match the key). A rank's sends must match its peers' receives of the same round
-   (same peer, same byte count).
+2. ``exchange(sends, receives, chunk_bytes=None)``: one round; every rank posts what it sends and what it
+   receives in this round (possibly nothing) and returns when all of its own transfers are complete, with the
+   peers whose blob it refused (tag does not match the key). A rank's sends must match its peers' receives of the
+   same round (same peer, same byte count, same ``chunk_bytes``). With ``chunk_bytes`` a body travels in pieces
+   of at most that many bytes, and a receive's ``progress`` is called on the calling thread, in order, with the
+   blob offset up to which its bytes are final, while later pieces are still arriving: the receiver checks what
+   has arrived during the rest of the transfer (``snapshot.format.StreamVerifier``, at a restore's fetch).
 """
 from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,10 @@ TRAILER_LEN = MAGIC_LEN + TAG_LEN
 """What follows a blob's body on the wire: its MAGIC, then its tag (zeros without a key)."""
 
 log = logging.getLogger("deadpool_ext")
+
+FETCH_CHUNK_BYTES = 16 << 20
+"""A fetched replica travels in pieces of this size, so the receiver verifies each piece's tensors while the next
+ones arrive (replicas sent at every snapshot travel whole: nobody checks them then)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,16 @@ class BlobReceive:
     """uint8 buffer, at least ``nbytes`` long, whose first ``nbytes`` become the blob."""
     nbytes: int
     """Length of the sender's blob (ranks' blobs differ in size: partitions and headers)."""
+    progress: Callable[[int], None] | None = None
+    """Called with ``n`` once bytes ``[0, n)`` of ``into`` are final, as pieces arrive (``chunk_bytes``)."""
+
+
+def pieces(start: int, end: int, chunk_bytes: int | None) -> list[tuple[int, int]]:
+    """The ``[a, b)`` byte ranges a body ``[start, end)`` travels in: one without ``chunk_bytes`` (also when empty),
+    else consecutive pieces of at most ``chunk_bytes``. Sender and receiver compute the same list."""
+    if not chunk_bytes or end - start <= chunk_bytes:
+        return [(start, end)]
+    return [(a, min(a + chunk_bytes, end)) for a in range(start, end, chunk_bytes)]
 
 
 class TransportClosed(RuntimeError):
@@ -100,8 +117,10 @@ class Transport(ABC):
         return True
 
     @abstractmethod
-    def exchange(self, sends: Sequence[BlobSend], receives: Sequence[BlobReceive]) -> set[int]:
+    def exchange(self, sends: Sequence[BlobSend], receives: Sequence[BlobReceive],
+                 chunk_bytes: int | None = None) -> set[int]:
         """Complete one round of transfers: every ``sends`` blob reaches its peer, every ``receives`` buffer is
         filled from its peer, MAGIC last. Returns the peers whose blob was refused (:meth:`accept`), their
         buffers left torn. Raises (e.g. ``RuntimeError``) when a peer is gone; a receiving buffer is then left
-        torn, never complete-looking."""
+        torn, never complete-looking. ``chunk_bytes``: bodies in pieces (:func:`pieces`), each receive's
+        ``progress`` called as its pieces land (module docstring)."""

@@ -47,7 +47,8 @@ from .skeleton import (
 __all__ = [
     "MAGIC", "SnapshotFormatError", "CorruptSnapshotError", "TensorEntry", "flatten_state", "unflatten_state",
     "plan_layout", "build_header", "tensor_checksum", "bytes_checksum", "serialize", "write_blob", "blob_nbytes",
-    "read_header", "deserialize", "verify_blob", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES", "MAX_DEPTH", "MAX_NDIM",
+    "read_header", "deserialize", "verify_blob", "StreamVerifier", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES",
+    "MAX_DEPTH", "MAX_NDIM",
     "MAX_HEADER_BYTES",
 ]
 
@@ -225,15 +226,16 @@ def serialize(obj: Any, meta: dict[str, Any] | None = None) -> bytes:
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def _parse(buf: Any) -> tuple[dict[str, Any], memoryview, int, list[TensorEntry]]:
-    """Validate prefix/header/bounds; returns (header, byte view, data start, entries)."""
+def _parse(buf: Any, *, in_transit: bool = False) -> tuple[dict[str, Any], memoryview, int, list[TensorEntry]]:
+    """Validate prefix/header/bounds; returns (header, byte view, data start, entries). ``in_transit``: the blob is
+    still arriving (its MAGIC comes last), so the MAGIC is not required (:class:`StreamVerifier`)."""
     mv = _as_bytes_mv(buf)
     if len(mv) < _PREFIX.size:
         if len(mv) >= MAGIC_LEN and bytes(mv[MAGIC_SLICE]) == MAGIC:
             raise CorruptSnapshotError(f"truncated snapshot: {len(mv)} bytes, prefix needs {_PREFIX.size}")
         raise SnapshotFormatError(f"not a deadpool snapshot ({len(mv)} bytes)")
     magic, header_len = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC:
+    if magic != MAGIC and not in_transit:
         if magic == bytes(MAGIC_LEN):  # we clear MAGIC first and write it last: zeros mean an unfinished write
             raise CorruptSnapshotError("torn snapshot write: MAGIC missing (blob never completed)")
         raise SnapshotFormatError(f"not a deadpool snapshot (magic {magic!r})")
@@ -321,6 +323,78 @@ def _verify(header: dict[str, Any], mv: memoryview, data_start: int, entries: li
         got = _digest(mv[data_start + e.offset:data_start + e.offset + e.nbytes])
         if got != want:
             raise CorruptSnapshotError(f"checksum mismatch for tensor #{i} {e.name!r}: {got} != {want}")
+
+
+class StreamVerifier:
+    """Checks a blob's tensor checksums while it arrives, so the check overlaps the transfer (a replica fetched
+    from a peer at a restore).
+
+    Call order: ``StreamVerifier(buf)`` on the receiving buffer; ``advance(n)`` each time bytes ``[0, n)`` of it
+    are final (any order of growing ``n``; the transport calls it after each message); ``finish()`` once the whole
+    blob is in. The header is parsed as soon as its last byte is in (the MAGIC, written last, is not required);
+    every tensor's bytes are hashed as far as they have arrived (xxh3 streamed: the same digest as one pass), so at
+    ``finish`` only the last message's bytes are left to hash. The header bytes are compared again at ``finish``:
+    what was checked is what the buffer holds. ``finish`` returns ``None`` when every checksum matched, else the
+    reason (the words :func:`verify_blob` raises with); the caller still probes the complete blob (MAGIC, header,
+    decodability) with ``verify=False``."""
+
+    def __init__(self, buf: Any) -> None:
+        self.mv = _as_bytes_mv(buf)
+        self.upto = 0
+        self.problem: str | None = None
+        self.hashed_early = 0
+        """Bytes hashed before ``finish`` (while the rest was still arriving)."""
+        self._header: bytes | None = None
+        self._want: list[str] = []
+        self._spans: list[tuple[int, int, str]] = []  # (start, end, name) of each tensor in the buffer
+        self._next = 0
+        self._at = 0  # bytes of tensor ``_next`` hashed so far
+        self._hash = xxhash.xxh3_64()
+
+    def advance(self, upto: int, *, final: bool = False) -> None:
+        self.upto = max(self.upto, min(upto, len(self.mv)))
+        if self.problem is not None:
+            return
+        try:
+            if self._header is None and not self._parse_header():
+                return
+            while self._next < len(self._spans):
+                start, end, name = self._spans[self._next]
+                stop = min(end, self.upto)
+                if stop > start + self._at:
+                    self._hash.update(self.mv[start + self._at:stop])
+                    self.hashed_early += 0 if final else stop - start - self._at
+                    self._at = stop - start
+                if start + self._at < end:
+                    return
+                got = hex_digest(self._hash.intdigest())
+                if got != self._want[self._next]:
+                    raise CorruptSnapshotError(f"checksum mismatch for tensor #{self._next} {name!r}: {got} != "
+                                               f"{self._want[self._next]}")
+                self._next, self._at = self._next + 1, 0
+                self._hash.reset()
+        except SnapshotFormatError as exc:
+            self.problem = str(exc)
+
+    def _parse_header(self) -> bool:
+        if self.upto < _PREFIX.size:
+            return False
+        header_len = _PREFIX.unpack_from(self.mv, 0)[1]
+        if header_len <= MAX_HEADER_BYTES and self.upto < _PREFIX.size + header_len:
+            return False  # an over-long length is refused by _parse at once
+        header, _, data_start, entries = _parse(self.mv, in_transit=True)
+        self._header = bytes(self.mv[MAGIC_LEN:_PREFIX.size + header_len])
+        self._want = list(header["checksums"])
+        self._spans = [(data_start + e.offset, data_start + e.offset + e.nbytes, e.name) for e in entries]
+        return True
+
+    def finish(self) -> str | None:
+        self.advance(len(self.mv), final=True)
+        if self.problem is None and self._header is None:
+            self.problem = f"not a deadpool snapshot ({len(self.mv)} bytes: its header never arrived)"
+        if self.problem is None and bytes(self.mv[MAGIC_LEN:MAGIC_LEN + len(self._header or b"")]) != self._header:
+            self.problem = "the header changed after its checksums were checked"
+        return self.problem
 
 
 def verify_blob(buf: Any) -> None:

@@ -51,8 +51,9 @@ from ..recovery.reshard import (
     replica_moves,
     with_rank,
 )
-from ..replicate.transport import BlobReceive, BlobSend
-from .slots import probe_slot, restore_from
+from ..replicate.transport import FETCH_CHUNK_BYTES, BlobReceive, BlobSend
+from .format import StreamVerifier
+from .slots import probe_received, probe_slot, restore_from
 
 if TYPE_CHECKING:
     from .manager import SnapshotManager
@@ -267,14 +268,16 @@ def _incoming(mgr: SnapshotManager, providers: dict[int, tuple[int, dict[str, An
                 buf: Any = seg.buf
             elif me == provider:
                 assert seg is not None
-                mgr.peers.transport.exchange([BlobSend(n, seg.tensor()[:b["nbytes"]])], [])
+                mgr.peers.transport.exchange([BlobSend(n, seg.tensor()[:b["nbytes"]])], [], FETCH_CHUNK_BYTES)
                 continue
             else:
                 into = torch.empty(b["nbytes"], dtype=torch.uint8)
                 received.max_bytes = max(received.max_bytes, b["nbytes"])
-                refused = mgr.peers.transport.exchange([], [BlobReceive(provider, into, b["nbytes"])])
                 buf = memoryview(into.numpy())  # type: ignore[arg-type]  # a uint8 ndarray is a buffer
-                got, why = probe_slot(buf, verify=True, restorable=True)
+                check = StreamVerifier(buf)  # checksums checked while the copy arrives
+                refused = mgr.peers.transport.exchange(
+                    [], [BlobReceive(provider, into, b["nbytes"], check.advance)], FETCH_CHUNK_BYTES)
+                got, why = probe_received(buf, check)
                 if refused or got is None or int(got["version"]) != version or got.get("rank") != r:
                     raise RecoveryError(f"rank {me}: rank {r}'s copy of step {version} received from rank "
                                         f"{provider} is unusable ({why or 'refused by the transport'})")

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 from ..cluster.comm import allgather_json
 from ..memory.shm import ShmSegment, segment_name
 from ..recovery.agree import NoCommonVersionError, RankReport, RecoveryError, choose_version
-from .format import header_len_of, tensor_checksum
-from .slots import probe_slot, restore_from
+from .format import StreamVerifier, header_len_of, tensor_checksum
+from .slots import probe_received, probe_slot, restore_from
 
 if TYPE_CHECKING:
     from ..config import DeadpoolConfig
@@ -171,11 +171,14 @@ class MemoryRestore:
                 slot = slot_of[base]
                 self._open_slots(self.slots_nbytes(slot))
             seg = _opened(self.slots[slot])
+            # A fetched copy's checksums are checked while it arrives (piece by piece); the rest of the check
+            # before use (MAGIC, header, decodable) once it is in.
+            check = StreamVerifier(seg.buf[:plan.fetch[me][1]]) if fetching else None
             self.peers.serve_fetches(plan.version, plan.fetch, seg.tensor() if fetching else None,
-                                     versions=plan.base)
+                                     versions=plan.base, progress=check.advance if check else None)
             problem: dict[str, Any] | None = None
             if fetching or lazy:
-                meta, why = probe_slot(seg.buf, verify=True, restorable=True)
+                meta, why = probe_received(seg.buf, check)
                 if meta is None or int(meta["version"]) != base:
                     problem = {"rank": me, "version": base, "why": why,
                                **({"from": "peer", "holder": plan.fetch[me][0]} if fetching
@@ -190,8 +193,10 @@ class MemoryRestore:
                     continue
             elif problem is not None:
                 raise RecoveryError(f"{_unusable(problem)}; no other copy in memory")
-            if fetching:
-                log.info("tier 2: fetched and verified step %d from rank %d", base, plan.fetch[me][0])
+            if check is not None:
+                log.info("tier 2: fetched and verified step %d from rank %d (%.0f%% of its bytes checked while the "
+                         "rest arrived)", base, plan.fetch[me][0], 100 * check.hashed_early / max(1, check.upto))
+                self._stats["fetch_checked_early"] = check.hashed_early / max(1, check.upto)
             break
         ring_of = self._fetch_diffs(plan, ring_of)
         tensors, state, header = restore_from(seg.buf, verify=False)  # verified above (scan, check before use, fetch)
@@ -275,10 +280,11 @@ class MemoryRestore:
             fetch = {r: (plan.fetch[r][0], vs[d]) for r, vs in plan.fetch_diffs.items() if d in vs}
             into = _opened(self.ring_segs[self.ring.index(d)]).tensor() if me in fetch else None
             assert self.dpeers is not None  # differentials to fetch: differential mode
-            self.dpeers.serve_fetches(d, fetch, into)
-            if me in fetch:
-                meta, why = probe_slot(_opened(self.ring_segs[self.ring.index(d)]).buf, verify=True,
-                                       restorable=True)
+            entry = _opened(self.ring_segs[self.ring.index(d)]).buf if me in fetch else None
+            check = StreamVerifier(entry[:fetch[me][1]]) if entry is not None else None
+            self.dpeers.serve_fetches(d, fetch, into, progress=check.advance if check else None)
+            if entry is not None:
+                meta, why = probe_received(entry, check)
                 if meta is None or int(meta["version"]) != d:
                     raise RecoveryError(f"rank {me}: differential {d} fetched from rank {plan.fetch[me][0]} is "
                                         f"unusable ({why}); no other copy in memory")

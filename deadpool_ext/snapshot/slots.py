@@ -175,6 +175,16 @@ def probe_slot(buf: Any, *, verify: bool, restorable: bool = False) -> tuple[dic
     return meta, None
 
 
+def probe_received(buf: Any, check: fmt.StreamVerifier | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The check before use of a copy, as :func:`probe_slot` with ``verify`` and ``restorable``: with ``check`` (a
+    blob fetched from a peer) its checksums were checked as it arrived and the rest are now; without (a local slot)
+    all of them now. Then MAGIC, header and decodability."""
+    why = check.finish() if check is not None else None
+    if why is not None:
+        return None, why
+    return probe_slot(buf, verify=check is None, restorable=True)
+
+
 def _any_nonzero(buf: Any) -> bool:
     import numpy as np
 

@@ -66,3 +66,22 @@ def test_a_closed_transport_sends_no_next_message_and_leaves_the_buffer_torn(tmp
     assert out[1]["magic_zero"] and out[1]["meta"] is None, out[1]  # torn: never complete-looking
     # The sender's trailer is never awaited: its round completes, or fails once rank 1 has exited (never hangs).
     assert out[0]["raised"] in (None, "RuntimeError"), out[0]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_blob_in_pieces_is_checked_while_it_arrives(tmp_path, impl):
+    """A fetch at a restore: the body travels in pieces, the receiver learns each one as it lands and checks the
+    checksums of what has arrived meanwhile; what it checked is the blob, intact."""
+    out = _run(tmp_path, impl, "pieces", (0, 1))
+    for r in (0, 1):
+        seen, n = out[r]["seen"], out[r]["nbytes"]
+        assert len(seen) == -(-(n - 8) // 512) > 1 and seen == sorted(seen) and seen[-1] == n, out[r]
+        assert out[r]["intact"] and out[r]["problem"] is None, out[r]
+        assert 0 < out[r]["hashed_early"] < n, out[r]  # most of it checked before the last piece
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_blob_damaged_before_it_was_sent_is_refused_by_the_check_on_arrival(tmp_path, impl):
+    out = _run(tmp_path, impl, "pieces_corrupt", (0, 1))
+    assert "checksum mismatch for tensor" in (out[1]["problem"] or ""), out[1]
+    assert out[0]["problem"] is None, out[0]  # rank 1's blob was not damaged

@@ -271,3 +271,82 @@ def test_module_has_no_pickle():
     assert not re.search(r"^\s*(import|from)\s+(c?pickle|dill|cloudpickle)\b", src, re.M)
     assert "import pickle" not in src
     assert "torch.load(" not in src and "torch.save(" not in src and "pickle.load" not in src
+
+
+# -- StreamVerifier: the check of a fetched blob while it arrives -----------------------------------------------
+def _arriving(blob: bytes) -> bytearray:
+    """The receiver's buffer before anything arrived: zeros (its MAGIC is written last, by the transport)."""
+    return bytearray(len(blob))
+
+
+@pytest.mark.parametrize("piece", [7, 64, 1000, 1 << 20])
+def test_stream_verifier_checks_a_blob_piece_by_piece(piece):
+    """Pieces of any size, each advanced as it lands: the result is the one-pass check's, and everything but the
+    last piece was hashed before finish (the overlap with the transfer)."""
+    state = {"a": torch.randn(300), "b": torch.arange(1000, dtype=torch.int64), "c": torch.zeros(0), "d": torch.ones(5)}
+    blob = serialize(state, {"version": 3})
+    buf = _arriving(blob)
+    check = fmt.StreamVerifier(memoryview(buf))
+    for a in range(8, len(blob), piece):  # the body: bytes 8.. (MAGIC travels last)
+        b = min(a + piece, len(blob))
+        buf[a:b] = blob[a:b]
+        check.advance(b)
+        assert check.problem is None
+    buf[:8] = MAGIC
+    last = len(blob) - max(range(8, len(blob), piece))
+    assert check.finish() is None
+    header = read_header(blob)
+    data = sum(t["nbytes"] for t in header["tensors"])
+    assert check.hashed_early >= data - last, (check.hashed_early, data, last)
+    assert deserialize(buf)[0]["b"].equal(state["b"])
+
+
+def test_stream_verifier_names_the_damaged_tensor_as_soon_as_it_is_in():
+    state = {"first": torch.zeros(100), "victim": torch.randn(100), "after": torch.randn(1000)}
+    blob = bytearray(serialize(state))
+    header = read_header(blob)
+    start = len(blob) - header["data_nbytes"]
+    victim = header["tensors"][1]
+    blob[start + victim["offset"] + 3] ^= 0x10
+    buf = _arriving(blob)
+    check = fmt.StreamVerifier(memoryview(buf))
+    end_of_victim = start + victim["offset"] + victim["nbytes"]
+    buf[8:end_of_victim] = blob[8:end_of_victim]
+    check.advance(end_of_victim)  # "after" has not arrived yet
+    assert check.problem is not None and "victim" in check.problem and "checksum mismatch" in check.problem
+    buf[end_of_victim:] = blob[end_of_victim:]
+    assert "victim" in (check.finish() or "")
+
+
+def test_stream_verifier_refuses_a_header_changed_after_it_was_checked():
+    blob = serialize({"t": torch.randn(64)}, {"version": 1})
+    buf = _arriving(blob)
+    check = fmt.StreamVerifier(memoryview(buf))
+    buf[8:] = blob[8:]
+    check.advance(len(blob))
+    i = bytes(buf).index(b'"version":1')
+    buf[i + 10:i + 11] = b"2"  # same length, another version: checksums of the data still match
+    assert check.finish() == "the header changed after its checksums were checked"
+
+
+def test_stream_verifier_malformed_or_missing_header():
+    blob = bytearray(serialize({"t": torch.randn(4)}))
+    assert fmt.StreamVerifier(memoryview(bytearray(7))).finish() == "not a deadpool snapshot (7 bytes: its header never arrived)"
+    buf = bytearray(len(blob))
+    buf[8:16] = struct.pack("<Q", fmt.MAX_HEADER_BYTES + 1)
+    check = fmt.StreamVerifier(memoryview(buf))
+    check.advance(16)  # an over-long header length is refused at once, not waited for
+    assert check.problem is not None and "over the" in check.problem
+    junk = bytearray(blob)
+    junk[16:20] = b"!!!!"
+    check = fmt.StreamVerifier(memoryview(junk))
+    assert "malformed snapshot header" in (check.finish() or "")
+
+
+def test_pieces_are_the_same_on_both_sides_and_cover_the_body():
+    from deadpool_ext.replicate.transport import pieces
+
+    assert pieces(8, 8, 4) == [(8, 8)] and pieces(8, 100, None) == [(8, 100)] and pieces(8, 12, 4) == [(8, 12)]
+    got = pieces(8, 1000, 64)
+    assert got[0] == (8, 72) and got[-1][1] == 1000 and all(b - a <= 64 for a, b in got)
+    assert all(got[i][1] == got[i + 1][0] for i in range(len(got) - 1))

@@ -5,6 +5,10 @@
 - ``torn``: rank 0 leaves without sending; rank 1's receive fails and leaves its buffer torn (MAGIC zero),
   never complete-looking, although it held a valid blob before.
 - ``signed``: both ranks sign with the same key: both blobs arrive intact and accepted.
+- ``pieces``: one round both ways with ``chunk_bytes`` (a fetch at a restore): each receive's progress is called
+  with growing offsets up to the blob's length while later pieces are in flight, and a ``StreamVerifier`` fed by it
+  checks the blob; ``pieces_corrupt``: rank 0 sends a blob whose bytes no longer match its checksums, and rank 1's
+  verifier names the tensor.
 - ``forged``: rank 0 signs with another key; ``unsigned``: rank 0 has no key. Rank 1 (with the key) refuses the
   blob: ``exchange`` names rank 0 and the buffer is left torn although it held a valid blob before; rank 0
   (the receiver of rank 1's blob, with its own key or none) refuses or accepts as its key says.
@@ -62,6 +66,20 @@ def main(impl: str, case: str, out_dir: str) -> None:
         out.update(intact=bool(torch.equal(into[:theirs.numel()], theirs)), meta=meta, why=why,
                    refused=sorted(refused), magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])),
                    body_arrived=bool(torch.equal(into[fmt.BODY_START:theirs.numel()], theirs[fmt.BODY_START:])))
+    elif case in ("pieces", "pieces_corrupt"):
+        if case == "pieces_corrupt" and rank == 0:
+            mine[-5] ^= 0xFF  # the last tensor's bytes, after the checksums were written
+        seen: list[int] = []
+        check = fmt.StreamVerifier(memoryview(into[:theirs.numel()].numpy()))
+
+        def progress(upto: int) -> None:
+            seen.append(upto)
+            check.advance(upto)
+
+        transport.exchange([BlobSend(1 - rank, mine)], [BlobReceive(1 - rank, into, theirs.numel(), progress)],
+                           chunk_bytes=512)
+        out.update(seen=seen, nbytes=theirs.numel(), hashed_early=check.hashed_early, problem=check.finish(),
+                   intact=bool(torch.equal(into[:theirs.numel()], theirs)))
     elif case == "closed":
         # Rank 1's transport is closed (a hot-swap replaced it) while its round is in flight: the bodies complete,
         # the trailer is not awaited, the buffer stays torn; rank 0 (sending only) completes its round.
