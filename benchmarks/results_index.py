@@ -110,6 +110,10 @@ CURRENT: tuple[Current, ...] = (
             "in interleaved pairs with deadpool-run --spare-slots prepare / at-restore: the spare's restore call, "
             "spare and survivors restored, SIGKILL to the next step; per-pair differences.",
             companions=("spare_slots_logs",)),
+    Current("fetch_check", "fetch_check", "a fetched replica checked while it arrives vs after",
+            "Two ranks, one gloo group: a snapshot blob of a rank's captured state (139 MiB: GPT small at 2 ranks; "
+            "357 MiB: medium at 4) fetched and checked before use, in 16 MiB pieces hashed as they land against one "
+            "message then every checksum, 30 interleaved pairs; transfer and check alone in the same run."),
     Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
             "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
             "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",
