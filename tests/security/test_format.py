@@ -32,7 +32,7 @@ from deadpool_ext.snapshot.format import (
     unflatten_state,
     verify_blob,
 )
-from deadpool_ext.snapshot.slots import probe_slot, restore_from
+from deadpool_ext.snapshot.slots import probe_received, probe_slot, restore_from
 
 # -- forging ------------------------------------------------------------------------------------------------
 
@@ -71,14 +71,27 @@ def reforged(mutate: Any, blob: bytes | None = None) -> bytes:
     return forge(header, data)
 
 
+def received(blob: bytes, piece: int = 37) -> tuple[dict[str, Any] | None, str | None]:
+    """The check of ``blob`` as a fetch makes it: the body lands piece by piece into a zeroed buffer, a
+    StreamVerifier fed as each piece lands, the MAGIC written last, then ``probe_received``."""
+    buf = bytearray(len(blob))
+    check = fmt.StreamVerifier(memoryview(buf))
+    for a in range(fmt.BODY_START, len(blob), piece):
+        buf[a:a + piece] = blob[a:a + piece]
+        check.advance(min(a + piece, len(blob)))
+    buf[:fmt.BODY_START] = blob[:fmt.BODY_START]
+    return probe_received(memoryview(buf), check)
+
+
 def assert_refused(blob: bytes, match: str | None = None) -> None:
-    """Every reader refuses ``blob`` with SnapshotFormatError, and probe_slot gives a reason, not an error."""
+    """Every reader refuses ``blob`` with SnapshotFormatError, and probe_slot gives a reason, not an error (also
+    when the blob is checked while it arrives)."""
     for read in (read_header, verify_blob, lambda b: deserialize(b), lambda b: deserialize(b, verify=False),
                  lambda b: restore_from(b, verify=True)):
         with pytest.raises(SnapshotFormatError, match=match):
             read(blob)
-    meta, why = probe_slot(blob, verify=True, restorable=True)
-    assert meta is None and why
+    for meta, why in (probe_slot(blob, verify=True, restorable=True), received(blob)):
+        assert meta is None and why
 
 
 def assert_decode_refused(blob: bytes, match: str | None = None) -> None:
@@ -89,8 +102,8 @@ def assert_decode_refused(blob: bytes, match: str | None = None) -> None:
                  lambda b: restore_from(b, verify=True)):
         with pytest.raises(SnapshotFormatError, match=match):
             read(blob)
-    meta, why = probe_slot(blob, verify=True, restorable=True)
-    assert meta is None and why
+    for meta, why in (probe_slot(blob, verify=True, restorable=True), received(blob)):
+        assert meta is None and why
 
 
 def with_skeleton(skeleton: Any) -> bytes:
@@ -379,6 +392,8 @@ def _every_reader(blob: bytes) -> None:
         for restorable in (False, True):
             meta, why = probe_slot(blob, verify=verify, restorable=restorable)
             assert (meta is None) or (why is None and type(meta["version"]) is int)
+    got, why = received(blob)  # checked while it arrives: the same answer as the check after it arrived
+    assert (got is None) == (probe_slot(blob, verify=True, restorable=True)[0] is None), why
 
 
 @given(st.binary(max_size=2048))

@@ -331,7 +331,8 @@ def test_stream_verifier_refuses_a_header_changed_after_it_was_checked():
 
 def test_stream_verifier_malformed_or_missing_header():
     blob = bytearray(serialize({"t": torch.randn(4)}))
-    assert fmt.StreamVerifier(memoryview(bytearray(7))).finish() == "not a deadpool snapshot (7 bytes: its header never arrived)"
+    short = fmt.StreamVerifier(memoryview(bytearray(7)))
+    assert short.finish() == "not a deadpool snapshot (7 bytes: its header never arrived)"
     buf = bytearray(len(blob))
     buf[8:16] = struct.pack("<Q", fmt.MAX_HEADER_BYTES + 1)
     check = fmt.StreamVerifier(memoryview(buf))
