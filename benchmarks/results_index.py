@@ -70,6 +70,10 @@ CURRENT: tuple[Current, ...] = (
     Current("snapshot_overhead_small_n4", "snapshot_overhead", "the same, 4 ranks",
             "The same with 4 CPU ranks (2 per simulated node) on the 2 cores.",
             companions=("snapshot_overhead_small_n4_small.log",)),
+    Current("snapshot_overhead_medium_n2", "snapshot_overhead", "zero overhead, measured: medium, 2 ranks, 20 pairs",
+            "The same for GPT medium (124.9M, activation checkpointing) with 2 CPU ranks, 20 interleaved rounds x 1 "
+            "step of none / deadpool / DeepSpeed decoupled / DCP async_save (DLRover was not installed in that run).",
+            companions=("snapshot_overhead_medium_n2_medium.log",)),
     Current("recovery_small", "recovery", "SIGKILL -> next step: hot-swap vs relaunch + load, small",
             "SIGKILL of one of 3 ranks to the next completed step, GPT small, ZeRO-3: deadpool hot-swap (3 nodes + "
             "1 spare) vs kill + relaunch + DeepSpeed load_checkpoint; phases, kill -> ready to redo the step, "
