@@ -2,11 +2,11 @@
 
 Reads the current results that ``benchmarks/results/INDEX.md`` names (stable file names; older runs live in
 ``benchmarks/results/archive/`` and are never read): ``snapshot_overhead.json``,
-``snapshot_overhead_medium_ab.json`` and the 20-pair small runs ``snapshot_overhead_small_n4.json`` /
-``snapshot_overhead_small_n2.json`` for the interference ratios, ``recovery_small.json`` (then
-``recovery_medium.json``) for the recovery costs. Returns overrides of :class:`~deadpool_ext.sim.params.Costs`,
-each with the file and the JSON path it came from. Absent files or keys leave the defaults (which are these same
-measurements as of the commit that wrote them), and ``missing`` says so.
+``snapshot_overhead_medium_ab.json`` and the 20-pair runs ``snapshot_overhead_medium_n2.json``,
+``snapshot_overhead_small_n4.json`` / ``snapshot_overhead_small_n2.json`` for the interference ratios,
+``recovery_small.json`` (then ``recovery_medium.json``) for the recovery costs. Returns overrides of
+:class:`~deadpool_ext.sim.params.Costs`, each with the file and the JSON path it came from. Absent files or keys
+leave the defaults (which are these same measurements as of the commit that wrote them), and ``missing`` says so.
 
 What is taken, and why it transfers to a GPU cluster only roughly:
 
@@ -36,7 +36,8 @@ from .params import Params
 # The current results, relative to the results directory, in order of preference. These names are the stable
 # names of benchmarks/results/INDEX.md (CURRENT in benchmarks/results_index.py); a test checks that they agree.
 SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead.json", "snapshot_overhead_medium_ab.json",
-                                    "snapshot_overhead_small_n4.json", "snapshot_overhead_small_n2.json")
+                                    "snapshot_overhead_medium_n2.json", "snapshot_overhead_small_n4.json",
+                                    "snapshot_overhead_small_n2.json")
 RECOVERY_FILES: tuple[str, ...] = ("recovery_small.json", "recovery_medium.json")
 # Model sizes of the recovery benchmark, most preferred first: small has 3 repeats, medium one.
 RECOVERY_SIZES: tuple[str, ...] = ("small", "medium", "tiny")

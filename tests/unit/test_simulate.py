@@ -278,8 +278,8 @@ def test_calibration_without_results_keeps_defaults(tmp_path):
     assert cal.overrides == {} and cal.files == {}
     assert len(cal.missing) == 3
     assert "snapshot_overhead.json: unreadable" in cal.missing[0]
-    assert ("snapshot_overhead_medium_ab.json / snapshot_overhead_small_n4.json / snapshot_overhead_small_n2.json: "
-            "not found") in cal.missing[1]
+    assert ("snapshot_overhead_medium_ab.json / snapshot_overhead_medium_n2.json / snapshot_overhead_small_n4.json / "
+            "snapshot_overhead_small_n2.json: not found") in cal.missing[1]
     assert "recovery_small.json / recovery_medium.json: not found" in cal.missing[2]
     assert cal.apply(Params()) == Params()
 
@@ -292,15 +292,15 @@ def test_calibration_of_this_checkout_reads_the_files_index_md_names():
     results = os.path.join(REPO, "benchmarks", "results")
     cal = calibrate(results)
     assert not cal.missing
-    assert cal.files == {"costs.snapshot_overhead_ratio": "benchmarks/results/snapshot_overhead_medium_ab.json",
-                         "costs.persist_overhead_ratio": "benchmarks/results/snapshot_overhead.json",
+    assert cal.files == {"costs.snapshot_overhead_ratio": "benchmarks/results/snapshot_overhead_medium_n2.json",
+                         "costs.persist_overhead_ratio": "benchmarks/results/snapshot_overhead_medium_n2.json",
                          "costs.hotswap_fixed_s": "benchmarks/results/recovery_small.json",
                          "costs.restore_fixed_s": "benchmarks/results/recovery_small.json",
                          "costs.startup_s": "benchmarks/results/recovery_small.json"}
     # recovery_small.json (2026-11-30, 3 repeats): agree 0.106 + rebuild 0.490, restore 0.504, relaunch start-up
-    # and load 10.58 s; snapshot_overhead_medium_ab.json: 0.984 (taken as 1); snapshot_overhead.json medium
-    # dcp_async 1.210.
-    assert cal.overrides == pytest.approx({"costs.snapshot_overhead_ratio": 1.0, "costs.persist_overhead_ratio": 1.2099,
+    # and load 10.58 s; snapshot_overhead_medium_n2.json (20 pairs, the best-resolved medium run): deadpool 0.993
+    # (taken as 1), dcp_async 1.096.
+    assert cal.overrides == pytest.approx({"costs.snapshot_overhead_ratio": 1.0, "costs.persist_overhead_ratio": 1.0959,
                                            "costs.hotswap_fixed_s": 0.5961, "costs.restore_fixed_s": 0.5041,
                                            "costs.startup_s": 10.579}, abs=1e-3)
     index = open(os.path.join(results, "INDEX.md")).read()
