@@ -48,6 +48,9 @@ def test_killed_worker_replays_local_differentials(tmp_path, shm_root, stage):
     assert metrics == base
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_replay.py (the single-tensor and fused kernels replayed bit for "
+                                    "bit, stepwise and fused) and test_killed_worker_replays_local_differentials "
+                                    "(the replay end to end in a real job)")
 def test_single_tensor_adam_kernel_replays_bit_exact(tmp_path, shm_root):
     """The shipped configs train with torch's fused Adam kernel (``"fused": true``); the other tests replay it.
     Here the single-tensor kernel (torch's CPU default, ``"fused": false``): the differentials record it and the

@@ -33,6 +33,8 @@ def test_swap_mid_run_keeps_the_engine_and_its_losses(tmp_path):
         assert "generation ended" in swapped[r]["detached_error"]  # a detached group refuses collectives
 
 
+@pytest.mark.full_matrix(covered_by="test_hot_swap (every spare there builds its engine solo while it waits for its "
+                                    "assignment, then goes live; losses bit-identical to the uninterrupted run)")
 def test_solo_built_engine_trains_like_a_live_one(tmp_path):
     plain, solo = _ranks(tmp_path, "plain"), _ranks(tmp_path, "solo")
     assert solo[0]["losses"] == plain[0]["losses"]
