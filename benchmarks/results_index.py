@@ -74,6 +74,10 @@ CURRENT: tuple[Current, ...] = (
             "The same for GPT medium (124.9M, activation checkpointing) with 2 CPU ranks, 20 interleaved rounds x 1 "
             "step of none / deadpool / DeepSpeed decoupled / DCP async_save (DLRover was not installed in that run).",
             companions=("snapshot_overhead_medium_n2_medium.log",)),
+    Current("snapshot_overhead_medium_n4", "snapshot_overhead", "the same for medium, 4 ranks",
+            "GPT medium with 4 CPU ranks (2 per simulated node), 20 interleaved rounds x 1 step of none / deadpool / "
+            "DCP async_save (a 30 s step: the other peers left out to fit the session).",
+            companions=("snapshot_overhead_medium_n4_medium.log",)),
     Current("recovery_small", "recovery", "SIGKILL -> next step: hot-swap vs relaunch + load, small",
             "SIGKILL of one of 3 ranks to the next completed step, GPT small, ZeRO-3: deadpool hot-swap (3 nodes + "
             "1 spare) vs kill + relaunch + DeepSpeed load_checkpoint; phases, kill -> ready to redo the step, "
