@@ -322,7 +322,12 @@ def _verify(header: dict[str, Any], mv: memoryview, data_start: int, entries: li
     for i, (e, want) in enumerate(zip(entries, header["checksums"])):
         got = _digest(mv[data_start + e.offset:data_start + e.offset + e.nbytes])
         if got != want:
-            raise CorruptSnapshotError(f"checksum mismatch for tensor #{i} {e.name!r}: {got} != {want}")
+            raise _mismatch(i, e.name, got, want)
+
+
+def _mismatch(i: int, name: str, got: str, want: str) -> CorruptSnapshotError:
+    """The one wording of a tensor whose bytes do not hash to its recorded checksum (after or during arrival)."""
+    return CorruptSnapshotError(f"checksum mismatch for tensor #{i} {name!r}: {got} != {want}")
 
 
 class StreamVerifier:
@@ -369,8 +374,7 @@ class StreamVerifier:
                     return
                 got = hex_digest(self._hash.intdigest())
                 if got != self._want[self._next]:
-                    raise CorruptSnapshotError(f"checksum mismatch for tensor #{self._next} {name!r}: {got} != "
-                                               f"{self._want[self._next]}")
+                    raise _mismatch(self._next, name, got, self._want[self._next])
                 self._next, self._at = self._next + 1, 0
                 self._hash.reset()
         except SnapshotFormatError as exc:

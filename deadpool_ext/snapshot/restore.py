@@ -194,9 +194,9 @@ class MemoryRestore:
             elif problem is not None:
                 raise RecoveryError(f"{_unusable(problem)}; no other copy in memory")
             if check is not None:
+                early = self._stats["fetch_checked_early"] = check.hashed_early / max(1, check.upto)
                 log.info("tier 2: fetched and verified step %d from rank %d (%.0f%% of its bytes checked while the "
-                         "rest arrived)", base, plan.fetch[me][0], 100 * check.hashed_early / max(1, check.upto))
-                self._stats["fetch_checked_early"] = check.hashed_early / max(1, check.upto)
+                         "rest arrived)", base, plan.fetch[me][0], 100 * early)
             break
         ring_of = self._fetch_diffs(plan, ring_of)
         tensors, state, header = restore_from(seg.buf, verify=False)  # verified above (scan, check before use, fetch)
