@@ -110,6 +110,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         self.spare_hb: dict[str, float] = {}   # live spares' heartbeat times (a store stall leaves them stale too)
         self._stall_logged = False
         self.progress: dict[str, dict[str, Any]] = {}   # worker -> its last heartbeat's progress sample
+        self.formed_after = 0.0  # when the current assignment was published (resize: a grow waits for it to form)
         self._all_in_collective_logged = False
         self._last_turn = time.time()
         self._grace_until = 0.0   # epoch seconds: heartbeat-based detection waits after a store outage
@@ -235,6 +236,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             # The notification survivors block on (rebuild.worker): generation g-1 is dead, leave it now.
             self.store.set(f"gen/{a.generation}", b"1")
         self.assignment = a
+        self.formed_after = time.time()  # the generation has formed once every rank finished a step since
         return a
 
     # -- main loop ----------------------------------------------------------------------------------
@@ -376,6 +378,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         if raw is None:
             raise RuntimeError("took the coordinator role over but the store holds no assignment")
         self.assignment = Assignment.from_json(raw)
+        self.formed_after = time.time()  # not known when it formed: a step on every rank from now on tells
         self.dead_spares |= set(self.store.get_json("dead_spares") or [])
         self.seen_hb.clear()
         self.event(event="leader", host_rank=self.args.host_rank, generation=self.assignment.generation,

@@ -8,8 +8,10 @@ Call order, through the store (so it works on one host and across hosts alike):
    test bed; 0: never), clears what the node's dead processes left in the store (exit, done, heartbeat, fence
    records), starts its processes again as spares and writes ``repaired/<node>`` (:meth:`_repair_tick`);
 3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired (or joined:
-   ``join.py``) node whose processes all live and beat (:meth:`_grow_tick`): everyone keeps their rank, the
-   node's processes take the next ones. The survivors get the new generation's notice like any other (the
+   ``join.py``) node whose processes all live and beat (:meth:`_grow_tick`), once the shrunk world has formed:
+   every one of its ranks finished a step since it was published (:func:`not_formed`; a grow published while
+   the survivors still rebuild the shrunk world would abandon that rebuild half done). Everyone keeps their
+   rank, the node's processes take the next ones. The survivors get the new generation's notice like any other (the
    step in flight is redone), every rank rebuilds on the larger world and the restore reshards from memory.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
@@ -26,9 +29,19 @@ from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, re
 log = logging.getLogger("deadpool_ext.launcher")
 
 
+def not_formed(ranks: Iterable[str], progress: Mapping[str, Mapping[str, Any] | None], since: float) -> list[str]:
+    """The ranks (worker ids) of a generation published at ``since`` (epoch seconds) that have not yet finished
+    a step in it: their last heartbeat's progress sample (``launcher/hangs.py``) is missing or its ``step_at``
+    is older. Empty: the generation has formed."""
+    return sorted(w for w in ranks if float((progress.get(w) or {}).get("step_at", 0.0)) < since)
+
+
 class ElasticResize:
     args: Any
     store: Any
+    progress: dict[str, dict[str, Any]]
+    formed_after: float
+    _grow_wait_logged: tuple[int, str] | None = None
     procs: dict[str, subprocess.Popen[bytes]]
     workers: list[Worker]
     dead_spares: set[str]
@@ -100,6 +113,14 @@ class ElasticResize:
                 continue  # a process of the repaired node already died: not offered
             if any(self.store.get(f"hb/{wid}") is None for wid in ids):
                 continue  # its processes are still starting (no heartbeat yet): the world trains on meanwhile
+            waiting = not_formed(a.ranks, self.progress, self.formed_after)
+            if waiting:
+                if self._grow_wait_logged != (a.generation, node):
+                    self._grow_wait_logged = (a.generation, node)
+                    log.info("node %s is ready to join; the grow waits until generation %d (%d ranks) has finished "
+                             "a step on every rank (not yet: %s)", node, a.generation, a.world_size,
+                             ", ".join(waiting[:4]) + (" ..." if len(waiting) > 4 else ""))
+                return
             new = self.publish(grow_into(a, self.workers, node))
             self.store.delete(key)
             for wid in new.ranks:

@@ -11,6 +11,7 @@ import pytest
 from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed, shrink_failed
 from deadpool_ext.launcher.args import build_parser, check_args
 from deadpool_ext.launcher.cli import Supervisor, main
+from deadpool_ext.launcher.resize import not_formed
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
 
@@ -61,6 +62,34 @@ def test_a_node_joining_a_shrunk_world_is_offered_for_growing(coordinator):
     assert sup._join_tick(shrunk) == shrunk   # no spare: the grow takes it (resize._grow_tick reads repaired/)
     assert joiner.get_json("join_ack/extra0") == {"ok": True, "as": "grow"}
     assert joiner.get_json("repaired/extra0")["joined"] is True
+
+
+def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator, caplog):
+    """A repaired node whose processes beat is grown to only once every rank of the shrunk world finished a step
+    since the shrink was published: a grow published while the survivors still rebuild would abandon that rebuild
+    half done (what a slow host showed: the shrunk world never trained)."""
+    import logging
+    import time
+
+    sup, joiner = coordinator
+    sup.progress = {w: {"step": 3, "step_at": time.time()} for w in sup.assignment.ranks}  # steps of generation 0
+    shrunk = sup.publish(shrink_failed(sup.assignment, {"node1"}))
+    for wid in ("node1.0", "node1.1"):
+        joiner.set_json(f"hb/{wid}", {"t": time.time()})
+    joiner.set_json("repaired/node1", {"time": time.time()})
+    with caplog.at_level(logging.INFO, logger="deadpool_ext.launcher"):
+        sup._grow_tick(shrunk)
+        sup.progress["node0.0"] = {"step": 4, "step_at": time.time() + 1}   # one survivor trains in generation 1
+        sup._grow_tick(shrunk)
+    assert sup.assignment == shrunk and joiner.get_json("repaired/node1") is not None
+    said = [r.getMessage() for r in caplog.records if "the grow waits" in r.getMessage()]
+    assert said == ["node node1 is ready to join; the grow waits until generation 1 (2 ranks) has finished a step "
+                    "on every rank (not yet: node0.0, node0.1)"]   # said once, not at every turn
+    sup.progress["node0.1"] = {"step": 4, "step_at": time.time() + 1}
+    sup._grow_tick(shrunk)
+    assert sup.assignment.generation == 2 and sup.assignment.world_size == 4
+    assert joiner.get_json("repaired/node1") is None
+    assert not_formed(sup.assignment.ranks, sup.progress, sup.formed_after) == ["node1.0", "node1.1"]
 
 
 @pytest.mark.parametrize("name,request_,why", [
