@@ -30,10 +30,12 @@ import re
 import stat
 from pathlib import Path
 from types import TracebackType
-
-import torch
+from typing import TYPE_CHECKING
 
 from .trust import UntrustedPathError, check_adopted, ensure_private_dir
+
+if TYPE_CHECKING:  # torch is imported where a tensor is made: the launcher's path helpers import no framework
+    import torch
 
 __all__ = [
     "SHM_ROOT",
@@ -285,8 +287,11 @@ class ShmSegment:
         """A writable, zero-copy memoryview of the whole segment."""
         return memoryview(self._mapping())
 
-    def tensor(self, dtype: torch.dtype = torch.uint8, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
-        """A 1-D zero-copy tensor over ``[offset, offset + nbytes)`` of the segment."""
+    def tensor(self, dtype: torch.dtype | None = None, offset: int = 0, nbytes: int | None = None) -> torch.Tensor:
+        """A 1-D zero-copy tensor over ``[offset, offset + nbytes)`` of the segment (``dtype``: uint8 if None)."""
+        import torch
+
+        dtype = torch.uint8 if dtype is None else dtype
         mm = self._mapping()
         if nbytes is None:
             nbytes = self._nbytes - offset

@@ -49,6 +49,19 @@ def test_a_training_job_pulls_no_tool_dependency(tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_launcher_checks_its_flags_without_importing_a_framework(tmp_path):
+    """deadpool-run refuses a bad flag (and answers --help) before torch is imported: a typo costs a user a
+    fraction of a second, not the seconds torch takes to load; torch comes with the job's store at run time."""
+    code = ("import sys\nimport deadpool_ext.launcher.cli as cli\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))\n"
+            "try:\n    cli.main(['--nnodes', '0', 'x.py'])\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
+            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))\n")
+    res = _run(code, str(tmp_path))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines() == ["[]", "exit 2", "[]"], res.stdout + res.stderr
+    assert "--nnodes 0: must be an integer in 1..65536" in res.stderr
+
+
 def _sources() -> list[tuple[str, str]]:
     out = []
     for root, _, files in os.walk(PKG):
