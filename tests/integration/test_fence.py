@@ -48,6 +48,8 @@ def test_cut_releases_a_peer_blocked_in_recv():
     assert out[1]["block_s"] <= out[0]["blocked_s"] < 4.0, out
 
 
+@pytest.mark.full_matrix(covered_by="test_cut_releases_a_peer_blocked_in_recv (the case itself; this is its control, "
+                                    "what torch does without the fence)")
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the fence reads /proc")
 def test_without_cut_the_peer_stays_blocked_until_the_other_exits():
     out = _run("none")
@@ -78,6 +80,8 @@ def test_rank_whose_last_attempt_failed_still_forms_the_next_generation():
     assert out[0]["outcome"] == "sum=3" and out[1]["outcome"] == "sum=3", out
 
 
+@pytest.mark.full_matrix(covered_by="test_rank_whose_last_attempt_failed_still_forms_the_next_generation (the case "
+                                    "itself; this is its control, what torch does without the reset)")
 def test_without_the_reset_the_generation_cannot_form():
     out = _rejoin("unfixed")  # the control: what the reset avoids
     assert out[1]["first"].startswith("failed"), out

@@ -20,6 +20,9 @@ _cfg = memory_tier_config
 _baseline = Baselines(_cfg, ITERS)
 
 
+@pytest.mark.full_matrix(covered_by="test_relaunch_under_the_deepspeed_launcher_restores_from_memory (ZeRO-3: every "
+                                    "rank from its own node's memory, nothing fetched, identical losses) and "
+                                    "tests/integration/test_existing_jobs.py's torchrun restarts")
 @pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))  # ZeRO-1: the test below
 def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
@@ -31,7 +34,7 @@ def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1]))  # ZeRO-3: the test above
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1]))  # ZeRO-3 from a peer: test_hot_swap
 def test_lost_node_memory_restores_from_tier2(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
     res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, max_restarts=1,

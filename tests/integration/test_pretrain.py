@@ -54,13 +54,15 @@ def test_corrupt_checkpoint_file_is_refused(tmp_path, shm_root):
     assert "checksum does not match the manifest" in res2.output
 
 
-def test_two_runs_same_seed_identical_and_bert_runs(tmp_path, shm_root):
+def test_the_seed_decides_the_run_and_bert_runs(tmp_path, shm_root):
+    """Another --seed, other losses; the metrics file's fields; the BERT script trains. That two runs of one seed
+    are identical is what every bit-for-bit test checks against its uninterrupted baseline (test_hot_swap,
+    test_memory_tiers, test_existing_jobs, ...), so it is not run a second time here."""
     cfg = _no_snapshot_cfg(tmp_path, 3, shm_root)
     a = pretrain(tmp_path, cfg, iters=5, name="a")
-    b = pretrain(tmp_path, cfg, iters=5, name="b")
     c = pretrain(tmp_path, cfg, iters=5, name="c", extra=["--seed", "7"])
-    assert a[0].returncode == b[0].returncode == c[0].returncode == 0
-    assert a[1] == b[1] and len(a[1]) == 5
+    assert a[0].returncode == c[0].returncode == 0
+    assert len(a[1]) == 5 and len(c[1]) == 5
     assert a[1] != c[1]
     with open(a[2]) as fh:
         import json

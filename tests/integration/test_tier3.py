@@ -129,6 +129,10 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
     assert v2.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in v2.stderr, v2.stdout + v2.stderr
 
 
+@pytest.mark.full_matrix(covered_by="tests/integration/test_cross_tier.py (tier 3 restored with a deadpool section "
+                                    "when memory holds no common version) and tests/integration/test_tier3_s3.py::"
+                                    "test_save_to_s3_relaunch_with_load_identical_losses_inspect_verify (a relaunch "
+                                    "loads the base, losses bit for bit)")
 def test_remote_anchor_kill_every_process_and_relaunch(tmp_path, shm_root):
     # With a deadpool section: tier 3 runs from the runtime's step hook, --save overrides deadpool.persist.
     cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}, "replication": {"factor": 0}})

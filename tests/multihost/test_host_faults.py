@@ -48,6 +48,9 @@ def test_coordinator_host_lost(host_bed, tmp_path):
     assert assigned[0]["replaced"]["node0"] == "spare1"   # spare0 was on host 0 too
 
 
+@pytest.mark.full_matrix(covered_by="test_coordinator_host_lost (a whole host SIGKILLed: its lease lapses, its ranks "
+                                    "go to a spare, identical losses) and test_host_partitioned_then_healed (launched "
+                                    "through SLURM's variables)")
 def test_follower_host_lost(host_bed, tmp_path):
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
@@ -80,11 +83,14 @@ def test_host_partitioned_then_healed(host_bed, tmp_path, host):
     """A host's link cut (its processes alive): its launcher pauses its workers (SIGSTOP) before its lease can
     lapse, and only then does the coordinator (another launcher, when the cut host held the role) give that
     host's ranks to a spare. Healed, the host finds its lease expired: its workers are killed and its launcher
-    leaves (a host that returns cannot rejoin a dead generation). Losses identical to a run without failure."""
+    leaves (a host that returns cannot rejoin a dead generation). Losses identical to a run without failure. The
+    launchers start from SLURM's variables (``--from-slurm``; the other tests: a hostfile, explicit flags)."""
     base = baseline(host_bed, tmp_path)
     bed = host_bed(3)
-    res = run_hosts(bed, tmp_path, name=f"part{host}", fault=_partition_until_reassigned(host))
+    res = run_hosts(bed, tmp_path, name=f"part{host}", fault=_partition_until_reassigned(host), launch="slurm")
     assert res.rcs[host] == 3 and [rc for h, rc in enumerate(res.rcs) if h != host] == [0, 0], res.tails()
+    for h in range(3):   # one command line everywhere; each launcher found its host from SLURM's variables
+        assert f"SLURM job part{host}: host {h} of 3 ({bed.addr(h)})" in res.log(h), res.log(h)[:2000]
     assert "paused (SIGSTOP) until it answers again" in res.log(host), res.log(host)[-3000:]
     assert res.metrics == base, res.tails()
     assigned = [e for e in res.events if e.get("event") == "assignment"]
