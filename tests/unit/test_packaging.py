@@ -42,24 +42,32 @@ def test_patches_import_no_deadpool_ext_code():
 def test_a_training_job_pulls_no_tool_dependency(tmp_path):
     code = ("import sys\nimport deadpool_ext, deadpool_ext.deepspeed, deadpool_ext.training.pretrain\n"
             "import deadpool_ext.integrations.megatron.runtime\n"
-            "print(sorted(m for m in ('matplotlib', 'moto', 'hypothesis', 'deadpool_ext.chaos', "
-            "'deadpool_ext.testing', 'deadpool_ext.sim') if m in sys.modules))\n")
+            + _loaded("matplotlib", "moto", "hypothesis", "deadpool_ext.chaos", "deadpool_ext.testing",
+                      "deadpool_ext.sim"))
+    assert _lines(code, tmp_path)[0][-1] == "[]"
+
+
+def _loaded(*modules: str) -> str:
+    """A line of code that prints which of ``modules`` the process has imported."""
+    return f"print(sorted(m for m in {modules!r} if m in sys.modules))\n"
+
+
+def _lines(code: str, tmp_path) -> tuple[list[str], list[str]]:
+    """The lines ``code`` printed on stdout and on stderr (it must exit 0)."""
     res = _run(code, str(tmp_path))
     assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == "[]"
+    return res.stdout.strip().splitlines(), res.stderr.strip().splitlines()
 
 
 def test_the_launcher_checks_its_flags_without_importing_a_framework(tmp_path):
-    """deadpool-run refuses a bad flag (and answers --help) before torch is imported: a typo costs a user a
-    fraction of a second, not the seconds torch takes to load; torch comes with the job's store at run time."""
-    code = ("import sys\nimport deadpool_ext.launcher.cli as cli\n"
-            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))\n"
-            "try:\n    cli.main(['--nnodes', '0', 'x.py'])\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
-            "print(sorted(m for m in ('torch', 'deepspeed', 'megatron', 'transformers') if m in sys.modules))\n")
-    res = _run(code, str(tmp_path))
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines() == ["[]", "exit 2", "[]"], res.stdout + res.stderr
-    assert "--nnodes 0: must be an integer in 1..65536" in res.stderr
+    """deadpool-run refuses a bad flag before torch is imported (one line, nothing else on stderr): a typo costs a
+    user a fraction of a second, not the seconds torch takes to load; torch comes with the job's store at run time."""
+    frameworks = _loaded("torch", "deepspeed", "megatron", "transformers")
+    code = ("import sys\nimport deadpool_ext.launcher.cli as cli\n" + frameworks
+            + "try:\n    cli.main(['--nnodes', '0', 'x.py'])\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
+            + frameworks)
+    assert _lines(code, tmp_path) == (["[]", "exit 2", "[]"],
+                                      ["deadpool-run: --nnodes 0: must be an integer in 1..65536"])
 
 
 def _sources() -> list[tuple[str, str]]:
