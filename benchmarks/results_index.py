@@ -74,6 +74,11 @@ CURRENT: tuple[Current, ...] = (
             "The same for GPT medium (124.9M, activation checkpointing) with 2 CPU ranks, 20 interleaved rounds x 1 "
             "step of none / deadpool / DeepSpeed decoupled / DCP async_save (DLRover was not installed in that run).",
             companions=("snapshot_overhead_medium_n2_medium.log",)),
+    Current("snapshot_overhead_medium_n2_dlrover", "snapshot_overhead", "medium, 2 ranks, with DLRover, 20 pairs",
+            "GPT medium, 2 CPU ranks, 20 interleaved rounds x 1 step of none / deadpool / DLRover flash checkpoint "
+            "(the peer the medium_n2 run could not load): deadpool paired 0.993 with its 90% CI within 1.01, DLRover "
+            "1.013 in the same job; CPU extra x0.86 of the floor.",
+            companions=("snapshot_overhead_medium_n2_dlrover_medium.log",)),
     Current("snapshot_overhead_medium_n4", "snapshot_overhead", "the same for medium, 4 ranks",
             "GPT medium with 4 CPU ranks (2 per simulated node), 20 interleaved rounds x 1 step of none / deadpool / "
             "DCP async_save (a 30 s step: the other peers left out to fit the session).",
