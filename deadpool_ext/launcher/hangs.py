@@ -1,10 +1,11 @@
-"""The coordinator's reading of heartbeats: what a worker's ``hb/`` value says, and which ranks are alive but not
-training (pure: no store, no processes; ``rebuild/progress.py`` is the worker's side)."""
+"""The coordinator's reading of heartbeats: what a worker's ``hb/`` value says, which ranks are alive but not
+training, and whether a new generation has formed (pure: no store, no processes; ``rebuild/progress.py`` is the
+worker's side)."""
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Set
+from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -57,3 +58,10 @@ def store_stalled(beats: Mapping[str, float], now: float, limit_s: float) -> boo
     heartbeat of a bed job for 7 s), which says nothing about any one worker. With fewer than two heartbeats there
     is nothing to compare, and the plain rule applies."""
     return len(beats) >= 2 and all(now - t > limit_s for t in beats.values())
+
+
+def not_formed(ranks: Iterable[str], progress: Mapping[str, Mapping[str, Any] | None], since: float) -> list[str]:
+    """The ranks (worker ids) of a generation published at ``since`` (epoch seconds) that have not yet finished
+    a step in it: their last heartbeat's progress sample is missing or its ``step_at`` is older. Empty: the
+    generation has formed (``resize.py``: a grow waits for it)."""
+    return sorted(w for w in ranks if float((progress.get(w) or {}).get("step_at", 0.0)) < since)

@@ -9,7 +9,7 @@ Call order, through the store (so it works on one host and across hosts alike):
    records), starts its processes again as spares and writes ``repaired/<node>`` (:meth:`_repair_tick`);
 3. the coordinator, on a turn with no failure, grows the shrunk world by one repaired (or joined:
    ``join.py``) node whose processes all live and beat (:meth:`_grow_tick`), once the shrunk world has formed:
-   every one of its ranks finished a step since it was published (:func:`not_formed`; a grow published while
+   every one of its ranks finished a step since it was published (``hangs.not_formed``; a grow published while
    the survivors still rebuild the shrunk world would abandon that rebuild half done). Everyone keeps their
    rank, the node's processes take the next ones. The survivors get the new generation's notice like any other (the
    step in flight is redone), every rank rebuilds on the larger world and the restore reshards from memory.
@@ -21,19 +21,12 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
+from .hangs import not_formed
 
 log = logging.getLogger("deadpool_ext.launcher")
-
-
-def not_formed(ranks: Iterable[str], progress: Mapping[str, Mapping[str, Any] | None], since: float) -> list[str]:
-    """The ranks (worker ids) of a generation published at ``since`` (epoch seconds) that have not yet finished
-    a step in it: their last heartbeat's progress sample (``launcher/hangs.py``) is missing or its ``step_at``
-    is older. Empty: the generation has formed."""
-    return sorted(w for w in ranks if float((progress.get(w) or {}).get("step_at", 0.0)) < since)
 
 
 class ElasticResize:

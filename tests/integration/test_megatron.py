@@ -196,7 +196,7 @@ def test_data_parallel_shrink_and_grow_restore_every_shard_from_memory(tmp_path,
     to TP2 x DP2: the returning replica's ranks restore their shard's state as the 1-replica world held it.
     The losses follow the uninterrupted run within 1e-6 relative (another reduction order), exactly up to the
     failure. The repair comes 3 s after the shrink; the coordinator grows only once the shrunk world has finished
-    a step on every rank (resize.not_formed), however slow the host; rank 0 is held at step 9 until the grow is
+    a step on every rank (hangs.not_formed), however slow the host; rank 0 is held at step 9 until the grow is
     published (the tiny model would end first)."""
     marker = os.path.join(str(tmp_path), "hold")
 

@@ -1,7 +1,7 @@
 """The coordinator's hang-by-progress rule and heartbeat parsing (launcher/hangs.py), pure."""
 from __future__ import annotations
 
-from deadpool_ext.launcher.hangs import parse_heartbeat, stalled
+from deadpool_ext.launcher.hangs import not_formed, parse_heartbeat, stalled
 
 
 def beat(step=5, step_at=100.0, coll=False, still_s=0.0):
@@ -44,3 +44,11 @@ def test_every_heartbeat_stale_at_once_is_a_store_stall_not_a_hang():
     assert not store_stalled({"node0.0": 92.0, "node1.0": 99.5, "spare0.0": 99.6}, now, 6.0)  # node0 alone: a hang
     assert not store_stalled({"node0.0": 92.0}, now, 6.0)   # nothing to compare with: the plain rule
     assert not store_stalled({}, now, 6.0)
+
+
+def test_a_generation_has_formed_once_every_rank_stepped_since_it_was_published():
+    ranks = {"a": 0, "b": 1, "c": 2}   # an assignment's ranks: iterated for the worker ids
+    progress = {"a": beat(step_at=101.0), "b": beat(step_at=99.0), "c": None}
+    assert not_formed(ranks, progress, since=100.0) == ["b", "c"]   # b stepped before; c has no sample
+    assert not_formed(ranks, {}, since=0.0) == []                    # no sample reads as step_at 0
+    assert not_formed(ranks, {w: beat(step_at=100.0) for w in ranks}, since=100.0) == []

@@ -11,7 +11,7 @@ import pytest
 from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed, shrink_failed
 from deadpool_ext.launcher.args import build_parser, check_args
 from deadpool_ext.launcher.cli import Supervisor, main
-from deadpool_ext.launcher.resize import not_formed
+from deadpool_ext.launcher.hangs import not_formed
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
 
