@@ -8,7 +8,9 @@ for every worker)::
 
 Before the script's first line runs, in this order:
 
-1. configs named on the command line (``x.json``, ``--flag=x.json``) are read for a ``"deadpool"`` section:
+1. configs named on the command line (``x.json``, ``--flag=x.json``, the value of ``--deepspeed`` /
+   ``--deepspeed_config`` whatever its name) or by ``accelerate launch`` (``ACCELERATE_DEEPSPEED_CONFIG_FILE``) are
+   read for a ``"deadpool"`` section (one that is not JSON, nor DeepSpeed's HJSON: file, line and column, exit 2):
    the section's ``log_level`` and collective timeout apply from here on, and a DeepSpeed engine later built
    *without* the section is an error naming why (``hook.NotAttachedError``), never an unprotected job;
 2. the hook on ``deepspeed.initialize`` is installed (``integrations/deepspeed_hook.py``): at once when a
@@ -40,10 +42,12 @@ USAGE = "usage: python -m deadpool_ext.run SCRIPT.py [ARGS...]  |  python -m dea
 
 
 def _section_configs(argv: Sequence[str]) -> tuple[list[str], list[str], dict[str, Any]]:
-    """(DeepSpeed configs with a section, every config with a section, the first section found)."""
+    """(DeepSpeed configs with a section, every config with a section, the first section found): named on the
+    command line or by ``accelerate launch`` (``ACCELERATE_DEEPSPEED_CONFIG_FILE``, from its config YAML or
+    ``--deepspeed_config_file``). Raises ``ConfigError`` (one line) for a DeepSpeed config that is not JSON."""
     from .integrations.deepspeed_hook import configs_with_section
 
-    found = configs_with_section(argv)
+    found = configs_with_section(argv, dict(os.environ))
     # A DeepSpeed config has other keys; Megatron's --deadpool-config holds only the section.
     deepspeed_like = [path for path, doc in found if set(doc) - {"deadpool"}]
     return deepspeed_like, [path for path, _ in found], (found[0][1]["deadpool"] if found else {})
@@ -71,8 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .config import ConfigError, DeadpoolConfig
     from .logs import configure_logging
 
-    ds_configs, configs, section = _section_configs(script_args)
     try:
+        ds_configs, configs, section = _section_configs(script_args)
         cfg = DeadpoolConfig.from_dict(section) if configs else None
     except ConfigError as exc:
         print(str(exc), file=sys.stderr)
@@ -128,10 +132,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if ResilientRuntime.attached_total == 0:
             print(f"deadpool_ext.run: {', '.join(configs)} has a \"deadpool\" section, but no engine of this "
-                  "process attached the extension (no deepspeed.initialize with that config ran, and no runtime "
-                  "was registered): the job ran unprotected", file=sys.stderr)
+                  f"process attached the extension ({why_unattached(hook.state(), 'deepspeed' in sys.modules)}): "
+                  "the job ran unprotected", file=sys.stderr)
             return NOT_ATTACHED_EXIT
     return code
+
+
+def why_unattached(state: Any, deepspeed_imported: bool) -> str:
+    """Why a job whose config has a section ended with no engine attached (pure: the hook's state and whether
+    DeepSpeed was ever imported)."""
+    if not deepspeed_imported:
+        return "the script never imported DeepSpeed, so no DeepSpeed engine was built"
+    if not state.installed:
+        return ("DeepSpeed was imported but the hook on deepspeed.initialize was never installed (something imported "
+                "DeepSpeed around the import system); add `import deadpool_ext.auto` as the script's first line")
+    if state.plain:
+        return f"{state.plain} deepspeed.initialize call(s) carried a config without the section"
+    return "deepspeed.initialize never ran (the script built no engine), and no runtime was registered"
 
 
 def _run_script(module: str | None, path: str | None, script_args: list[str]) -> int:

@@ -128,22 +128,66 @@ def _caller() -> str:
 
 
 def config_of_call(args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-    """The config a ``deepspeed.initialize`` call carries: ``config``, ``config_params`` or
-    ``args.deepspeed_config`` (DeepSpeed's own order), else None."""
+    """The config a ``deepspeed.initialize`` call carries: ``config``, ``config_params``, ``args.deepspeed_config``
+    or the deprecated ``args.deepscale_config`` (DeepSpeed's own order), else None."""
     for key in ("config", "config_params"):
         if kwargs.get(key) is not None:
             return kwargs[key]
     ns = kwargs.get("args", args[0] if args else None)
-    return getattr(ns, "deepspeed_config", None)
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(ns, attr, None) is not None:
+            return getattr(ns, attr)
+    return None
+
+
+def load_config(cfg: Any) -> dict[str, Any] | None:
+    """The config as DeepSpeed reads it (``load_ds_config``): a dict as it is; a path read as JSON, or as HJSON
+    (DeepSpeed's own reader accepts comments and unquoted keys); any other string as base64-encoded (H)JSON.
+    None when DeepSpeed could not read it either (DeepSpeed then names the problem itself)."""
+    if isinstance(cfg, dict):
+        return cfg
+    if not isinstance(cfg, (str, os.PathLike)):
+        return None
+    text = os.fspath(cfg)
+    if os.path.isfile(text):
+        doc = read_json(text)
+        if doc is None:
+            doc = _read_hjson(text)
+        return doc if isinstance(doc, dict) else None
+    try:
+        import base64
+
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+        doc = json.loads(decoded)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _read_hjson(path: str) -> Any:
+    try:
+        import hjson  # DeepSpeed's dependency: present wherever DeepSpeed is
+    except ImportError:
+        return None
+    try:
+        if os.path.getsize(path) > MAX_CONFIG_BYTES:
+            return None
+        with open(path, encoding="utf-8") as fh:
+            return hjson.load(fh)
+    except (OSError, ValueError, RecursionError):
+        return None
 
 
 def _has_section(cfg: Any) -> bool:
-    if isinstance(cfg, dict):
-        return SECTION in cfg
-    if isinstance(cfg, (str, os.PathLike)):
-        doc = read_json(os.fspath(cfg))
-        return isinstance(doc, dict) and SECTION in doc
-    return False
+    doc = load_config(cfg)
+    return isinstance(doc, dict) and SECTION in doc
+
+
+def engine_section(engine: Any) -> Any:
+    """The ``"deadpool"`` section of the config a built engine holds (DeepSpeed keeps unknown keys in its
+    parameter dict), else None: the check after the build, for a config the call did not show a section in."""
+    params = getattr(getattr(engine, "_config", None), "_param_dict", None)
+    return params.get(SECTION) if isinstance(params, dict) else None
 
 
 def reuse_engine(engine: Any) -> None:
@@ -167,33 +211,100 @@ def _hooked(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
             what = "a dict" if isinstance(cfg, dict) else repr(os.fspath(cfg)) if isinstance(
                 cfg, (str, os.PathLike)) else "no config"
             raise NotAttachedError(
-                f"deadpool_ext: {', '.join(_state.expected)} (on the command line) has a \"{SECTION}\" section, but "
+                f"deadpool_ext: {', '.join(_where(p) for p in _state.expected)} has a \"{SECTION}\" section, but "
                 f"the DeepSpeed engine built by {_caller()} got {what} without it: the framework or the script "
                 "passed another config (or a copy that dropped the key), so the job would run unprotected. Pass "
                 f"that file as the DeepSpeed config, or add the \"{SECTION}\" section to the config the script builds")
-        return original(*args, **kwargs)
+        out = original(*args, **kwargs)
+        late = engine_section(out[0]) if isinstance(out, tuple) and out else None
+        if isinstance(late, dict) and late.get("enabled", True) and getattr(out[0], "deadpool", None) is None:
+            # DeepSpeed read a section the call did not show us (a config form we do not parse): attach now rather
+            # than train unprotected; the process group is the job's own (a torchrun restart may then fail in its
+            # connect: pytorch/pytorch#135712), which the line says.
+            from .deepspeed import register
+
+            who = _caller()
+            log.warning("deadpool_ext: the DeepSpeed engine built by %s has a \"%s\" section in its own config that "
+                        "its call did not show; attached after the build (pass the config as a dict or a JSON file "
+                        "so that the process group is built on the attempt-prefixed store)", who, SECTION)
+            register(out[0], late)
+            _state.attached.append(who)
+        return out
     from .deepspeed import initialize as attach_initialize
 
     who = _caller()
     log.info("deadpool_ext: attaching to the DeepSpeed engine built by %s (its config has a \"%s\" section)",
              who, SECTION)
+    if not isinstance(cfg, dict):  # HJSON or base64: the attach path splits the section off a dict
+        kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
+        ns = kwargs.get("args", args[0] if args else None)
+        for attr in ("deepspeed_config", "deepscale_config"):
+            if getattr(ns, attr, None) is not None:
+                setattr(ns, attr, None)
+        kwargs["config"] = load_config(cfg)
     out = attach_initialize(*args, _ds_initialize=original, **kwargs)
     _state.attached.append(who)
     return out
 
 
-def configs_with_section(argv: Sequence[str]) -> list[tuple[str, dict[str, Any]]]:
-    """(path, parsed JSON) of every config named in ``argv`` (``x.json``, ``--flag=x.json``) whose ``"deadpool"``
-    section is present and not ``enabled: false``."""
+DEEPSPEED_CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config", "--deepscale_config", "--deepspeed_config_file")
+"""Flags whose value is a DeepSpeed config whatever its file name (HF ``TrainingArguments``, DeepSpeed's own
+``add_config_arguments``, Accelerate's name)."""
+ACCELERATE_CONFIG_ENV = "ACCELERATE_DEEPSPEED_CONFIG_FILE"
+"""Set by ``accelerate launch`` in every worker from ``--deepspeed_config_file`` or the config YAML's
+``deepspeed_config_file``; Accelerate's ``DeepSpeedPlugin`` reads the DeepSpeed config from it."""
+
+
+def named_configs(argv: Sequence[str], environ: dict[str, str] | None = None) -> list[tuple[str, str, bool]]:
+    """(path, where, surely a DeepSpeed config) of every existing file this job names as a config before it runs:
+    the value of a DeepSpeed flag (``--deepspeed ds``, ``--deepspeed_config=ds``; surely a config), any other
+    ``x.json`` / ``--flag=x.json`` argument (maybe data), and ``ACCELERATE_DEEPSPEED_CONFIG_FILE``."""
+    out: list[tuple[str, str, bool]] = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if arg.startswith("-") and eq:
+            path, by_flag = value, flag in DEEPSPEED_CONFIG_FLAGS
+        else:
+            path, by_flag = arg, i > 0 and argv[i - 1] in DEEPSPEED_CONFIG_FLAGS
+        if (by_flag or path.endswith(".json")) and os.path.isfile(path) and path not in {p for p, _, _ in out}:
+            out.append((path, "on the command line", by_flag))
+    env_path = (environ or {}).get(ACCELERATE_CONFIG_ENV, "")
+    if env_path and env_path != "none" and os.path.isfile(env_path) and env_path not in {p for p, _, _ in out}:
+        out.append((env_path, f"in {ACCELERATE_CONFIG_ENV}", True))
+    return out
+
+
+def _where(named: str) -> str:
+    return named if named.endswith(")") else f"{named} (on the command line)"
+
+
+def configs_with_section(argv: Sequence[str], environ: dict[str, str] | None = None
+                         ) -> list[tuple[str, dict[str, Any]]]:
+    """(path, parsed config) of every config :func:`named_configs` finds whose ``"deadpool"`` section is present
+    and not ``enabled: false``. A file that is surely a DeepSpeed config and that neither JSON nor DeepSpeed's HJSON
+    reads is a :class:`ConfigError` naming the file, line and column; other unreadable ``.json`` arguments are
+    skipped (a script's data files)."""
     found = []
-    for arg in argv:
-        path = arg.split("=", 1)[1] if arg.startswith("-") and "=" in arg else arg
-        if not path.endswith(".json") or not os.path.isfile(path):
-            continue
+    for path, where, surely in named_configs(argv, environ):
         doc = read_json(path)
+        if doc is None:
+            doc = _read_hjson(path)
+            if doc is None and surely:
+                raise ConfigError(f"DeepSpeed config {path} ({where}): {_json_error(path)}")
         if isinstance(doc, dict) and isinstance(doc.get(SECTION), dict) and doc[SECTION].get("enabled", True):
-            found.append((path, doc))
+            found.append((f"{path} ({where})" if where != "on the command line" else path, doc))
     return found
+
+
+def _json_error(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            json.load(fh)
+    except json.JSONDecodeError as exc:
+        return f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    except (OSError, ValueError, RecursionError) as exc:
+        return f"cannot read it: {getattr(exc, 'strerror', None) or exc}"
+    return "larger than a config can be" if os.path.getsize(path) > MAX_CONFIG_BYTES else "not a JSON object"
 
 
 def expect_sections(paths: Sequence[str]) -> None:

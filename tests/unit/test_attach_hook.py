@@ -13,6 +13,7 @@ import pytest
 
 from deadpool_ext.commands.check import all_problems
 from deadpool_ext.integrations import deepspeed_hook as hook
+from deadpool_ext.integrations import importhook
 from deadpool_ext.integrations.importhook import after_import
 from deadpool_ext.launcher import contract
 from deadpool_ext.testing.launch import REPO, base_env
@@ -192,3 +193,147 @@ def test_trainer_resume_patch_skips_finished_epochs_and_fast_forwards(monkeypatc
         assert t2.state.global_step == 5
     finally:
         p.revert()
+
+
+# -- import-time probes never consume the lazy hook --------------------------------------------------------------
+
+def _probes(name: str) -> None:
+    """What frameworks run at their own import to see whether DeepSpeed is there, on ``name``: Accelerate's and
+    transformers' ``_is_package_available`` (find_spec, then importlib.metadata), Lightning's ``package_available``
+    and ``RequirementCache`` (importlib.metadata, then find_spec), a bare find_spec and a pkgutil lookup."""
+    import importlib.metadata
+    import importlib.util
+    import pkgutil
+
+    from accelerate.utils.imports import _is_package_available as accelerate_probe
+    from lightning_utilities.core.imports import RequirementCache, package_available
+    from transformers.utils.import_utils import _is_package_available as transformers_probe
+
+    assert importlib.util.find_spec(name) is not None
+    accelerate_probe(name)
+    transformers_probe(name, return_version=False)
+    package_available.cache_clear()
+    assert package_available(name)
+    bool(RequirementCache(name))
+    assert importlib.metadata.version(name) == "1.0" and importlib.metadata.metadata(name)["Name"] == name
+    assert any(m.name == name for m in pkgutil.iter_modules())
+
+
+def test_probes_before_the_import_do_not_consume_the_hook(tmp_path, monkeypatch):
+    (tmp_path / "dp_probed_mod.py").write_text("VALUE = 5\n")
+    meta = tmp_path / "dp_probed_mod-1.0.dist-info"  # installed, as DeepSpeed is: the probes read its metadata
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: dp_probed_mod\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    after_import("dp_probed_mod", lambda: seen.append(sys.modules["dp_probed_mod"].VALUE))
+    try:
+        _probes("dp_probed_mod")
+        _probes("dp_probed_mod")
+        assert seen == [] and "dp_probed_mod" not in sys.modules and importhook.pending("dp_probed_mod")
+        import dp_probed_mod  # noqa: F401
+
+        assert seen == [5] and not importhook.pending("dp_probed_mod")
+    finally:
+        sys.modules.pop("dp_probed_mod", None)
+
+
+def test_a_module_whose_code_raised_keeps_the_hook_for_the_next_import(tmp_path, monkeypatch):
+    mod = tmp_path / "dp_flaky_mod.py"
+    mod.write_text("raise ImportError('first time')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen = []
+    after_import("dp_flaky_mod", lambda: seen.append(1))
+    try:
+        with pytest.raises(ImportError):
+            import dp_flaky_mod  # noqa: F401
+        assert seen == [] and importhook.pending("dp_flaky_mod")
+        mod.write_text("VALUE = 1\n")
+        import importlib
+
+        importlib.invalidate_caches()
+        import dp_flaky_mod  # noqa: F401,F811
+
+        assert seen == [1]
+    finally:
+        sys.modules.pop("dp_flaky_mod", None)
+
+
+def test_auto_hooks_deepspeed_after_the_frameworks_real_probes():
+    """The real frameworks' imports and availability checks between ``import deadpool_ext.auto`` and DeepSpeed's
+    import (Accelerate's at its import, transformers', Lightning's), then ``import deepspeed``: hooked."""
+    code = ("import deadpool_ext.auto, accelerate, importlib.util\n"
+            "from transformers.integrations.deepspeed import is_deepspeed_available\n"
+            "from lightning_utilities.core.imports import RequirementCache\n"
+            "assert is_deepspeed_available() and RequirementCache('deepspeed')\n"
+            "assert importlib.util.find_spec('deepspeed')\n"
+            "assert 'deepspeed' not in __import__('sys').modules\n"
+            "import deepspeed\n"
+            "from deadpool_ext.integrations import deepspeed_hook as h\n"
+            "print('HOOKED', h.state().installed, h.original_initialize() is not deepspeed.initialize)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180,
+                       env=_no_launcher_env(), cwd=REPO)
+    assert r.returncode == 0 and "HOOKED True True" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+# -- every form of config DeepSpeed takes ------------------------------------------------------------------------
+
+def test_named_configs_follow_deepspeed_flags_and_accelerates_variable(tmp_path):
+    on = tmp_path / "ds_config"  # no .json: named by its flag
+    on.write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
+    acc = tmp_path / "acc.json"
+    acc.write_text('{\n  // DeepSpeed reads HJSON: comments and all\n  train_batch_size: 2, "deadpool": {}\n}\n')
+    env = {hook.ACCELERATE_CONFIG_ENV: str(acc)}
+    assert [(p, w) for p, w, _ in hook.named_configs(["--deepspeed", str(on)], env)] == [
+        (str(on), "on the command line"), (str(acc), "in ACCELERATE_DEEPSPEED_CONFIG_FILE")]
+    assert [p for p, _ in hook.configs_with_section([f"--deepspeed_config={on}"], env)] == [
+        str(on), f"{acc} (in ACCELERATE_DEEPSPEED_CONFIG_FILE)"]
+    assert hook.named_configs(["--deepspeed", "--deepspeed_config", str(on)], {hook.ACCELERATE_CONFIG_ENV: "none"}) \
+        == [(str(on), "on the command line", True)]  # the launcher's boolean --deepspeed, then the file
+    assert hook.named_configs([str(acc)], {hook.ACCELERATE_CONFIG_ENV: str(acc)}) == [
+        (str(acc), "on the command line", False)]  # named twice: once
+
+
+def test_a_deepspeed_config_that_is_not_json_is_one_line_with_line_and_column(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text('{\n  "train_batch_size": 2,\n  "deadpool": {"snapshot": {"interval": 1}\n}\n')
+    with pytest.raises(hook.ConfigError) as err:
+        hook.configs_with_section(["--deepspeed", str(bad)])
+    assert str(err.value).startswith(f"DeepSpeed config {bad} (on the command line): not valid JSON at line 5, "
+                                     "column 1"), err.value
+    with pytest.raises(hook.ConfigError, match="in ACCELERATE_DEEPSPEED_CONFIG_FILE"):
+        hook.configs_with_section([], {hook.ACCELERATE_CONFIG_ENV: str(bad)})
+    assert hook.configs_with_section(["--data", str(bad)]) == []  # not a DeepSpeed flag: maybe a data file
+
+
+def test_load_config_reads_what_deepspeed_reads(tmp_path):
+    import base64
+
+    doc = {"train_batch_size": 2, "deadpool": {}}
+    path = tmp_path / "ds.hjson"
+    path.write_text("# a comment\n{train_batch_size: 2, deadpool: {}}\n")
+    assert hook.load_config(doc) is doc and hook.load_config(str(path)) == doc
+    assert hook.load_config(base64.urlsafe_b64encode(json.dumps(doc).encode()).decode()) == doc
+    assert hook.load_config("/nonexistent/ds.json") is None and hook.load_config(None) is None
+    ns = argparse.Namespace(deepscale_config=str(path))  # DeepSpeed's deprecated name
+    assert hook.config_of_call((ns,), {}) == str(path)
+
+
+def test_a_section_only_the_built_engine_shows_is_attached_after_the_build(fresh_state, monkeypatch):
+    from deadpool_ext.integrations import deepspeed as dsi
+
+    registered = []
+    monkeypatch.setattr(dsi, "register", lambda engine, section: registered.append(section))
+    engine = types.SimpleNamespace(_config=types.SimpleNamespace(_param_dict={"deadpool": {"snapshot": {}}}),
+                                   deadpool=None)
+    out = hook._hooked(lambda *a, **k: (engine, None, None, None), (), {"config": object()})
+    assert out[0] is engine and registered == [{"snapshot": {}}] and len(fresh_state.attached) == 1
+
+
+def test_why_nothing_attached_names_the_cause():
+    from deadpool_ext.run import why_unattached
+
+    assert "never imported DeepSpeed" in why_unattached(hook.HookState(), False)
+    assert "import deadpool_ext.auto" in why_unattached(hook.HookState(), True)
+    assert "2 deepspeed.initialize call(s)" in why_unattached(hook.HookState(installed=True, plain=2), True)
+    assert "built no engine" in why_unattached(hook.HookState(installed=True), True)
