@@ -39,7 +39,7 @@ from typing import Any, cast
 from ..cluster.membership import Assignment, Worker, initial_assignment
 from ..memory.shm import job_shm_dir
 from ..store.base import StoreAuthError, StoreError, parse_store_endpoints
-from . import contract
+from . import contract, values
 from .args import (  # noqa: F401 - the command line's names, re-exported for callers of this module
     _LOG_LEVELS,
     MAX_NODES,
@@ -52,7 +52,6 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     malloc_env,
 )
 from .contract import HotSwapEnv
-from .hangs import parse_heartbeat
 from .join import JOINED_HOST, JoinNodes
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
@@ -200,7 +199,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             try:
                 if self.store.get(f"fenced/{node}") is not None:
                     return
-                if (self.election is not None and self.node_host[node] != JOINED_HOST
+                if (self.election is not None and self.node_host.get(node, JOINED_HOST) != JOINED_HOST
                         and self.store.get(f"host/{self.node_host[node]}") is None):  # a joined node has no lease
                     log.info("node %s: its host %d's lease has lapsed, so its launcher stopped its workers",
                              node, self.node_host[node])
@@ -288,7 +287,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
                            hosts=self.args.hosts, host_rank=self.args.host_rank)
             else:
                 raw = self.store.wait(["assignment"], 120.0)["assignment"]
-                a0 = Assignment.from_json(json.loads(raw))
+                a0 = values.assignment("assignment", raw).assignment
                 self.assignment = a0
                 if self.joining:
                     self._join_request()
@@ -340,11 +339,11 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         try:
             if self.store.get("finished") is not None:
                 return 0
-            raw = self.store.get_json("assignment")
+            published = self.values.get("assignment", values.assignment)
         except Exception as exc:  # the store unreachable for a moment: the lease decides when that is fatal
             log.debug("store: %s", exc)
             return None
-        if raw and raw.get("stop"):
+        if published is not None and published.stop:
             return 1
         for wid, p in self.procs.items():
             rc = p.poll()
@@ -374,12 +373,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         """This launcher holds the coordinator role now (host 0 at the start, or another launcher after the
         coordinator was lost): the job's state comes from the store."""
         self._last_turn = time.time()
-        raw = self.store.get_json("assignment")
-        if raw is None:
-            raise RuntimeError("took the coordinator role over but the store holds no assignment")
-        self.assignment = Assignment.from_json(raw)
+        published = self.values.get("assignment", values.assignment)
+        if published is None:  # missing or unusable (logged): the next turn tries again, the loop goes on
+            raise values.BadValue("assignment", "took the coordinator role over but the store holds no usable "
+                                                "assignment")
+        self.assignment = published.assignment
         self.formed_after = time.time()  # not known when it formed: a step on every rank from now on tells
-        self.dead_spares |= set(self.store.get_json("dead_spares") or [])
+        self.dead_spares |= set(self.values.get("dead_spares", values.node_list) or [])
         self.seen_hb.clear()
         self.event(event="leader", host_rank=self.args.host_rank, generation=self.assignment.generation,
                    took_over_at=time.time(), hosts_alive=sorted(self._hosts_alive()))
@@ -388,7 +388,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
                         self.assignment.generation)
 
     def _hosts_alive(self) -> set[int]:
-        return {int(k.split("/", 1)[1]) for k in self.store.list("host/")}
+        return {i for k in self.store.list("host/") if (i := values.host_index(k)) is not None}
 
     def _sleep_until_child_exit(self, timeout_s: float) -> None:
         if self._wake_r is None:
@@ -417,11 +417,14 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             if not self._leads():
                 led_before = False
                 continue
-            if not led_before:
-                self._take_over()
-                led_before = True
             try:
+                if not led_before:
+                    self._take_over()
+                    led_before = True
                 rc = self._coordinate()
+            except values.BadValue as exc:  # a value no schema takes: said once a minute per key, never fatal
+                self.values.bad(exc)
+                continue
             except StoreError as exc:  # the store gone for a moment: the lease decides what that means
                 log.warning("coordinator: %s", exc)
                 continue
@@ -436,29 +439,28 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         active = set(a.ranks)
         rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
         rcs.update({wid: p.poll() for wid, p in self.procs.items()})
-        for key, raw in self.store.list("exit/").items():
-            rcs[key.split("/", 1)[1]] = int(json.loads(raw)["rc"])
-        if all(rcs[w] == 0 or self.store.get(f"done/{w}") is not None for w in active):
+        rcs.update(self.values.items("exit/", values.exit_rc, values.WORKER_RE))
+        if all(rcs.get(w) == 0 or self.store.get(f"done/{w}") is not None for w in active):
             self.store.set("finished", b"1")
             self.event(event="finished", generation=a.generation)
             return 0
         fatal = self.store.get("fatal")
         if fatal is not None:
-            msg = fatal.decode(errors="replace")
+            msg = fatal[:values.MAX_TEXT].decode(errors="replace")   # a worker writes at most that much
             self.event(event="stopped", reason=msg)
             print(f"deadpool-run: stopping the job, a worker reports unrecoverable state:\n{msg}",
                   file=sys.stderr, flush=True)
             return 1
         failed: dict[str, str] = {}
         for wid in active:
-            rc = rcs[wid]
+            rc = rcs.get(wid)
             if rc is not None and rc != 0:
                 failed[wid] = f"exited with {'signal ' + str(-rc) if rc < 0 else 'code ' + str(rc)}"
         lost_hosts: set[int] = set()
         if self.election is not None:
             lost_hosts = self.hosts_seen - self.hosts_now
             for wid in active - set(failed):
-                h = self.node_host[a.nodes[wid]]
+                h = self.node_host.get(a.nodes[wid], JOINED_HOST)
                 if h in lost_hosts:
                     failed[wid] = f"host {h} lost (its launcher's lease lapsed)"
         now = time.time()
@@ -471,13 +473,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             log.info("coordinator: %.1fs since its last turn (store slow); heartbeats get %.0fs of grace", gap,
                      self.args.detect_timeout_s)
         for wid in active - set(failed):
-            if rcs[wid] is not None:
+            if rcs.get(wid) is not None:
                 continue
             if self.store.get(f"done/{wid}") is not None:
                 continue
             hb = self.store.get(f"hb/{wid}")
             if hb is not None:
-                beat = parse_heartbeat(hb)
+                beat = self.values.decode(f"hb/{wid}", hb, values.heartbeat)
                 if beat is not None:
                     seen_hb[wid] = float(beat["t"])
                     self.progress[wid] = beat

@@ -3,10 +3,11 @@ training, and whether a new generation has formed (pure: no store, no processes;
 worker's side)."""
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
+
+from .values import BadValue, heartbeat  # the schema lives with every other store value's
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -15,18 +16,10 @@ def parse_heartbeat(raw: bytes) -> dict[str, Any] | None:
     """A worker's ``hb/`` value: JSON ``{"t", "step", "step_at", "coll", "still_s"}`` (or a bare time, from an older
     worker); None for anything else (logged: a heartbeat nobody can read must not pass for a live one)."""
     try:
-        beat = json.loads(raw)
-        if isinstance(beat, (int, float)) and not isinstance(beat, bool):
-            return {"t": float(beat), "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0}
-        if (isinstance(beat, dict)
-                and all(isinstance(beat.get(k), (int, float)) and not isinstance(beat.get(k), bool)
-                        for k in ("t", "step", "step_at", "still_s"))
-                and isinstance(beat.get("coll"), bool)):
-            return beat
-    except (ValueError, RecursionError):
-        pass
-    log.warning("unreadable heartbeat %r", raw[:80])
-    return None
+        return heartbeat("hb/", raw)
+    except BadValue as exc:
+        log.warning("unreadable heartbeat: %s", exc)
+        return None
 
 
 def stalled(progress: Mapping[str, dict[str, Any] | None], active: Set[str], now: float,

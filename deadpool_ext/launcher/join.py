@@ -22,16 +22,17 @@ its host's loss is found by its workers' heartbeats and exits, not by a lapsed l
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, Worker
+from . import values
+from .values import StoreReads
 
 log = logging.getLogger("deadpool_ext.launcher")
 
-JOIN_RE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,62}")
+JOIN_RE = values.NODE_RE
 """A joining node's name: it becomes part of store keys, worker ids and a shared-memory directory name."""
 JOIN_ACK_S = 120.0
 """How long a joiner waits for the coordinator's answer."""
@@ -43,7 +44,7 @@ JOINED_HOST = -1
 """The host index of a joined node (it is none of the job's --hosts: never among the hosts whose lease lapsed)."""
 
 
-class JoinNodes:
+class JoinNodes(StoreReads):
     args: Any
     store: Any
     job_id: str
@@ -66,7 +67,7 @@ class JoinNodes:
     def _join_request(self) -> None:
         """Before the processes start: take the job's --no-spare-policy (its workers must restore as the job's
         do: an elastic restore is collective), then ask to be admitted."""
-        job_policy = self.store.get_json("launcher/no_spare_policy")
+        job_policy = self.values.get("launcher/no_spare_policy", values.policy)
         if job_policy is not None and self.args.no_spare_policy not in (None, job_policy):
             raise SystemExit(f"deadpool-run: --join {self.args.join}: --no-spare-policy {self.args.no_spare_policy}, "
                              f"but job {self.job_id} runs with {job_policy}: drop the flag")
@@ -85,7 +86,7 @@ class JoinNodes:
         """None to go on, else the exit code: refused, unanswered, or (admitted) the job's store gone."""
         name = self.args.join
         try:
-            ack = self.store.get_json(f"join_ack/{name}")
+            ack = self.values.get(f"join_ack/{name}", values.join_ack)
             self._join_store_ok = time.time()
         except Exception as exc:
             if time.time() - getattr(self, "_join_store_ok", time.time()) < JOIN_STORE_LOST_S:
@@ -103,13 +104,12 @@ class JoinNodes:
                   f"{JOIN_ACK_S:.0f}s (is the job running, with this --store-url and --job-id?)", file=sys.stderr,
                   flush=True)
             return 1
-        if not isinstance(ack, dict) or ack.get("ok") is not True:
-            why = ack.get("why") if isinstance(ack, dict) else None
+        if not ack.ok:
             print(f"deadpool-run: --join {name}: refused by job {self.job_id}'s coordinator: "
-                  f"{why if isinstance(why, str) else 'no reason given'}", file=sys.stderr, flush=True)
+                  f"{ack.why or 'no reason given'}", file=sys.stderr, flush=True)
             return 2
         self._join_answered = True
-        role = "the world grows to it" if ack.get("as") == "grow" else "a spare node"
+        role = "the world grows to it" if ack.role == "grow" else "a spare node"
         print(f"deadpool-run: --join {name}: admitted to job {self.job_id} ({role})", file=sys.stderr, flush=True)
         return None
 
@@ -127,16 +127,19 @@ class JoinNodes:
             if name in decided:
                 continue
             decided.add(name)
-            earlier = self.store.get_json(f"join_ack/{name}")
-            if isinstance(earlier, dict):  # answered by a coordinator before this one: learn its workers
-                if earlier.get("ok") is True:
-                    self._admit(name)
-                continue
+            # answered by a coordinator before this one (or written by anyone holding the token): its answer
+            # decides nothing until the request passes the same checks here
+            earlier = self.values.get(f"join_ack/{name}", values.join_ack) if JOIN_RE.fullmatch(name) else None
             why = self._join_refusal(name, raw)
             if why is not None:
-                self.store.set_json(f"join_ack/{name}", {"ok": False, "why": why})
-                self.event(event="join_refused", node=name, why=why)
-                log.warning("join of node %r refused: %s", name, why)
+                if earlier is None or earlier.ok:
+                    self.store.set_json(f"join_ack/{name}", {"ok": False, "why": why})
+                    self.event(event="join_refused", node=name[:80], why=why)
+                    log.warning("join of node %s refused: %s", values.echo(name, 80), why)
+                continue
+            if earlier is not None:  # learn the workers a coordinator before this one admitted
+                if earlier.ok:
+                    self._admit(name)
                 continue
             self._admit(name)
             shrunk = len(set(a.nodes.values())) < len(self.active_nodes) and self.no_spare_policy() == "shrink"
@@ -159,15 +162,13 @@ class JoinNodes:
         if name in {w.node for w in self.workers}:
             return f"node name {name!r} is taken by a node of this job: pass another --join NAME"
         try:
-            import json
-
-            req = json.loads(raw)
-            nproc = req["nproc"] if isinstance(req, dict) else None
-        except (ValueError, KeyError):
-            nproc = None
+            req = values.decode_json(f"joined/{name}", raw)
+        except values.BadValue as exc:
+            return f"the join request is not usable: {exc}"
+        nproc = req.get("nproc") if isinstance(req, dict) else None
         if type(nproc) is not int or nproc != self.args.nproc_per_node:
-            return (f"the joining node has {nproc!r} process(es), this job's nodes have {self.args.nproc_per_node}: "
-                    f"pass --nproc-per-node {self.args.nproc_per_node}")
+            return (f"the joining node has {values.echo(nproc)} process(es), this job's nodes have "
+                    f"{self.args.nproc_per_node}: pass --nproc-per-node {self.args.nproc_per_node}")
         return None
 
     def _admit(self, name: str) -> None:

@@ -150,8 +150,14 @@ class LeaderElection:
 
     def leader(self) -> dict[str, Any] | None:
         """Who holds the coordinator role now (``{"host_rank", "host"}``), or None (nobody: an election is due)."""
+        from .values import BadValue, leader
+
         raw = self.store.get("leader")
-        return json.loads(raw) if raw else None
+        try:
+            return leader("leader", raw) if raw else None
+        except BadValue as exc:
+            log.warning("%s", exc)
+            return None
 
     def close(self) -> None:
         if self.lost_why:

@@ -16,7 +16,6 @@ Call order, through the store (so it works on one host and across hosts alike):
 """
 from __future__ import annotations
 
-import json
 import logging
 import subprocess
 import sys
@@ -24,12 +23,14 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
+from . import values
 from .hangs import not_formed
+from .values import StoreReads
 
 log = logging.getLogger("deadpool_ext.launcher")
 
 
-class ElasticResize:
+class ElasticResize(StoreReads):
     args: Any
     store: Any
     progress: dict[str, dict[str, Any]]
@@ -59,7 +60,7 @@ class ElasticResize:
         if self.args.no_spare_policy:
             return str(self.args.no_spare_policy)
         try:
-            raw = self.store.get_json("config/no_spare_policy")
+            raw = self.values.get("config/no_spare_policy", values.policy)
         except Exception as exc:  # the store unreachable: the default, said once in the stop line
             log.debug("config/no_spare_policy: %s", exc)
             raw = None
@@ -73,11 +74,11 @@ class ElasticResize:
         wait = getattr(self.args, "repair_after_s", 0.0)
         if not wait:
             return
-        for key, raw in self.store.list("dropped/").items():
-            node = key.split("/", 1)[1]
+        for node, dropped_at in self.values.items("dropped/", values.record_time).items():
+            key = f"dropped/{node}"
             if node not in self.local_nodes:
                 continue
-            if time.time() - float(json.loads(raw)["time"]) < wait:
+            if time.time() - dropped_at < wait:
                 continue
             for w in (w for w in self.workers if w.node == node):
                 for k in (f"exit/{w.worker_id}", f"done/{w.worker_id}", f"hb/{w.worker_id}"):
@@ -95,8 +96,13 @@ class ElasticResize:
     def _grow_tick(self, a: Assignment) -> None:
         if len(set(a.nodes.values())) >= len(self.active_nodes) or self.no_spare_policy() != "shrink":
             return  # the policy (a store read without the flag) only once the world is shrunk
+        known = {w.node for w in self.workers}
         for key in sorted(self.store.list("repaired/")):
             node = key.split("/", 1)[1]
+            if node not in known:  # only a node of this job, or one admitted by the join checks, is grown to
+                self.values.bad(values.BadValue(key, "names no node of this job (nor one admitted to join it)"))
+                self.store.delete(key)
+                continue
             if node in set(a.nodes.values()):
                 self.store.delete(key)
                 continue

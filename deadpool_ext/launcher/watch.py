@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .hangs import parse_heartbeat, stalled, store_stalled
+from . import values
+from .hangs import stalled, store_stalled
+from .values import StoreReads
 
 log = logging.getLogger("deadpool_ext.launcher")
 
 
-class HeartbeatWatch:
+class HeartbeatWatch(StoreReads):
     args: Any
     store: Any
     workers: list[Any]
@@ -53,7 +55,7 @@ class HeartbeatWatch:
             if w.node not in self.spare_nodes or w.node in self.dead_spares or wid in active:
                 self.spare_hb.pop(wid, None)
                 continue
-            beat = parse_heartbeat(raw) if (raw := self.store.get(f"hb/{wid}")) is not None else None
+            beat = self.values.get(f"hb/{wid}", values.heartbeat)
             if beat is not None:
                 self.spare_hb[wid] = float(beat["t"])
 

@@ -1,0 +1,138 @@
+"""Hostile values in every store key the coordinator reads never end its loop nor skip a check (launcher/values.py).
+
+What anyone holding the job's token can write (a worker, a joining machine) is written here into a real embedded
+store: nested 100,000 deep, a megabyte, wrongly typed, non-finite, names with path characters, and a join answer
+written before the coordinator decided anything. The coordinator's real loop runs over them; only its lease is a
+stand-in (the etcd election is not what is under test), and no worker process is started."""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+
+import pytest
+
+from deadpool_ext.cluster.membership import initial_assignment, shrink_failed
+from deadpool_ext.launcher.args import build_parser, check_args
+from deadpool_ext.launcher.cli import Supervisor
+from deadpool_ext.launcher.leader import LEADING
+from deadpool_ext.store import connect
+from deadpool_ext.store.embedded import EmbeddedStoreServer
+
+pytestmark = pytest.mark.timeout(60)
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_gpt.py")
+
+NESTED = b"[" * 100_000 + b"]" * 100_000
+HOSTILE = {"nested": NESTED, "huge": b'"' + b"x" * (1 << 20) + b'"', "list": b"[1, 2]", "nan": b"NaN",
+           "binary": b"\xff\x00\xfe", "wrong": b'{"rc": "0", "time": "x", "nproc": [2], "t": 1e999, "ok": 1}'}
+KEYS = ["assignment", "dead_spares", "exit/node0.0", "exit/../../etc", "hb/node0.0", "hb/node1.0", "hb/spare0.0",
+        "joined/extra0", "joined/../evil", "repaired/node1", "dropped/node1", "config/no_spare_policy",
+        "launcher/no_spare_policy", "leader", "host/x", "host/-1"]
+
+
+class _Lease:
+    """The coordinator role, held for good (a stand-in for the etcd lease: this test is about store values)."""
+
+    leading, lost_why = True, None
+
+    def tick(self) -> str:
+        return LEADING
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def job():
+    token = secrets.token_urlsafe(16)
+    with EmbeddedStoreServer(token=token) as server:
+        parser = build_parser()
+        args = parser.parse_args(["--nnodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1",
+                                  "--no-spare-policy", "shrink", "--repair-after-s", "0.01", "--job-id", "valjob",
+                                  SCRIPT])
+        check_args(parser, args)
+        sup = Supervisor(args)
+        sup.store = connect(server.url, token, "valjob", 10.0)
+        sup.store_url = server.url
+        sup.server = None
+        sup.assignment = initial_assignment(sup.workers, sup.active_nodes, sup.spare_nodes)
+        try:
+            yield sup, connect(server.url, token, "valjob", 10.0)
+        finally:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("kind", sorted(HOSTILE))
+def test_hostile_values_in_every_key_never_end_the_coordinator_loop(job, kind, caplog):
+    """A coordinator taking the role over finds every key it reads hostile (the assignment too, at first): its loop
+    goes on, each bad key is logged in one line, and it stops only when the job is finished."""
+    sup, attacker = job
+    sup.leader, sup.election = False, _Lease()   # it takes the role over: reads assignment and dead_spares
+    for key in KEYS:
+        attacker.set(key, HOSTILE[kind])
+    attacker.set_json("join_ack/../evil", {"ok": True, "as": "spare"})
+    good = sup.assignment.to_json()
+
+    def later() -> None:
+        time.sleep(0.3)
+        attacker.set_json("assignment", good)   # the loop takes over once a usable assignment is there
+        time.sleep(0.4)
+        attacker.set("finished", b"1")
+
+    threading.Thread(target=later, daemon=True).start()
+    with caplog.at_level(logging.WARNING, logger="deadpool_ext.launcher"):
+        started = time.monotonic()
+        assert sup._loop() == 0
+    assert time.monotonic() - started < 10
+    lines = [r.getMessage() for r in caplog.records]
+    assert all("\n" not in line and len(line) < 600 for line in lines), lines
+    said = " ".join(lines)
+    for key in ("assignment", "exit/node0.0", "exit/../../etc", "hb/node0.0", "dropped/node1", "dead_spares"):
+        assert f"store key {key!r}" in said, (key, lines)
+    # nothing was admitted: neither the name with path characters nor the unusable request
+    assert {w.node for w in sup.workers} == {"node0", "node1", "spare0"}
+    assert "../evil" not in sup.node_host and attacker.get_json("join_ack/../evil")["ok"] is False
+    assert sup.assignment.to_json() == good
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/b", "x" * 200, "node1", "0bad"])
+def test_a_prewritten_join_ack_never_admits_a_name_the_checks_refuse(job, name):
+    sup, attacker = job
+    attacker.set_json(f"joined/{name}", {"nproc": 1, "time": 0})
+    attacker.set_json(f"join_ack/{name}", {"ok": True, "as": "spare"})
+    before = list(sup.workers)
+    a = sup._join_tick(sup.assignment)
+    assert sup.workers == before and a.spares == ("spare0",)
+    assert attacker.get_json(f"join_ack/{name}")["ok"] is False   # the answer now says why
+
+
+def test_a_prewritten_join_ack_with_a_wrong_request_admits_nothing(job):
+    sup, attacker = job
+    attacker.set_json("joined/extra0", {"nproc": 3, "time": 0})     # this job's nodes have 1 process
+    attacker.set_json("join_ack/extra0", {"ok": True, "as": "spare"})
+    sup._join_tick(sup.assignment)
+    assert "extra0" not in {w.node for w in sup.workers}
+
+
+def test_a_repaired_key_naming_no_node_of_the_job_is_never_grown_to(job, caplog):
+    sup, attacker = job
+    shrunk = shrink_failed(sup.assignment, {"node1"})
+    sup.assignment = shrunk
+    for name in ("evil", "../x"):
+        attacker.set_json(f"repaired/{name}", {"time": time.time()})
+    with caplog.at_level(logging.WARNING, logger="deadpool_ext.launcher"):
+        sup._grow_tick(shrunk)
+    assert sup.assignment == shrunk and attacker.list("repaired/") == {}
+    assert "names no node of this job" in caplog.text
+
+
+def test_a_huge_fatal_report_stops_the_job_with_a_bounded_message(job, capsys):
+    sup, attacker = job
+    attacker.set("fatal", b"y" * (1 << 20))
+    assert sup._coordinate() == 1
+    err = capsys.readouterr().err
+    assert "unrecoverable state" in err and len(err) < 5000
