@@ -4,6 +4,10 @@
     torchrun --nproc-per-node 2 -m deadpool_ext.run scripts/examples/accelerate_loop.py \
         --deepspeed configs/gpt_tiny_zero3_cpu_noopt.json --steps 8 --metrics-out m.jsonl
     deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/accelerate_loop.py ...
+    accelerate launch --config_file acc.yaml -m deadpool_ext.run scripts/examples/accelerate_loop.py --steps 8
+
+Without ``--deepspeed`` the DeepSpeed config is Accelerate's own: its config YAML's ``deepspeed_config_file``,
+``accelerate launch --deepspeed_config_file``, or ``ACCELERATE_DEEPSPEED_CONFIG_FILE``.
 
 ``accelerator.prepare`` calls ``deepspeed.initialize`` with the plugin's config; the runner's hook attaches the
 extension when that config has a ``"deadpool"`` section. ``resilient_steps`` restores from memory after a restart
@@ -27,13 +31,14 @@ SEQ = 32
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--deepspeed", required=True, help="DeepSpeed config JSON (no optimizer section)")
+    p.add_argument("--deepspeed", default=None,
+                   help="DeepSpeed config JSON (no optimizer section); default: the one accelerate launch names")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None)
     args = p.parse_args()
     # (no cpu=True on a CPU machine: Accelerate then leaves DeepSpeed out; the device is chosen by itself)
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed))
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed) if args.deepspeed else None)
     torch.manual_seed(args.seed)
     with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
         data = fh.read()

@@ -277,6 +277,66 @@ def test_accelerate_loop_attaches_through_the_runner_and_trains_bit_for_bit(tmp_
 
 
 ACCELERATE = "scripts/examples/accelerate_loop.py"
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds}
+  zero3_init_flag: false
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+use_cpu: false
+"""
+
+
+def _accelerate_launch(tmp_path, name: str, launch: list[str], script_args: list[str], *, env: dict | None = None,
+                       inject: KillAt | None = None):
+    """``accelerate launch LAUNCH -m deadpool_ext.run accelerate_loop.py`` with no DeepSpeed config on the script's
+    command line: Accelerate names it (its YAML, its flag or ACCELERATE_DEEPSPEED_CONFIG_FILE)."""
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--main_process_port",
+           str(free_port()), *launch, "-m", "deadpool_ext.run", ACCELERATE, *script_args, "--metrics-out", metrics]
+    extra = dict(env or {}, HF_HOME=str(tmp_path / "hf_home"))  # no user's default Accelerate config
+    if inject is not None:
+        extra.update(inject.env(os.path.join(str(tmp_path), f"{name}.fault")))
+    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(extra),
+                  while_running=(lambda p: inject(p, metrics)) if inject is not None else None)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out, res.output[-4000:]
+    return res, read_metrics(metrics)
+
+
+def test_accelerate_launch_config_yaml_attaches_and_survives_a_restart(tmp_path, shm_root):
+    """Accelerate's own config path: its YAML names the DeepSpeed config (``deepspeed_config_file``), the script
+    passes none (``Accelerator()``). The runner finds the section in what ``accelerate launch`` hands the workers,
+    builds the process group on the attempt-prefixed store and the hook attaches through ``accelerator.prepare``;
+    rank 1 dies right after its optimizer step 3 and ``--max_restarts 1`` restores both ranks from memory."""
+    yaml = tmp_path / "accelerate.yaml"
+    yaml.write_text(ACCELERATE_YAML.format(ds=_config(tmp_path, shm_root, "configs/gpt_tiny_zero3_cpu_noopt.json")))
+    res, losses = _accelerate_launch(tmp_path, "yaml", ["--config_file", str(yaml), "--max_restarts", "1",
+                                                        "--monitor_interval", "0.2"], ["--steps", "6"],
+                                     inject=kill_at(3))
+    assert res.returncode == 0, res.output[-4000:]
+    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
+    s = _summary(res, "accelerate_loop")
+    assert s["start_step"] >= 2 and s["deadpool"]["restore"]["outcome"] == "restored", s
+    assert "Connection refused" not in res.output  # pytorch/pytorch#135712: the attempt-prefixed store
+    assert set(range(1, 7)) - set(losses) <= {3}, sorted(losses)
+
+
+def test_accelerate_launch_config_from_the_environment_attaches(tmp_path, shm_root):
+    """``ACCELERATE_DEEPSPEED_CONFIG_FILE`` set by the user, ``accelerate launch --use_deepspeed`` without a YAML:
+    attached through ``accelerator.prepare``, a snapshot committed every step."""
+    cfg = _config(tmp_path, shm_root, "configs/gpt_tiny_zero3_cpu_noopt.json")
+    res, losses = _accelerate_launch(tmp_path, "env", ["--use_deepspeed", "--num_processes", "2", "--num_machines",
+                                                       "1"], ["--steps", "2"],
+                                     env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": cfg})
+    assert res.returncode == 0, res.output[-4000:]
+    assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
+    assert _summary(res, "accelerate_loop")["deadpool"]["committed_version"] == 2 and sorted(losses) == [1, 2]
+
+
 LOOPS = {  # script, its config, the flags naming the config and the steps, the summary's tag
     "own_loop": (OWN_LOOP, "configs/gpt_tiny_zero3_cpu.json", "--deepspeed_config", "--steps"),
     "accelerate_loop": (ACCELERATE, "configs/gpt_tiny_zero3_cpu_noopt.json", "--deepspeed", "--steps"),
