@@ -66,6 +66,21 @@ def placement_for(config: DeadpoolConfig, env: WorkerEnv) -> NodePlacement:
                           launcher_pid=env.launcher_pid)
 
 
+def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str]:
+    """What a process that takes snapshots but never called ``resume()`` is told at its first snapshot (pure):
+    that a restart would start from scratch, the one line that fixes it, and the snapshots of an earlier attempt
+    of this job it left unused (``unused_versions``: what its own memory held then)."""
+    lines = [f"deadpool_ext: this process takes snapshots but never restores from them (nothing called "
+             f"resume() before the first {step_name}: no resilient_steps, HF Trainer or Lightning path): after a "
+             "restart it trains again from step 0. Fix: `start_step = engine.deadpool.resume()` right after "
+             "deepspeed.initialize / accelerator.prepare, or loop with `for step in resilient_steps(engine, loader, "
+             "max_steps=N)` (from deadpool_ext.steps import resilient_steps)"]
+    if unused_versions:
+        lines.append(f"deadpool_ext: snapshots of {step_name} {max(unused_versions)} from an earlier attempt of this "
+                     "job exist in memory and were not used: this run started again from step 0")
+    return lines
+
+
 def _drop_frames(exc: BaseException) -> None:
     """Free what the failed step's frames hold (activations, autograd graphs, gathered parameters): the exception's
     traceback keeps every frame of the interrupted forward/backward alive for as long as the caller holds the
@@ -149,6 +164,8 @@ class ResilientRuntime(ABC):
         self._catch_up: tuple[int, float] | None = None
         self._trim_at_catch_up = False
         self._spare_logged = False
+        self._resume_called = False
+        self._first_snapshot_seen = False
         self._hot_swap = membership() is not None and config.hot_swap.enabled
         from ..rebuild import swap
 
@@ -233,6 +250,7 @@ class ResilientRuntime(ABC):
 
     def _after_optimizer_step(self) -> None:
         if self.snapshots is not None:
+            self._before_first_snapshot()
             self.snapshots.after_step()
         self._after_snapshot()
 
@@ -250,6 +268,26 @@ class ResilientRuntime(ABC):
                 self._release_after_recovery("after catching up")
         hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank, state=self.adapter)
 
+    def _before_first_snapshot(self) -> None:
+        """Every step hook calls this right before ``snapshots.after_step()`` (cheap after the first)."""
+        if not self._first_snapshot_seen:
+            self._first_snapshot_seen = True
+            self._say_if_never_restored()
+
+    def _say_if_never_restored(self) -> None:
+        """At the first snapshot, before it is written: a process that never called :meth:`resume` would not
+        restore after a restart either; say so once, with the fix, and name the snapshots of an earlier attempt
+        this run left unused (its own slots, headers only: no collective)."""
+        if (self._resume_called or not self.config.recovery.restore_on_start or self.snapshots is None
+                or self.rank != 0):  # once for the job: every rank runs the same script
+            return
+        local: list[int] = []
+        with contextlib.suppress(Exception):  # a diagnosis: never the reason a step fails
+            report, _, _ = self.snapshots._scan(verify=False)
+            local = sorted(report.local)
+        for line in never_restored_lines(self.step_name, local):
+            log.warning("%s", line)
+
     # -- resume ---------------------------------------------------------------------------------------
     def resume(self, newer_than: int | None = None) -> int:
         """Restore from the memory tiers if this job has snapshots there; return the step to continue from.
@@ -259,6 +297,7 @@ class ResilientRuntime(ABC):
         (logged) instead of failing the job."""
         from ..rebuild import worker
 
+        self._resume_called = True
         if worker.pending_live():
             self._go_live()
         if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):

@@ -36,6 +36,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None)
+    p.add_argument("--plain-loop", action="store_true",
+                   help="iterate the loader without resilient_steps (attached, but nothing restores: the extension "
+                        "says so at the first snapshot)")
     args = p.parse_args()
     # (no cpu=True on a CPU machine: Accelerate then leaves DeepSpeed out; the device is chosen by itself)
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed) if args.deepspeed else None)
@@ -50,21 +53,31 @@ def main() -> None:
                                        bos_token_id=0, eos_token_id=0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    steps = resilient_steps(model, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
-    for step in steps:
-        with step as batch:  # deadpool
-            loss = model(input_ids=batch, labels=batch).loss
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
-            if args.metrics_out and model.global_rank == 0:
-                with open(args.metrics_out, "a") as fh:
-                    fh.write(json.dumps({"step": int(model.global_steps), "loss": float(loss.item())}) + "\n")
+
+    def train(batch: torch.Tensor) -> None:
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if args.metrics_out and model.global_rank == 0:
+            with open(args.metrics_out, "a") as fh:
+                fh.write(json.dumps({"step": int(model.global_steps), "loss": float(loss.item())}) + "\n")
+
+    if args.plain_loop:
+        for _, batch in zip(range(args.steps), loader):
+            train(batch)
+        start_step, swaps = 0, 0
+    else:
+        steps = resilient_steps(model, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
+        for step in steps:
+            with step as batch:  # deadpool
+                train(batch)
+        start_step, swaps = steps.start_step, steps.swaps
     # (rank 0 of the engine: on a CPU machine Accelerate runs DeepSpeed without its own distributed state, so every
     # process is its "main process")
     if model.global_rank == 0:
         dp = getattr(model, "deadpool", None)
-        summary = {"start_step": steps.start_step, "swaps": steps.swaps, "deadpool": dp.stats() if dp else None}
+        summary = {"start_step": start_step, "swaps": swaps, "deadpool": dp.stats() if dp else None}
         print(f"[accelerate_loop] summary {json.dumps(summary)}", flush=True)
 
 

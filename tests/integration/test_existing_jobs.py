@@ -327,14 +327,19 @@ def test_accelerate_launch_config_yaml_attaches_and_survives_a_restart(tmp_path,
 
 def test_accelerate_launch_config_from_the_environment_attaches(tmp_path, shm_root):
     """``ACCELERATE_DEEPSPEED_CONFIG_FILE`` set by the user, ``accelerate launch --use_deepspeed`` without a YAML:
-    attached through ``accelerator.prepare``, a snapshot committed every step."""
+    attached through ``accelerator.prepare``, a snapshot committed every step. The loop is the plain one (no
+    ``resilient_steps``, no ``resume()``): the extension says once, at the first snapshot, that nothing restores,
+    with the line that fixes it."""
     cfg = _config(tmp_path, shm_root, "configs/gpt_tiny_zero3_cpu_noopt.json")
     res, losses = _accelerate_launch(tmp_path, "env", ["--use_deepspeed", "--num_processes", "2", "--num_machines",
-                                                       "1"], ["--steps", "2"],
+                                                       "1"], ["--steps", "2", "--plain-loop"],
                                      env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": cfg})
     assert res.returncode == 0, res.output[-4000:]
     assert "attaching to the DeepSpeed engine built by accelerate" in res.output, res.output[-3000:]
     assert _summary(res, "accelerate_loop")["deadpool"]["committed_version"] == 2 and sorted(losses) == [1, 2]
+    never = [ln for ln in res.output.splitlines() if "takes snapshots but never restores from them" in ln]
+    assert len(never) == 1 and "start_step = engine.deadpool.resume()" in never[0], never
+    assert "were not used" not in res.output  # a fresh start: nothing of an earlier attempt
 
 
 LOOPS = {  # script, its config, the flags naming the config and the steps, the summary's tag

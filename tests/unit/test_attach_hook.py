@@ -337,3 +337,13 @@ def test_why_nothing_attached_names_the_cause():
     assert "import deadpool_ext.auto" in why_unattached(hook.HookState(), True)
     assert "2 deepspeed.initialize call(s)" in why_unattached(hook.HookState(installed=True, plain=2), True)
     assert "built no engine" in why_unattached(hook.HookState(installed=True), True)
+
+
+def test_a_process_that_never_restores_is_told_once_with_the_fix():
+    from deadpool_ext.integrations.base import never_restored_lines
+
+    fresh = never_restored_lines("step", [])
+    assert len(fresh) == 1 and "never restores" in fresh[0] and "engine.deadpool.resume()" in fresh[0]
+    after_restart = never_restored_lines("step", [6, 7])
+    assert after_restart[0] == fresh[0]
+    assert after_restart[1].startswith("deadpool_ext: snapshots of step 7 from an earlier attempt of this job exist")

@@ -88,6 +88,7 @@ class DeadpoolRuntime(ResilientRuntime):
 
     def _after_optimizer_step(self) -> None:
         if self.snapshots is not None:
+            self._before_first_snapshot()
             self.snapshots.after_step()
         if self.persist is not None:
             self.persist.after_step()  # tier 3 (collective every persist.interval steps)
