@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from typing import IO, Any
@@ -30,6 +29,7 @@ from .records import (
     parse_json_object,
     read_capped,
 )
+from .regular import NotRegularFileError, open_regular_file
 
 MANIFEST_PREFIX = "deadpool_manifest"
 _MANIFEST_FILE = re.compile(rf"^{MANIFEST_PREFIX}\.[A-Za-z0-9_-]{{1,64}}\.json$", re.ASCII)
@@ -41,7 +41,7 @@ class IncompleteCheckpointError(RuntimeError):
 
 def file_checksum(path: str, chunk: int = 8 << 20) -> str:
     h = xxhash.xxh3_64()
-    with open(path, "rb") as fh:
+    with open_regular_file(path) as fh:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
@@ -133,15 +133,12 @@ def read_manifests(directory: str, *, key: bytes | None = None,
 
 
 def open_regular(path: str) -> IO[bytes]:
-    """``path`` opened for reading, refusing a symbolic link or anything but a regular file."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    """``path`` opened for reading, refusing a symbolic link or anything but a regular file (a FIFO, a device or a
+    socket: ``NotRegularFileError``, never opened; a directory: `IncompleteCheckpointError`)."""
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise IncompleteCheckpointError(f"{path}: not a regular file")
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
+        return open_regular_file(path)
+    except IsADirectoryError:
+        raise IncompleteCheckpointError(f"{path}: not a regular file") from None
 
 
 def open_verified(path: str, manifest: dict[str, dict[str, Any]]) -> IO[bytes]:
@@ -158,6 +155,8 @@ def open_verified(path: str, manifest: dict[str, dict[str, Any]]) -> IO[bytes]:
         fh = open_regular(path)
     except FileNotFoundError:
         raise IncompleteCheckpointError(f"{path}: listed in the manifest but missing") from None
+    except NotRegularFileError as exc:   # a FIFO, device or socket: never opened
+        raise IncompleteCheckpointError(str(exc)) from None
     except OSError as exc:  # ELOOP: a symbolic link
         raise IncompleteCheckpointError(f"{path}: cannot be opened as a regular file ({exc.strerror})") from None
     try:

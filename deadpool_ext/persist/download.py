@@ -22,6 +22,7 @@ import xxhash
 from .atomic import IncompleteCheckpointError
 from .layout import COMMIT, VersionInfo, check_file_name
 from .records import CheckpointTrustError, one_line
+from .regular import open_regular_file
 from .storage import Storage
 
 
@@ -95,12 +96,12 @@ def _create_private_file(path: str) -> int:
 
 
 def _file_matches(path: str, nbytes: int, digest: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:   # a FIFO or device left in the cache is no copy: refused without opening it, and downloaded again
+        fh = open_regular_file(path)
     except OSError:
         return False
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode) or os.fstat(fh.fileno()).st_size != nbytes:
+    with fh:
+        if os.fstat(fh.fileno()).st_size != nbytes:
             return False
         h = xxhash.xxh3_64()
         while block := fh.read(8 << 20):

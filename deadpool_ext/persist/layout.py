@@ -43,6 +43,7 @@ from .records import (
     parse_json_object,
     read_capped,
 )
+from .regular import NotRegularFileError
 from .storage import Storage
 
 FORMAT = "deadpool-tier3/1"
@@ -124,6 +125,8 @@ def read_record_bytes(storage: Storage, rel: str) -> bytes | None:
             return read_capped(fh, where(storage, rel))
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         return None
+    except NotRegularFileError as exc:   # a FIFO or device where a record belongs: refused, never opened
+        raise BadRecordError(str(exc)) from None
 
 
 def read_json(storage: Storage, rel: str) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from .records import UnsafePathError, one_line
+from .regular import open_regular_file
 
 
 class StorageFullError(OSError):
@@ -185,15 +186,7 @@ class LocalStorage(Storage):
         return _LocalWriter(self._p(rel))
 
     def open_read(self, rel: str) -> IO[bytes]:
-        path = self._no_links(rel)
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise IsADirectoryError(errno.EISDIR, "not a regular file", path)
-            return os.fdopen(fd, "rb")
-        except BaseException:
-            os.close(fd)
-            raise
+        return open_regular_file(self._no_links(rel), f"{self.url.rstrip('/')}/{rel}")
 
     def exists(self, rel: str) -> bool:
         return os.path.lexists(self._p(rel))
@@ -270,6 +263,10 @@ class FsspecStorage(Storage):
         return _FsspecWriter(self.fs, self._p(rel))
 
     def open_read(self, rel: str) -> IO[bytes]:
+        from fsspec.implementations.local import LocalFileSystem
+
+        if isinstance(self.fs, LocalFileSystem):   # a local path can hold a FIFO or a device: checked first
+            return open_regular_file(self._p(rel), f"{self.url.rstrip('/')}/{rel}")
         fh: IO[bytes] = self.fs.open(self._p(rel), "rb")
         return fh
 
