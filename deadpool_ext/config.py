@@ -34,6 +34,23 @@ MAX_SECONDS = 7 * 24 * 3600
 keep memory or a wait forever (Python's own waits overflow not far above it)."""
 MAX_CHUNK_MB = 4096
 """Upper bound of ``snapshot.chunk_mb`` (4 GiB): the worker copies one chunk at a time."""
+MAX_STEPS = 10**9
+"""Upper bound of every interval counted in optimizer steps: longer than any run (31 years at a step a second);
+``1e30`` is a typo that would silently turn the feature off."""
+MAX_NODES = 65536
+"""The most nodes a job has (``deadpool-run --nnodes`` takes as many): ``replication.factor`` is at most one less,
+since a rank's replicas go to other nodes (placement checks the job's real node count at start)."""
+MAX_PROCS_PER_HOST = 1024
+"""The most processes on one host (``deadpool-run --nproc-per-node``): ``local.simulate_nodes`` splits them."""
+MAX_RING = 1024
+"""Upper bound of ``differential.base_interval`` and ``replay_batch``: the ring holds base_interval - 1 differentials,
+each about a quarter of the rank's state (fp32 Adam), in shared memory; 1024 is already ~256 x the state."""
+MAX_KEEP = 1000
+"""Upper bound of ``persist.keep_last``: each kept base is a whole checkpoint on storage."""
+MAX_MB_S = 1 << 20
+"""Upper bound of ``persist.max_mb_s`` (1 TiB/s, beyond any storage a host writes to)."""
+MAX_PATH = 4096
+"""Longest path or URL (Linux's PATH_MAX): ``local.shm_root``, ``persist.url``."""
 _T = typing.TypeVar("_T", bound="DataclassInstance")
 
 
@@ -83,7 +100,7 @@ class SnapshotConfig:
     to copy, hash and replicate it. ZeRO 1-3 with parameters in host memory; other layouts capture them."""
 
     def __post_init__(self) -> None:
-        _integer("interval", self.interval, 1)
+        _integer("interval", self.interval, 1, MAX_STEPS)
         _integer("chunk_mb", self.chunk_mb, 1, MAX_CHUNK_MB)
         if not isinstance(self.worker_priority, str) or self.worker_priority not in ("auto", "idle", "low", "normal"):
             _fail("worker_priority", f"must be one of auto, idle, low, normal; got {_show(self.worker_priority)}")
@@ -104,7 +121,7 @@ class ReplicationConfig:
     counted as replicated."""
 
     def __post_init__(self) -> None:
-        _integer("factor", self.factor, 0)
+        _integer("factor", self.factor, 0, MAX_NODES - 1, why=" (replicas go to other nodes than the rank's)")
         _seconds("timeout_s", self.timeout_s)
 
 
@@ -129,10 +146,11 @@ class LocalConfig:
     holds the memory meanwhile, and removes it when the window passes with no relaunch."""
 
     def __post_init__(self) -> None:
-        _integer("simulate_nodes", self.simulate_nodes, 0)
+        _integer("simulate_nodes", self.simulate_nodes, 0, MAX_PROCS_PER_HOST, why=" (at most one per process)")
         _seconds("keep_after_exit_s", self.keep_after_exit_s, zero_ok=True)
-        if not isinstance(self.shm_root, str) or not self.shm_root or "\0" in self.shm_root:
-            _fail("shm_root", f"must be a directory path, got {_show(self.shm_root)}")
+        if not isinstance(self.shm_root, str) or not self.shm_root or "\0" in self.shm_root \
+                or len(self.shm_root) > MAX_PATH:
+            _fail("shm_root", f"must be a directory path of at most {MAX_PATH} characters, got {_show(self.shm_root)}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -208,8 +226,9 @@ class DifferentialConfig:
     does); same result, slower; kept as the benchmark's baseline."""
 
     def __post_init__(self) -> None:
-        _integer("base_interval", self.base_interval, 2, why=" (a base every K steps, differentials between)")
-        _integer("replay_batch", self.replay_batch, 1)
+        _integer("base_interval", self.base_interval, 2, MAX_RING,
+                 why=" (a base every K steps, K - 1 differentials between, each held in shared memory)")
+        _integer("replay_batch", self.replay_batch, 1, MAX_RING)
         if not isinstance(self.replay, str) or self.replay not in ("fused", "stepwise"):
             _fail("replay", f"must be one of fused, stepwise; got {_show(self.replay)}")
         if not isinstance(self.compression, str) or self.compression not in ("none", "bf16"):
@@ -241,12 +260,14 @@ class PersistConfig:
     every K-th step's base is written: for jobs that must keep a fixed checkpoint cadence)."""
 
     def __post_init__(self) -> None:
-        if self.url is not None and (not isinstance(self.url, str) or "\0" in self.url):
-            _fail("url", f"must be a path or fsspec URL (or null: tier 3 off), got {_show(self.url)}")
-        _integer("interval", self.interval, 0)
-        _integer("keep_last", self.keep_last, 1)
-        if not _finite(self.max_mb_s) or self.max_mb_s < 0:
-            _fail("max_mb_s", f"must be a finite number >= 0 (0: no fixed cap), got {_show(self.max_mb_s)}")
+        if self.url is not None and (not isinstance(self.url, str) or "\0" in self.url or len(self.url) > MAX_PATH):
+            _fail("url", f"must be a path or fsspec URL of at most {MAX_PATH} characters (or null: tier 3 off), got "
+                  f"{_show(self.url)}")
+        _integer("interval", self.interval, 0, MAX_STEPS)
+        _integer("keep_last", self.keep_last, 1, MAX_KEEP)
+        if not _finite(self.max_mb_s) or not 0 <= self.max_mb_s <= MAX_MB_S:
+            _fail("max_mb_s", f"must be a finite number in 0..{MAX_MB_S} MiB/s (0: no fixed cap), got "
+                  f"{_show(self.max_mb_s)}")
         _seconds("timeout_s", self.timeout_s)
         if not isinstance(self.when_busy, str) or self.when_busy not in ("skip", "wait"):
             _fail("when_busy", f"must be one of skip, wait; got {_show(self.when_busy)}")
@@ -339,6 +360,8 @@ def _show(value: Any) -> str:
     """The value in an error message: short, and never an error itself (a 5000-digit integer, a deep list)."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
         return f"an integer of {value.bit_length()} bits"
+    if isinstance(value, str) and len(value) > _REPR.maxstring:
+        return f"{_REPR.repr(value)} ({len(value)} characters)"
     try:
         return _REPR.repr(value)
     except (ValueError, RecursionError):
@@ -354,7 +377,7 @@ def _finite(value: Any) -> bool:
 
 def _integer(path: str, value: Any, low: int, high: int | None = None, why: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"in {low}..{high}"
+        bound = f">= {low}" if high is None else f">= {low} and <= {high}"
         _fail(path, f"must be an integer {bound}{why}, got {_show(value)}")
 
 
