@@ -117,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             solo = patches.get("torch_solo_broadcast_object")
             solo.set_local(lambda: swap.mode() == "solo")
             solo.apply()
+    elif env.rank is not None and env.world_size is not None and not env.missing_for_init():
+        _group_on_the_launchers_store_when_the_script_builds_it(env.rank, env.world_size)
     code = _run_script(module, args[0] if module is None else None, script_args)
     if code == 0:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
@@ -136,6 +138,30 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "the job ran unprotected", file=sys.stderr)
             return NOT_ATTACHED_EXIT
     return code
+
+
+def _group_on_the_launchers_store_when_the_script_builds_it(rank: int, world_size: int) -> None:
+    """No section seen before the start (a config dict built in code may still attach at deepspeed.initialize):
+    the script's own env:// ``init_process_group`` builds the group as the runner would have, so a torchrun restart
+    of such a job reconnects (``patches/torch_init_process_group_launcher_store.py``)."""
+    from datetime import timedelta
+
+    from . import patches  # type: ignore[attr-defined]
+
+    def init(backend: str | None, timeout_s: float | None) -> None:
+        from torch.distributed.constants import default_pg_timeout
+
+        from .distributed import init_distributed
+
+        default = default_pg_timeout.total_seconds() if isinstance(default_pg_timeout, timedelta) else 1800.0
+        init_distributed(backend, default if timeout_s is None else timeout_s)
+
+    p = patches.get("torch_init_process_group_launcher_store")
+    try:
+        p.set_init(init, rank=rank, world_size=world_size)
+        p.apply()
+    except patches.UnsupportedVersionError as exc:  # torch's own group then: a restart may not reconnect
+        log.warning("deadpool_ext.run: %s", exc)
 
 
 def why_unattached(state: Any, deepspeed_imported: bool) -> str:

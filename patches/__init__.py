@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {
     "deepspeed_unsynced_init": "deepspeed_unsynced_init",
     "deepspeed_initialize_hook": "deepspeed_initialize_hook",
     "torch_init_process_group_once": "torch_init_process_group_once",
+    "torch_init_process_group_launcher_store": "torch_init_process_group_launcher_store",
     "torch_solo_broadcast_object": "torch_solo_broadcast_object",
     "transformers_trainer_resume": "transformers_trainer_resume",
     "transformers_trainer_logs": "transformers_trainer_logs",

@@ -33,6 +33,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed", default=None,
                    help="DeepSpeed config JSON (no optimizer section); default: the one accelerate launch names")
+    p.add_argument("--deepspeed-inline", default=None, metavar="JSON",
+                   help="the DeepSpeed config as JSON text: the script builds the dict in code (no file named)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--metrics-out", default=None)
@@ -41,7 +43,8 @@ def main() -> None:
                         "says so at the first snapshot)")
     args = p.parse_args()
     # (no cpu=True on a CPU machine: Accelerate then leaves DeepSpeed out; the device is chosen by itself)
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=args.deepspeed) if args.deepspeed else None)
+    ds_config = json.loads(args.deepspeed_inline) if args.deepspeed_inline else args.deepspeed
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config) if ds_config else None)
     torch.manual_seed(args.seed)
     with open(sysconfig.get_paths()["stdlib"] + "/argparse.py", "rb") as fh:
         data = fh.read()

@@ -347,3 +347,38 @@ def test_a_process_that_never_restores_is_told_once_with_the_fix():
     after_restart = never_restored_lines("step", [6, 7])
     assert after_restart[0] == fresh[0]
     assert after_restart[1].startswith("deadpool_ext: snapshots of step 7 from an earlier attempt of this job exist")
+
+
+def test_a_scripts_own_env_init_goes_to_the_launchers_store_and_every_other_call_is_torchs(monkeypatch):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from deadpool_ext import patches
+
+    torch_calls, ours = [], []
+
+    def torch_init(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                   group_name="", pg_options=None, device_id=None):
+        torch_calls.append(backend)
+
+    monkeypatch.setattr(c10d, "init_process_group", torch_init)
+    monkeypatch.setattr(dist, "init_process_group", torch_init)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    p = patches.get("torch_init_process_group_launcher_store")
+    p.set_init(lambda backend, timeout_s: ours.append((backend, timeout_s)), rank=1, world_size=2)
+    p.apply()
+    try:
+        dist.init_process_group(backend="gloo", timeout=timedelta(seconds=60))  # Accelerate's call
+        dist.init_process_group("gloo", None, timedelta(seconds=9), 2, 1)  # DeepSpeed's: the launcher's rank, world
+        dist.init_process_group()
+        assert ours == [("gloo", 60.0), ("gloo", 9.0), (None, None)] and torch_calls == []
+        dist.init_process_group("gloo", init_method="tcp://h:1", rank=1, world_size=2)  # its own rendezvous
+        dist.init_process_group("gloo", rank=0, world_size=2)  # not this launcher's rank
+        dist.init_process_group("gloo", store=object(), rank=1, world_size=2)
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        dist.init_process_group("gloo")  # a group exists: torch's own (its error)
+        assert torch_calls == ["gloo"] * 4 and len(ours) == 3
+    finally:
+        p.revert()
