@@ -169,15 +169,17 @@ def _secs(timeout_s: float | None) -> str:
 
 
 def server_handshake(sock: socket.socket, token: bytes, refused: Callable[[str], None],
-                     timeout_s: float | None = None) -> bool:
+                     timeout_s: float | None = None, deadline: float | None = None) -> bool:
     """Server side; True if the peer proved it knows `token`.
 
     `timeout_s` bounds the *whole* handshake (a deadline, not a per-recv timeout: a peer sending one
     byte now and then is dropped when it runs out). On refusal calls ``refused(reason)`` *before*
     answering, so the refusal is logged by the time the peer sees its error; a wrong token gets an
-    error frame, a malformed handshake just a close.
+    error frame, a malformed handshake just a close. `deadline` (monotonic), when given, replaces
+    now + `timeout_s` (a connection that waited for its handshake slot has only what is left of it).
     """
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    if deadline is None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
     server_nonce = os.urandom(NONCE_BYTES)
     try:
         send_frame(sock, {"v": PROTOCOL_VERSION, "nonce": b64(server_nonce)}, deadline)

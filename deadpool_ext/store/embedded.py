@@ -10,9 +10,11 @@ connection first completes the HMAC handshake in `deadpool_ext.store.auth` (the 
 the wire), then sends requests ``{"op": ..., ...}`` one at a time, each answered by
 ``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``.
 
-What an unauthenticated peer can cost the server (docs/security.md): one of `max_connections` slots
-for at most `auth_timeout_s` (a deadline on the whole handshake), a 4 KiB frame, and, past the first
-refusal in each `REFUSAL_LOG_INTERVAL_S`, a counter increment instead of a log line.
+What an unauthenticated peer can cost the server (docs/security.md): a slot of its own budget in the
+separate pool of handshakes (``store/admission.py``: `max_pending_per_peer` per peer, `max_pending` in all,
+a bounded queue beyond) for at most `untrusted_auth_timeout_s` from its accept, a 4 KiB frame, and, past the
+first refusal in each `REFUSAL_LOG_INTERVAL_S`, a counter increment instead of a log line. It never takes a
+slot of `max_connections`, which only the job's own uid on this host and authenticated peers hold.
 """
 from __future__ import annotations
 
@@ -27,6 +29,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from deadpool_ext.store.admission import (
+    DEFAULT_MAX_PENDING,
+    DEFAULT_MAX_PENDING_PER_PEER,
+    DEFAULT_MAX_QUEUED,
+    DEFAULT_MAX_QUEUED_PER_PEER,
+    QUEUE,
+    REFUSE,
+    Admission,
+    PeerKey,
+    peer_key,
+)
 from deadpool_ext.store.auth import (
     MAX_FRAME_BYTES,
     FrameError,
@@ -173,19 +186,16 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
     allow_reuse_address = True
-    request_queue_size = 128
+    request_queue_size = 1024   # a flood's connections must not fill the backlog ahead of the job's
     owner: EmbeddedStoreServer
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        # Runs on the accept thread: over the cap, the connection is closed before any thread is started.
-        if not self.owner._admit(client_address):
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.owner._leave()
-            raise
+        # Runs on the accept thread: a connection refused or queued starts no thread.
+        self.owner._accept(request, client_address)
+
+    def service_actions(self) -> None:
+        # serve_forever's loop, every poll interval: queued handshakes whose deadline passed are closed.
+        self.owner._sweep()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # socketserver's default prints a traceback to stderr; a failed connection is a refusal line here.
@@ -196,20 +206,15 @@ class _TCPServer6(_TCPServer):
     address_family = socket.AF_INET6
 
 
+def _who(client_address: Any, key: PeerKey) -> str:
+    return _peer(client_address) if key.uid is None else f"{_peer(client_address)} (uid {key.uid})"
+
+
 def _peer(client_address: Any) -> str:
     try:
         return f"{client_address[0]}:{client_address[1]}"
     except (TypeError, IndexError, KeyError):
         return repr(client_address)
-
-
-class _Handler(socketserver.BaseRequestHandler):
-    """One thread per connection, so one client's `wait` never blocks another client."""
-
-    server: _TCPServer
-
-    def handle(self) -> None:
-        self.server.owner._handle(self.request, self.client_address)
 
 
 class EmbeddedStoreServer:
@@ -223,15 +228,22 @@ class EmbeddedStoreServer:
     interface, which the project forbids by default, so it is refused unless
     ``allow_all_interfaces=True`` is passed on purpose.
 
-    Limits: `auth_timeout_s` is a deadline on the whole handshake of a new connection; at most
-    `max_connections` connections at once (authenticated or not), the ones beyond are closed on accept;
-    an authenticated request frame is at most `max_frame_bytes` and must arrive within `frame_timeout_s`
-    of its header. Refusals are logged at most once per `REFUSAL_LOG_INTERVAL_S` with a count.
+    Limits: `auth_timeout_s` is a deadline on the whole handshake of a connection from the job's own uid on this
+    host, `untrusted_auth_timeout_s` on any other's (from its accept, queue included); at most
+    `max_connections` connections of the job's uid and authenticated peers at once, the ones beyond are closed
+    on accept (or after authenticating); other peers' handshakes run in their own pool (`max_pending`,
+    `max_pending_per_peer`, then a queue of `max_queued_per_peer` / `max_queued`; ``store/admission.py``); an
+    authenticated request frame is at most `max_frame_bytes` and must arrive within `frame_timeout_s` of its
+    header. Refusals are logged at most once per `REFUSAL_LOG_INTERVAL_S` with a count.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: str, allow_all_interfaces: bool = False,
                  auth_timeout_s: float = 10.0, max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, frame_timeout_s: float = 60.0) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, frame_timeout_s: float = 60.0,
+                 untrusted_auth_timeout_s: float = 3.0, max_pending: int = DEFAULT_MAX_PENDING,
+                 max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER,
+                 max_queued_per_peer: int = DEFAULT_MAX_QUEUED_PER_PEER, max_queued: int = DEFAULT_MAX_QUEUED,
+                 own_uid: int | None = None) -> None:
         if not isinstance(token, str) or not token:
             raise ValueError("EmbeddedStoreServer needs a non-empty token: without it anyone could join the job")
         if not isinstance(host, str):
@@ -250,7 +262,14 @@ class EmbeddedStoreServer:
         if self._max_frame_bytes > MAX_FRAME_BYTES:
             raise ValueError(f"EmbeddedStoreServer max_frame_bytes must be at most {MAX_FRAME_BYTES} (what clients "
                              f"send), got {max_frame_bytes}")
-        self._active = 0                                   # admitted connections, counted on the accept thread
+        self._untrusted_auth_timeout_s = check_timeout(untrusted_auth_timeout_s,
+                                                       "EmbeddedStoreServer untrusted_auth_timeout_s")
+        self._admission = Admission(
+            self._max_connections, _check_count(max_pending, "EmbeddedStoreServer max_pending"),
+            _check_count(max_pending_per_peer, "EmbeddedStoreServer max_pending_per_peer"),
+            _check_count(max_queued_per_peer, "EmbeddedStoreServer max_queued_per_peer"),
+            _check_count(max_queued, "EmbeddedStoreServer max_queued"))
+        self._own_uid = own_uid   # whose connections on this host are trusted (default: this process's euid)
         self._refusals = _RefusalLog(f"{host}:{port}")
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
@@ -264,7 +283,7 @@ class EmbeddedStoreServer:
             raise RuntimeError("EmbeddedStoreServer.start() called twice")
         server_cls = _TCPServer6 if ":" in self.host else _TCPServer
         try:
-            server = server_cls((self.host, self.port), _Handler)
+            server = server_cls((self.host, self.port), socketserver.BaseRequestHandler)
         except OSError as exc:
             raise StoreError(f"cannot bind the coordination store to {self.host}:{self.port}: {exc}") from exc
         server.owner = self
@@ -301,6 +320,8 @@ class EmbeddedStoreServer:
             self._kv.cond.notify_all()
         self._server.shutdown()
         self._server.server_close()
+        for item in self._admission.expired(now=math.inf):   # still waiting for a handshake slot
+            self._server.shutdown_request(item[0])
         with self._conns_lock:
             conns = list(self._conns)
         for sock in conns:
@@ -320,25 +341,72 @@ class EmbeddedStoreServer:
         self.stop()
 
     # -- per-connection --------------------------------------------------------------------------
-    def _admit(self, client_address: Any) -> bool:
-        with self._conns_lock:
-            if self._active < self._max_connections:
-                self._active += 1
-                return True
-        self._refusals.refused(_peer(client_address), f"{self._max_connections} connections already open "
-                                                      "(max_connections)")
-        return False
+    def _accept(self, sock: socket.socket, client_address: Any) -> None:
+        """On the accept thread: which pool, then a thread, a place in the peer's queue, or a refusal."""
+        assert self._server is not None
+        key = peer_key(sock, client_address, self._own_uid)
+        timeout = self._auth_timeout_s if key.trusted else self._untrusted_auth_timeout_s
+        deadline = time.monotonic() + timeout
+        verdict, why = self._admission.arrive(key, (sock, client_address), deadline)
+        if verdict == REFUSE:
+            self._refusals.refused(_who(client_address, key), why)
+            self._server.shutdown_request(sock)
+        elif verdict != QUEUE:
+            self._start(sock, client_address, key, deadline)
 
-    def _leave(self) -> None:
-        with self._conns_lock:
-            self._active -= 1
+    def _start(self, sock: socket.socket, client_address: Any, key: PeerKey, deadline: float) -> None:
+        try:
+            threading.Thread(target=self._connection, args=(sock, client_address, key, deadline),
+                             name="deadpool-store-conn", daemon=True).start()
+        except RuntimeError:   # no thread: the connection is given up, its slot freed
+            self._refusals.refused(_who(client_address, key), "could not serve the connection (no thread)")
+            self._release(key, handshaking=not key.trusted, slot=key.trusted)
+            assert self._server is not None
+            self._server.shutdown_request(sock)
 
-    def _handle(self, sock: socket.socket, client_address: Any) -> None:
-        peer = _peer(client_address)
+    def _sweep(self) -> None:
+        assert self._server is not None
+        for sock, client_address in self._admission.expired():
+            self._refusals.refused(_peer(client_address), f"bad handshake (waited past its deadline of "
+                                                          f"{self._untrusted_auth_timeout_s:g}s for a handshake slot)")
+            self._server.shutdown_request(sock)
+
+    def _release(self, key: PeerKey, *, handshaking: bool, slot: bool) -> None:
+        """Free what a connection held: its handshake slot (starting the queued connections it lets in) and its
+        slot under max_connections."""
+        if handshaking:
+            start, drop = self._admission.handshake_done(key)
+            assert self._server is not None
+            for sock, _ in drop:
+                self._server.shutdown_request(sock)
+            for k, (sock, addr), deadline in start:
+                self._start(sock, addr, k, deadline)
+        if slot:
+            self._admission.leave()
+
+    def _connection(self, sock: socket.socket, client_address: Any, key: PeerKey, deadline: float) -> None:
+        try:
+            self._handle(sock, client_address, key, deadline)
+        finally:
+            assert self._server is not None
+            self._server.shutdown_request(sock)
+
+    def _handle(self, sock: socket.socket, client_address: Any, key: PeerKey, deadline: float) -> None:
+        peer = _who(client_address, key)
+        handshaking, slot = not key.trusted, key.trusted
         with self._conns_lock:
             self._conns.add(sock)
         try:
-            if self._authenticate(sock, peer):
+            ok = self._authenticate(sock, peer, deadline, handshaking)
+            if handshaking:
+                handshaking = False
+                self._release(key, handshaking=True, slot=False)
+                if ok and not self._admission.authenticated():
+                    self._refusals.refused(peer, f"authenticated, but {self._max_connections} connections are "
+                                                 "already open (max_connections)")
+                    ok = False
+                slot = ok
+            if ok:
                 self._serve(sock, peer)
         except (FrameError, OSError) as exc:
             log.debug("store connection from %s ended: %s", peer, exc)
@@ -347,12 +415,16 @@ class EmbeddedStoreServer:
         finally:
             with self._conns_lock:
                 self._conns.discard(sock)
-            self._leave()
+            self._release(key, handshaking=handshaking, slot=slot)
 
-    def _authenticate(self, sock: socket.socket, peer: str) -> bool:
+    def _authenticate(self, sock: socket.socket, peer: str, deadline: float, handshaking: bool) -> bool:
         def refused(reason: str) -> None:
             self._refusals.refused(peer, reason)
-        if not server_handshake(sock, self._token, refused, timeout_s=self._auth_timeout_s):
+        if deadline <= time.monotonic():
+            refused("bad handshake (waited past its deadline for a handshake slot)")
+            return False
+        timeout = self._untrusted_auth_timeout_s if handshaking else self._auth_timeout_s
+        if not server_handshake(sock, self._token, refused, timeout_s=timeout, deadline=deadline):
             return False
         sock.settimeout(None)  # authenticated clients may idle in the pool; stop() shuts them down
         return True
