@@ -197,7 +197,37 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
             return int(exc.code or 0)
         print(exc.code, file=sys.stderr)
         return 1
+    except Exception as exc:
+        from .integrations.base import ResilientRuntime
+        from .launcher.contract import worker_env
+
+        env = worker_env()
+        line = restart_teardown_line(exc, env.restart_count, env.max_restarts, ResilientRuntime.attached_total > 0)
+        if line is None:
+            raise
+        from .logs import where
+
+        print(f"deadpool_ext.run [{where()}]: {line}", file=sys.stderr, flush=True)
+        return 1
     return 0
+
+
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
+             "remote process exited", "NCCL communicator was aborted", "Socket closed")
+"""How gloo and NCCL word a collective that failed because a peer process died."""
+
+
+def restart_teardown_line(exc: BaseException, restart_count: int, max_restarts: int | None,
+                          attached: bool) -> str | None:
+    """The one line a worker prints instead of a traceback when its collective failed because a peer died and
+    torchrun restarts the job next, restoring from memory (pure). None: not that case (the traceback stands)."""
+    text = " ".join(str(exc).split())
+    if not attached or max_restarts is None or restart_count >= max_restarts:
+        return None
+    if not isinstance(exc, RuntimeError) or not any(s in text for s in LOST_PEER):
+        return None
+    return (f"a peer process was lost ({type(exc).__name__}: {text[:160]}); this worker stops so that torchrun "
+            f"restarts the job (restart {restart_count + 1} of {max_restarts}), which restores from memory")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ MALLOC_ARENA_MAX = "MALLOC_ARENA_MAX"
 """glibc's heap arena limit; deadpool-run sets it for its workers (``--malloc-arena-max``) unless it is set."""
 # torchrun only
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 RUN_ID = "TORCHELASTIC_RUN_ID"
 
@@ -142,6 +143,8 @@ class WorkerEnv:
     master_port: int | None = None
     restart_count: int = 0
     """torchrun's restart attempt (the process group's store is prefixed by it: pytorch/pytorch#135712)."""
+    max_restarts: int | None = None
+    """torchrun's ``--max-restarts`` (None: not under torchrun)."""
     agent_store: bool = False
     """torchrun shares its agent's TCPStore with the workers (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
     run_id: str | None = None
@@ -160,7 +163,8 @@ class WorkerEnv:
                    local_rank=_int(env, LOCAL_RANK, 0),
                    local_world_size=_int(env, LOCAL_WORLD_SIZE, _int(env, LOCAL_SIZE, 1)),
                    master_addr=env.get(MASTER_ADDR), master_port=_opt_int(env, MASTER_PORT),
-                   restart_count=_int(env, RESTART_COUNT, 0), agent_store=env.get(USE_AGENT_STORE) == "True",
+                   restart_count=_int(env, RESTART_COUNT, 0), max_restarts=_opt_int(env, MAX_RESTARTS),
+                   agent_store=env.get(USE_AGENT_STORE) == "True",
                    run_id=env.get(RUN_ID) or None, job_id=env.get(JOB_ID) or None,
                    timeline=env.get(TIMELINE) or None, hot_swap=hs,
                    launcher_pid=hs.launcher_pid if hs is not None and hs.launcher_pid else os.getppid())

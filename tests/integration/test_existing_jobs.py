@@ -323,6 +323,9 @@ def test_accelerate_launch_config_yaml_attaches_and_survives_a_restart(tmp_path,
     assert s["start_step"] >= 2 and s["deadpool"]["restore"]["outcome"] == "restored", s
     assert "Connection refused" not in res.output  # pytorch/pytorch#135712: the attempt-prefixed store
     assert set(range(1, 7)) - set(losses) <= {3}, sorted(losses)
+    # the survivor's failed collective before the restart: one line naming the restart, not a traceback
+    assert "this worker stops so that torchrun restarts the job (restart 1 of 1)" in res.output, res.output[-4000:]
+    assert "Traceback" not in res.output, res.output[-4000:]
 
 
 def test_accelerate_launch_config_from_the_environment_attaches(tmp_path, shm_root):

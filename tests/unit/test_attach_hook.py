@@ -382,3 +382,35 @@ def test_a_scripts_own_env_init_goes_to_the_launchers_store_and_every_other_call
         assert torch_calls == ["gloo"] * 4 and len(ours) == 3
     finally:
         p.revert()
+
+
+def test_the_worker_prefix_names_rank_and_node_once_known(monkeypatch):
+    from deadpool_ext import logs
+
+    spare = types.SimpleNamespace(rank=None, hot_swap=types.SimpleNamespace(role="spare", node="node2"))
+    monkeypatch.setattr(logs, "worker_env", lambda: spare)
+    monkeypatch.setattr(logs, "_last_rank", None)
+    rank: list[int | None] = [None]
+    monkeypatch.setattr(logs, "_current_rank", lambda: rank[0])
+    assert logs.where() == "spare node2"  # waiting for an assignment
+    rank[0] = 1
+    assert logs.where() == "r1 node2"  # took rank 1's place
+    rank[0] = None
+    assert logs.where() == "r1 node2"  # its group torn down in a swap: the last rank known stands
+    monkeypatch.setattr(logs, "worker_env", lambda: types.SimpleNamespace(rank=0, hot_swap=None))
+    monkeypatch.setattr(logs, "_last_rank", None)
+    assert logs.where() == "r?" and (rank.__setitem__(0, 0) or logs.where() == "r0")  # torchrun: no node
+
+
+def test_a_workers_expected_teardown_before_a_restart_is_one_line():
+    from deadpool_ext.run import restart_teardown_line
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:42368: Connection reset by peer.\n"
+                        "This is typically caused by a remote worker hanging")
+    line = restart_teardown_line(lost, 0, 1, True)
+    assert line and "\n" not in line and "restart 1 of 1" in line and "Connection reset by peer" in line
+    assert restart_teardown_line(lost, 1, 1, True) is None  # no restart left: the traceback stands
+    assert restart_teardown_line(lost, 0, None, True) is None  # not under torchrun
+    assert restart_teardown_line(lost, 0, 1, False) is None  # nothing restores: not an expected teardown
+    assert restart_teardown_line(ValueError("Connection reset by peer"), 0, 1, True) is None
+    assert restart_teardown_line(RuntimeError("CUDA out of memory"), 0, 1, True) is None
