@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
 from . import values
+from .final import stop_line
 from .hangs import not_formed
 from .values import StoreReads
 
@@ -130,6 +131,12 @@ class ElasticResize(StoreReads):
                   "state resharded from memory", file=sys.stderr, flush=True)
             return
 
+    def _exits_on(self, a: Assignment, nodes: set[str]) -> dict[str, int | None]:
+        """Exit status of every worker of ``nodes``: this host's processes, other hosts' from the store."""
+        exits: dict[str, int | None] = dict(self.values.items("exit/", values.exit_rc, values.WORKER_RE))
+        exits.update({wid: p.poll() for wid, p in self.procs.items()})
+        return {wid: exits.get(wid) for wid, node in a.nodes.items() if node in nodes}
+
     def _next_assignment(self, a: Assignment, failed_nodes: set[str]) -> Assignment | None:
         """The generation after a failure: spares take the failed nodes' ranks; with none left, the policy (shrink,
         wait for a spare to join, or stop). None: the job stops (said, and written to the store)."""
@@ -152,8 +159,7 @@ class ElasticResize(StoreReads):
                         self._note_dropped(new)
                         return new
                 if time.time() >= deadline:
-                    msg = (f"{exc}. Policy --no-spare-policy={policy}: stopping the job. "
-                           "Restart it with --load from the persistent tier to resume.")
+                    msg = stop_line(str(exc), policy, self._exits_on(a, failed_nodes))
                     self.event(event="stopped", reason=msg)
                     self.store.set_json("assignment", {**a.to_json(), "stop": msg})
                     print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)

@@ -246,6 +246,18 @@ def test_runner_refuses_an_engine_built_without_the_section_on_the_command_line(
     assert "has a \"deadpool\" section, but the DeepSpeed engine built by __main__" in res.output, res.output[-3000:]
 
 
+def test_deadpool_run_names_a_worker_that_exited_on_its_own(tmp_path):
+    """A script that fails by itself under deadpool-run: the final line says so (not "out of spares", not --load)."""
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit(1)\n")
+    res = run_job([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "1", "--nproc-per-node", "1",
+                   str(script)], timeout_s=120, env=base_env())
+    assert res.returncode == 1 and not res.timed_out, res.output[-3000:]
+    final = [ln for ln in res.output.splitlines() if ln.startswith("deadpool-run: ")][-1]
+    assert final.startswith("deadpool-run: worker(s) node0.0 (exit status 1) exited on its own"), final
+    assert "--spare-nodes" not in final and "persistent tier" not in final
+
+
 def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "deadpool": {

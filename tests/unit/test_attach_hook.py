@@ -414,3 +414,15 @@ def test_a_workers_expected_teardown_before_a_restart_is_one_line():
     assert restart_teardown_line(lost, 0, 1, False) is None  # nothing restores: not an expected teardown
     assert restart_teardown_line(ValueError("Connection reset by peer"), 0, 1, True) is None
     assert restart_teardown_line(RuntimeError("CUDA out of memory"), 0, 1, True) is None
+
+
+def test_the_launchers_final_line_names_the_real_cause():
+    from deadpool_ext.launcher.final import stop_line
+
+    lost = stop_line("no spare node left to replace node1", "stop", {"node1.0": -9, "node1.1": None})
+    assert "out of spares" in lost and "--load" in lost and "--spare-nodes" in lost
+    own = stop_line("no spare node left to replace node1", "stop", {"node1.0": 1, "node1.1": -9})
+    assert own.startswith("worker(s) node1.0 (exit status 1) exited on its own") and "--spare-nodes" not in own
+    assert "refused its configuration" in stop_line("x", "stop", {"node0.0": 2})
+    assert "no engine attached to" in stop_line("x", "stop", {"node0.0": 3})
+    assert all("\n" not in line for line in (lost, own))

@@ -1,0 +1,32 @@
+"""The line a deadpool-run job ends with when it stops, naming the real cause (pure, unit-tested without
+processes): a lost node with no spare left is not the same as a worker that exited on its own, and the advice
+differs (more spares or the persistent tier for the one; fixing the script or its config for the other)."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+REFUSED_EXIT = 2
+"""``python -m deadpool_ext.run``: a bad argument, section or config (the worker printed the reason)."""
+UNATTACHED_EXIT = 3
+"""``python -m deadpool_ext.run``: a section that no engine attached (the job would have run unprotected)."""
+
+
+def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None]) -> str:
+    """``no_spare``: why no replacement was found; ``exits``: exit status of each worker of the failed nodes (None:
+    still running or unknown; < 0: a signal, the launcher's own fence included)."""
+    own = {wid: rc for wid, rc in sorted(exits.items()) if rc is not None and rc > 0}
+    if not own:
+        return (f"{no_spare}. Policy --no-spare-policy={policy}: stopping the job (out of spares: more "
+                "--spare-nodes, or --no-spare-policy shrink, keeps a job going). Restart it with --load from the "
+                "persistent tier to resume, if the job writes one.")
+    codes = set(own.values())
+    who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
+    if codes == {REFUSED_EXIT}:
+        cause = "refused its configuration or arguments (the reason is the line it printed above)"
+    elif codes == {UNATTACHED_EXIT}:
+        cause = ("ran with a \"deadpool\" section that no engine attached to (the reason is the line it printed "
+                 "above)")
+    else:
+        cause = "exited on its own: the script's own error (see its last lines above), not a lost node"
+    return (f"worker(s) {who} {cause}; stopping the job. A spare or --load would not help: fix the cause and launch "
+            "again.")
