@@ -80,14 +80,20 @@ def _hook_support() -> tuple[bool, str]:
 
 
 def _turns_on(cfg: Any) -> list[str]:
+    """What the section turns on, each tier with what it depends on in the launch layout: a tier that needs other
+    nodes is off when every rank lands on one host."""
     out = []
     if not cfg.enabled:
         return ["nothing: enabled is false (DeepSpeed runs exactly as without the section)"]
-    out.append(f"snapshots of every rank's state every {cfg.snapshot.interval} step(s) into shared memory "
-               f"({cfg.local.shm_root})" + (" in the background" if cfg.snapshot.background else ", in the foreground"))
+    out.append(f"tier 1: snapshots of every rank's state every {cfg.snapshot.interval} step(s) into shared memory "
+               f"({cfg.local.shm_root})" + (" in the background" if cfg.snapshot.background else ", in the foreground")
+               + "; survives a worker's restart on the same node, not the loss of the node")
     if cfg.replication.factor:
-        out.append(f"tier 2: {cfg.replication.factor} replica(s) of each snapshot in other nodes' memory"
-                   + (f" ({cfg.local.simulate_nodes} simulated nodes on one host)" if cfg.local.simulate_nodes else ""))
+        layout = (f"{cfg.local.simulate_nodes} simulated nodes on one host (a test layout)" if cfg.local.simulate_nodes
+                  else "depends on the launch layout: on only when the ranks span at least 2 nodes (hosts, or "
+                       "deadpool-run's --nnodes); with every rank of a torchrun job on one host there is no other node "
+                       "to hold a replica and tier 2 is off")
+        out.append(f"tier 2: {cfg.replication.factor} replica(s) of each snapshot in other nodes' memory ({layout})")
     else:
         out.append("tier 2 off (replication.factor 0): a lost node's state comes only from tier 3")
     if cfg.differential.enabled:
@@ -96,7 +102,8 @@ def _turns_on(cfg: Any) -> list[str]:
         out.append(f"tier 3: a base every {cfg.persist.interval} step(s) to {cfg.persist.url}" if cfg.persist.interval
                    else f"tier 3 at {cfg.persist.url}, but persist.interval is 0: no base is ever written")
     if cfg.hot_swap.enabled:
-        out.append("hot-swap under deadpool-run (spares replace failed nodes in-process)")
+        out.append("hot-swap under deadpool-run (depends on the launch: spares from --spare-nodes replace failed "
+                   "nodes in-process; under torchrun a failure restarts every worker, which restore from tiers 1-2)")
     return out
 
 
@@ -118,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
     supported, why = _hook_support()
     megatron = "scripts/pretrain_gpt_megatron.py --deadpool-config FILE (under deadpool-run or torchrun)"
     paths: list[dict[str, Any]] = ([{"launch": megatron, "honoured": True}] if megatron_only else [
-        {"launch": "deadpool-run ... train.py / torchrun ... -m deadpool_ext.run train.py / import deadpool_ext.auto",
+        {"launch": "deadpool-run ... train.py / torchrun ... -m deadpool_ext.run train.py / accelerate launch ... -m "
+                   "deadpool_ext.run train.py / import deadpool_ext.auto",
          "honoured": supported, "why": why},
         {"launch": "deadpool_ext.deepspeed.initialize(...) in the script", "honoured": True},
         {"launch": "plain torchrun/deepspeed train.py with deepspeed.initialize", "honoured": False,

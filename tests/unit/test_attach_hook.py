@@ -426,3 +426,14 @@ def test_the_launchers_final_line_names_the_real_cause():
     assert "refused its configuration" in stop_line("x", "stop", {"node0.0": 2})
     assert "no engine attached to" in stop_line("x", "stop", {"node0.0": 3})
     assert all("\n" not in line for line in (lost, own))
+
+
+def test_check_says_which_tiers_depend_on_the_launch_layout():
+    from deadpool_ext.commands.check import _turns_on
+    from deadpool_ext.config import DeadpoolConfig
+
+    minimal = _turns_on(DeadpoolConfig.from_dict({"snapshot": {"interval": 1}, "replication": {"factor": 1}}))
+    tier2 = [ln for ln in minimal if ln.startswith("tier 2")]
+    assert tier2 and "depends on the launch layout" in tier2[0] and "tier 2 is off" in tier2[0], minimal
+    assert any("not the loss of the node" in ln for ln in minimal if ln.startswith("tier 1"))
+    assert any("depends on the launch" in ln for ln in minimal if ln.startswith("hot-swap"))
