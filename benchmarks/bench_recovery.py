@@ -141,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each job, wait at most this long for the shared machine to be quiet")
     p.add_argument("--settle-busy", type=float, default=0.35, help="'quiet' = CPU busy fraction below this")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the hot-swap with hot_swap.in_place false (every rank rebuilds its engine)")
     p.add_argument("--force-hotswap", action="store_true",
                    help="run the hot-swap job also for sizes marked as not fitting this machine (medium)")
     p.add_argument("--min-available-gib", type=float, default=1.5,
@@ -210,21 +212,28 @@ def main(argv: list[str] | None = None) -> int:
             layers, hidden, heads, seq = MODEL_SIZES[size]
             entry: dict[str, Any] = {"settings": d, "seq_len": seq, "model": {"layers": layers, "hidden": hidden,
                                                                               "heads": heads},
-                                     "runs": {"hotswap": [], "baseline": [], "reference": None}}
+                                     "runs": {"hotswap": [], "rebuild": [], "baseline": [], "reference": None}}
             doc["sizes"][size] = entry
             size_scratch = os.path.join(scratch, size)  # metrics files are appended to: never share them across sizes
             os.makedirs(size_scratch, exist_ok=True)
             try:
+                kinds = ["hotswap", *(["rebuild"] if args.rebuild else []), "baseline"]
                 for i in range(d["repeats"]):
-                    # Alternate the order so slow drift of the shared machine does not favour one side.
-                    order = ("hotswap", "baseline") if i % 2 == 0 else ("baseline", "hotswap")
+                    # Rotate the order so slow drift of the shared machine does not favour one side.
+                    order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
                     for kind in order:
-                        if kind == "hotswap" and d.get("hotswap_skip") and not args.force_hotswap:
+                        if kind != "baseline" and d.get("hotswap_skip") and not args.force_hotswap:
                             if i == 0:
-                                print(f"[bench] {size}: hot-swap not run: {d['hotswap_skip']}", flush=True)
+                                print(f"[bench] {size}: {kind} not run: {d['hotswap_skip']}", flush=True)
                             continue
-                        fn = run_hotswap if kind == "hotswap" else run_baseline
-                        res = fn(size, d, size_scratch, f"{kind}_r{i}", args, logs)
+                        if kind == "baseline":
+                            res = run_baseline(size, d, size_scratch, f"{kind}_r{i}", args, logs)
+                        else:
+                            # hotswap: today's default (hot_swap.in_place true); rebuild: every rank rebuilds
+                            mode = {"hot_swap": {"in_place": kind == "hotswap"}}
+                            dk = {**d, "deadpool": {**d.get("deadpool", {}), **mode}}
+                            res = run_hotswap(size, dk, size_scratch, f"{kind}_r{i}", args, logs)
+                            res["kind"] = kind
                         entry["runs"][kind].append(slim(res))
                         _print_run(size, res)
                         _save(doc, entry, size, json_path, md_path, t_start)
@@ -260,6 +269,9 @@ def _save(doc: dict[str, Any], entry: dict[str, Any], size: str, json_path: str,
     entry["params"] = params_from_logs(entry)
     try:
         entry["analysis"] = analyze_size(size, entry)
+        if entry["runs"].get("rebuild"):  # the same analysis over the rebuild runs (against the same baseline)
+            entry["analysis"]["rebuild"] = analyze_size(
+                size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"]["rebuild"]}})
     except Exception as exc:  # noqa: BLE001 - a partial result still gets written
         entry["analysis"] = None
         entry["analysis_error"] = f"{type(exc).__name__}: {exc}"

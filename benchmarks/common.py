@@ -154,6 +154,17 @@ def tree_digest(path: str, suffixes: tuple[str, ...] = (".py",)) -> str:
     return h.hexdigest()[:16]
 
 
+def deadpool_defaults() -> dict[str, Any] | None:
+    """Every key of the "deadpool" config section at its default, resolved by the code in this checkout."""
+    if REPO not in sys.path:
+        sys.path.insert(0, REPO)
+    try:
+        from deadpool_ext.config import DeadpoolConfig
+    except ImportError:
+        return None
+    return DeadpoolConfig().to_dict()
+
+
 def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers", "numpy")) -> dict[str, Any]:
     """Where and with what a benchmark ran: CPU count (and the cores this process may use), memory, load,
     package versions, git commit."""
@@ -170,6 +181,9 @@ def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers"
         "versions": {p: _version(p) for p in packages},
         "git": git_info(),
         "source_digest": {"deadpool_ext": tree_digest(os.path.join(REPO, "deadpool_ext"))},
+        # today's defaults of every key of the "deadpool" section: a headline measured under a default that has
+        # changed since is stale (tests/unit/test_headlines.py names it)
+        "deadpool_defaults": deadpool_defaults(),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return info

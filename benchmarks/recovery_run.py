@@ -115,6 +115,13 @@ def write_config(path: str, size: str, d: dict[str, Any], shm_root: str | None) 
     return cfg
 
 
+def _effective(section: dict[str, Any]) -> dict[str, Any]:
+    """The section as the job resolves it: every key, defaults included (a headline names what it ran under)."""
+    from deadpool_ext.config import DeadpoolConfig
+
+    return DeadpoolConfig.from_dict(section).to_dict()
+
+
 def script_args(size: str, cfg: str, n: int, metrics: str, seed: int) -> list[str]:
     return ["--deepspeed_config", cfg, "--model-size", size, "--train-iters", str(n), "--metrics-out", metrics,
             "--seed", str(seed), "--log-interval", "1"]
@@ -135,7 +142,7 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     shm_root = os.path.join("/dev/shm", f"bench_recovery.{os.getpid()}.{tag}")
     os.makedirs(shm_root, exist_ok=True)
     cfg_path = os.path.join(scratch, f"{tag}.ds.json")
-    write_config(cfg_path, size, d, shm_root)
+    section = write_config(cfg_path, size, d, shm_root)["deadpool"]
     metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
     _fresh(metrics, timeline)
     launcher = [sys.executable, "-m", "deadpool_ext.launcher.cli"]
@@ -145,7 +152,8 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     out: dict[str, Any] = {"kind": "hotswap", "tag": tag,
                            "cmd": shlex.join(["deadpool-run"] + flags +
                                              script_args(size, cfg_path, n, metrics, args.seed)),
-                           "train_iters": n, "kill_step": k, "settle": settle(args.settle_s, args.settle_busy)}
+                           "train_iters": n, "kill_step": k, "settle": settle(args.settle_s, args.settle_busy),
+                           "deadpool_config_effective": _effective(section)}
     mon_box: dict[str, Monitor] = {}
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:

@@ -2,19 +2,19 @@
 
 Reads the current results that ``benchmarks/results/INDEX.md`` names (stable file names; older runs live in
 ``benchmarks/results/archive/`` and are never read): ``snapshot_overhead.json``,
-``snapshot_overhead_medium_ab.json`` and the 20-pair runs ``snapshot_overhead_medium_n2.json``,
-``snapshot_overhead_small_n4.json`` / ``snapshot_overhead_small_n2.json`` for the interference ratios,
-``recovery_small.json`` (then ``recovery_medium.json``) for the recovery costs. Returns overrides of
+the ``snapshot_overhead_{small,medium}_n{2,4}.json`` runs for the interference ratios and ``recovery.json``
+(the default path, in-place hot-swap) for the recovery costs. Returns overrides of
 :class:`~deadpool_ext.sim.params.Costs`, each with the file and the JSON path it came from. Absent files or keys
 leave the defaults (which are these same measurements as of the commit that wrote them), and ``missing`` says so.
 
 What is taken, and why it transfers to a GPU cluster only roughly:
 
-* ``costs.snapshot_overhead_ratio`` - step-time ratio of ``deadpool`` (snapshot every iteration) over ``none``:
-  the largest model measured, and of its measurements the best resolved one (narrowest 90% interval: the most
-  steps). On 2 shared CPU cores the copy competes with compute; on GPUs it competes for PCIe and host memory
-  bandwidth only, so this is pessimistic (DeadPool reports 1.0). A ratio measured just below 1 is noise around
-  "no overhead" and is taken as 1.
+* ``costs.snapshot_overhead_ratio`` - the window ratio of ``deadpool`` (snapshot every iteration) over ``none``,
+  counted whole: a window of steps ends when its last snapshot is committed (``bench_snapshot_overhead.py``,
+  analysis rule ``window``). The largest model measured, and of its measurements the best resolved one (narrowest
+  90% interval). Taken as measured, with no clamp; results measured before the window rule (their background work
+  outside the timer) are not read. On 2 shared CPU cores the copy competes with compute; on GPUs it competes for
+  PCIe and host memory bandwidth only, so this is pessimistic for a GPU cluster.
 * ``costs.persist_overhead_ratio`` - the same for ``dcp_async`` (a background persistent checkpoint).
 * ``costs.hotswap_fixed_s`` = agree + rebuild, ``costs.restore_fixed_s`` = restore, medians of the hot-swap
   timeline's phases; ``costs.startup_s`` = the relaunched baseline's start-up and ``load_checkpoint``. The model
@@ -35,10 +35,9 @@ from .params import Params
 
 # The current results, relative to the results directory, in order of preference. These names are the stable
 # names of benchmarks/results/INDEX.md (CURRENT in benchmarks/results_index.py); a test checks that they agree.
-SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead.json", "snapshot_overhead_medium_ab.json",
-                                    "snapshot_overhead_medium_n2.json", "snapshot_overhead_small_n4.json",
-                                    "snapshot_overhead_small_n2.json")
-RECOVERY_FILES: tuple[str, ...] = ("recovery_small.json", "recovery_medium.json")
+SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead_medium_n2.json", "snapshot_overhead_medium_n4.json",
+                                    "snapshot_overhead_small_n2.json", "snapshot_overhead_small_n4.json")
+RECOVERY_FILES: tuple[str, ...] = ("recovery.json",)
 # Model sizes of the recovery benchmark, most preferred first: small has 3 repeats, medium one.
 RECOVERY_SIZES: tuple[str, ...] = ("small", "medium", "tiny")
 
@@ -140,13 +139,15 @@ def _best_ratio(docs: list[tuple[str, dict]], mode: str) -> tuple[str, str] | No
     ranked = []
     for order, (file, doc) in enumerate(docs):
         for size, entry in (doc.get("sizes") or {}).items():
-            base = f"sizes.{size}.analysis.modes.{mode}"
-            if not _number(_get(doc, f"{base}.ratio_to_none")):
+            if _get(entry, "analysis.rule") != "window":  # background work outside the timer: not counted whole
                 continue
-            ci = _get(doc, f"{base}.ratio_ci90")
+            base = f"sizes.{size}.analysis.modes.{mode}"
+            if not _number(_get(doc, f"{base}.window_ratio")):
+                continue
+            ci = _get(doc, f"{base}.window_ratio_ci90")
             width = ci[1] - ci[0] if isinstance(ci, list) and len(ci) == 2 and all(map(_number, ci)) else math.inf
             params = _get(entry, "result.params")
-            ranked.append((-(params if _number(params) else 0), width, order, file, f"{base}.ratio_to_none"))
+            ranked.append((-(params if _number(params) else 0), width, order, file, f"{base}.window_ratio"))
     return min(ranked)[3:] if ranked else None
 
 
@@ -159,13 +160,13 @@ def calibrate(results_dir: str) -> Calibration:
                                                                            "dcp_async")):
             best = _best_ratio(snaps, mode)
             if best is None:
-                cal.missing.append(f"{' / '.join(f for f, _ in snaps)}: no {mode} ratio; default kept for {key}")
+                cal.missing.append(f"{' / '.join(f for f, _ in snaps)}: no {mode} window ratio (counted whole); "
+                                   f"default kept for {key}")
                 continue
             file, path = best
-            value = _get(dict(snaps)[file], path)
-            if 0.9 <= value < 1.0:  # noise around "no overhead"; the model needs >= 1
-                value, path = 1.0, f"{path} = {value:.4f}, taken as 1"
-            _take(cal, key, value, file, path, 1.0)
+            ci = _get(dict(snaps)[file], path + "_ci90")
+            shown = f"{path} (90% CI {ci[0]:.3f}-{ci[1]:.3f})" if isinstance(ci, list) and len(ci) == 2 else path
+            _take(cal, key, _get(dict(snaps)[file], path), file, shown, 0.9)
     recs = _load_group(results_dir, RECOVERY_FILES, cal)
     found = next(((file, doc, size) for file, doc in recs for size in RECOVERY_SIZES
                   if _get(doc, f"sizes.{size}.analysis.hotswap.phases_median")), None)

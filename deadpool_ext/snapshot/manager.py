@@ -110,7 +110,11 @@ class SnapshotManager(MemoryRestore):
         self._stream: torch.cuda.Stream | None = (
             torch.cuda.Stream() if torch.cuda.is_available() else None)  # type: ignore[no-untyped-call]
         self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
-                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None}
+                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None,
+                                       # the worker thread's CPU per phase (thread_time; gloo's own threads are
+                                       # not in it): where a snapshot's cycles go, for the overhead profile
+                                       "copy_cpu_s": [], "seal_cpu_s": [], "replicate_cpu_s": [],
+                                       "commit_cpu_s": []}
         self._thread: threading.Thread | None = None
         self._epoch = 0
         """Bumped when the worker is stopped for a hot-swap: a worker of an older epoch (abandoned, still blocked
@@ -276,7 +280,7 @@ class SnapshotManager(MemoryRestore):
         assert seg is not None
         writer = SlotWriter(seg.tensor(), reserved, self.chunk_bytes)
         self._phase = "copy"
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         writer.invalidate()
         if diff:
             self.ring.versions.pop(job.slot, None)
@@ -290,7 +294,7 @@ class SnapshotManager(MemoryRestore):
         else:
             writer.copy(job.snap)
         job.copied.set()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         blob_len = writer.seal(job.snap)
         if blob_len != seg.nbytes:
             raise RuntimeError(f"snapshot of step {job.snap.version} is {blob_len} bytes, slot is {seg.nbytes}: "
@@ -299,14 +303,14 @@ class SnapshotManager(MemoryRestore):
             self.ring.stored(job.snap.version)
         else:
             self.latest = (job.snap.version, job.slot)
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.thread_time()
         self._phase = _REPLICATING
         if diff:
             assert self.dpeers is not None  # differential mode
             self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
         else:
             self.peers.replicate(seg.tensor(), blob_len)
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.thread_time()
         if epoch != self._epoch:
             raise SnapshotWorkerError("replaced at a hot-swap during the replication; no commit")
         self._phase = _COMMITTING
@@ -318,13 +322,15 @@ class SnapshotManager(MemoryRestore):
             self.committed_version = int(flag.item())
             if not diff and self.committed_version == job.snap.version:
                 self.committed_base = job.snap.version
-        t4 = time.perf_counter()
+        t4, c4 = time.perf_counter(), time.thread_time()
         self._phase = "idle"
         st = self._stats
         st["diffs" if diff else "snapshots"] += 1
         st["checksum_fused"] = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
         st["diff_nbytes" if diff else "base_nbytes"] = blob_len
-        for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3)):
+        for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3),
+                           ("copy_cpu_s", c1 - c0), ("seal_cpu_s", c2 - c1), ("replicate_cpu_s", c3 - c2),
+                           ("commit_cpu_s", c4 - c3)):
             st[key].append(value)
             trim_window(st[key])
 
@@ -424,7 +430,8 @@ class SnapshotManager(MemoryRestore):
     def stats(self) -> dict[str, Any]:
         st = dict(self._stats)
         st["worker_priority_boosts"] = self.priority.boosts
-        for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s"):
+        for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s", "copy_cpu_s", "seal_cpu_s",
+                    "replicate_cpu_s", "commit_cpu_s"):
             vals = sorted(st.pop(key))
             st[f"{key}_median"] = vals[len(vals) // 2] if vals else None
             st[f"{key}_max"] = vals[-1] if vals else None
