@@ -18,7 +18,8 @@ import json
 import sysconfig
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 SEQ = 32
 
@@ -57,6 +58,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--output-dir", default="/tmp/hf_trainer_out")
     p.add_argument("--metrics-out", default=None)
+    p.add_argument("--zero-init", action="store_true",
+                   help="build the model with from_config, as standard Trainer scripts do: under ZeRO-3 inside "
+                        "deepspeed.zero.Init (partitioned as it is built)")
     args = p.parse_args()
     targs = TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
                               per_device_train_batch_size=2, gradient_accumulation_steps=args.grad_accum,
@@ -64,8 +68,10 @@ def main() -> None:
                               data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
                               dataloader_num_workers=0)
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
-                                       bos_token_id=0, eos_token_id=0))
+    config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                        eos_token_id=0)
+    # (TrainingArguments first: with a ZeRO-3 config, from_config then builds the model inside zero.Init)
+    model = AutoModelForCausalLM.from_config(config) if args.zero_init else GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
     trainer.train()
     engine = trainer.model_wrapped

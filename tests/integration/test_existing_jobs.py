@@ -128,8 +128,9 @@ def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path,
 
 
 def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
-    # gradient accumulation 2: the Trainer fast-forwards 2 batches per step already done
-    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out")]
+    # gradient accumulation 2: the Trainer fast-forwards 2 batches per step already done. The model is built as
+    # standard Trainer scripts build it (from_config: under ZeRO-3 inside zero.Init), with the shipped config.
+    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out"), "--zero-init"]
     hf_base = "configs/hf_trainer_zero3_cpu.json"
     plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
                                                                 *args])
