@@ -5,11 +5,14 @@ it already is). Importing ``deadpool_ext`` itself never does this.
 """
 from __future__ import annotations
 
+import os
+
 from .integrations import lightning, transformers_trainer
-from .integrations.deepspeed_hook import install
+from .integrations.deepspeed_hook import default_extensions_dir, install
 from .logs import configure_logging
 
 configure_logging("info")
+default_extensions_dir(os.environ)
 install(lazy=True)
 transformers_trainer.install(lazy=True)
 lightning.install(lazy=True)

@@ -84,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(cfg.log_level if cfg is not None else "info")
     from .integrations import deepspeed_hook as hook
 
+    hook.default_extensions_dir(os.environ)
+
     if ds_configs:
         hook.expect_sections(ds_configs)
         import deadpool_ext.integrations.deepspeed  # noqa: F401  (registers the spare warm-up and teardown)

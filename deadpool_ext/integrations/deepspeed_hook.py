@@ -29,7 +29,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -311,6 +311,28 @@ def expect_sections(paths: Sequence[str]) -> None:
     """Configs with a section named for this job (by the runner): an engine later built without the section is
     then a :class:`NotAttachedError` instead of an unprotected job."""
     _state.expected = list(paths)
+
+
+TORCH_EXTENSIONS_DIR = "TORCH_EXTENSIONS_DIR"
+"""Where torch builds and caches JIT-compiled extensions (DeepSpeed's CPU communication op among them)."""
+
+
+def extensions_dir_default(environ: Mapping[str, str]) -> str:
+    """``$XDG_CACHE_HOME/deadpool/torch_extensions`` (``~/.cache/...``): one cache per user that outlives jobs,
+    checkouts and virtual environments (pure)."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "deadpool", "torch_extensions")
+
+
+def default_extensions_dir(environ: MutableMapping[str, str]) -> None:
+    """Set ``TORCH_EXTENSIONS_DIR`` for this process and its children when the user has not: torch reads it (only
+    from the environment) when DeepSpeed JIT-builds its CPU communication op, and a per-user default outside any
+    one launch means the op is compiled once (minutes on CPU) and reused by every later launch. Logged."""
+    if environ.get(TORCH_EXTENSIONS_DIR):
+        return
+    path = extensions_dir_default(environ)
+    environ[TORCH_EXTENSIONS_DIR] = path
+    log.debug("TORCH_EXTENSIONS_DIR not set: DeepSpeed's compiled ops cached in %s", path)
 
 
 def read_json(path: str) -> Any:
