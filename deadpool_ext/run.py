@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[0], file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0
+    args = launcher_args_after_script(args)
     module = None
     if args[0] == "-m":
         if len(args) < 2:
@@ -164,6 +165,19 @@ def _group_on_the_launchers_store_when_the_script_builds_it(rank: int, world_siz
         p.apply()
     except patches.UnsupportedVersionError as exc:  # torch's own group then: a restart may not reconnect
         log.warning("deadpool_ext.run: %s", exc)
+
+
+def launcher_args_after_script(args: list[str]) -> list[str]:
+    """The ``deepspeed`` launcher started with ``--module deadpool_ext.run`` puts its ``--local_rank=N`` before
+    everything else (``python -m deadpool_ext.run --local_rank=1 train.py ...``); the script expects it as its own
+    first argument, as the launcher passes it to a script started directly (pure)."""
+    lead = []
+    while args and args[0].startswith(("--local_rank=", "--local-rank=")):
+        lead.append(args.pop(0))
+    if not lead or not args:
+        return lead + args
+    split = 2 if args[0] == "-m" else 1
+    return args[:split] + lead + args[split:]
 
 
 def why_unattached(state: Any, deepspeed_imported: bool) -> str:

@@ -450,3 +450,13 @@ def test_the_compiled_op_cache_has_a_per_user_default_the_user_can_override():
     mine = {"TORCH_EXTENSIONS_DIR": "/mine", "HOME": "/home/u"}
     hook.default_extensions_dir(mine)
     assert mine["TORCH_EXTENSIONS_DIR"] == "/mine"  # the user's choice stands
+
+
+def test_the_deepspeed_launchers_local_rank_goes_to_the_script():
+    from deadpool_ext.run import launcher_args_after_script
+
+    assert launcher_args_after_script(["--local_rank=1", "train.py", "--deepspeed_config", "ds.json"]) == [
+        "train.py", "--local_rank=1", "--deepspeed_config", "ds.json"]
+    assert launcher_args_after_script(["--local_rank=0", "-m", "pkg.train", "--x"]) == ["-m", "pkg.train",
+                                                                                        "--local_rank=0", "--x"]
+    assert launcher_args_after_script(["train.py", "--local_rank=0"]) == ["train.py", "--local_rank=0"]
