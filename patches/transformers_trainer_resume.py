@@ -8,7 +8,9 @@ after ``_prepare_for_training``, ``resume(trainer) -> step or None`` (supplied b
 returns a step, makes ``_run_epoch`` start where an uninterrupted run would be: earlier epochs skipped, the
 resumed epoch fast-forwarded by the Trainer's own ``skip_first_batches`` over the steps already done (times
 gradient accumulation). The Trainer's own ``resume_from_checkpoint`` path is left untouched (``resume`` is not
-called then).
+called then). ``_load_rng_state`` returns at once for that resumed epoch's marker (:data:`MEMORY`): the RNG was
+restored from memory with the engine, and the Trainer would otherwise warn that no RNG file exists (a false
+"reproducibility is not guaranteed").
 
 Call order: ``set_resume(fn)``, then ``apply()`` (before ``Trainer.train``). Tested with transformers 5.24; the
 private methods it wraps are checked to exist. This module imports no ``deadpool_ext``.
@@ -51,7 +53,7 @@ class TrainerResume(Patch):
         resume = self._resume
         if resume is None:
             raise RuntimeError(f"patch {self.name}: apply() before set_resume()")
-        prepare, run_epoch = cls._prepare_for_training, cls._run_epoch
+        prepare, run_epoch, load_rng = cls._prepare_for_training, cls._run_epoch, cls._load_rng_state
 
         @functools.wraps(prepare)
         def _prepare_for_training(trainer: Any, max_steps: Any, train_dataloader: Any,
@@ -80,8 +82,15 @@ class TrainerResume(Patch):
                          kwargs["steps_trained_in_current_epoch"])
             return run_epoch(trainer, **kwargs)
 
+        @functools.wraps(load_rng)
+        def _load_rng_state(trainer: Any, checkpoint: Any) -> Any:
+            if checkpoint == MEMORY:
+                return None  # restored with the engine from memory; there is no RNG file to look for
+            return load_rng(trainer, checkpoint)
+
         self._swap(cls, "_prepare_for_training", _prepare_for_training)
         self._swap(cls, "_run_epoch", _run_epoch)
+        self._swap(cls, "_load_rng_state", _load_rng_state)
 
 
 PATCH = TrainerResume()

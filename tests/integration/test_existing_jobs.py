@@ -210,6 +210,7 @@ def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
     assert res.returncode == 0, res.output[-4000:]
     _hot_swapped_in_place(res, events, pids)
     assert "HF Trainer: recovered in place at step" in res.output and "training loop re-entered" in res.output
+    assert "Didn't find an RNG file" not in res.output  # the RNG came back from memory: no false warning
     _same_trajectory(losses, plain_losses, killed=4, last=8)
     s = _summary(res, "hf_trainer")
     # rank 0 kept its log history: every step once, but possibly the killed one (its update was committed, so it is

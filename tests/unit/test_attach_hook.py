@@ -172,6 +172,8 @@ def test_trainer_resume_patch_skips_finished_epochs_and_fast_forwards(monkeypatc
 
     monkeypatch.setattr(tm.Trainer, "_prepare_for_training", fake_prepare)
     monkeypatch.setattr(tm.Trainer, "_run_epoch", fake_run_epoch)
+    rng_looked: list[str] = []
+    monkeypatch.setattr(tm.Trainer, "_load_rng_state", lambda self, ckpt: rng_looked.append(ckpt))
     p = patches.get("transformers_trainer_resume")
     p._resume = None
     p.set_resume(lambda trainer: 7)
@@ -187,6 +189,10 @@ def test_trainer_resume_patch_skips_finished_epochs_and_fast_forwards(monkeypatc
         tm.Trainer._run_epoch(t, epoch=3, num_update_steps_per_epoch=3, epochs_trained=0,
                               steps_trained_in_current_epoch=0, resume_from_checkpoint=None)
         assert seen == [(2, 2, 2, "<deadpool memory>"), (3, 0, 0, None)]
+        # the resumed epoch's marker: no RNG file looked for (the RNG came back with the engine), no false warning
+        tm.Trainer._load_rng_state(t, "<deadpool memory>")
+        tm.Trainer._load_rng_state(t, "/ckpt/checkpoint-5")
+        assert rng_looked == ["/ckpt/checkpoint-5"]
         # the Trainer's own resume_from_checkpoint path: the extension's resume is not called
         t2 = types.SimpleNamespace(state=types.SimpleNamespace(global_step=5), args=t.args)
         tm.Trainer._prepare_for_training(t2, 10, "dl", "/ckpt/checkpoint-5")
