@@ -38,7 +38,7 @@ from typing import Any, cast
 
 from ..cluster.membership import Assignment, Worker, initial_assignment
 from ..memory.shm import job_shm_dir
-from ..store.base import StoreAuthError, StoreError, parse_store_endpoints
+from ..store.base import StoreAuthError, StoreError, parse_store_endpoints, rendezvous_prefix
 from . import contract, values
 from .args import (  # noqa: F401 - the command line's names, re-exported for callers of this module
     _LOG_LEVELS,
@@ -116,7 +116,6 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         self._reported: set[str] = set()
         self._fenced: set[str] = set()
         self._fence_once = threading.Lock()
-        self.c10d_stores: list[Any] = []  # torch TCPStores (torch is imported only when one is made)
         self.started = False  # every local worker spawned: errors from here on are the job's, not start-up's
         try:
             self.timeline = open(args.timeline, "a") if args.timeline else None
@@ -218,19 +217,20 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
 
     # -- stores -------------------------------------------------------------------------------------
-    def _new_c10d_store(self, world: int) -> int:
-        """A fresh c10d store for one generation, listening on ``--host`` only (torch's own server would listen
-        on every interface); the OS picks the port at bind time (no probe-then-bind race)."""
-        from ..store.c10d import serve_c10d_store
-
-        st, port = serve_c10d_store(self.args.host, world)
-        self.c10d_stores.append(st)
-        return int(port)
+    def _drop_rendezvous(self, generation: int) -> None:
+        """Remove a dead generation's rendezvous keys (gloo's addresses and counters) from the store."""
+        if generation < 0:
+            return
+        prefix = rendezvous_prefix(generation)
+        for key in self.store.list(prefix):
+            self.store.delete(key)
 
     def publish(self, a: Assignment) -> Assignment:
-        a = Assignment.from_json({**a.to_json(), "master_port": self._new_c10d_store(a.world_size),
-                                  "master_addr": self.args.host})
+        # master_port 0: the generation's rendezvous is in this store, under the job's token (store/rendezvous.py);
+        # no unauthenticated c10d port is served
+        a = Assignment.from_json({**a.to_json(), "master_port": 0, "master_addr": self.args.host})
         self.store.set_json("assignment", a.to_json())
+        self._drop_rendezvous(a.generation - 2)   # survivors of the generation before may still read theirs
         if a.generation > 0:
             # The notification survivors block on (rebuild.worker): generation g-1 is dead, leave it now.
             self.store.set(f"gen/{a.generation}", b"1")

@@ -5,8 +5,10 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
 
 1. ``Membership.start(hot_swap_env)``; ``join(min_generation=0)`` blocks until an assignment includes this worker.
    Active workers return at once; spares block here (heartbeating) until they replace a failed node.
-2. ``init_process_group(assignment)``: a fresh c10d TCPStore per generation, served by the launcher,
-   prefixed by the generation, so nothing of a dead generation is ever read.
+2. ``init_process_group(assignment)``: the generation's rendezvous under its own prefix, so nothing of a dead
+   generation is ever read: in the job's authenticated coordination store (``store/rendezvous.py``; what
+   deadpool-run publishes, ``master_port`` 0), or a c10d TCPStore at the assignment's ``master_port`` (test
+   harnesses that serve one).
 3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's
    connections (``rebuild.fence``: peers still blocked in it get an error at once), destroys every process
    group and runs the teardown hooks the integrations registered (:func:`on_teardown`; DeepSpeed: its cached
@@ -267,13 +269,24 @@ def _export_world(a: Assignment, rank: int, worker_id: str) -> None:
 
 
 def _generation_store(a: Assignment, timeout: timedelta) -> Any:
-    """The generation's c10d store (served by the launcher), prefixed by the generation so nothing of a dead
-    generation is ever read. Starts the fence's record of this generation's sockets."""
+    """The generation's rendezvous store, prefixed by the generation so nothing of a dead generation is ever
+    read: the job's coordination store (authenticated with the token) when the assignment names no c10d port.
+    Starts the fence's record of this generation's sockets."""
     fence().begin(a.generation)
+    pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
     # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
     # only released by that generation's collective timeout, and must still find the others waiting.
+    if a.master_port == 0:
+        from ..distributed import membership
+        from ..store.rendezvous import TokenStore, generation_prefix
+
+        m = membership()
+        if m is None:
+            raise RuntimeError(f"generation {a.generation}: its rendezvous is in the job's store, but this process "
+                               "has no membership client (not started by deadpool-run?)")
+        return TokenStore(m.store, generation_prefix(a.generation), 3 * timeout,
+                          dead_key=f"gen/{a.generation + 1}")
     base = dist.TCPStore(a.master_addr, a.master_port, a.world_size, is_master=False, timeout=3 * timeout)
-    pin_gloo_interface(a.master_addr)   # gloo is unauthenticated: listen towards the launcher's --host only
     return dist.PrefixStore(f"deadpool/gen{a.generation}", base)
 
 

@@ -229,6 +229,12 @@ def parse_counter(raw: bytes, key: str, where: str) -> int:
             from None
 
 
+def rendezvous_prefix(generation: int) -> str:
+    """The prefix of generation `generation`'s rendezvous keys (``store/rendezvous.py``: the c10d keys torch
+    writes while building that generation's process groups)."""
+    return f"rdzv/gen{int(generation)}/"
+
+
 MAX_ENDPOINTS = 16
 """Most endpoints one store URL may list (an etcd cluster's members)."""
 
