@@ -18,8 +18,7 @@ import json
 import sysconfig
 
 import torch
-from transformers import (AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 SEQ = 32
 
