@@ -288,7 +288,7 @@ def _print_run(size: str, r: dict[str, Any]) -> None:
     if r.get("raw_s") is None:
         return
     extra = ""
-    if r["kind"] == "hotswap" and r.get("phases"):
+    if r["kind"] in ("hotswap", "rebuild") and r.get("phases"):
         ph = r["phases"]
         extra = " phases " + " ".join(f"{k[:-2]} {_f(ph.get(k))}" for k in
                                       ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s"))

@@ -237,7 +237,16 @@ def worker(args: argparse.Namespace) -> int:
     peers_factor = snaps.peers.factor
     default_priority = snaps.priority.level
 
+    tap = snaps.tap  # differential runs: the optimizer hook that keeps each step's gradients
+
     def begin(mode: str) -> None:
+        if tap is not None:
+            # the gradient tap is differential snapshots' own work: installed for deadpool's windows only, so
+            # the baseline and the peers do not pay it
+            if mode.startswith("deadpool"):
+                tap.inner.step = tap._step
+            else:
+                tap.remove()
         if mode == "deadpool":
             snaps.active = True
         elif mode == "deadpool_t1":

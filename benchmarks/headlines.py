@@ -154,6 +154,13 @@ def render(results_dir: str = RESULTS_DIR) -> str:
     missing = [s for s in OVERHEAD if s not in src]
     if missing:
         lines.append("- Not measured yet under the window rule: " + ", ".join(f"`{m}`" for m in missing) + ".")
+    from results_index import CURRENT
+
+    others = [e for e in CURRENT if e.stem not in src and e.stem not in OVERHEAD and e.benchmark != "report"]
+    if others:
+        lines += ["", "Other current results (what each measures, when and how: `benchmarks/results/INDEX.md`; not "
+                  "headlines: not re-measured under this round's rules): "
+                  + "; ".join(f"`{e.stem}` ({e.title})" for e in others) + "."]
     return "\n".join(lines)
 
 

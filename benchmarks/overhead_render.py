@@ -22,6 +22,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
                  f"RAM, load at start {m.get('loadavg')}; torch {v.get('torch')}, deepspeed {v.get('deepspeed')}; "
                  f"git {str(git.get('commit'))[:10]}{' (dirty)' if git.get('dirty') else ''}; code digest "
                  f"`{str((doc.get('provenance') or {}).get('code_digest'))[:12]}`; {m.get('time_utc')}.")
+    if doc.get("note"):
+        lines += ["", f"Note: {doc['note']}"]
     lines += ["", "**The rule.** Each round runs a window of consecutive steps of every mode (the order rotates from "
               "round to round), each step with its checkpoint. Every rank starts a window at a barrier; the window "
               "ends when the last checkpoint in it is complete (deadpool: committed on every rank; DCP: the future "
@@ -89,7 +91,10 @@ def _render_size(size: str, entry: dict[str, Any]) -> list[str]:
         lines.append("- where the extra CPU goes, per step per rank: "
                      + ", ".join(f"{k.replace('_', ' ')} {fmt_s(v)}" for k, v in prof.items())
                      + " (worker phases: that thread's CPU; other threads: gloo's sending and receiving the "
-                       "replica, and the kernel's socket work).")
+                       "replica, and the kernel's socket work; the training thread does no snapshot work beyond "
+                       "its ~1.5 ms hook: on CPU its extra is DeepSpeed's shared-memory allreduce spinning "
+                       "(`deepspeed_shm_comm`, `wait_buffer_state_until_2` is a busy loop) while the peer rank "
+                       "is slowed by its own snapshot work, a cost of these CPU-only hosts).")
         lines.append(f"- memory traffic per snapshot per rank: {fmt_bytes(cpu['bytes_touched_per_snapshot'])} "
                      f"against the floor's {fmt_bytes(cpu['bytes_floor_per_snapshot'])} "
                      f"(x{fmt_ratio(cpu['bytes_over_floor'], 2)}"

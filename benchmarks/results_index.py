@@ -51,50 +51,21 @@ class Current:
 
 
 CURRENT: tuple[Current, ...] = (
-    Current("snapshot_overhead", "snapshot_overhead", "step-time overhead of a checkpoint every step, small + medium",
-            "Failure-free step time with a checkpoint every iteration, GPT small and medium, ZeRO-3, 4 CPU ranks: "
-            "deadpool snapshots vs DeepSpeed default / decoupled checkpoints and DCP async_save, A/B interleaved "
-            "in one job per size; blocking per checkpoint, CPU, snapshot memory.",
-            companions=("snapshot_overhead_small.log", "snapshot_overhead_medium.log")),
-    Current("snapshot_overhead_medium_ab", "snapshot_overhead", "longer A/B of the snapshot overhead, medium",
-            "Companion of snapshot_overhead for GPT medium: only `none` and `deadpool`, 12 measured steps each "
-            "(the full run has 4 per mode, which do not resolve a ratio of 1.03); the best-resolved medium ratio.",
-            companions=("snapshot_overhead_medium_ab_medium.log",)),
-    Current("snapshot_overhead_small_n2", "snapshot_overhead", "zero overhead, measured: small, 2 ranks, 20 pairs",
-            "Issue 'zero overhead': GPT small, ZeRO-3, 2 CPU ranks on 2 simulated nodes (replica on), 20 interleaved "
-            "rounds x 2 steps of none / deadpool (worker at SCHED_IDLE, boosted while the step waits) / "
-            "deadpool_normal / DeepSpeed decoupled / DCP async_save / DLRover flash: paired ratio with a 90% CI over "
-            "rounds, process and training-thread CPU per step, the CPU floor (copy, checksum, replica exchange) "
-            "measured in the same job, bytes through memory against the floor's.",
-            companions=("snapshot_overhead_small_n2_small.log",)),
-    Current("snapshot_overhead_small_n4", "snapshot_overhead", "the same, 4 ranks",
-            "The same with 4 CPU ranks (2 per simulated node) on the 2 cores.",
-            companions=("snapshot_overhead_small_n4_small.log",)),
-    Current("snapshot_overhead_medium_n2", "snapshot_overhead", "zero overhead, measured: medium, 2 ranks, 20 pairs",
-            "The same for GPT medium (124.9M, activation checkpointing) with 2 CPU ranks, 20 interleaved rounds x 1 "
-            "step of none / deadpool / DeepSpeed decoupled / DCP async_save (DLRover was not installed in that run).",
-            companions=("snapshot_overhead_medium_n2_medium.log",)),
-    Current("snapshot_overhead_medium_n2_dlrover", "snapshot_overhead", "medium, 2 ranks, with DLRover, 20 pairs",
-            "GPT medium, 2 CPU ranks, 20 interleaved rounds x 1 step of none / deadpool / DLRover flash checkpoint "
-            "(the peer the medium_n2 run could not load): deadpool paired 0.993 with its 90% CI within 1.01, DLRover "
-            "1.013 in the same job; CPU extra x0.86 of the floor.",
-            companions=("snapshot_overhead_medium_n2_dlrover_medium.log",)),
-    Current("snapshot_overhead_medium_n4", "snapshot_overhead", "the same for medium, 4 ranks",
-            "GPT medium with 4 CPU ranks (2 per simulated node), 20 interleaved rounds x 1 step of none / deadpool / "
-            "DCP async_save (a 30 s step: the other peers left out to fit the session).",
-            companions=("snapshot_overhead_medium_n4_medium.log",)),
-    Current("recovery_small", "recovery", "SIGKILL -> next step: hot-swap vs relaunch + load, small",
-            "SIGKILL of one of 3 ranks to the next completed step, GPT small, ZeRO-3: deadpool hot-swap (3 nodes + "
-            "1 spare) vs kill + relaunch + DeepSpeed load_checkpoint; phases, kill -> ready to redo the step, "
-            "loss check against an uninterrupted run; 3 repeats.",
-            companions=("recovery_small_logs",),
-            note="Written as `recovery_small_final.*` (the command's `--name`), renamed to the stable name; the "
-                 "log paths inside the JSON were updated to match."),
-    Current("recovery_medium", "recovery", "the same, medium",
-            "The same for GPT medium (125M), 1 repeat, glibc malloc tuned in both jobs to fit 24 GiB.",
-            companions=("recovery_medium_logs",),
-            note="Written as `recovery_medium_final.*`, renamed like recovery_small. The older `recovery_medium.*` "
-                 "(code 3fc63fb7) is in archive/."),
+    Current("snapshot_overhead_small_n2", "snapshot_overhead", "overhead counted whole: small, 2 ranks, every peer",
+            "Issue 'honest numbers': GPT small, ZeRO-3, 2 CPU ranks on 2 simulated nodes (replica on), the shipped "
+            "defaults with a snapshot every step; 10 interleaved rounds of 8-step windows of none / deadpool / "
+            "DeepSpeed default / DeepSpeed decoupled (PYTHON writer: FAST needs a GPU) / DCP async_save (the "
+            "captured tensors) / DLRover flash, each window ending when its last checkpoint is complete; window "
+            "and CPU ratios with 90% CIs over rounds, the CPU floor and where the extra CPU goes.",
+            companions=("snapshot_overhead_small_n2_small.log",),
+            note="Run from a clean worktree with `--out /tmp/results` and copied here."),
+    Current("recovery", "recovery", "SIGKILL -> restored / next step: in place vs rebuild vs relaunch, small + medium",
+            "SIGKILL of one of 3 ranks, GPT small and medium, ZeRO-3, 3 nodes + 1 spare: the default path "
+            "(hot_swap.in_place true) beside hot_swap.in_place false and kill + relaunch + DeepSpeed load_checkpoint "
+            "in one run; phases from each job's timeline, kill -> every rank restored, kill -> next step, losses "
+            "against the relaunched run and an uninterrupted one.",
+            companions=("recovery_logs",),
+            note="Run from a clean worktree with `--out /tmp/results` and copied here."),
     Current("recovery_hosts", "hosts", "recovery across hosts (namespace bed): host and coordinator lost",
             "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
             "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "
@@ -127,10 +98,6 @@ CURRENT: tuple[Current, ...] = (
             "Two ranks, one gloo group: a snapshot blob of a rank's captured state (139 MiB: GPT small at 2 ranks; "
             "357 MiB: medium at 4) fetched and checked before use, in 16 MiB pieces hashed as they land against one "
             "message then every checksum, 30 interleaved pairs; transfer and check alone in the same run."),
-    Current("peers", "peers", "checkpoint cost vs DeepSpeed, DCP, DLRover",
-            "Training-thread time per checkpoint and step-time ratio at intervals 1 and 4, GPT small, 4 ranks: "
-            "deadpool vs DeepSpeed default / decoupled, DCP async_save, DLRover flash checkpoint.",
-            companions=("peers.log",)),
     Current("persist", "persist", "tier-3 persist throughput, small",
             "Tier-3 bases persisted in the background, GPT small, 4 ranks: throughput against the disk bandwidth "
             "measured in the same run, time to a persisted base, capture time.",
@@ -187,6 +154,14 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    **{f"{stem}_steponly": "timed each step without the checkpoint work still running after it (the rule before "
+                           "issue 'honest numbers'); superseded by the window rule"
+       for stem in ("snapshot_overhead", "snapshot_overhead_medium_ab", "snapshot_overhead_small_n2",
+                    "snapshot_overhead_small_n4", "snapshot_overhead_medium_n2", "snapshot_overhead_medium_n2_dlrover",
+                    "snapshot_overhead_medium_n4", "peers")},
+    "recovery_small_2026-11-30": "GPT small, measured before the in-place swap became the default (every rank "
+                                 "rebuilt); superseded by the current recovery, which runs both paths",
+    "recovery_medium_2026-11-30": "GPT medium, the same: before the in-place default",
     "inplace_swap_single_trim": "the in-place swap before the catch-up trim and bounded heap arenas (code 85a462f): "
                                 "survivor RSS x1.08-1.13 over 5 swaps (single-step peaks); rebuild 1.49 -> 0.016 s",
     "recovery": "first full run (small x2 + medium baseline), code 24a8763c",

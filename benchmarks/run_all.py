@@ -35,6 +35,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from common import REPO, RESULTS_DIR, machine_info, write_json, write_text  # noqa: E402
+from headlines import render as render_headlines  # noqa: E402
 from results_index import current_stems  # noqa: E402
 
 ORDER = ("simulate", "snapshot_overhead", "peers", "recovery", "persist", "megatron")
@@ -407,59 +408,6 @@ FIGURES = (("Failure-free overhead vs checkpoint interval", fig_overhead),
            ("Memory", fig_memory))
 
 
-def _headlines(found: dict) -> list[str]:
-    out = []
-    peers = found.get("peers")
-    for a in sorted((_get(peers[1], "analysis") or {}).values() if peers else [],
-                    key=lambda a: (a["interval"], a["mode"])):
-        if a["mode"] != "none" and a["ratio_to_none"] is not None:
-            ci = a.get("ratio_ci90")
-            ci_text = f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-            out.append(f"| peers | {a['mode']} @ {a['interval']} | step ratio {a['ratio_to_none']:.3f}{ci_text}, "
-                       f"blocking {1000 * (a['blocking_s']['median'] or 0):.1f} ms per checkpoint |")
-    for note, text in (_get(peers[1], "result", "notes") or {}).items() if peers else []:
-        out.append(f"| peers | {note} | {text} |")
-    snap = found.get("snapshot_overhead")
-    for path, doc in snap.files if snap else []:
-        for size, e in (_get(doc, "sizes") or {}).items():
-            a = _get(e, "analysis", "modes", "deadpool") or {}
-            if a.get("ratio_to_none") is not None:
-                ci = a.get("ratio_ci90")
-                ci_text = f" (90% CI {ci[0]:.2f}-{ci[1]:.2f})" if ci else ""
-                pci = a.get("paired_ratio_ci90")
-                pci_text = f" (90% CI {pci[0]:.3f}-{pci[1]:.3f})" if pci else ""
-                world = _get(e, "result", "world_size")
-                cpu = _get(e, "analysis", "cpu") or {}
-                cpu_text = (f"; extra CPU {1000 * cpu['extra_cpu_s_per_step_per_rank']:.0f} ms/step/rank, "
-                            f"x{cpu['extra_over_floor']:.2f} its floor" if cpu.get("extra_over_floor") else "")
-                out.append(f"| snapshot_overhead | deadpool, {size}{f', {world} ranks' if world else ''} "
-                           f"(`{os.path.basename(path)}`) | step ratio {a['ratio_to_none']:.3f}{ci_text}, paired "
-                           f"{a.get('paired_ratio_median') or 0:.3f}{pci_text}{cpu_text} |")
-    rec = found.get("recovery")
-    for path, doc in rec.files if rec else []:
-        for size, e in (_get(doc, "sizes") or {}).items():
-            hs, bl = _get(e, "analysis", "hotswap", "raw_s", "median"), _get(e, "analysis", "baseline", "raw_s",
-                                                                              "median")
-            if hs or bl:
-                def fmt(v: float | None) -> str:
-                    return f"{v:.1f} s" if v is not None else "not run"
-
-                ready = _get(e, "analysis", "ready") or {}
-                ready_text = (f"; kill -> every rank ready to redo the step {ready['hotswap_s']:.2f} s vs "
-                              f"{ready['baseline_s']:.2f} s" if ready.get("hotswap_s") and ready.get("baseline_s")
-                              else "")
-                out.append(f"| recovery | {size} (`{os.path.basename(path)}`) | hot-swap {fmt(hs)} vs relaunch + "
-                           f"load {fmt(bl)} (SIGKILL to next step, median){ready_text} |")
-    sim = found.get("simulate")
-    for scen, s in (_get(sim[1], "scenarios") or {}).items() if sim else []:
-        for gpus, rep in s.get("sizes", {}).items():
-            r = rep["recommended"]
-            iv = ", ".join(f"{k.removesuffix('_interval')} every {v}" for k, v in r["intervals"].items())
-            out.append(f"| simulate ({scen}) | {int(gpus):,} GPUs | {r['policy']} ({iv} iterations), goodput "
-                       f"{r['goodput_mean']:.4f} |")
-    return out
-
-
 def _simulation_staleness(sim_doc: dict, results_dir: str) -> list[str]:
     """Lines saying whether a simulation was calibrated from the costs the current results give: bench_simulate
     is not rerun by --report-only, so its figures can lag behind the measurements."""
@@ -520,15 +468,14 @@ def write_report(out_dir: str, quick: bool, runs: list[dict[str, Any]], report_p
             lines.append(f"| {n} | `{_rel(path)}` | {t} | `{clean(doc.get('command', '?'))}` |")
         if n not in found:
             lines.append(f"| {n} | not measured yet | | |")
-    lines += ["", "## Headlines", "", "| benchmark | case | result |", "|---|---|---|", *_headlines(found), ""]
+    # the README's block, rendered by the same code (every figure counted whole)
+    lines += ["", "## Headlines", "", render_headlines(out_dir if quick else results_dir), ""]
     # A quick run's figures come from small models; the committed full runs, where present, say more.
     full = {n: r for n in names if (r := find_results(n, results_dir, False, results_dir)) is not None
             and n in found and os.path.abspath(r[0]) != os.path.abspath(found[n][0])
             and not r[0].endswith("_quick.json")}
-    if full:
-        lines += ["## Headlines of the committed full runs", "",
-                  "From " + ", ".join(f"`{_rel(p_)}`" for r in full.values() for p_, _ in r.files) + ".", "",
-                  "| benchmark | case | result |", "|---|---|---|", *_headlines(full), ""]
+    if full and quick:
+        lines += ["## Headlines of the committed full runs", "", render_headlines(results_dir), ""]
     for title, fn in FIGURES:
         png, caption = fn(found, fig_dir, "report")
         lines += [f"## {title}", ""]

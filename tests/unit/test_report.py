@@ -112,7 +112,7 @@ def test_report_with_results_draws_every_figure(tmp_path):
         assert (tmp_path / f"report_{png}.png").exists(), png
         assert f"report_{png}.png" in text
     assert "skipped: does not accept --out" in text
-    assert "dlrover_flash_shim" in text and "hot-swap 9.0 s vs relaunch + load 20.0 s" in text
+    assert "## Headlines\n\nRendered from the current results by `python benchmarks/headlines.py`" in text
     assert "differential_quick.json" in text  # base vs differential sizes drawn from bench_differential
 
 

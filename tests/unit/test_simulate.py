@@ -214,11 +214,11 @@ def _write(path, obj):
     path.write_text(json.dumps(obj))
 
 
-def _snap_size(params, deadpool, dcp=None):
-    modes = {"deadpool": {"ratio_to_none": deadpool[0], "ratio_ci90": deadpool[1]}}
+def _snap_size(params, deadpool, dcp=None, rule="window"):
+    modes = {"deadpool": {"window_ratio": deadpool[0], "window_ratio_ci90": deadpool[1]}}
     if dcp is not None:
-        modes["dcp_async"] = {"ratio_to_none": dcp[0], "ratio_ci90": dcp[1]}
-    return {"result": {"params": params}, "analysis": {"modes": modes}}
+        modes["dcp_async"] = {"window_ratio": dcp[0], "window_ratio_ci90": dcp[1]}
+    return {"result": {"params": params}, "analysis": {"rule": rule, "modes": modes}}
 
 
 def _rec_size(agree, rebuild, restore, startup):
@@ -228,59 +228,62 @@ def _rec_size(agree, rebuild, restore, startup):
 
 def _current_results(d):
     """The current-results layout of benchmarks/results (INDEX.md's stable names), with made-up numbers."""
-    _write(d / "snapshot_overhead.json", {"sizes": {
-        "small": _snap_size(10, (1.2, [1.1, 1.3]), (1.5, [1.4, 1.6])),
-        "medium": _snap_size(100, (1.15, [0.9, 1.4]), (1.3, [1.2, 1.4]))}})
-    # The longer medium A/B resolves the ratio better (narrower interval): it wins over the full run's medium.
-    _write(d / "snapshot_overhead_medium_ab.json", {"sizes": {"medium": _snap_size(100, (0.98, [0.95, 1.01]))}})
-    _write(d / "recovery_small.json", {"sizes": {"small": _rec_size(1.0, 5.0, 0.5, 12.0)}})
-    _write(d / "recovery_medium.json", {"sizes": {"medium": _rec_size(2.0, 9.0, 3.0, 30.0)}})
+    _write(d / "snapshot_overhead_small_n2.json", {"sizes": {"small": _snap_size(10, (1.2, [1.1, 1.3]),
+                                                                                  (1.5, [1.4, 1.6]))}})
+    _write(d / "snapshot_overhead_medium_n2.json", {"sizes": {"medium": _snap_size(100, (1.15, [0.9, 1.4]),
+                                                                                    (1.3, [1.2, 1.4]))}})
+    # The medium 4-rank run resolves the ratio better (narrower interval): it wins over the 2-rank medium.
+    _write(d / "snapshot_overhead_medium_n4.json", {"sizes": {"medium": _snap_size(100, (0.98, [0.95, 1.01]))}})
+    _write(d / "recovery.json", {"sizes": {"small": _rec_size(1.0, 5.0, 0.5, 12.0),
+                                           "medium": _rec_size(2.0, 9.0, 3.0, 30.0)}})
 
 
 def test_calibration_reads_the_current_result_files_and_names_them(tmp_path):
     _current_results(tmp_path)
     # Archived names are never read, even when present: they hold superseded runs.
-    _write(tmp_path / "recovery.json", {"sizes": {"small": _rec_size(50.0, 50.0, 50.0, 50.0)}})
+    _write(tmp_path / "recovery_small.json", {"sizes": {"small": _rec_size(50.0, 50.0, 50.0, 50.0)}})
+    # Nor an overhead measured before the window rule (its background work outside the timer).
+    _write(tmp_path / "snapshot_overhead_small_n4.json", {"sizes": {"medium": _snap_size(900, (0.9, [0.9, 0.9]),
+                                                                                         rule=None)}})
     cal = calibrate(str(tmp_path))
-    assert cal.overrides == {"costs.snapshot_overhead_ratio": 1.0,  # 0.98 from the A/B: noise below 1 -> 1
-                             "costs.persist_overhead_ratio": 1.3,   # largest model (the A/B has no dcp_async)
+    assert cal.overrides == {"costs.snapshot_overhead_ratio": 0.98,  # as measured: no clamp
+                             "costs.persist_overhead_ratio": 1.3,   # largest model (the n4 run has no dcp_async)
                              "costs.hotswap_fixed_s": 6.0, "costs.restore_fixed_s": 0.5, "costs.startup_s": 12.0}
-    ab, snap, small = (str(tmp_path / n) for n in ("snapshot_overhead_medium_ab.json", "snapshot_overhead.json",
-                                                    "recovery_small.json"))
-    assert cal.files == {"costs.snapshot_overhead_ratio": ab, "costs.persist_overhead_ratio": snap,
-                         "costs.hotswap_fixed_s": small, "costs.restore_fixed_s": small, "costs.startup_s": small}
+    n4, n2, rec = (str(tmp_path / n) for n in ("snapshot_overhead_medium_n4.json", "snapshot_overhead_medium_n2.json",
+                                                "recovery.json"))
+    assert cal.files == {"costs.snapshot_overhead_ratio": n4, "costs.persist_overhead_ratio": n2,
+                         "costs.hotswap_fixed_s": rec, "costs.restore_fixed_s": rec, "costs.startup_s": rec}
     assert cal.sources["costs.snapshot_overhead_ratio"] == (
-        f"{ab}: sizes.medium.analysis.modes.deadpool.ratio_to_none = 0.9800, taken as 1")
+        f"{n4}: sizes.medium.analysis.modes.deadpool.window_ratio (90% CI 0.950-1.010)")
     assert cal.sources["costs.hotswap_fixed_s"] == (
-        f"{small}: sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s")
+        f"{rec}: sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s")
     assert not cal.missing
     assert cal.apply(Params()).costs.startup_s == 12.0
-    assert cal.lines()[2] == (f"costs.hotswap_fixed_s = 6.000 (from {small}: "
+    assert cal.lines()[2] == (f"costs.hotswap_fixed_s = 6.000 (from {rec}: "
                               "sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s)")
 
 
-def test_calibration_falls_back_to_the_next_current_file(tmp_path):
+def test_calibration_falls_back_to_the_next_size_and_file(tmp_path):
     _current_results(tmp_path)
-    (tmp_path / "recovery_small.json").unlink()
-    (tmp_path / "snapshot_overhead_medium_ab.json").unlink()
+    _write(tmp_path / "recovery.json", {"sizes": {"medium": _rec_size(2.0, 9.0, 3.0, 30.0)}})
+    (tmp_path / "snapshot_overhead_medium_n4.json").unlink()
     cal = calibrate(str(tmp_path))
-    medium = str(tmp_path / "recovery_medium.json")
-    assert cal.overrides["costs.hotswap_fixed_s"] == 11.0 and cal.files["costs.hotswap_fixed_s"] == medium
+    assert cal.overrides["costs.hotswap_fixed_s"] == 11.0
     assert "sizes.medium.analysis.baseline" in cal.sources["costs.startup_s"]
-    # Without the A/B the full run's medium ratio (1.15) is the largest model's best.
+    # Without the 4-rank run the 2-rank medium ratio (1.15) is the largest model's best.
     assert cal.overrides["costs.snapshot_overhead_ratio"] == 1.15 and not cal.missing
 
 
 def test_calibration_without_results_keeps_defaults(tmp_path):
-    _write(tmp_path / "recovery.json", {"sizes": {"small": _rec_size(1.0, 1.0, 1.0, 1.0)}})  # an archived name
-    (tmp_path / "snapshot_overhead.json").write_text("{broken")
+    _write(tmp_path / "recovery_small.json", {"sizes": {"small": _rec_size(1.0, 1.0, 1.0, 1.0)}})  # archived name
+    (tmp_path / "snapshot_overhead_medium_n2.json").write_text("{broken")
     cal = calibrate(str(tmp_path))
     assert cal.overrides == {} and cal.files == {}
     assert len(cal.missing) == 3
-    assert "snapshot_overhead.json: unreadable" in cal.missing[0]
-    assert ("snapshot_overhead_medium_ab.json / snapshot_overhead_medium_n2.json / snapshot_overhead_small_n4.json / "
-            "snapshot_overhead_small_n2.json: not found") in cal.missing[1]
-    assert "recovery_small.json / recovery_medium.json: not found" in cal.missing[2]
+    assert "snapshot_overhead_medium_n2.json: unreadable" in cal.missing[0]
+    assert ("snapshot_overhead_medium_n4.json / snapshot_overhead_small_n2.json / snapshot_overhead_small_n4.json: "
+            "not found") in cal.missing[1]
+    assert "recovery.json: not found" in cal.missing[2]
     assert cal.apply(Params()) == Params()
 
 
