@@ -148,11 +148,13 @@ class _Store:
     def __init__(self, value=None, broken=False):
         self.value, self.broken = value, broken
 
-    def get_json(self, key):
+    def get(self, key):  # the raw bytes the launcher's bounded decoder reads (launcher/values.py)
+        import json
+
         assert key == "config/no_spare_policy"
         if self.broken:
             raise OSError("store down")
-        return self.value
+        return None if self.value is None else json.dumps(self.value).encode()
 
 
 def test_launcher_policy_flag_then_config_key_then_fail():
