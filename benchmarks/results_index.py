@@ -59,6 +59,15 @@ CURRENT: tuple[Current, ...] = (
             "and CPU ratios with 90% CIs over rounds, the CPU floor and where the extra CPU goes.",
             companions=("snapshot_overhead_small_n2_small.log",),
             note="Run from a clean worktree with `--out /tmp/results` and copied here."),
+    Current("snapshot_overhead_small_n2_differential", "snapshot_overhead",
+            "diagnostic: TierCheck differentials, counted whole, small, 2 ranks",
+            "The same job as snapshot_overhead_small_n2 with `differential.enabled: true` (a base every 10 steps, "
+            "differentials of the gradients between) and modes none / deadpool / DLRover flash: whether "
+            "differentials by default would lower the overhead counted whole (issue 'honest numbers', part 5). The "
+            "gradient tap runs in deadpool's windows only. Not a headline: a diagnostic for a default not taken.",
+            companions=("snapshot_overhead_small_n2_differential_small.log",),
+            note="Written as `snapshot_overhead_small_n2_diff.*` (`--name`) into /tmp and renamed here: the archive "
+                 "already holds an older `snapshot_overhead_small_n2_diff`."),
     Current("recovery", "recovery", "SIGKILL -> restored / next step: in place vs rebuild vs relaunch, small + medium",
             "SIGKILL of one of 3 ranks, GPT small and medium, ZeRO-3, 3 nodes + 1 spare: the default path "
             "(hot_swap.in_place true) beside hot_swap.in_place false and kill + relaunch + DeepSpeed load_checkpoint "
