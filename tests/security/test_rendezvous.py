@@ -21,6 +21,7 @@ from deadpool_ext.launcher.cli import Supervisor
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
 from deadpool_ext.testing.launch import REPO, base_env
+from tests.security._uids import python_for
 
 pytestmark = pytest.mark.timeout(120)
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_gpt.py")
@@ -77,15 +78,6 @@ INTRUDER = textwrap.dedent(r"""
 """)
 
 
-def _python_for(uid: int) -> str:
-    for exe in (sys.executable, "/usr/bin/python3"):
-        try:
-            ran = subprocess.run([exe, "-I", "-c", "pass"], user=uid, group=uid, extra_groups=[], timeout=30)
-            if ran.returncode == 0:
-                return exe
-        except (OSError, subprocess.SubprocessError):
-            continue
-    pytest.skip(f"no Python interpreter runs as uid {uid}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to a second uid needs root")
@@ -95,7 +87,7 @@ def test_rendezvous_needs_the_token_and_another_uid_reads_nothing(caplog):
         host, port = server.address
         ranks = [subprocess.Popen([sys.executable, "-c", RANK, server.url, token, str(r)], stdout=subprocess.PIPE,
                                   text=True, cwd=REPO, env=base_env({"PYTHONPATH": REPO})) for r in range(2)]
-        intruder = subprocess.run([_python_for(OTHER_UID), "-I", "-c", INTRUDER, host, str(port)], user=OTHER_UID,
+        intruder = subprocess.run([python_for(OTHER_UID), "-I", "-c", INTRUDER, host, str(port)], user=OTHER_UID,
                                   group=OTHER_UID, extra_groups=[], capture_output=True, text=True, timeout=60)
         outs = [json.loads(p.communicate(timeout=90)[0].strip().splitlines()[-1]) for p in ranks]
         assert outs == [{"sum": 3.0, "side": 2.0}] * 2

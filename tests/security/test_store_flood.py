@@ -14,7 +14,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from deadpool_ext.launcher.cli import Supervisor
 from deadpool_ext.store import connect
 from deadpool_ext.store.admission import QUEUE, REFUSE, RUN, Admission, PeerKey
 from deadpool_ext.store.embedded import EmbeddedStoreServer
+from tests.security._uids import python_for
 
 pytestmark = pytest.mark.timeout(90)
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_gpt.py")
@@ -33,6 +33,7 @@ FLOOD_UID, TOKEN_UID = 65534, 65533
 
 FLOOD = r"""
 import select, socket, sys, time
+
 host, port, n, seconds = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
 opened = closed = 0
 def one():
@@ -98,22 +99,12 @@ print("served", round(time.monotonic() - start, 3), reply["ok"] and reply["value
 """
 
 
-def _python_for(uid: int) -> str:
-    """An interpreter `uid` can run (this one may live under root's home)."""
-    for exe in (sys.executable, "/usr/bin/python3"):
-        try:
-            ran = subprocess.run([exe, "-I", "-c", "pass"], user=uid, group=uid, extra_groups=[], timeout=30)
-            if ran.returncode == 0:
-                return exe
-        except (OSError, subprocess.SubprocessError):
-            continue
-    pytest.skip(f"no Python interpreter runs as uid {uid}")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to a second uid needs root")
 def test_a_flood_from_another_uid_leaves_the_jobs_clients_served(capsys):
     token = secrets.token_urlsafe(16)
-    py = _python_for(FLOOD_UID)
+    py = python_for(FLOOD_UID)
     with EmbeddedStoreServer(token=token) as server:
         host, port = server.address
         parser = build_parser()
@@ -157,7 +148,7 @@ def test_a_flood_from_another_uid_leaves_the_jobs_clients_served(capsys):
                     assert "extra0" in values.assignment("assignment", raw).assignment.spares
                 served["follower"] = time.monotonic() - t
 
-                other = subprocess.run([_python_for(TOKEN_UID), "-I", "-c", TOKEN_CLIENT, host, str(port), token],
+                other = subprocess.run([python_for(TOKEN_UID), "-I", "-c", TOKEN_CLIENT, host, str(port), token],
                                        user=TOKEN_UID, group=TOKEN_UID, extra_groups=[], capture_output=True,
                                        text=True, timeout=30)
                 word, took, ok = other.stdout.split()
