@@ -300,6 +300,31 @@ def test_named_configs_follow_deepspeed_flags_and_accelerates_variable(tmp_path)
         (str(acc), "on the command line", False)]  # named twice: once
 
 
+def test_accelerate_launch_flag_reaches_the_workers_as_the_variable_the_runner_reads(tmp_path, monkeypatch):
+    """``accelerate launch --deepspeed_config_file F``: Accelerate's own launch code (its parser, its validation,
+    the environment it builds for the workers, as ``launch_command`` calls them) hands F to every worker as
+    ``ACCELERATE_DEEPSPEED_CONFIG_FILE``, and the runner finds the section there with nothing on the script's
+    command line. The real launch with that variable is ``test_accelerate_launch_config_from_the_environment_
+    attaches`` (tests/integration/test_existing_jobs.py)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_batch_size": 4, "deadpool": {}}))
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no user's default Accelerate config
+    monkeypatch.delenv(hook.ACCELERATE_CONFIG_ENV, raising=False)
+    script_args = ["scripts/examples/accelerate_loop.py", "--steps", "2"]
+    args = launch_command_parser().parse_args(["--use_deepspeed", "--deepspeed_config_file", str(cfg),
+                                               "--num_processes", "2", "--num_machines", "1",
+                                               "-m", "deadpool_ext.run", *script_args])
+    args, defaults, _ = _validate_launch_command(args)
+    args.deepspeed_fields_from_accelerate_config = ",".join(defaults.deepspeed_config) if defaults else ""
+    _, worker_env = prepare_deepspeed_cmd_env(args)  # the command is for multi-machine launches only
+    assert worker_env[hook.ACCELERATE_CONFIG_ENV] == str(cfg)
+    assert [p for p, _ in hook.configs_with_section(script_args[1:], worker_env)] == [
+        f"{cfg} (in ACCELERATE_DEEPSPEED_CONFIG_FILE)"]
+
+
 def test_a_deepspeed_config_that_is_not_json_is_one_line_with_line_and_column(tmp_path):
     bad = tmp_path / "ds.json"
     bad.write_text('{\n  "train_batch_size": 2,\n  "deadpool": {"snapshot": {"interval": 1}\n}\n')
