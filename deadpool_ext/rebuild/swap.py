@@ -5,8 +5,14 @@ to the process groups it was built with, in dozens of places. Destroying the gro
 rebuilding every object that holds one, and keeping the old objects alive (the survivor's memory grew by the size
 of a second engine per hot-swap). Here the groups themselves stay: each is a :class:`SwappableGroup` (a Python
 ``torch.distributed.ProcessGroup``, registered as the c10d backend ``"deadpool"``) that forwards every collective
-to an *inner* process group (gloo, or NCCL on GPU). A hot-swap replaces only the inner groups, built on the new
-generation's store; every reference a framework holds keeps working.
+to an *inner* process group. A hot-swap replaces only the inner groups, built on the new generation's store; every
+reference a framework holds keeps working.
+
+The inner communicator follows torch's ``"cpu:gloo,cuda:nccl"`` pattern: on a CPU-only job it is one gloo group;
+with CUDA it is a :class:`DeviceSplit`, a gloo group for host tensors beside an NCCL group for device tensors, and
+each collective goes to the one for its tensors' device. The group advertises CPU and CUDA, and torch and the
+frameworks issue host-tensor collectives on the default group (object collectives, ``barrier``), which NCCL
+refuses.
 
 Modes of a process (module state, set by the worker before any group exists):
 
@@ -46,7 +52,8 @@ import torch.distributed as dist
 log = logging.getLogger("deadpool_ext")
 
 BACKEND = "deadpool"
-"""The c10d backend name of swappable groups whose inner communicator is the default one (NCCL with CUDA)."""
+"""The c10d backend name of swappable groups whose inner communicator is the default one: gloo on a CPU-only job,
+gloo for host tensors beside NCCL for device tensors with CUDA (:class:`DeviceSplit`)."""
 GLOO_BACKEND = "deadpool_gloo"
 """Swappable groups whose inner communicator is always gloo (host-memory traffic, e.g. snapshots)."""
 
@@ -91,7 +98,17 @@ def default_inner() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def build_inner(kind: str, store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
+def build_inner(kind: str, store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """The inner communicator of a swappable group: gloo (``kind`` "gloo"), or for "nccl" a :class:`DeviceSplit`
+    of gloo for host tensors and NCCL for device tensors, each on its own prefix of ``store`` (as torch prefixes
+    each device's backend)."""
+    if kind == "nccl":  # GPU path (guarded: never built on CPU machines)
+        return DeviceSplit(cpu=build_backend("gloo", dist.PrefixStore("cpu/", store), rank, size, timeout),
+                           device=build_backend("nccl", dist.PrefixStore("cuda/", store), rank, size, timeout))
+    return build_backend(kind, store, rank, size, timeout)
+
+
+def build_backend(kind: str, store: Any, rank: int, size: int, timeout: timedelta) -> dist.ProcessGroup:
     """A real torch ProcessGroup with one backend (gloo for host tensors, NCCL for CUDA ones)."""
     pg = dist.ProcessGroup(store, rank, size)
     if kind == "nccl":  # GPU path (guarded: never built on CPU machines)
@@ -106,6 +123,47 @@ def build_inner(kind: str, store: Any, rank: int, size: int, timeout: timedelta)
     pg._set_default_backend(btype)
     pg._register_backend(device, btype, backend)
     return pg
+
+
+class DeviceSplit:
+    """torch's ``cpu:gloo,cuda:nccl`` pattern as an inner communicator: every collective goes to ``cpu`` (gloo)
+    when its tensors are in host memory and to ``device`` (NCCL) otherwise. A collective without tensors
+    (``barrier``, ``_start_coalescing``) goes by the device in its options or arguments, host when none is
+    named; ``monitored_barrier`` exists only in gloo."""
+
+    def __init__(self, cpu: Any, device: Any) -> None:
+        self.cpu, self.device = cpu, device
+
+    def pick(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The communicator collective ``name`` called with these arguments goes to."""
+        if name == "monitored_barrier":
+            return self.cpu
+        dev = _device_of([*args, *kwargs.values()])
+        return self.cpu if dev is None or dev.type == "cpu" else self.device
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self.pick(name, args, kwargs), name)(*args, **kwargs)
+        return call
+
+
+def _device_of(items: list[Any], depth: int = 0) -> torch.device | None:
+    """The device of the first tensor in ``items`` (nested lists, as collectives take them); else a device that
+    an options object (``BarrierOptions.device``) or an argument names; None if there is none."""
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            return x.device
+        if isinstance(x, (list, tuple)) and depth < 3:
+            found = _device_of(list(x), depth + 1)
+            if found is not None:
+                return found
+    for x in items:
+        if isinstance(x, torch.device):
+            return x
+        dev = getattr(x, "device", None)
+        if isinstance(dev, torch.device):
+            return dev
+    return None
 
 
 class _Dead:
@@ -271,10 +329,14 @@ class SwappableGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SwappableGroup(rank {self._rank} of {self._size}, {type(self.inner).__name__}, gen {self.generation})"
 
+    def _inner_for(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        inner = self.inner  # read once: a hot-swap may replace it meanwhile
+        return inner.pick(name, args, kwargs) if isinstance(inner, DeviceSplit) else inner
+
 
 def _forward(name: str) -> Any:
     def call(self: SwappableGroup, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.inner, name)(*args, **kwargs)
+        return getattr(self._inner_for(name, args, kwargs), name)(*args, **kwargs)
     call.__name__ = name
     return call
 
