@@ -42,6 +42,7 @@ from typing import Any, ClassVar
 from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
 from ..distributed import in_hot_swap, membership
+from ..launcher import keys
 from ..launcher.contract import WorkerEnv, worker_env
 from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
@@ -175,7 +176,7 @@ class ResilientRuntime(ABC):
         m = membership()
         if m is not None and rank == 0 and config.elastic.no_spare_policy is not None:
             with contextlib.suppress(Exception):  # the launcher's flag, if given, wins anyway
-                m.store.set_json("config/no_spare_policy", config.elastic.no_spare_policy)
+                m.store.set_json(keys.JOB_POLICY, config.elastic.no_spare_policy)
         atexit.register(self.close)
 
     # -- what a framework supplies ------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from typing import Any, cast
 from ..cluster.membership import Assignment, Worker, initial_assignment
 from ..memory.shm import job_shm_dir
 from ..store.base import StoreAuthError, StoreError, parse_store_endpoints, rendezvous_prefix
-from . import contract, values
+from . import contract, keys, values
 from .args import (  # noqa: F401 - the command line's names, re-exported for callers of this module
     _LOG_LEVELS,
     MAX_NODES,
@@ -145,10 +145,11 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
     # -- processes ----------------------------------------------------------------------------------
     def _spawn(self, w: Worker, role: str) -> None:
         env = dict(os.environ)
+        env.pop(contract.NO_SPARE_POLICY, None)  # set below only when this launcher was given the flag
         env.update(HotSwapEnv(store_url=self.store_url, token=self.token, job_id=self.job_id, worker_id=w.worker_id,
                               node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
                               watch_s=self.args.watch_s, shm_root=self.args.shm_root,
-                              no_spare_policy=self.args.no_spare_policy or "fail",
+                              no_spare_policy=self.args.no_spare_policy or None,
                               spare_slots=getattr(self.args, "spare_slots", "prepare")).to_environ())
         env.update({
             contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
@@ -192,14 +193,14 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         it, so a host whose key is gone runs nothing of the job)."""
         # on etcd, the host's key vanishes at the latest one lease after its launcher's last renewal
         timeout_s = max(15.0, 1.5 * self.args.leader_ttl_s) if self.election is not None else 15.0
-        self.store.set(f"fence/{node}", b"1")
+        self.store.set(keys.fence(node), keys.MARK)
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if self.store.get(f"fenced/{node}") is not None:
+                if self.store.get(keys.fenced(node)) is not None:
                     return
                 if (self.election is not None and self.node_host.get(node, JOINED_HOST) != JOINED_HOST
-                        and self.store.get(f"host/{self.node_host[node]}") is None):  # a joined node has no lease
+                        and self.store.get(keys.host(self.node_host[node])) is None):  # a joined node has no lease
                     log.info("node %s: its host %d's lease has lapsed, so its launcher stopped its workers",
                              node, self.node_host[node])
                     return
@@ -229,11 +230,11 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         # master_port 0: the generation's rendezvous is in this store, under the job's token (store/rendezvous.py);
         # no unauthenticated c10d port is served
         a = Assignment.from_json({**a.to_json(), "master_port": 0, "master_addr": self.args.host})
-        self.store.set_json("assignment", a.to_json())
+        self.store.set_json(keys.ASSIGNMENT, a.to_json())
         self._drop_rendezvous(a.generation - 2)   # survivors of the generation before may still read theirs
         if a.generation > 0:
             # The notification survivors block on (rebuild.worker): generation g-1 is dead, leave it now.
-            self.store.set(f"gen/{a.generation}", b"1")
+            self.store.set(keys.generation(a.generation), keys.MARK)
         self.assignment = a
         self.formed_after = time.time()  # the generation has formed once every rank finished a step since
         return a
@@ -281,13 +282,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
                     self._campaign_first()
                 a0 = self.publish(initial_assignment(self.workers, self.active_nodes, self.spare_nodes))
                 if self.args.no_spare_policy:  # for machines that join later (their workers restore alike)
-                    self.store.set_json("launcher/no_spare_policy", self.args.no_spare_policy)
+                    self.store.set_json(keys.LAUNCHER_POLICY, self.args.no_spare_policy)
                 self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
                            store=self.store_url, active_nodes=self.active_nodes, spare_nodes=self.spare_nodes,
                            hosts=self.args.hosts, host_rank=self.args.host_rank)
             else:
-                raw = self.store.wait(["assignment"], 120.0)["assignment"]
-                a0 = values.assignment("assignment", raw).assignment
+                raw = self.store.wait([keys.ASSIGNMENT], 120.0)[keys.ASSIGNMENT]
+                a0 = values.assignment(keys.ASSIGNMENT, raw).assignment
                 self.assignment = a0
                 if self.joining:
                     self._join_request()
@@ -337,9 +338,9 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             except Exception as exc:
                 log.debug("host list: %s", exc)
         try:
-            if self.store.get("finished") is not None:
+            if self.store.get(keys.FINISHED) is not None:
                 return 0
-            published = self.values.get("assignment", values.assignment)
+            published = self.values.get(keys.ASSIGNMENT, values.assignment)
         except Exception as exc:  # the store unreachable for a moment: the lease decides when that is fatal
             log.debug("store: %s", exc)
             return None
@@ -350,17 +351,17 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
             if rc is not None and wid not in self._reported:
                 # every exit, a clean one too: a worker that finished while the store was unreachable could not
                 # record done/<worker>, and the coordinator must not take its silence for a hang
-                self.store.set_json(f"exit/{wid}", {"rc": rc, "time": time.time()})
+                self.store.set_json(keys.exit_of(wid), keys.exit_value(rc))
                 self._reported.add(wid)   # only once it is written: an outage leaves it for the next turn
         for node in self.local_nodes - self._fenced:
-            if self.store.get(f"fence/{node}") is not None:
+            if self.store.get(keys.fence(node)) is not None:
                 self._fenced.add(node)
                 for wid in self._node_procs(node):
                     self._reported.add(wid)
                     if self.procs[wid].poll() is None:
                         self.procs[wid].kill()
                 shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
-                self.store.set(f"fenced/{node}", b"1")
+                self.store.set(keys.fenced(node), keys.MARK)
         self._repair_tick()
         return None
 
@@ -373,13 +374,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         """This launcher holds the coordinator role now (host 0 at the start, or another launcher after the
         coordinator was lost): the job's state comes from the store."""
         self._last_turn = time.time()
-        published = self.values.get("assignment", values.assignment)
+        published = self.values.get(keys.ASSIGNMENT, values.assignment)
         if published is None:  # missing or unusable (logged): the next turn tries again, the loop goes on
-            raise values.BadValue("assignment", "took the coordinator role over but the store holds no usable "
+            raise values.BadValue(keys.ASSIGNMENT, "took the coordinator role over but the store holds no usable "
                                                 "assignment")
         self.assignment = published.assignment
         self.formed_after = time.time()  # not known when it formed: a step on every rank from now on tells
-        self.dead_spares |= set(self.values.get("dead_spares", values.node_list) or [])
+        self.dead_spares |= set(self.values.get(keys.DEAD_SPARES, values.node_list) or [])
         self.seen_hb.clear()
         self.event(event="leader", host_rank=self.args.host_rank, generation=self.assignment.generation,
                    took_over_at=time.time(), hosts_alive=sorted(self._hosts_alive()))
@@ -388,7 +389,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
                         self.assignment.generation)
 
     def _hosts_alive(self) -> set[int]:
-        return {i for k in self.store.list("host/") if (i := values.host_index(k)) is not None}
+        return {i for k in self.store.list(keys.HOSTS) if (i := values.host_index(k)) is not None}
 
     def _sleep_until_child_exit(self, timeout_s: float) -> None:
         if self._wake_r is None:
@@ -439,14 +440,13 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         active = set(a.ranks)
         rcs: dict[str, int | None] = {w.worker_id: None for w in self.workers}
         rcs.update({wid: p.poll() for wid, p in self.procs.items()})
-        rcs.update(self.values.items("exit/", values.exit_rc, values.WORKER_RE))
-        if all(rcs.get(w) == 0 or self.store.get(f"done/{w}") is not None for w in active):
-            self.store.set("finished", b"1")
+        rcs.update(self.values.items(keys.EXITS, values.exit_rc, values.WORKER_RE))
+        if all(rcs.get(w) == 0 or self.store.get(keys.done(w)) is not None for w in active):
+            self.store.set(keys.FINISHED, keys.MARK)
             self.event(event="finished", generation=a.generation)
             return 0
-        fatal = self.store.get("fatal")
-        if fatal is not None:
-            msg = fatal[:values.MAX_TEXT].decode(errors="replace")   # a worker writes at most that much
+        msg = self.values.get(keys.FATAL, values.fatal_text)
+        if msg is not None:
             self.event(event="stopped", reason=msg)
             print(f"deadpool-run: stopping the job, a worker reports unrecoverable state:\n{msg}",
                   file=sys.stderr, flush=True)
@@ -475,14 +475,12 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
         for wid in active - set(failed):
             if rcs.get(wid) is not None:
                 continue
-            if self.store.get(f"done/{wid}") is not None:
+            if self.store.get(keys.done(wid)) is not None:
                 continue
-            hb = self.store.get(f"hb/{wid}")
-            if hb is not None:
-                beat = self.values.decode(f"hb/{wid}", hb, values.heartbeat)
-                if beat is not None:
-                    seen_hb[wid] = float(beat["t"])
-                    self.progress[wid] = beat
+            beat = self.values.get(keys.heartbeat(wid), values.heartbeat)
+            if beat is not None:
+                seen_hb[wid] = float(beat["t"])
+                self.progress[wid] = beat
             if wid in seen_hb and now - seen_hb[wid] > self.args.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
         self._store_stall(active, now, any(v.startswith("hung") for v in failed.values()))
@@ -503,7 +501,7 @@ class Supervisor(LeaseLapse, HeartbeatWatch, ElasticResize, JoinNodes):
                     self._kill_node(w.node)
                     self.event(event="spare_lost", node=w.node, detail=why)
         if spares_lost and self.election is not None:
-            self.store.set_json("dead_spares", sorted(self.dead_spares))
+            self.store.set_json(keys.DEAD_SPARES, sorted(self.dead_spares))
         if not failed:
             self._grow_tick(a)
             return None

@@ -94,14 +94,17 @@ class HotSwapEnv:
     heartbeat_s: float = 0.5
     watch_s: float = 0.5
     shm_root: str | None = None
-    no_spare_policy: str = "fail"
+    no_spare_policy: str | None = None
+    """``--no-spare-policy`` when the launcher was given it, else None (the job's config then decides:
+    :func:`deadpool_ext.launcher.keys.resolve_no_spare_policy`)."""
     spare_slots: str = "prepare"
 
     def to_environ(self) -> dict[str, str]:
         env = {STORE: self.store_url, STORE_TOKEN: self.token, JOB_ID: self.job_id, WORKER_ID: self.worker_id,
                NODE: self.node, ROLE: self.role, LAUNCHER_PID: str(self.launcher_pid),
-               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s), NO_SPARE_POLICY: self.no_spare_policy,
-               SPARE_SLOTS: self.spare_slots}
+               HEARTBEAT_S: repr(self.heartbeat_s), WATCH_S: repr(self.watch_s), SPARE_SLOTS: self.spare_slots}
+        if self.no_spare_policy is not None:
+            env[NO_SPARE_POLICY] = self.no_spare_policy
         if self.shm_root:
             env[SHM_ROOT] = self.shm_root
         return env
@@ -117,8 +120,8 @@ class HotSwapEnv:
         role = environ.get(ROLE, "active")
         if role not in ROLES:
             raise LaunchEnvError(f"{ROLE}={role!r}: allowed {list(ROLES)}")
-        policy = environ.get(NO_SPARE_POLICY, "fail")
-        if policy not in NO_SPARE_POLICIES:
+        policy = environ.get(NO_SPARE_POLICY) or None
+        if policy is not None and policy not in NO_SPARE_POLICIES:
             raise LaunchEnvError(f"{NO_SPARE_POLICY}={policy!r}: allowed {list(NO_SPARE_POLICIES)}")
         slots = environ.get(SPARE_SLOTS, "prepare")
         if slots not in SPARE_SLOT_MODES:

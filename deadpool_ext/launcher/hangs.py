@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterable, Mapping, Set
 from typing import Any
 
+from .keys import HEARTBEATS
 from .values import BadValue, heartbeat  # the schema lives with every other store value's
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -16,7 +17,7 @@ def parse_heartbeat(raw: bytes) -> dict[str, Any] | None:
     """A worker's ``hb/`` value: JSON ``{"t", "step", "step_at", "coll", "still_s"}`` (or a bare time, from an older
     worker); None for anything else (logged: a heartbeat nobody can read must not pass for a live one)."""
     try:
-        return heartbeat("hb/", raw)
+        return heartbeat(HEARTBEATS, raw)
     except BadValue as exc:
         log.warning("unreadable heartbeat: %s", exc)
         return None

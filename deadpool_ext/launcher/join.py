@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, Worker
-from . import values
+from . import keys, values
 from .values import StoreReads
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -67,18 +67,18 @@ class JoinNodes(StoreReads):
     def _join_request(self) -> None:
         """Before the processes start: take the job's --no-spare-policy (its workers must restore as the job's
         do: an elastic restore is collective), then ask to be admitted."""
-        job_policy = self.values.get("launcher/no_spare_policy", values.policy)
+        job_policy = self.values.get(keys.LAUNCHER_POLICY, values.policy)
         if job_policy is not None and self.args.no_spare_policy not in (None, job_policy):
             raise SystemExit(f"deadpool-run: --join {self.args.join}: --no-spare-policy {self.args.no_spare_policy}, "
                              f"but job {self.job_id} runs with {job_policy}: drop the flag")
         if job_policy in ("fail", "wait", "shrink"):
             self.args.no_spare_policy = job_policy
-        if self.store.get(f"joined/{self.args.join}") is not None:
+        if self.store.get(keys.join_request(self.args.join)) is not None:
             raise SystemExit(f"deadpool-run: --join {self.args.join}: a machine already asked to join job "
                              f"{self.job_id} under that name; pass another --join NAME")
         self._join_deadline = time.time() + JOIN_ACK_S
         self._join_answered = False
-        self.store.set_json(f"joined/{self.args.join}", {"nproc": int(self.args.nproc_per_node), "time": time.time()})
+        self.store.set_json(keys.join_request(self.args.join), keys.join_request_value(self.args.nproc_per_node))
         log.info("--join %s: asked job %s to admit this node (%d process(es)); its processes start as spares",
                  self.args.join, self.job_id, self.args.nproc_per_node)
 
@@ -86,7 +86,7 @@ class JoinNodes(StoreReads):
         """None to go on, else the exit code: refused, unanswered, or (admitted) the job's store gone."""
         name = self.args.join
         try:
-            ack = self.values.get(f"join_ack/{name}", values.join_ack)
+            ack = self.values.get(keys.join_answer(name), values.join_ack)
             self._join_store_ok = time.time()
         except Exception as exc:
             if time.time() - getattr(self, "_join_store_ok", time.time()) < JOIN_STORE_LOST_S:
@@ -122,18 +122,18 @@ class JoinNodes(StoreReads):
             return a
         self._join_next = now + JOIN_POLL_S
         decided: set[str] = self.__dict__.setdefault("_join_decided", set())
-        for key, raw in sorted(self.store.list("joined/").items()):
-            name = key.split("/", 1)[1]
+        for key, raw in sorted(self.store.list(keys.JOIN_REQUESTS).items()):
+            name = key[len(keys.JOIN_REQUESTS):]
             if name in decided:
                 continue
             decided.add(name)
             # answered by a coordinator before this one (or written by anyone holding the token): its answer
             # decides nothing until the request passes the same checks here
-            earlier = self.values.get(f"join_ack/{name}", values.join_ack) if JOIN_RE.fullmatch(name) else None
+            earlier = self.values.get(keys.join_answer(name), values.join_ack) if JOIN_RE.fullmatch(name) else None
             why = self._join_refusal(name, raw)
             if why is not None:
                 if earlier is None or earlier.ok:
-                    self.store.set_json(f"join_ack/{name}", {"ok": False, "why": why})
+                    self.store.set_json(keys.join_answer(name), keys.join_answer_value(False, why))
                     self.event(event="join_refused", node=name[:80], why=why)
                     log.warning("join of node %s refused: %s", values.echo(name, 80), why)
                 continue
@@ -144,13 +144,14 @@ class JoinNodes(StoreReads):
             self._admit(name)
             shrunk = len(set(a.nodes.values())) < len(self.active_nodes) and self.no_spare_policy() == "shrink"
             if shrunk:  # grown to on the coordinator's next turn without a failure (resize._grow_tick)
-                self.store.set_json(f"repaired/{name}", {"time": time.time(), "joined": True})
+                self.store.set_json(keys.repaired(name), keys.repaired_value(joined=True))
             else:
                 a = Assignment.from_json({**a.to_json(), "spares": [*a.spares, name]})
-                self.store.set_json("assignment", a.to_json())
+                self.store.set_json(keys.ASSIGNMENT, a.to_json())
                 self.assignment = a
-            self.store.set_json(f"join_ack/{name}", {"ok": True, "as": "grow" if shrunk else "spare"})
-            self.event(event="joined", node=name, role="grow" if shrunk else "spare", generation=a.generation)
+            role = "grow" if shrunk else "spare"
+            self.store.set_json(keys.join_answer(name), keys.join_answer_value(True, role=role))
+            self.event(event="joined", node=name, role=role, generation=a.generation)
             print(f"deadpool-run: node {name} joined the job ({self.args.nproc_per_node} process(es)): "
                   + ("the shrunk world grows to it" if shrunk else "a spare node"), file=sys.stderr, flush=True)
         return a
@@ -162,7 +163,7 @@ class JoinNodes(StoreReads):
         if name in {w.node for w in self.workers}:
             return f"node name {name!r} is taken by a node of this job: pass another --join NAME"
         try:
-            req = values.decode_json(f"joined/{name}", raw)
+            req = values.decode_json(keys.join_request(name), raw)
         except values.BadValue as exc:
             return f"the join request is not usable: {exc}"
         nproc = req.get("nproc") if isinstance(req, dict) else None

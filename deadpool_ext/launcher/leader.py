@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..store.base import StoreError
+from . import keys
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -76,7 +77,7 @@ class LeaderElection:
         sent = time.monotonic()
         self.lease = store.lease_grant(ttl_s)
         self.valid_until = sent + ttl_s - self.margin_s
-        store.put_leased(f"host/{host_rank}", self._me, self.lease)
+        store.put_leased(keys.host(host_rank), self._me, self.lease)
         self.leading = False
         self.lost_why = ""
         self.paused_since: float | None = None
@@ -136,9 +137,9 @@ class LeaderElection:
             return PAUSED
         if not self.leading:
             try:
-                won = self.store.put_leased("leader", self._me, self.lease, create_only=True)
+                won = self.store.put_leased(keys.LEADER, self._me, self.lease, create_only=True)
                 # still ours after a pause: the key lives under this launcher's lease, which survived
-                won = won or self.store.get("leader") == self._me
+                won = won or self.store.get(keys.LEADER) == self._me
             except StoreError as exc:
                 log.debug("leader campaign: %s", exc)
                 won = False
@@ -152,9 +153,9 @@ class LeaderElection:
         """Who holds the coordinator role now (``{"host_rank", "host"}``), or None (nobody: an election is due)."""
         from .values import BadValue, leader
 
-        raw = self.store.get("leader")
+        raw = self.store.get(keys.LEADER)
         try:
-            return leader("leader", raw) if raw else None
+            return leader(keys.LEADER, raw) if raw else None
         except BadValue as exc:
             log.warning("%s", exc)
             return None

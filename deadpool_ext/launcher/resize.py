@@ -23,7 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
-from . import values
+from . import keys, values
 from .final import stop_line
 from .hangs import not_formed
 from .values import StoreReads
@@ -56,40 +56,38 @@ class ElasticResize(StoreReads):
         def _join_tick(self, a: Assignment) -> Assignment: ...
 
     def no_spare_policy(self) -> str:
-        """``--no-spare-policy`` if given, else the job's ``deadpool.elastic.no_spare_policy`` (written to the store
-        by rank 0 at attach: ``config/no_spare_policy``), else ``fail``."""
-        if self.args.no_spare_policy:
-            return str(self.args.no_spare_policy)
-        try:
-            raw = self.values.get("config/no_spare_policy", values.policy)
-        except Exception as exc:  # the store unreachable: the default, said once in the stop line
-            log.debug("config/no_spare_policy: %s", exc)
-            raw = None
-        return raw if raw in ("fail", "wait", "shrink") else "fail"
+        """:func:`keys.resolve_no_spare_policy` of ``--no-spare-policy`` and the job's config (``keys.JOB_POLICY``,
+        read only when the flag is not given; an unreachable store reads as absent)."""
+        job = None
+        if not self.args.no_spare_policy:
+            try:
+                job = self.values.get(keys.JOB_POLICY, values.policy)
+            except Exception as exc:  # the store unreachable: the default, said once in the stop line
+                log.debug("%s: %s", keys.JOB_POLICY, exc)
+        return keys.resolve_no_spare_policy(self.args.no_spare_policy, job).policy
 
     def _note_dropped(self, new: Assignment) -> None:
         for node in new.shrunk:
-            self.store.set_json(f"dropped/{node}", {"time": time.time(), "generation": new.generation})
+            self.store.set_json(keys.dropped(node), keys.dropped_value(new.generation))
 
     def _repair_tick(self) -> None:
         wait = getattr(self.args, "repair_after_s", 0.0)
         if not wait:
             return
-        for node, dropped_at in self.values.items("dropped/", values.record_time).items():
-            key = f"dropped/{node}"
+        for node, dropped_at in self.values.items(keys.DROPPED, values.record_time).items():
             if node not in self.local_nodes:
                 continue
             if time.time() - dropped_at < wait:
                 continue
             for w in (w for w in self.workers if w.node == node):
-                for k in (f"exit/{w.worker_id}", f"done/{w.worker_id}", f"hb/{w.worker_id}"):
+                for k in keys.worker_keys(w.worker_id):
                     self.store.delete(k)
                 self._reported.discard(w.worker_id)
                 self._spawn(w, "spare")
-            for k in (f"fence/{node}", f"fenced/{node}", key):
+            for k in keys.node_keys(node):
                 self.store.delete(k)
             self._fenced.discard(node)
-            self.store.set_json(f"repaired/{node}", {"time": time.time()})
+            self.store.set_json(keys.repaired(node), keys.repaired_value())
             self.event(event="repaired", node=node)
             print(f"deadpool-run: node {node} repaired (--repair-after-s {wait:g}): its processes started again, "
                   "waiting to join the job", file=sys.stderr, flush=True)
@@ -98,8 +96,8 @@ class ElasticResize(StoreReads):
         if len(set(a.nodes.values())) >= len(self.active_nodes) or self.no_spare_policy() != "shrink":
             return  # the policy (a store read without the flag) only once the world is shrunk
         known = {w.node for w in self.workers}
-        for key in sorted(self.store.list("repaired/")):
-            node = key.split("/", 1)[1]
+        for key in sorted(self.store.list(keys.REPAIRED)):
+            node = key[len(keys.REPAIRED):]
             if node not in known:  # only a node of this job, or one admitted by the join checks, is grown to
                 self.values.bad(values.BadValue(key, "names no node of this job (nor one admitted to join it)"))
                 self.store.delete(key)
@@ -108,10 +106,10 @@ class ElasticResize(StoreReads):
                 self.store.delete(key)
                 continue
             ids = [w.worker_id for w in self.workers if w.node == node]
-            if any(self.store.get(f"exit/{wid}") is not None
+            if any(self.store.get(keys.exit_of(wid)) is not None
                    or (wid in self.procs and self.procs[wid].poll() is not None) for wid in ids):
                 continue  # a process of the repaired node already died: not offered
-            if any(self.store.get(f"hb/{wid}") is None for wid in ids):
+            if any(self.store.get(keys.heartbeat(wid)) is None for wid in ids):
                 continue  # its processes are still starting (no heartbeat yet): the world trains on meanwhile
             waiting = not_formed(a.ranks, self.progress, self.formed_after)
             if waiting:
@@ -133,7 +131,7 @@ class ElasticResize(StoreReads):
 
     def _exits_on(self, a: Assignment, nodes: set[str]) -> dict[str, int | None]:
         """Exit status of every worker of ``nodes``: this host's processes, other hosts' from the store."""
-        exits: dict[str, int | None] = dict(self.values.items("exit/", values.exit_rc, values.WORKER_RE))
+        exits: dict[str, int | None] = dict(self.values.items(keys.EXITS, values.exit_rc, values.WORKER_RE))
         exits.update({wid: p.poll() for wid, p in self.procs.items()})
         return {wid: exits.get(wid) for wid, node in a.nodes.items() if node in nodes}
 
@@ -161,7 +159,7 @@ class ElasticResize(StoreReads):
                 if time.time() >= deadline:
                     msg = stop_line(str(exc), policy, self._exits_on(a, failed_nodes))
                     self.event(event="stopped", reason=msg)
-                    self.store.set_json("assignment", {**a.to_json(), "stop": msg})
+                    self.store.set_json(keys.ASSIGNMENT, keys.stopped_assignment(a.to_json(), msg))
                     print(f"deadpool-run: {msg}", file=sys.stderr, flush=True)
                     return None
                 time.sleep(0.5)

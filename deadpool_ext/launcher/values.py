@@ -213,6 +213,22 @@ def leader(key: str, raw: bytes) -> dict[str, Any]:
     return {"host_rank": _int(key, "host_rank", d.get("host_rank"), 0, MAX_NODES), "host": host}
 
 
+def fatal_text(key: str, raw: bytes) -> str:
+    """``fatal``: UTF-8 text a worker wrote (what cannot be recovered), at most :data:`MAX_TEXT` bytes shown."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise BadValue(key, f"expected bytes, got {type(raw).__name__}")
+    return bytes(raw[:MAX_TEXT]).decode(errors="replace")
+
+
+MAX_SLOT_BYTES = 1 << 40
+"""A published slot size above this is not a slot size."""
+
+
+def slot_size(key: str, raw: bytes) -> int:
+    """``slots/<rank>``: the rank's snapshot slot bytes (an int in 1..:data:`MAX_SLOT_BYTES`)."""
+    return _int(key, "value", decode_json(key, raw), 1, MAX_SLOT_BYTES)
+
+
 def host_index(key: str) -> int | None:
     """``host/<i>``'s index, None for a key that is not one (a lease of a launcher that is not ours)."""
     tail = key.split("/", 1)[-1]

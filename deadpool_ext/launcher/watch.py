@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from . import values
+from . import keys, values
 from .hangs import stalled, store_stalled
 from .values import StoreReads
 
@@ -55,7 +55,7 @@ class HeartbeatWatch(StoreReads):
             if w.node not in self.spare_nodes or w.node in self.dead_spares or wid in active:
                 self.spare_hb.pop(wid, None)
                 continue
-            beat = self.values.get(f"hb/{wid}", values.heartbeat)
+            beat = self.values.get(keys.heartbeat(wid), values.heartbeat)
             if beat is not None:
                 self.spare_hb[wid] = float(beat["t"])
 

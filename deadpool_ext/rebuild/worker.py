@@ -16,11 +16,8 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
    launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
    of the failure from the launcher instead of from a timeout.
 
-Messages (store keys under the job namespace): ``assignment`` (JSON of
-:class:`deadpool_ext.cluster.membership.Assignment`), ``gen/<g>`` (written with the assignment of
-generation g > 0: generation g-1 is dead), ``hb/<worker_id>`` (JSON: heartbeat time ``t`` and the process's
-progress, :func:`deadpool_ext.rebuild.progress.sample`),
-``failed/<generation>/<worker_id>`` (a worker reporting a collective error, for the timeline).
+Messages: the store keys this worker writes and reads (the assignment, the generation marker, heartbeats,
+done, failed, fatal) are defined, with their writers, readers and values, in :mod:`deadpool_ext.launcher.keys`.
 """
 from __future__ import annotations
 
@@ -36,6 +33,7 @@ import torch.distributed as dist
 
 from ..cluster.membership import Assignment
 from ..cluster.netif import pin_gloo_interface
+from ..launcher import keys, values
 from ..launcher.contract import HotSwapEnv
 from ..store.base import parse_store_endpoints
 from .fence import fence
@@ -62,6 +60,7 @@ class Membership:
             ports = []
         fence().keep_remote_ports.update(ports)
         self.store = connect(store_url, token, job_id, timeout_s)
+        self._values = values.StoreValues(self.store)  # reads through the store contract's bounded schemas
         # The heartbeat thread's own client, with a short request timeout: a member that accepts but never answers
         # (etcd without quorum) must not hold the heartbeat for the main client's timeout once the store is back.
         self._hb_store = connect(store_url, token, job_id, min(timeout_s, max(1.0, 4 * heartbeat_s)))
@@ -109,7 +108,7 @@ class Membership:
             try:
                 now = time.monotonic()
                 if now >= next_hb:
-                    self._hb_store.set_json(f"hb/{self.worker_id}", {"t": time.time(), **progress.sample()})
+                    self._hb_store.set_json(keys.heartbeat(self.worker_id), keys.heartbeat_value(progress.sample()))
                     next_hb = now + self._hb_s
                     if outage_since is not None:
                         log.warning("worker %s: the store answers again after %.1fs", self.worker_id,
@@ -122,7 +121,7 @@ class Membership:
                     continue
                 slice_s = max(0.01, min(self._watch_s, next_hb - time.monotonic()))
                 try:
-                    self._hb_store.wait([f"gen/{gen + 1}"], slice_s)
+                    self._hb_store.wait([keys.generation(gen + 1)], slice_s)
                 except StoreTimeout:
                     continue
                 notified = gen
@@ -150,22 +149,22 @@ class Membership:
         while True:
             if while_waiting is not None:
                 while_waiting()
-            raw = self.store.get_json("assignment")
-            if raw is not None:
-                a = Assignment.from_json(raw)
+            published = self._values.get(keys.ASSIGNMENT, values.assignment)
+            if published is not None:
+                a = published.assignment
                 if a.generation >= min_generation and self.worker_id in a.ranks:
                     self.assignment = a
                     return a
-                if raw.get("stop"):
-                    raise MembershipError(f"launcher stopped the job: {raw['stop']}")
+                if published.stop:
+                    raise MembershipError(f"launcher stopped the job: {published.stop}")
             if time.time() > deadline:
                 raise MembershipError(f"worker {self.worker_id}: no assignment of generation >= {min_generation} "
-                                      f"within {timeout_s:.0f}s (waited for store key 'assignment')")
+                                      f"within {timeout_s:.0f}s (waited for store key {keys.ASSIGNMENT!r})")
             time.sleep(0.05)
 
     def report_failure(self, generation: int, what: str) -> None:
         try:
-            self.store.set_json(f"failed/{generation}/{self.worker_id}", {"time": time.time(), "error": what[:500]})
+            self.store.set_json(keys.failure(generation, self.worker_id), keys.failure_value(what))
         except Exception:
             pass
 
@@ -176,7 +175,7 @@ class Membership:
         deadline = time.monotonic() + self.timeout_s
         while True:  # the launcher must learn it, or it takes the silence for a hang: retry through an outage
             try:
-                self.store.set("done/" + self.worker_id, b"1")
+                self.store.set(keys.done(self.worker_id), keys.MARK)
                 return
             except Exception as exc:
                 if time.monotonic() > deadline:
@@ -188,7 +187,7 @@ class Membership:
     def report_fatal(self, what: str) -> None:
         """State that cannot be recovered: the launcher stops the job with this message."""
         try:
-            self.store.compare_set("fatal", None, what.encode()[:4000])
+            self.store.compare_set(keys.FATAL, None, keys.fatal_value(what))
         except Exception:
             pass
 
@@ -285,7 +284,7 @@ def _generation_store(a: Assignment, timeout: timedelta) -> Any:
             raise RuntimeError(f"generation {a.generation}: its rendezvous is in the job's store, but this process "
                                "has no membership client (not started by deadpool-run?)")
         return TokenStore(m.store, generation_prefix(a.generation), 3 * timeout,
-                          dead_key=f"gen/{a.generation + 1}")
+                          dead_key=keys.generation(a.generation + 1))
     base = dist.TCPStore(a.master_addr, a.master_port, a.world_size, is_master=False, timeout=3 * timeout)
     return dist.PrefixStore(f"deadpool/gen{a.generation}", base)
 

@@ -225,9 +225,11 @@ class MemoryRestore:
         """Whether a restore may reshard from a world of another size: ``--no-spare-policy shrink`` or
         ``deadpool.elastic.no_spare_policy: shrink``."""
         from ..launcher.contract import worker_env
+        from ..launcher.keys import resolve_no_spare_policy
 
         hs = worker_env().hot_swap
-        return self.config.elastic.no_spare_policy == "shrink" or (hs is not None and hs.no_spare_policy == "shrink")
+        flag = hs.no_spare_policy if hs is not None else None
+        return resolve_no_spare_policy(flag, self.config.elastic.no_spare_policy).policy == "shrink"
 
     def note_resharded(self, version: int, record: dict[str, Any], drawn: list[int], seconds: float) -> None:
         """After an elastic restore: this rank holds no slot of the new world yet (the first snapshot sizes them

@@ -20,21 +20,18 @@ The launcher removes the node's directory, prepared segments included, when the 
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from typing import Any
 
+from ..launcher import keys, values
 from ..memory.shm import SHM_ROOT, ShmSegment, ShmSpaceError, ensure_private_dir, job_shm_dir, segment_name
 
 log = logging.getLogger("deadpool_ext")
 
 __all__ = ["SHM_ROOT", "publish_slot_size", "release", "take", "tick"]
 KIND = "prep"
-MAX_SLOT_BYTES = 1 << 40
-"""A published slot size above this is not a slot size (a record read from the store is checked)."""
-
 _prepared: list[ShmSegment] = []
 _state = {"done": False, "next": 0.0}
 
@@ -42,20 +39,18 @@ _state = {"done": False, "next": 0.0}
 def publish_slot_size(store: Any, rank: int, nbytes: int) -> None:
     """Rank ``rank``'s slot size, for spares preparing theirs (best effort: a snapshot never fails for it)."""
     try:
-        store.set_json(f"slots/{rank}", int(nbytes))
+        store.set_json(keys.slot_size(rank), int(nbytes))
     except Exception as exc:
         log.debug("slots/%d not published: %s", rank, exc)
 
 
 def _largest(store: Any) -> int | None:
     sizes = []
-    for raw in store.list("slots/").values():
+    for key, raw in store.list(keys.SLOT_SIZES).items():
         try:
-            n = json.loads(raw)
-        except ValueError:
+            sizes.append(values.slot_size(key, raw))
+        except values.BadValue:
             continue
-        if type(n) is int and 0 < n <= MAX_SLOT_BYTES:
-            sizes.append(n)
     return max(sizes) if sizes else None
 
 
