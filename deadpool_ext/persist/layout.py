@@ -14,10 +14,10 @@ manifest is there) commit record -> ``latest``. A directory without ``deadpool_c
 as a base, so a half-written base cannot be picked up. JSON only: nothing the extension writes is pickled.
 
 Reading back (:mod:`deadpool_ext.persist.records`): commit records and rank manifests are parsed strictly
-(:func:`parse_commit`, :func:`parse_rank_manifest`), every file name is checked against :data:`FILE_PATTERNS`
-(DeepSpeed's own names) before any path join, a record listing no file is refused, and with a checkpoint key
-(:mod:`deadpool_ext.persist.sign`) a record the key did not sign is refused. A present but bad record makes
-its base *refused* (``VersionInfo.problem``, one line), never silently "incomplete".
+(:func:`parse_commit`, :func:`parse_rank_manifest`), every file name is checked against :func:`file_names`
+(DeepSpeed's own names, from its naming functions) before any path join, a record listing no file is refused,
+and with a checkpoint key (:mod:`deadpool_ext.persist.sign`) a record the key did not sign is refused. A present
+but bad record makes its base *refused* (``VersionInfo.problem``, one line), never silently "incomplete".
 """
 from __future__ import annotations
 
@@ -52,19 +52,45 @@ LATEST = "latest"
 _TAG = re.compile(r"^global_step([0-9]{1,18})$", re.ASCII)
 TAG_ALLOWED = "global_step<N> (N: 1 to 18 digits)"
 
-# The only file names a base holds besides the JSON: DeepSpeed's (engine.py, pipe/module.py, MoE experts).
-# One path component each; anything else in a record is refused before it is joined to a path.
+@dataclass(frozen=True, slots=True)
+class FileNames:
+    """The file names a base may hold besides the JSON: one full-match regex each (a single path component),
+    and how a refusal describes them."""
+
+    patterns: tuple[re.Pattern[str], ...]
+    allowed: str
+
+    def check(self, name: object, where: str) -> str:
+        return check_name(name, where, self.patterns, self.allowed)
+
+
+# Where the names come from: the framework's own naming functions, handed in by its integration when it is imported
+# (``integrations/deepspeed/names.py`` calls DeepSpeed's; the persist layer imports no framework). Until then,
+# e.g. in ``deadpool verify`` run without the integration, FALLBACK_NAMES: the same names as DeepSpeed 0.19
+# writes them, which ``tests/unit/test_ds_wrappers_names.py`` checks against the derived rule.
 _N = r"[0-9]{1,9}"
-FILE_PATTERNS = tuple(re.compile(p, re.ASCII) for p in (
+FALLBACK_NAMES = FileNames(patterns=tuple(re.compile(p, re.ASCII) for p in (
     rf"^mp_rank_{_N}_model_states\.pt$",
     rf"^(?:bf16_)?zero_pp_rank_{_N}_mp_rank_{_N}_(?:model|optim)_states\.pt$",
-    rf"^layer_{_N}-model_{_N}-model_states\.pt$",
+    rf"^layer_{_N}(?:-model_{_N})?-model_states\.pt$",
     rf"^(?:layer_{_N}_)?expert_{_N}_mp_rank_{_N}_model_states\.pt$",
     rf"^expp_rank_{_N}_mp_rank_{_N}_optim_states\.pt$",
-))
-FILES_ALLOWED = ("DeepSpeed checkpoint file names: mp_rank_NN_model_states.pt, "
-                 "[bf16_]zero_pp_rank_R_mp_rank_NN_{model,optim}_states.pt, layer_L-model_NN-model_states.pt, "
-                 "[layer_L_]expert_E_mp_rank_NN_model_states.pt, expp_rank_R_mp_rank_NN_optim_states.pt")
+)), allowed=("DeepSpeed checkpoint file names: mp_rank_NN_model_states.pt, "
+             "[bf16_]zero_pp_rank_R_mp_rank_NN_{model,optim}_states.pt, layer_LL[-model_MM]-model_states.pt, "
+             "[layer_L_]expert_E_mp_rank_NN_model_states.pt, expp_rank_R_mp_rank_NN_optim_states.pt"))
+_names: list[Callable[[], FileNames]] = []
+
+
+def use_file_names(provider: Callable[[], FileNames]) -> None:
+    """From now on, the names a base may hold are ``provider()`` (called at the first check, then cached by the
+    provider). Called by a framework integration at its import; the last one wins."""
+    _names[:] = [provider]
+
+
+def file_names() -> FileNames:
+    """The rule in force: the integration's (:func:`use_file_names`), else :data:`FALLBACK_NAMES`."""
+    return _names[0]() if _names else FALLBACK_NAMES
+
 
 Progress = Callable[[int, int], None]
 
@@ -79,9 +105,9 @@ def parse_tag(name: str) -> int | None:
 
 
 def check_file_name(name: object, where: str) -> str:
-    """``name`` if it is one of DeepSpeed's checkpoint file names (:data:`FILE_PATTERNS`); else
+    """``name`` if it is one of DeepSpeed's checkpoint file names (:func:`file_names`); else
     :class:`~deadpool_ext.persist.records.UnsafeNameError` naming ``where``."""
-    return check_name(name, where, FILE_PATTERNS, FILES_ALLOWED)
+    return file_names().check(name, where)
 
 
 def rank_manifest_name(rank: int) -> str:

@@ -13,7 +13,9 @@ from typing import Any
 from ...config import DeadpoolConfig, split_deepspeed_config
 from ...distributed import on_spare_wait
 from ...logs import configure_logging
+from ...persist.layout import use_file_names
 from ...rebuild.worker import on_teardown
+from .names import deepspeed_file_names
 from .rebuild import reset_deepspeed_comm_state
 from .runtime import DeadpoolRuntime
 from .warmup import warm_up_spare
@@ -25,6 +27,9 @@ log = logging.getLogger("deadpool_ext")
 # that use this integration run them (a Megatron-Core job never imports DeepSpeed for them).
 on_teardown(reset_deepspeed_comm_state)
 on_spare_wait(warm_up_spare)
+# The file names a tier-3 base may hold: what the installed DeepSpeed's naming functions write (computed at the
+# first check). Registered here for the same reason: the persist layer imports no framework.
+use_file_names(deepspeed_file_names)
 
 
 def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None) -> DeadpoolRuntime:

@@ -29,10 +29,10 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from ...persist.atomic import IncompleteCheckpointError, atomic_write, open_verified, read_manifests, write_manifest
-from ...persist.layout import FILE_PATTERNS, FILES_ALLOWED
 from ...persist.safe_load import SafeGlobal, UntrustedCheckpointError, safe_load
 from ...persist.sign import SignatureError, checkpoint_key, key_env
 from .allowlist import deepspeed_globals
+from .names import deepspeed_file_names
 
 log = logging.getLogger("deadpool_ext")
 ENGINE_NAME = "DeadpoolCheckpointEngine"
@@ -94,7 +94,8 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
                 raise UntrustedCheckpointError(f"{path}: not listed in the verified commit record of this base; "
                                                "not opened")
             return self._load_checked(path, entries, map_location)
-        manifest = read_manifests(directory, key=self._key, names=FILE_PATTERNS, allowed=FILES_ALLOWED)
+        names = deepspeed_file_names()  # what the installed DeepSpeed writes, from its own naming functions
+        manifest = read_manifests(directory, key=self._key, names=names.patterns, allowed=names.allowed)
         if manifest:
             return self._load_checked(path, manifest, map_location)
         if self._key is not None:
