@@ -1,17 +1,16 @@
 #!/usr/bin/env bash
-# GPU path check (issue 7, part 4): deadpool_ext snapshots of a ~1.3B-parameter GPT on one NVIDIA GPU -
-# device-to-host copies into pinned buffers on a side CUDA stream overlapped with training, step-time ratio with
-# and without snapshots at interval 1 (A/B interleaved), blocking time per snapshot. Under 8 minutes.
+# GPU device check (issue 33, parts 3-4): benchmarks/gpu_check.py's parts a-e on one NVIDIA GPU, under 8 minutes.
 #
-#   bash benchmarks/gpu_check.sh                   # results in $DEADPOOL_GPU_OUT, else $OUT, else ./gpu_check_out
-#   DEADPOOL_GPU_OUT=/tmp/r bash benchmarks/gpu_check.sh --layers 24 --hidden 2048
+#   PYTHON=python3 bash benchmarks/gpu_check.sh              # results in $DEADPOOL_GPU_OUT, else $OUT, else
+#                                                            # benchmarks/results/gpu
+#   PYTHON=python3 bash benchmarks/gpu_check.sh --parts a,b  # a subset
 #
-# Needs a CUDA build of torch, deepspeed and transformers in the active Python (scripts/setup.sh with
-# DEADPOOL_GPU=1, or the .venv if it has them). Exits 2 at once, with a message, when there is no CUDA device.
+# On the lent GPU machine use its own python3 with the wheels of ../shared/tools/gpu-wheels.sh on PYTHONPATH
+# (../shared/notes/gpu.md has the exact command); never this repository's .venv (Python 3.11, CPU torch).
+# Exits 2 at once, with one line, when there is no NVIDIA driver or no CUDA-enabled torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python}"
-if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
+PY="${PYTHON:-python3}"
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "gpu_check: nvidia-smi not found: no NVIDIA driver here. Nothing measured." >&2
   exit 2
@@ -21,5 +20,5 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   echo "gpu_check: $PY has no CUDA-enabled torch (or it sees no device). Nothing measured." >&2
   exit 2
 fi
-# A hard stop below 8 minutes whatever happens; the script itself stops starting rounds at --budget-s.
-exec timeout --signal=INT --kill-after=15 460 "$PY" benchmarks/gpu_check.py "$@"
+# A hard stop below 8 minutes whatever happens; every part has its own deadline inside (gpu_check.py PART_BUDGET_S).
+exec timeout --signal=INT --kill-after=15 465 "$PY" benchmarks/gpu_check.py "$@"

@@ -1,104 +1,47 @@
-"""benchmarks/gpu_check.py on a machine without a GPU: argument parsing, configuration, analysis, result schema,
-and the fast failure without CUDA. Pure: nothing is trained."""
+"""benchmarks/gpu_check.py on a machine without a GPU: the dry run stops at once with one line and exit 2 (the
+script and its shell wrapper), arguments and configuration, the shared-memory sizing. Nothing is trained; the
+analysis is tests/unit/test_gpu_check_analyse.py."""
 from __future__ import annotations
 
 import importlib.util
 import os
+import resource
 import subprocess
+import sys
 
 import pytest
 
 from deadpool_ext.testing.launch import REPO
 
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 _spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(REPO, "benchmarks", "gpu_check.py"))
 gpu_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_check)
 
 
-def test_out_dir_comes_from_flag_then_env():
-    assert gpu_check.parse_args([], env={}).out == "gpu_check_out"
-    assert gpu_check.parse_args([], env={"OUT": "/o"}).out == "/o"
-    assert gpu_check.parse_args([], env={"OUT": "/o", "DEADPOOL_GPU_OUT": "/g"}).out == "/g"
-    assert gpu_check.parse_args(["--out", "/x"], env={"DEADPOOL_GPU_OUT": "/g"}).out == "/x"
-
-
-def test_bad_arguments_are_rejected(capsys):
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--hidden", "100", "--heads", "16"], env={})
-    assert "must be a multiple of --heads" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--rounds", "0"], env={})
-    with pytest.raises(SystemExit):
-        gpu_check.parse_args(["--zero-stage", "3"], env={})
-
-
-def test_default_model_is_over_a_billion_parameters():
-    a = gpu_check.parse_args([], env={})
-    n = gpu_check.param_count(a.layers, a.hidden, a.vocab, a.seq_len)
-    assert 1.0e9 < n < 2.0e9
-    # transformers' GPT-2 count for a small config, worked out by hand: 2 layers, 8 wide, vocab 10, 4 positions
-    assert gpu_check.param_count(2, 8, 10, 4) == 10 * 8 + 4 * 8 + 2 * (12 * 64 + 13 * 8) + 16
-
-
-def test_deepspeed_config_has_a_valid_deadpool_section():
-    from deadpool_ext.config import DeadpoolConfig
-
-    cfg = gpu_check.deepspeed_config(gpu_check.parse_args(["--zero-stage", "2"], env={}), "job1")
-    assert cfg["zero_optimization"] == {"stage": 2} and cfg["bf16"] == {"enabled": True}
-    dp = cfg["deadpool"]
-    assert dp["snapshot"]["interval"] == 1 and dp["replication"]["factor"] == 0
-    DeadpoolConfig.from_dict(dp)  # typed and checked: raises on an unknown key or a bad value
-
-
-def _blocks():
-    return [{"round": 0, "snapshots": True, "warmup": True, "step_s": [9.0]},
-            {"round": 0, "snapshots": False, "warmup": True, "step_s": [9.0]},
-            {"round": 1, "snapshots": False, "warmup": False, "step_s": [1.0, 1.0, 1.2]},
-            {"round": 1, "snapshots": True, "warmup": False, "step_s": [1.1, 1.1, 1.0]},
-            {"round": 2, "snapshots": True, "warmup": False, "step_s": [1.05, 1.05]},
-            {"round": 2, "snapshots": False, "warmup": False, "step_s": [1.0, 1.0]}]
-
-
-def test_analysis_ignores_warmup_and_pairs_rounds():
-    a = gpu_check.analyze(_blocks())
-    assert a["step_s"]["on"]["n"] == 5 and a["step_s"]["off"]["n"] == 5
-    assert a["ratio"] == pytest.approx(1.05 / 1.0)
-    assert a["paired_round_ratios"] == pytest.approx([1.1, 1.05])
-    lo, hi = a["ratio_ci90"]
-    assert lo <= a["ratio"] <= hi
-
-
-def _doc(**over):
-    doc = {"benchmark": "gpu_check", "schema": gpu_check.SCHEMA_VERSION, "status": "ok", "command": "c",
-           "settings": {}, "device": {}, "model": {}, "blocking_s": gpu_check.summarize([0.001]),
-           "copy_s": gpu_check.summarize([0.5]), "d2h_gbs_overlapped": 20.0, "d2h_gbs_idle": 25.0, "wall_s": 100.0,
-           **gpu_check.analyze(_blocks())}
-    doc.update(over)
-    return doc
-
-
-def test_result_schema_accepts_a_result_and_names_what_is_wrong():
-    gpu_check.validate_result(_doc())
-    with pytest.raises(ValueError, match="missing 'copy_s'"):
-        d = _doc()
-        del d["copy_s"]
-        gpu_check.validate_result(d)
-    with pytest.raises(ValueError, match="'wall_s' has type str"):
-        gpu_check.validate_result(_doc(wall_s="long"))
-    with pytest.raises(ValueError, match="status 'failed'"):
-        gpu_check.validate_result(_doc(status="failed"))
-    with pytest.raises(ValueError, match="step_s.on must be a summary"):
-        gpu_check.validate_result(_doc(step_s={"off": {"median": 1.0}}))
-
-
-def test_fails_fast_without_cuda(capsys):
-    pytest.importorskip("torch")
+def test_dry_run_without_cuda_stops_at_once_with_one_line(tmp_path):
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    assert gpu_check.main(["--out", "/nonexistent/never-written"]) == gpu_check.EXIT_NO_CUDA
-    assert "no CUDA here" in capsys.readouterr().err
+    out = tmp_path / "out"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # the deadline is for a starved host (wall time here is the scheduler's); the CPU it used is the dry run's own
+    r = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "gpu_check.py"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    assert r.returncode == gpu_check.EXIT_NO_CUDA == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("gpu_check:")]
+    assert len(lines) == 1 and "no CUDA here" in lines[0] and "Nothing measured" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and not r.stdout
+    assert not out.exists()  # nothing written
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    assert cpu < 30, f"the dry run used {cpu:.1f} s of CPU: more than importing torch"
+
+
+def test_main_without_cuda_returns_exit_2_before_any_work(capsys, tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path / "never"), "--parts", "a"]) == gpu_check.EXIT_NO_CUDA
+    assert "no CUDA here" in capsys.readouterr().err and not (tmp_path / "never").exists()
 
 
 def test_shell_wrapper_fails_fast_without_a_gpu(tmp_path):
@@ -108,3 +51,63 @@ def test_shell_wrapper_fails_fast_without_a_gpu(tmp_path):
                        timeout=60, env={**os.environ, "DEADPOOL_GPU_OUT": str(tmp_path)})
     assert r.returncode == 2 and "Nothing measured" in r.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_out_dir_comes_from_flag_then_env_then_the_results_folder():
+    assert gpu_check.parse_args([], env={}).out == os.path.join(REPO, "benchmarks", "results", "gpu")
+    assert gpu_check.parse_args([], env={"OUT": "/o"}).out == "/o"
+    assert gpu_check.parse_args([], env={"OUT": "/o", "DEADPOOL_GPU_OUT": "/g"}).out == "/g"
+    assert gpu_check.parse_args(["--out", "/x"], env={"DEADPOOL_GPU_OUT": "/g"}).out == "/x"
+
+
+def test_parts_are_selectable_and_bad_input_is_one_line(capsys):
+    assert gpu_check.parse_args([], env={}).part_list == ["a", "b", "c", "d", "e"]
+    assert gpu_check.parse_args(["--parts", "e,a"], env={}).part_list == ["a", "e"]  # always in run order
+    for bad, says in ((["--parts", "a,x"], "x is not a part; allowed: a comma-separated subset of a,b,c,d,e"),
+                      (["--hidden", "100", "--heads", "16"], "must be multiples of --heads"),
+                      (["--rounds", "0"], "--rounds must be >= 1"),
+                      (["--replica", "maybe"], "invalid choice")):
+        with pytest.raises(SystemExit):
+            gpu_check.parse_args(bad, env={})
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+
+
+def test_default_model_is_at_least_1_3_billion_parameters():
+    a = gpu_check.parse_args([], env={})
+    n = gpu_check.param_count(a.layers, a.hidden, a.vocab, a.seq_len)
+    assert 1.3e9 <= n < 2.0e9
+    # transformers' GPT-2 count for a small config, worked out by hand: 2 layers, 8 wide, vocab 10, 4 positions
+    assert gpu_check.param_count(2, 8, 10, 4) == 10 * 8 + 4 * 8 + 2 * (12 * 64 + 13 * 8) + 16
+
+
+def test_deepspeed_config_has_a_valid_deadpool_section_in_every_mode():
+    from deadpool_ext.config import DeadpoolConfig
+
+    args = gpu_check.parse_args([], env={})
+    for kw in ({"replica": True}, {"replica": False}, {"replica": False, "restore": True},
+               {"replica": False, "persist": "/tmp/t3"}):
+        cfg = gpu_check.deepspeed_config(args, "job1", **kw)
+        assert cfg["zero_optimization"] == {"stage": 1} and cfg["bf16"] == {"enabled": True}
+        dp = DeadpoolConfig.from_dict(cfg["deadpool"])  # typed and checked: raises on an unknown key or bad value
+        assert dp.snapshot.interval == 1
+        assert dp.replication.factor == (1 if kw["replica"] else 0)
+        assert dp.local.simulate_nodes == (2 if kw["replica"] else 0)  # the two processes are two "nodes"
+        assert dp.recovery.restore_on_start == kw.get("restore", False)
+        assert (dp.local.keep_after_exit_s > 0) == kw.get("restore", False)  # only part c's restart needs it
+        assert (dp.persist.url is not None) == ("persist" in kw)
+
+
+def test_shared_memory_sizing_follows_the_captured_state():
+    args = gpu_check.parse_args([], env={})
+    state = gpu_check.gpt_state_bytes(gpu_check.param_count(args.layers, args.hidden, args.vocab, args.seq_len))
+    assert 18e9 < state < 22e9  # ~1.3-1.5B parameters x 14 bytes: bf16 + fp32 master + 2 Adam moments, all captured
+    assert gpu_check.shm_need_bytes(state, True) == int(state * 4 * 1.05)
+    assert gpu_check.shm_need_bytes(state, False) == int(state * 2 * 1.05)
+
+
+def test_part_deadlines_fit_the_8_minute_command():
+    total = sum(gpu_check.PART_BUDGET_S.values())
+    with open(os.path.join(REPO, "benchmarks", "gpu_check.sh")) as fh:
+        hard = int(fh.read().split("--kill-after=15 ")[1].split()[0])
+    assert total + 30 < hard <= 480 - 15
