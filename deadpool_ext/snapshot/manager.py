@@ -32,6 +32,7 @@ from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
 from ..distributed import membership
 from ..memory.agent import claim_directory, ensure_agent
+from ..memory.pinned import HostPinner, SideStream, cuda_runtime
 from ..memory.shm import ShmSegment, ensure_private_dir, job_shm_dir, segment_name
 from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
@@ -107,8 +108,9 @@ class SnapshotManager(MemoryRestore):
         dc = config.differential
         self.tap: GradTap | None = GradTap(adapter, dc.compression) if dc.enabled else None
         self.chunk_bytes = config.snapshot.chunk_mb << 20
-        self._stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream() if torch.cuda.is_available() else None)  # type: ignore[no-untyped-call]
+        # GPU: device-to-host copies on a side stream into page-locked slots (memory/pinned.py); None on CPU.
+        self._side: SideStream | None = SideStream.create()
+        self._pinner = HostPinner(cuda_runtime(), drain=self._side.synchronize if self._side is not None else None)
         self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
                                        "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None,
                                        # the worker thread's CPU per phase (thread_time; gloo's own threads are
@@ -170,7 +172,7 @@ class SnapshotManager(MemoryRestore):
         self.stop_worker()
         for seg in [*self.slots, *self.ring_segs]:
             if seg is not None:
-                seg.close()
+                self._pinner.close(seg)  # unregistered before it is unmapped
         for peers in (self.peers, self.dpeers):
             if peers is not None:
                 peers.close()
@@ -228,9 +230,8 @@ class SnapshotManager(MemoryRestore):
             kind, slot = "base", 0 if self.latest is None else 1 - self.latest[1]
         self._last_version = version
         event = None
-        if self._stream is not None and any(t.is_cuda for t in snap.tensors):
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
+        if self._side is not None and _on_device(snap.tensors):
+            event = self._side.ready()  # the version is complete on the compute stream; the copy starts after it
         job = _Job(snap, slot, event, kind)
         self._inflight = job
         self._stats["blocking_s"].append(0.0)
@@ -287,13 +288,12 @@ class SnapshotManager(MemoryRestore):
         elif self.latest is not None and self.latest[1] == job.slot:
             self.latest = None
         if job.event is not None:
-            assert self._stream is not None  # an event is recorded only with a side stream
-            self._stream.wait_event(job.event)
-            with torch.cuda.stream(self._stream):
-                writer.copy(job.snap, self._stream)
+            assert self._side is not None  # an event is recorded only with a side stream
+            # returns once the side stream's event after the copies has completed: the bytes are in the slot
+            self._side.copy(job.event, lambda stream: writer.copy(job.snap, stream))
         else:
             writer.copy(job.snap)
-        job.copied.set()
+        job.copied.set()  # only now may the next optimizer step overwrite the source tensors
         t1, c1 = time.perf_counter(), time.thread_time()
         blob_len = writer.seal(job.snap)
         if blob_len != seg.nbytes:
@@ -381,11 +381,11 @@ class SnapshotManager(MemoryRestore):
             seg = self.ring_segs[j]
             if seg is None or seg.nbytes != nbytes:
                 if seg is not None:
-                    seg.close()
+                    self._pinner.close(seg)
                 seg = ShmSegment.create(segment_name(self.job_id, "diff", self.rank, j), nbytes,
                                         root=self.dir, touch=True)
                 self.ring_segs[j] = seg
-                _pin_for_cuda(seg)
+                self._pinner.pin(seg)
 
     def _open_slots(self, nbytes: int) -> None:
         from . import spare_slots
@@ -394,17 +394,17 @@ class SnapshotManager(MemoryRestore):
         if made is not None:  # a spare's slots, made while it waited (snapshot/spare_slots.py)
             for i, ready in enumerate(made):
                 self.slots[i] = ready
-                _pin_for_cuda(ready)
+                self._pinner.pin(ready)
             return
         for i in (0, 1):
             seg = self.slots[i]
             if seg is None or seg.nbytes != nbytes:
                 if seg is not None:
-                    seg.close()
+                    self._pinner.close(seg)
                 seg = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
                                         root=self.dir, touch=True)
                 self.slots[i] = seg
-                _pin_for_cuda(seg)
+                self._pinner.pin(seg)
 
     def memory_bytes(self) -> int:
         total = sum(s.nbytes for s in [*self.slots, *self.ring_segs] if s is not None) + self.peers.held_nbytes()
@@ -504,10 +504,21 @@ class SnapshotManager(MemoryRestore):
         self._raise_worker_error()
 
     def close(self) -> None:
-        if self._thread is not None and self._thread.is_alive():
+        thread = self._thread
+        if thread is not None and thread.is_alive():
             self._queue.put(None)
-            self._thread.join(self.config.replication.timeout_s)
+            thread.join(self.config.replication.timeout_s)
         self._thread = None
+        if thread is not None and thread.is_alive():  # it may still enqueue a copy into a slot: leave them pinned
+            log.warning("snapshot worker still running at close: its %d pinned slot(s) stay registered",
+                        len(self._pinner))
+        else:
+            self._pinner.release_all()  # the slots stay mapped (readable) as ordinary memory
+
+
+def _on_device(tensors: list[torch.Tensor]) -> bool:
+    """Whether a snapshot has tensors in device memory (then it is copied on the side stream)."""
+    return any(t.is_cuda for t in tensors)
 
 
 def _stack_of(thread: threading.Thread, frames: int = 6) -> str:
@@ -520,17 +531,3 @@ def _stack_of(thread: threading.Thread, frames: int = 6) -> str:
         return "(no stack: the thread is not running Python code)"
     summary = traceback.extract_stack(frame)[-frames:]
     return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(summary))
-
-
-def _pin_for_cuda(seg: ShmSegment) -> None:
-    """Page-lock a slot so device-to-host copies on the side stream are truly asynchronous (pageable memory
-    would make every copy synchronous and stage it through a driver bounce buffer). No-op without CUDA."""
-    if not torch.cuda.is_available():
-        return
-    t = seg.tensor()
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)  # type: ignore[no-untyped-call]
-    if int(rc) != 0:
-        log.warning("cudaHostRegister of %s failed (error %s): snapshot copies fall back to pageable memory",
-                    seg.name, int(rc))
-
-

@@ -19,6 +19,7 @@ from .slots import probe_received, probe_slot, restore_from
 
 if TYPE_CHECKING:
     from ..config import DeadpoolConfig
+    from ..memory.pinned import HostPinner
     from ..replicate.peer import PeerReplicator
     from .differential import DiffRing, GradTap
     from .state import RankStateAdapter
@@ -62,6 +63,7 @@ class MemoryRestore:
     committed_base: int | None
     _last_version: int | None
     _stats: dict[str, Any]
+    _pinner: HostPinner
     reshard_memory: dict[str, int]
     """What the last elastic restore held beyond the state (``snapshot/reshard.py``)."""
 
@@ -252,7 +254,7 @@ class MemoryRestore:
             for i in (0, 1):
                 seg = self.slots[i]
                 if seg is not None:
-                    seg.close()
+                    self._pinner.close(seg)  # unregistered (GPU) before it is unmapped
                     self.slots[i] = None
 
     def _verify_derived(self, header: dict[str, Any], version: int) -> None:

@@ -118,8 +118,8 @@ class SlotWriter:
                 dst[off:end].copy_(src[off:end])
                 h.update(out[off:end])  # the piece just written, still in cache
             checksums.append(fmt.hex_digest(h.intdigest()))
-        if stream is not None:
-            stream.synchronize()
+        # With a stream the copies are only enqueued here: the caller waits for an event recorded after them
+        # (memory/pinned.py SideStream.copy) before it reports the copy done.
         self.checksums = checksums if fused else None
         for name, t in snap.derived:
             snap.meta["derived"][name] = fmt.tensor_checksum(t)
