@@ -24,7 +24,7 @@ import torch
 from accelerate import Accelerator, DeepSpeedPlugin
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from deadpool_ext.steps import resilient_steps  # deadpool
+import deadpool_ext as dp  # deadpool
 
 SEQ = 32
 
@@ -71,7 +71,7 @@ def main() -> None:
             train(batch)
         start_step, swaps = 0, 0
     else:
-        steps = resilient_steps(model, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
+        steps = dp.resilient_steps(model, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
         for step in steps:
             with step as batch:  # deadpool
                 train(batch)
@@ -79,8 +79,8 @@ def main() -> None:
     # (rank 0 of the engine: on a CPU machine Accelerate runs DeepSpeed without its own distributed state, so every
     # process is its "main process")
     if model.global_rank == 0:
-        dp = getattr(model, "deadpool", None)
-        summary = {"start_step": start_step, "swaps": swaps, "deadpool": dp.stats() if dp else None}
+        rt = getattr(model, "deadpool", None)
+        summary = {"start_step": start_step, "swaps": swaps, "deadpool": rt.stats() if rt else None}
         print(f"[accelerate_loop] summary {json.dumps(summary)}", flush=True)
 
 

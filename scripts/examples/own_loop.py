@@ -6,7 +6,7 @@ else of deadpool_ext. With a ``"deadpool"`` section in the DeepSpeed config it s
     deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/own_loop.py \
         --deepspeed_config configs/gpt_tiny_zero3_cpu.json --steps 20 --metrics-out m.jsonl      # hot-swap
 
-The lines that are deadpool_ext's are marked ``# deadpool``: ``dpx.initialize`` attaches the extension (and builds
+The lines that are deadpool_ext's are marked ``# deadpool``: ``dp.initialize`` attaches the extension (and builds
 the process group on the attempt-prefixed store), ``resilient_steps`` restores the newest step every rank holds
 in memory and hands out the loader's batches from the position an uninterrupted run would be at; under
 deadpool-run a step that fails because a peer was lost is recovered in place and redone (``with step``).
@@ -21,8 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import deadpool_ext.deepspeed as dpx  # deadpool
-from deadpool_ext.steps import resilient_steps  # deadpool
+import deadpool_ext as dp  # deadpool
 
 SEQ = 32
 
@@ -56,14 +55,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
                                        bos_token_id=0, eos_token_id=0))
-    engine, _, _, _ = dpx.initialize(model=model, config=args.deepspeed_config,  # deadpool
-                                     model_parameters=model.parameters())
+    engine, _, _, _ = dp.initialize(model=model, config=args.deepspeed_config,  # deadpool
+                                    model_parameters=model.parameters())
     data = ByteChunks()
     sampler = DistributedSampler(data, num_replicas=engine.dp_world_size, rank=engine.global_rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler, drop_last=True)
     metrics = open(args.metrics_out, "a") if args.metrics_out and engine.global_rank == 0 else None
-    steps = resilient_steps(engine, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
+    steps = dp.resilient_steps(engine, loader, max_steps=args.steps)  # deadpool: restore, data position, hot-swap
     for step in steps:
         with step as batch:  # deadpool
             loss = engine(input_ids=batch, labels=batch).loss
