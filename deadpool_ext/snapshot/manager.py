@@ -38,6 +38,7 @@ from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
+from .late import LATE_KEY, LateDropped, LateState, LateStep
 from .priority import WorkerPriority
 from .restore import MemoryRestore
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
@@ -51,10 +52,11 @@ class SnapshotWorkerError(RuntimeError):
 
 
 class _Job:
-    __slots__ = ("snap", "slot", "copied", "done", "event", "kind")
+    __slots__ = ("snap", "slot", "copied", "done", "event", "kind", "late")
 
     def __init__(self, snap: PreparedSnapshot, slot: int, event: Any, kind: str = "base") -> None:
         self.snap, self.slot, self.event, self.kind = snap, slot, event, kind
+        self.late: LateStep | None = None
         self.copied = threading.Event()
         self.done = threading.Event()
 
@@ -122,6 +124,8 @@ class SnapshotManager(MemoryRestore):
         """Bumped when the worker is stopped for a hot-swap: a worker of an older epoch (abandoned, still blocked
         in a transfer on the dead generation's communicator) touches nothing of this manager when it wakes."""
         self._epoch_lock = threading.Lock()
+        self.late: LateState | None = None
+        """The framework's state posted after the step (snapshot/late.py; the HF Trainer's), kept across rewires."""
         self._phase = "idle"
         """What the worker is doing (for the error that says where it is stuck)."""
         self._wire()
@@ -179,6 +183,16 @@ class SnapshotManager(MemoryRestore):
         self.node = placement.node
         self._wire()
 
+    def arm_late(self, restored: Any, headroom: int) -> bool:
+        """Seal every snapshot with the framework's state posted after its step (:mod:`.late`, before the first
+        snapshot); ``restored(section or None)`` at a restore. False (not armed) with ``snapshot.background: false``:
+        the inline copy seals in the step, before any post."""
+        if not self.config.snapshot.background:
+            return False
+        if self.late is None:
+            self.late = LateState(restored, headroom, timeout_s=self.config.replication.timeout_s)
+        return True
+
     # -- hot path -------------------------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
         job = self._inflight
@@ -201,6 +215,7 @@ class SnapshotManager(MemoryRestore):
             if self.tap is not None:
                 self.tap.discard()
             return
+        late = self.late.begin(version) if self.late is not None else None  # an unposted previous one: sealed
         t0 = time.perf_counter()
         if self._inflight is not None and not self._inflight.done.is_set():
             # The previous version is still being sealed/replicated; its slot must not be the target.
@@ -233,6 +248,7 @@ class SnapshotManager(MemoryRestore):
         if self._side is not None and _on_device(snap.tensors):
             event = self._side.ready()  # the version is complete on the compute stream; the copy starts after it
         job = _Job(snap, slot, event, kind)
+        job.late = late
         self._inflight = job
         self._stats["blocking_s"].append(0.0)
         trim_window(self._stats["blocking_s"])
@@ -295,6 +311,16 @@ class SnapshotManager(MemoryRestore):
             writer.copy(job.snap)
         job.copied.set()  # only now may the next optimizer step overwrite the source tensors
         t1, c1 = time.perf_counter(), time.thread_time()
+        if job.late is not None and self.late is not None:
+            self._phase = "waiting for the step's late client state"
+            try:
+                section = self.late.wait(job.late, lambda: epoch != self._epoch)
+            except LateDropped as exc:
+                log.info("%s", exc)
+                self._phase = "idle"
+                return
+            if section is not None:
+                job.snap.meta[LATE_KEY] = section
         blob_len = writer.seal(job.snap)
         if blob_len != seg.nbytes:
             raise RuntimeError(f"snapshot of step {job.snap.version} is {blob_len} bytes, slot is {seg.nbytes}: "
@@ -341,7 +367,7 @@ class SnapshotManager(MemoryRestore):
     # -- memory -----------------------------------------------------------------------------------------
     def _allocate(self, snap: PreparedSnapshot) -> None:
         """First snapshot: size and pre-touch both slots, exchange sizes with peers, report memory."""
-        self.header_reserved = header_reserve(snap)
+        self.header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
         nbytes = slot_nbytes(self.header_reserved, snap.data_nbytes)
         self._open_slots(nbytes)
         m = membership()
@@ -366,7 +392,7 @@ class SnapshotManager(MemoryRestore):
 
     def _allocate_ring(self, snap: PreparedSnapshot) -> None:
         """First differential: size and pre-touch the ring, exchange sizes with peers, report memory."""
-        self.ring_header_reserved = header_reserve(snap)
+        self.ring_header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
         nbytes = slot_nbytes(self.ring_header_reserved, snap.data_nbytes)
         self._open_ring(nbytes)
         assert self.dpeers is not None  # differential mode
@@ -444,6 +470,8 @@ class SnapshotManager(MemoryRestore):
         writes into a slot the next manager will use; replication of that version may fail with the dead
         group, which is expected and not raised."""
         self.active = False
+        if self.late is not None:
+            self.late.drop()  # a step that failed before its state was posted is never sealed
         job = self._inflight
         if job is not None:
             self.priority.boost()  # waited for: not at idle priority

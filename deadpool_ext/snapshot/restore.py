@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..memory.pinned import HostPinner
     from ..replicate.peer import PeerReplicator
     from .differential import DiffRing, GradTap
+    from .late import LateState
     from .state import RankStateAdapter
 
 log = logging.getLogger("deadpool_ext")
@@ -64,6 +65,9 @@ class MemoryRestore:
     _last_version: int | None
     _stats: dict[str, Any]
     _pinner: HostPinner
+    late: LateState | None
+    """The framework's state posted after each step (``snapshot/late.py``), handed back with the version restored."""
+    _replayed_header: dict[str, Any] | None
     reshard_memory: dict[str, int]
     """What the last elastic restore held beyond the state (``snapshot/reshard.py``)."""
 
@@ -205,7 +209,10 @@ class MemoryRestore:
         self.adapter.restore(tensors, state)
         del tensors
         self._verify_derived(header, base)
+        self._replayed_header = None
         replayed = self._replay(plan, ring_of)
+        if self.late is not None:  # the framework's step-end state of the version restored (snapshot/late.py)
+            self.late.restored(self._replayed_header or header, plan.version)
         self.latest = (base, slot)
         self.committed_version = plan.version
         self.committed_base = base
@@ -333,7 +340,7 @@ class MemoryRestore:
                     batch.append(StepDiff(grads=[grads[f"grad.{i}"].to(targets[i].param.dtype)
                                                  for i in range(len(targets))],
                                           hypers=[AdamHyper.from_json(hypers[str(i)]) for i in range(len(targets))]))
-                    last_meta = state["meta"]
+                    last_meta, self._replayed_header = state["meta"], header
                 if stepwise:
                     replay_naive(targets, batch)
                     self.adapter.sync_params_from_masters()

@@ -63,12 +63,14 @@ def prepare(version: int, obj: Any, meta: dict[str, Any],
                             data_nbytes=data_nbytes, meta=meta, derived=derived)
 
 
-def header_reserve(snap: PreparedSnapshot) -> int:
+def header_reserve(snap: PreparedSnapshot, late: int = 0) -> int:
     """Room for the header: today's size plus a quarter plus 8 KiB, because counters, learning rates and RNG
     states change the header's length (digits of numbers) from one version to the next while the data layout
-    stays the same. Sealing raises a clear error if a header ever outgrows it."""
+    stays the same; plus ``late`` bytes for a section posted after the step (snapshot/late.py: the HF Trainer's
+    log history, which grows every logged step). Slots are sized once per job (a restore keeps their size), so
+    ``late`` covers the whole run. Sealing raises a clear error if a header ever outgrows it."""
     probe = fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, ["0" * 16] * len(snap.entries), snap.meta)
-    return len(probe) + len(probe) // 4 + (8 << 10)
+    return len(probe) + len(probe) // 4 + (8 << 10) + max(0, int(late))
 
 
 def slot_nbytes(header_reserved: int, data_nbytes: int) -> int:
