@@ -59,6 +59,13 @@ CURRENT: tuple[Current, ...] = (
             "and CPU ratios with 90% CIs over rounds, the CPU floor and where the extra CPU goes.",
             companions=("snapshot_overhead_small_n2_small.log",),
             note="Run from a clean worktree with `--out /tmp/results` and copied here."),
+    Current("snapshot_overhead_small_n4", "snapshot_overhead", "overhead counted whole: small, 4 ranks, every peer",
+            "Issue 'honest numbers': the small_n2 job on 4 CPU ranks (2 per simulated node, 2 cores shared by all), "
+            "the shipped defaults with a snapshot every step; 10 interleaved rounds of 8-step windows of none / "
+            "deadpool / DeepSpeed default / DeepSpeed decoupled (PYTHON writer) / DCP async_save (the captured "
+            "tensors) / DLRover flash; window and CPU ratios with 90% CIs, the CPU floor and where the extra CPU goes.",
+            companions=("snapshot_overhead_small_n4_small.log",),
+            note="Run from a clean worktree with `--out /tmp/results_n4` and copied here."),
     Current("snapshot_overhead_small_n2_differential", "snapshot_overhead",
             "diagnostic: TierCheck differentials, counted whole, small, 2 ranks",
             "The same job as snapshot_overhead_small_n2 with `differential.enabled: true` (a base every 10 steps, "
