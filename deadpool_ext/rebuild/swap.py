@@ -463,6 +463,26 @@ def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
     return n
 
 
+def abort_device_communicators() -> int:
+    """GPU path, from the heartbeat thread at the launcher's notice (``worker._abort_nccl_groups``): abort the
+    device half (NCCL) of every swappable group's inner communicator. A rank blocked in an NCCL collective with a
+    dead peer is released only by an abort (the fence cuts TCP; NCCL's own transports do not see a FIN); the
+    aborted communicators are the dead generation's, which :func:`detach` parks and :func:`go_live` replaces.
+    Returns how many were aborted (0 on a CPU-only job: no :class:`DeviceSplit`)."""
+    with _lock:
+        alive = [g for g in (r() for r in _groups) if g is not None]
+    n = 0
+    for g in alive:
+        inner = g.inner
+        if isinstance(inner, DeviceSplit):
+            try:
+                inner.device.abort()
+                n += 1
+            except Exception as exc:  # noqa: BLE001 - already aborted or torn down: nothing left to release
+                log.debug("abort of %r's device communicator: %s", g, exc)
+    return n
+
+
 def forget_all() -> None:
     """At exit: drop every communicator this module references (live and dead generations'), on the calling
     thread, so their destructors run now and not during interpreter finalization."""

@@ -204,7 +204,14 @@ def _abort_nccl_groups(why: str) -> None:
     if not dist.is_initialized():
         return
     try:
-        if dist.get_backend() != "nccl":
+        backend = dist.get_backend()
+        if backend == "deadpool":  # in-place swap (rebuild/swap.py): the NCCL halves of the swappable groups
+            from . import swap
+
+            if swap.abort_device_communicators():
+                log.warning("aborted the NCCL communicators of the dead generation (%s)", why)
+            return
+        if backend != "nccl":
             return
         dist.distributed_c10d._abort_process_group()  # every group, the default one included
         log.warning("aborted the NCCL communicators of the dead generation (%s)", why)

@@ -85,6 +85,7 @@ def test_nccl_stand_in_has_process_group_signatures():
     for name in ("allreduce", "broadcast", "allgather", "barrier"):
         assert name in swap.COLLECTIVES
         assert [n for n, _ in _params(getattr(FakeNccl, name))][1:] == _first_overload(name), name
+    assert _first_overload("abort") == [] and [n for n, _ in _params(FakeNccl.abort)] == ["self"]
 
 
 def test_every_forwarded_collective_is_one_of_torchs():

@@ -29,6 +29,10 @@ class FakeNccl:
     def __init__(self, rank: int, size: int) -> None:
         self.rank, self.size = rank, size
         self.calls: list[str] = []
+        self.aborted = False
+
+    def abort(self):
+        self.aborted = True
 
     def _run(self, name: str, tensors: list[Any]) -> Any:
         for t in tensors:
@@ -120,6 +124,19 @@ def test_a_hot_swap_rebuilds_both_halves(gpu_like_world):
     assert t.tolist() == [2.0, 2.0]
     world.allreduce([torch.empty(1, device="meta")], dist.AllreduceOptions())
     assert made[-1].calls == ["allreduce"]
+
+
+def test_the_launchers_notice_aborts_the_nccl_halves_of_the_dead_generation(gpu_like_world):
+    from deadpool_ext.rebuild import worker
+
+    made = gpu_like_world
+    side = dist.new_group(backend=swap.side_backend())  # gloo only: nothing to abort
+    assert not isinstance(side.inner, swap.DeviceSplit)
+    worker._abort_nccl_groups("test")  # the heartbeat thread's call at the notice: the backend is "deadpool"
+    assert made and all(f.aborted for f in made)
+    t = torch.ones(1)
+    dist.all_reduce(t)  # the gloo half is untouched until detach parks it
+    assert t.tolist() == [1.0]
 
 
 def test_a_cpu_only_job_keeps_one_gloo_group():

@@ -101,8 +101,10 @@ def test_checksums_taken_in_the_copy_pass_match_the_slot_bytes(tmp_path, monkeyp
 
 
 def test_asynchronous_copy_hashes_at_seal(tmp_path):
-    """With a stream (the CUDA side stream: the copy is asynchronous) the bytes are hashed at seal, after the
-    stream has finished; a stand-in stream object shows the path on CPU."""
+    """With a stream (the CUDA side stream: the copy is asynchronous) the copies are only enqueued: the writer never
+    synchronizes the stream (the caller waits for an event after the copies, memory/pinned.py SideStream.copy:
+    tests/unit/test_cuda_paths.py), and the bytes are hashed at seal; a stand-in stream object shows the path on
+    CPU."""
     class _Stream:
         synced = 0
 
@@ -116,6 +118,6 @@ def test_asynchronous_copy_hashes_at_seal(tmp_path):
     w = SlotWriter(seg.tensor(), reserve, 1 << 16)
     w.invalidate()
     w.copy(snap, _Stream())
-    assert w.checksums is None and _Stream.synced == 1
+    assert w.checksums is None and _Stream.synced == 0
     w.seal(snap)
     assert probe_slot(seg.buf, verify=True)[1] is None
