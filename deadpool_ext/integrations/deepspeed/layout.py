@@ -2,7 +2,9 @@
 :class:`deadpool_ext.recovery.reshard.PartitionLayout` an elastic restore reshards by.
 
 ZeRO-1/2 (``rule="flat"``): group ``i`` is ``round_robin_bit16_groups[i]`` flattened in order (aligned, padded
-at the end), rank ``r`` owning ``single_partition_of_fp32_groups[i]`` = elements ``[r*P, (r+1)*P)``. ZeRO-3
+at the end), rank ``r`` owning ``single_partition_of_fp32_groups[i]`` = elements ``[r*P, (r+1)*P)``;
+``BF16_Optimizer`` (ZeRO-1, bf16 with fp32 gradient accumulation) the same with ``bf16_groups[i]`` and
+``fp32_groups_flat_partition[i]``. ZeRO-3
 (``rule="per_param"``): sub-group ``i`` is ``fp16_groups[i]``, each parameter's piece ``ds_tensor`` of
 ``ceil(numel / dp)`` elements, the pieces back to back in ``fp16_partitioned_groups_flat[i]``.
 
@@ -45,16 +47,21 @@ def partition_layout(engine: Any, zero_stage: int) -> dict[str, Any]:
     groups: list[tuple[tuple[int, int], ...]] = []
     part: list[int] = []
     if zero_stage in (1, 2):
-        if getattr(opt, "round_robin_gradients", False):
-            raise ValueError("round_robin_gradients reorders the flat buffers")
-        for i, params in enumerate(opt.round_robin_bit16_groups):
-            flat = opt.bit16_groups_flat[i]
+        if type(opt).__name__ == "BF16_Optimizer":  # ZeRO-1 with bf16 and fp32 gradient accumulation
+            bit16_groups, bit16_flat, parts = opt.bf16_groups, opt.bf16_groups_flat, opt.fp32_groups_flat_partition
+        else:
+            if getattr(opt, "round_robin_gradients", False):
+                raise ValueError("round_robin_gradients reorders the flat buffers")
+            bit16_groups, bit16_flat = opt.round_robin_bit16_groups, opt.bit16_groups_flat
+            parts = opt.single_partition_of_fp32_groups
+        for i, params in enumerate(bit16_groups):
+            flat = bit16_flat[i]
             at = 0
             for p in params:
                 if _offset(p, flat) != at:
                     raise ValueError(f"group {i}: a parameter is not where the flat layout puts it")
                 at += p.numel()
-            size = opt.single_partition_of_fp32_groups[i].numel()
+            size = parts[i].numel()
             if size * dp != flat.numel():
                 raise ValueError(f"group {i}: {dp} partitions of {size} do not make the flat buffer of {flat.numel()}")
             groups.append(tuple((pids[id(p)], int(p.numel())) for p in params))

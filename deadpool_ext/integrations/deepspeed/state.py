@@ -9,7 +9,6 @@ import torch
 
 from ...snapshot.state import (
     RankStateAdapter,
-    UnsupportedEngineError,
     capture_rng,
     copy_into,
     plain_value,
@@ -19,12 +18,14 @@ from ...snapshot.state import (
 
 
 class DeepSpeedStateAdapter(RankStateAdapter):
-    """Rank state of a DeepSpeed engine: ZeRO stage 0 (fp32), 1, 2 and 3; fp32, bf16 and fp16.
+    """Rank state of a DeepSpeed engine: ZeRO stage 0, 1, 2 and 3; fp32, bf16 and fp16; every optimizer wrapper
+    DeepSpeed builds for those (:mod:`.wrappers` says which, and where each keeps the tensors).
 
-    Tensors, for ZeRO-1/2: the flat low-precision parameter buffer (module parameters are views into it),
-    the rank's fp32 master partition and the inner optimizer's state of that partition. ZeRO-3: the rank's
-    parameter partitions (flat), fp32 master partitions and their optimizer state. Stage 0: module
-    parameters and optimizer state.
+    Tensors, for ZeRO-1/2 and ``BF16_Optimizer``: the flat low-precision parameter buffer (module parameters are
+    views into it), the rank's fp32 master partition and the inner optimizer's state of that partition. ZeRO-3:
+    the rank's parameter partitions (flat), fp32 master partitions and their optimizer state. Stage 0 with bf16 or
+    fp16 (``FP16_Optimizer``, ``FP16_UnfusedOptimizer``): the low-precision parameters, their fp32 masters and the
+    optimizer state; fp32 stage 0: module parameters and optimizer state.
 
     With ``derive_params`` (ZeRO 1-3, parameters in host memory) the parameter buffers (``params.<i>``) are
     not captured: DeepSpeed sets them to the masters cast to their dtype at the end of every step, so restore
@@ -41,30 +42,19 @@ class DeepSpeedStateAdapter(RankStateAdapter):
         self._rng_hook: Any = None  # a one-shot forward pre-hook that sets the restored RNG again
         self._rng_pending: dict[str, Any] = {}
         self.zero_stage = int(engine.zero_optimization_stage())
-        opt = engine.optimizer
-        kind = type(opt).__name__
-        if self.zero_stage == 3:
-            self._bit16 = lambda: list(opt.fp16_partitioned_groups_flat)
-            self._master = lambda: list(opt.fp32_partitioned_groups_flat)
-        elif self.zero_stage in (1, 2):
-            self._bit16 = lambda: list(opt.bit16_groups_flat)
-            self._master = lambda: list(opt.single_partition_of_fp32_groups)
-        elif kind == "BF16_Optimizer":
-            self._bit16 = lambda: list(opt.bf16_groups_flat)
-            self._master = lambda: list(opt.fp32_groups_flat_partition)
-        elif isinstance(opt, torch.optim.Optimizer):
-            params = [p for g in opt.param_groups for p in g["params"]]
-            self._bit16 = lambda: []
-            self._master = lambda: params
-        else:
-            raise UnsupportedEngineError(
-                f"deadpool_ext has no state adapter for optimizer {kind} at ZeRO stage {self.zero_stage}; "
-                "supported: ZeRO stages 1-3 (fp32/bf16/fp16), stage 0 with fp32 or bf16")
-        self._inner = (opt.optimizer if hasattr(opt, "optimizer") and self.zero_stage > 0 or kind == "BF16_Optimizer"
-                       else opt)
+        from .wrappers import wrapper_access
+
+        # By the wrapper's class first: one ZeRO stage can hold different wrappers (ZeRO-1: BF16_Optimizer with
+        # bf16 and fp32 gradient accumulation, DeepSpeedZeroOptimizer otherwise). Refused here, at attach, in
+        # one line (UnsupportedWrapperError), never at the first snapshot.
+        self._access = wrapper_access(engine, self.zero_stage)
+        self.wrapper = self._access.kind
+        self._bit16 = self._access.bit16
+        self._master = self._access.master
+        self._inner = self._access.inner
         # Host memory only: the capture-time checksum of a derived tensor is taken in place, and hashing a
         # device tensor would need the very device-to-host copy that deriving saves.
-        self.derive_params = bool(derive_params and self.zero_stage in (1, 2, 3)
+        self.derive_params = bool(derive_params and self._access.partitioned
                                   and all(t.device.type == "cpu" for t in self._bit16()))
         self.allow_batch_change = False  # deadpool.elastic.allow_batch_change (set by the runtime)
         self._layout: dict[str, Any] | None = None
@@ -97,13 +87,14 @@ class DeepSpeedStateAdapter(RankStateAdapter):
     def meta(self) -> dict[str, Any]:
         e = self.engine
         opt = e.optimizer
-        scaler = getattr(opt, "loss_scaler", None)
+        scaler = self._access.scaler()
         meta: dict[str, Any] = {
             "global_steps": int(e.global_steps),
             "global_samples": int(e.global_samples),
             "skipped_steps": int(e.skipped_steps),
             "micro_steps": int(e.micro_steps),
             "zero_stage": self.zero_stage,
+            "optimizer_wrapper": self.wrapper,
             "dp_world_size": int(e.dp_world_size),
             "train_batch_size": int(e.train_batch_size()),
             "param_groups": [{k: v for k, v in g.items() if k != "params" and plain_value(v)}
@@ -114,6 +105,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             "loss_scaler": {k: v for k, v in vars(scaler).items() if plain_value(v)} if scaler is not None else None,
             "rng": capture_rng(),
             "client": self._client_state() if self._client_state else {},
+            "wrapper": {k: getattr(opt, k) for k in self._access.flags},
         }
         if self._layout is not None:
             meta["layout"] = self._layout
@@ -156,7 +148,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             opt.checkpoint_event_epilogue()
         else:
             with torch.no_grad():
-                opt.update_lp_params()  # collective over data parallel
+                self._access.sync()  # update_lp_params: collective over data parallel
         self.restore_meta(meta)
 
     # -- differential checkpoints ------------------------------------------------------------------
@@ -171,17 +163,9 @@ class DeepSpeedStateAdapter(RankStateAdapter):
     def sync_params_from_masters(self) -> None:
         """After masters were changed outside a step (a replay): do what DeepSpeed does at the end of a step,
         copying masters into the training parameters (collective for ZeRO-1/2 and bf16: an all-gather)."""
-        opt = self.engine.optimizer
-        with torch.no_grad():
-            if self.zero_stage == 3:
-                # Release gathered parameters first: the epilogue's all-gather skips parameters that are still
-                # "available", which would leave persistent (small, always gathered) parameters stale.
-                opt.checkpoint_event_prologue()
-                for bit16, master in zip(self._bit16(), self._master()):
-                    bit16.copy_(master)
-                opt.checkpoint_event_epilogue()
-            elif self._bit16():
-                opt.update_lp_params()
+        if self._bit16():
+            with torch.no_grad():
+                self._access.sync()
 
     def restore_meta(self, meta: dict[str, Any]) -> None:
         """Counters, scheduler, loss scaler, param-group scalars, RNG and client state of ``meta``."""
@@ -191,10 +175,13 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             group.update(saved)
         if meta["lr_scheduler"] is not None and e.lr_scheduler is not None:
             e.lr_scheduler.load_state_dict(meta["lr_scheduler"])
-        scaler = getattr(opt, "loss_scaler", None)
+        scaler = self._access.scaler()
         if scaler is not None and meta["loss_scaler"]:
             for k, v in meta["loss_scaler"].items():
                 setattr(scaler, k, v)
+        for k, v in (meta.get("wrapper") or {}).items():
+            if k in self._access.flags:
+                setattr(opt, k, v)
         e.global_steps = meta["global_steps"]
         e.global_samples = meta["global_samples"]
         e.skipped_steps = meta["skipped_steps"]
@@ -239,6 +226,10 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             raise ValueError(
                 f"snapshot layout (ZeRO {meta['zero_stage']}, dp {meta['dp_world_size']}) differs from the engine's "
                 f"(ZeRO {self.zero_stage}, dp {e.dp_world_size}); in-memory restore needs the same layout")
+        was = meta.get("optimizer_wrapper", self.wrapper)
+        if was != self.wrapper:
+            raise ValueError(f"snapshot taken with DeepSpeed's {was}, this engine has {self.wrapper} (bf16, fp16, "
+                             "data_types.grad_accum_dtype or the ZeRO stage changed); in-memory restore needs the same")
         derive = "params.0" not in tensors and bool(self._bit16())
         if derive and not self.derive_params:
             raise ValueError("snapshot has no parameter buffers (they were derived from the masters) but this engine "
@@ -263,5 +254,5 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             opt.checkpoint_event_epilogue()
         elif derive:
             with torch.no_grad():
-                opt.update_lp_params()  # cast own partition, all-gather the rest (collective over data parallel)
+                self._access.sync()  # cast own partition, all-gather the rest (collective over data parallel)
         self.restore_meta(meta)
