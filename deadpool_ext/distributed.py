@@ -1,6 +1,6 @@
 """Process-group start-up that survives launcher restarts.
 
-Why not plain ``init_process_group("env://")``: under torchrun (torch 2.13) workers share the launcher's
+Why not plain ``init_process_group("env://")``: under torchrun workers share the launcher's
 rendezvous TCPStore, which is kept across restart attempts without a per-attempt prefix
 (pytorch/pytorch#135712). A relaunched gloo group can read the dead attempt's addresses and hang while
 connecting. We build the group on the same store, prefixed by ``TORCHELASTIC_RESTART_COUNT``, so each attempt
@@ -217,12 +217,3 @@ def _warm_up_spare() -> None:
             log.warning("spare: warm-up %s failed (%s); it happens after the assignment instead",
                         getattr(fn, "__qualname__", fn), exc)
 
-
-def default_job_id() -> str:
-    """A name shared by every rank of one job, stable across restarts of the job's workers."""
-    return worker_env().default_job_id()
-
-
-def node_name() -> str:
-    """Failure-domain name of this process: the launcher's simulated node, else the host name."""
-    return worker_env().node_name()

@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if code == 0:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
         # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
-        # take for a hang and fence: seen once in four Lightning hot-swap jobs).
+        # take for a hang and fence a process that finished).
         from .distributed import membership
 
         current = membership()

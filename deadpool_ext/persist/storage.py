@@ -29,10 +29,6 @@ from .records import UnsafePathError, one_line
 from .regular import open_regular_file
 
 
-class StorageFullError(OSError):
-    """The target ran out of space; the message names the URL and the bytes needed."""
-
-
 class TempWriter(abc.ABC):
     """A file written under a temporary name; :meth:`publish` renames it into place, :meth:`abort` removes it."""
 

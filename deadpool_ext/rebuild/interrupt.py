@@ -1,8 +1,7 @@
 """A survivor busy computing learns of a new generation at once, instead of at its next collective.
 
 Why: when a peer dies mid-step, the other ranks notice only when they next communicate with it. Under ZeRO
-that can be most of a forward or backward pass away (0.3-0.4 s after the launcher published the new
-assignment, measured on GPT small with 3 ranks on 2 cores), all of it spent on a step that is thrown away,
+that can be most of a forward or backward pass away, all of it spent on a step that is thrown away,
 and on a shared host, CPU taken from the spare that is joining. The launcher knows sooner: its notification
 (the store key ``gen/<g>``, see ``rebuild.worker.Membership``) now also stops the training step.
 

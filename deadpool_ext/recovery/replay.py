@@ -30,7 +30,6 @@ Two implementations, same results:
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -261,12 +260,3 @@ def _foreach_by_scalar(op: Callable[..., Any], targets: Sequence[torch.Tensor],
     for j, t in enumerate(targets):  # mixed groups in one batch: per tensor, same kernels
         op([t], *[[a[j]] for a in args], scalars[j])
 
-
-def replay_cost_estimate(states: Sequence[AdamTensors], n_steps: int) -> dict[str, float]:
-    """Bytes streamed through memory by each implementation (for logs and the benchmark's explanation)."""
-    state_bytes = sum(s.param.numel() * s.param.element_size() * 3 for s in states)
-    grad_bytes = sum(s.param.numel() * s.param.element_size() for s in states)
-    return {"naive_bytes": n_steps * (8 * state_bytes / 3 + 3 * grad_bytes),
-            "fused_bytes": 2 * state_bytes + n_steps * grad_bytes,
-            "steps": float(n_steps), "chunks_per_tensor": float(math.ceil(max((s.param.numel() for s in states),
-                                                                                 default=0) / (1 << 14)))}

@@ -207,13 +207,13 @@ class Costs:
     restore_fixed_s: float = 0.62
     """Fixed part of restoring from memory (measured: recovery.json, GPT small, restore_s); bytes / bandwidth come
     on top."""
-    snapshot_overhead_ratio: float = 1.06
+    snapshot_overhead_ratio: float = 1.05
     """Failure-free window ratio with an in-memory snapshot every iteration, counted whole: a window of steps ends
-    when its last snapshot is committed (measured on 2 CPU cores: snapshot_overhead_small_n2.json, 1.058 with a 90%
-    interval of [1.024, 1.103]). The DeadPool paper reports 1.0 on GPUs."""
-    persist_overhead_ratio: float = 1.15
-    """Failure-free window ratio with a background persistent checkpoint every iteration, counted whole (measured on
-    2 CPU cores: snapshot_overhead_small_n2.json, dcp_async: 1.148 [1.094, 1.255]); charged per background write
+    when its last snapshot is committed (the snapshot_overhead results on 2 CPU cores; `deadpool simulate` prints
+    the file and interval it calibrates from). The DeadPool paper reports 1.0 on GPUs."""
+    persist_overhead_ratio: float = 1.11
+    """Failure-free window ratio with a background persistent checkpoint every iteration, counted whole (DCP
+    async_save of the same tensors in the snapshot_overhead results, 2 CPU cores); charged per background write
     to storage, by every policy."""
     replay_s_per_diff: float = 0.2
     """TierCheck: seconds to replay one differential during recovery (fused replay; assumption)."""

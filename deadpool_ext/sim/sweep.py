@@ -92,10 +92,6 @@ class Evaluator:
             stopped_day_mean=statistics.fmean(stops) if stops else None)
 
 
-def _iters(seconds: float, iteration_s: float, cap: int) -> int:
-    return int(min(cap, max(1, round(seconds / iteration_s))))
-
-
 def persist_center(d: Derived, asynchronous: bool) -> int:
     """Daly's optimum for a whole-job restart policy, in iterations (the async variant also needs the interval
     to cover one background write, or every checkpoint waits for the previous one)."""

@@ -147,8 +147,8 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
         nonlocal n_params
         from ..rebuild.recover import weights_will_be_restored
 
-        # A hot-swap rebuild whose state is restored from memory next skips the random init (4.6 s for GPT
-        # medium on this CPU); the first model is initialised from --seed as always.
+        # A hot-swap rebuild whose state is restored from memory next skips the random init (its result would be
+        # overwritten at once); the first model is initialised from --seed as always.
         model = prebuilt.pop() if prebuilt else build_model(args.model_size, init=not weights_will_be_restored())
         n_params = count_parameters(model)
         eng, _, _, _ = dpx.initialize(model=model, config=ds_config, model_parameters=model.parameters())

@@ -1,6 +1,6 @@
 """A hot-swap's teardown of the snapshot worker when the worker is blocked in the global commit (the side group's
 all-reduce) on a dead peer: the worker is abandoned within seconds, not waited for until the teardown timeout
-(a rank that raised there left the job; CI stop 22, a lost host), and when that all-reduce returns later its
+(a rank that raised there left the job, e.g. with its host), and when that all-reduce returns later its
 result never reaches the manager (the new generation's versions stay as they were).
 
 Real SnapshotManager in a gloo world of one; the one stand-in is the all-reduce itself (a gloo receive from a dead

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 from ...persist.atomic import IncompleteCheckpointError
 from ...persist.download import download, private_cache_root
-from ...persist.layout import VersionInfo, load_candidates, read_version, verify_version, version_tag, where
+from ...persist.layout import VersionInfo, load_candidates, read_version, version_tag, where
 from ...persist.records import CheckpointTrustError, one_line
 from ...persist.safe_load import SafeGlobal, UntrustedCheckpointError, only_weights, scan
 from ...persist.sign import checkpoint_key
@@ -62,22 +62,6 @@ def _candidates(storage: Storage, url: str, version: int | None, key: bytes | No
     if not cands:
         raise ExportError(_summary(refused, f"{url}: no complete tier-3 base"))
     return cands
-
-
-def pick_version(url: str, version: int | None, *, verify: bool = True,
-                 progress: Callable[[int, int], None] | None = None,
-                 log: Callable[[str], None] = print, key: str | bytes | None = None) -> VersionInfo:
-    """The requested base (or the newest complete one whose files all verify, in place on the storage)."""
-    storage = open_existing(url)
-    refused: list[str] = []
-    for info in _candidates(storage, url, version, checkpoint_key(key), refused):
-        errors = verify_version(storage, info, progress=progress) if verify else []
-        if not errors:
-            for r in refused:
-                log(r)
-            return info
-        refused.extend(f"refusing {info.tag}: {e}" for e in errors)
-    raise ExportError(_summary(refused, f"{url}: no base verifies"))
 
 
 def _private_copy(storage: Storage, info: VersionInfo, work: str, allow: list[SafeGlobal],

@@ -59,16 +59,6 @@ def forward_backward(chunks: list[Any], optimizer: Any, batches: list[tuple[torc
                    forward_only=False)
 
 
-def forward_only_loss(chunks: list[Any], batches: list[tuple[torch.Tensor, torch.Tensor]], seq_len: int,
-                      micro: int) -> list[dict[str, torch.Tensor]]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    with torch.no_grad():
-        return get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(batches),
-                                           model=chunks, num_microbatches=len(batches), seq_length=seq_len,
-                                           micro_batch_size=micro, forward_only=True)
-
-
 def global_mean_loss(losses: list[dict[str, torch.Tensor]], num_micro: int) -> float:
     """Mean loss over every micro-batch of every DP replica, known on every rank (used for metrics).
 
