@@ -256,7 +256,10 @@ def _gpt(torch: Any, layers: int, hidden: int, heads: int, vocab: int, seq_len: 
 def _engine(torch: Any, args: argparse.Namespace, model: Any, config: dict[str, Any], mpu: Any) -> Any:
     import deadpool_ext.deepspeed as dpx
 
-    engine, _, _, _ = dpx.initialize(model=model, config=config, model_parameters=model.parameters(), mpu=mpu)
+    # device_rank 0: both processes of part a are on the one GPU, while LOCAL_RANK (0, 1) places them on two
+    # simulated nodes for the replica (DeepSpeed would otherwise select the device by LOCAL_RANK)
+    engine, _, _, _ = dpx.initialize(args=argparse.Namespace(device_rank=0), model=model, config=config,
+                                     model_parameters=model.parameters(), mpu=mpu)
     return engine
 
 
@@ -507,7 +510,9 @@ def _spawn(worker: str, argv: list[str], ranks: int, deadline_s: float, out: str
     for r in range(ranks):
         res = os.path.join(out, f".{worker}.{r}.json")
         files.append(res)
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0",
+        # LOCAL_RANK / LOCAL_WORLD_SIZE: deadpool's simulated nodes split a host's processes by local rank
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(ranks), "LOCAL_RANK": str(r),
+               "LOCAL_WORLD_SIZE": str(ranks),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "GPU_CHECK_MEASURE_S": str(max(30, deadline_s - 70)),
                "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # deterministic cuBLAS (part c's bit-identical losses)
                "PYTHONPATH": os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
