@@ -8,6 +8,7 @@ Call order (every rank) is the :class:`~deadpool_ext.integrations.base.Resilient
    can restore from the memory tiers and returns the step to continue from (0 for a fresh start).
 3. The training loop calls ``engine.step()`` as usual; the wrapped step waits for an in-flight snapshot copy
    just before the optimizer overwrites the tensors being copied, and schedules the next snapshot right after.
+   A pipeline engine (``PipelineModule``) steps inside ``train_batch``: its ``_take_model_step`` is wrapped.
 4. Hot-swap: ``engine.deadpool.set_rebuild(build_engine)``; around a step,
    ``if engine.deadpool.can_recover(exc): engine = engine.deadpool.recover(exc)`` (the new engine).
 5. ``runtime.close()`` at the end (or at interpreter exit): drains the background worker and tier 3.
@@ -61,6 +62,9 @@ class DeadpoolRuntime(ResilientRuntime):
         generation (``rebuild.interrupt``): that step is thrown away by the hot-swap anyway."""
         engine = self.engine
         runtime = self
+        if getattr(engine, "pipeline_parallelism", False):
+            self._wrap_pipeline_step()
+            return
 
         def stoppable(fn: Callable[..., Any]) -> Callable[..., Any]:
             if not runtime._hot_swap:
@@ -85,6 +89,21 @@ class DeadpoolRuntime(ResilientRuntime):
             return out
 
         engine.step = step
+
+    def _wrap_pipeline_step(self) -> None:
+        """A ``PipelineEngine`` steps inside ``train_batch`` (its ``step`` raises): the optimizer step is its
+        ``OptimizerStep`` instruction, which calls ``self._take_model_step``; that call gets the snapshot hooks.
+        Every stage runs it once per batch, after its last backward."""
+        engine = self.engine
+        take_model_step = engine._take_model_step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            self._before_optimizer_step()
+            out = take_model_step(*args, **kwargs)
+            self._after_optimizer_step()
+            return out
+
+        engine._take_model_step = step
 
     def _after_optimizer_step(self) -> None:
         if self.snapshots is not None:
