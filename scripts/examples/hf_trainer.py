@@ -8,6 +8,11 @@ the extension::
     deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1 scripts/examples/hf_trainer.py --deepspeed ...
         (the same; a lost worker is replaced by the spare and the interrupted step redone, in place)
 
+As standard scripts do, it writes ``train_results.json`` and ``trainer_state.json`` into ``--output-dir``: after
+a recovery they hold what the uninterrupted run's hold (every step's log entry once, ``train_loss``; ``total_flos``
+but for HF's ZeRO-3 count of a restarted engine's first step); ``train_runtime`` is the training time of the steps
+that count (the failure's cost left out).
+
 Plain ``torchrun scripts/examples/hf_trainer.py ...`` runs it without the extension (DeepSpeed drops the
 section it does not know; ``deadpool check CONFIG`` says which launches honour it).
 """
@@ -38,7 +43,7 @@ class ByteChunks(torch.utils.data.Dataset):
 
 
 class Losses(TrainerCallback):
-    """Rank 0 writes {"step", "loss", other metrics of the entry} per logged step (JSON lines)."""
+    """Rank 0 writes {"step", "loss", other metrics of the entry, "total_flos" so far} per logged step (JSON lines)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
@@ -46,7 +51,7 @@ class Losses(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - the Trainer's signature
         if self.path and state.is_world_process_zero and logs and "loss" in logs:
             with open(self.path, "a") as fh:
-                fh.write(json.dumps({"step": state.global_step, **logs}) + "\n")
+                fh.write(json.dumps({"step": state.global_step, **logs, "total_flos": state.total_flos}) + "\n")
 
 
 def main() -> None:
@@ -72,7 +77,9 @@ def main() -> None:
     # (TrainingArguments first: with a ZeRO-3 config, from_config then builds the model inside zero.Init)
     model = AutoModelForCausalLM.from_config(config) if args.zero_init else GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
-    trainer.train()
+    result = trainer.train()
+    trainer.save_metrics("train", result.metrics)  # train_results.json (train_loss, total_flos, train_runtime)
+    trainer.save_state()  # trainer_state.json (log_history, global_step, epoch)
     engine = trainer.model_wrapped
     if trainer.is_world_process_zero():
         dp = getattr(engine, "deadpool", None)

@@ -127,22 +127,93 @@ def test_hf_trainer_attaches_through_the_runner_and_trains_bit_for_bit(tmp_path,
     _snapshot_metrics_in_the_trainers_log(os.path.join(str(tmp_path), "runner.jsonl"))
 
 
-def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root):
-    # gradient accumulation 2: the Trainer fast-forwards 2 batches per step already done. The model is built as
-    # standard Trainer scripts build it (from_config: under ZeRO-3 inside zero.Init), with the shipped config.
-    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out"), "--zero-init"]
-    hf_base = "configs/hf_trainer_zero3_cpu.json"
-    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
-                                                                *args])
-    assert _finished(plain, "hf_trainer"), plain.output[-3000:]
-    res, losses = _job(tmp_path, "restart", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, hf_base), *args],
-                       runner=True, max_restarts=1, inject=kill_at(4))
+HF_BASE = "configs/hf_trainer_zero3_cpu.json"
+HF_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tmp_path_factory):
+    """The Trainer script under plain torchrun (no section, no failure), once per model build for the module:
+    ``reference(zero_init) -> (step -> loss, output dir with its trainer_state.json and train_results.json)``."""
+    done: dict[bool, tuple[dict, str]] = {}
+
+    def reference(zero_init: bool) -> tuple[dict, str]:
+        if zero_init not in done:
+            tmp = tmp_path_factory.mktemp("hf_ref")
+            out = str(tmp / "out")
+            plain, losses = _job(tmp, "plain", HF_TRAINER, ["--deepspeed", _config(tmp, None, HF_BASE), "--max-steps",
+                                                            str(HF_STEPS), "--output-dir", out,
+                                                            *(["--zero-init"] if zero_init else [])])
+            assert _finished(plain, "hf_trainer"), plain.output[-3000:]
+            done[zero_init] = losses, out
+        return done[zero_init]
+
+    return reference
+
+
+def _first_step_flops_deficit(ref_out: str) -> float:
+    """How many FLOPs fewer than a later step HF's estimate counts for an engine's first step under ZeRO-3 (its
+    ``floating_point_ops`` counts the parameters gathered at that moment, and DeepSpeed's prefetch has gathered
+    fewer in a process's first step): the uninterrupted run's step 2 minus its step 1, from the rows its rank 0
+    wrote (``total_flos`` so far, after each step)."""
+    rows = {}
+    with open(os.path.join(os.path.dirname(ref_out), "plain.jsonl")) as fh:
+        for line in fh:
+            if line.strip():
+                r = json.loads(line)
+                rows[int(r["step"])] = float(r["total_flos"])
+    return (rows[2] - rows[1]) - rows[1]
+
+
+def _trainer_bookkeeping_whole(out: str, ref_out: str, output: str, *, first_steps: tuple[float, float]) -> None:
+    """What the Trainer wrote after the recovery equals the uninterrupted run's: trainer_state.json's log_history
+    holds every step once with the same entries (loss, grad_norm, learning rate, epoch bit for bit), global_step
+    and epoch; train_loss (train_results.json and the final log entry); no false RNG warning. total_flos: the
+    uninterrupted run's less what HF's ZeRO-3 estimate leaves out of the first step of a process that continued
+    (``first_steps``: the range of such first steps, in units of both ranks' first step; every step before the
+    restored one is carried exactly). train_runtime: the training time of the steps that count (README), only
+    checked to be there."""
+    def read(d: str) -> tuple[dict, dict]:
+        with open(os.path.join(d, "trainer_state.json")) as fh, open(os.path.join(d, "train_results.json")) as fr:
+            return json.load(fh), json.load(fr)
+
+    (state, results), (ref_state, ref_results) = read(out), read(ref_out)
+    keys = ("step", "loss", "grad_norm", "learning_rate", "epoch")
+    entries = [{k: e.get(k) for k in keys} for e in state["log_history"] if "loss" in e]
+    ref_entries = [{k: e.get(k) for k in keys} for e in ref_state["log_history"] if "loss" in e]
+    assert [e["step"] for e in entries] == list(range(1, HF_STEPS + 1)), entries  # every step, once
+    assert entries == ref_entries
+    assert (state["global_step"], state["epoch"]) == (ref_state["global_step"], ref_state["epoch"]) == \
+        (HF_STEPS, ref_state["epoch"])
+    assert results["train_loss"] == ref_results["train_loss"], (results, ref_results)
+    assert results["train_runtime"] > 0
+    final = [e for e in state["log_history"] if "train_loss" in e]
+    assert len(final) == 1 and final[0]["train_loss"] == ref_results["train_loss"], final
+    deficit = _first_step_flops_deficit(ref_out)
+    lo, hi = (ref_state["total_flos"] - k * deficit for k in (first_steps[1], first_steps[0]))
+    assert final[0]["total_flos"] == state["total_flos"] and lo <= state["total_flos"] <= hi, \
+        (state["total_flos"], ref_state["total_flos"], deficit, first_steps)
+    assert "Didn't find an RNG file" not in output  # the RNG came back from memory: no false warning
+
+
+def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root, hf_reference):
+    """Gradient accumulation 2: the Trainer fast-forwards 2 batches per step already done. The model is built as
+    standard Trainer scripts build it (from_config: under ZeRO-3 inside zero.Init), with the shipped config. Rank 0
+    dies right after its optimizer step 4 (whose snapshot is then never sealed: the Trainer had not posted its
+    state of step 4); both ranks restart and restore step 3 from memory, the Trainer's bookkeeping with it."""
+    plain_losses, ref_out = hf_reference(True)
+    out = str(tmp_path / "out")
+    args = ["--max-steps", str(HF_STEPS), "--output-dir", out, "--zero-init"]
+    res, losses = _job(tmp_path, "restart", HF_TRAINER, ["--deepspeed", _config(tmp_path, shm_root, HF_BASE), *args],
+                       runner=True, max_restarts=1, inject=kill_at(4, rank=0))
     assert res.returncode == 0, res.output[-4000:]
     assert "HF Trainer: continuing from step" in res.output and "Trainer resumes at step" in res.output, \
         res.output[-4000:]
+    assert "the Trainer's state as the uninterrupted run had it at that step" in res.output, res.output[-4000:]
     stats = _summary(res, "hf_trainer")["deadpool"]
-    assert stats["restore"]["outcome"] == "restored" and stats["restore"]["version"] >= 3, stats["restore"]
-    _same_trajectory(losses, plain_losses, killed=4, last=8)
+    assert stats["restore"]["outcome"] == "restored" and stats["restore"]["version"] == 3, stats["restore"]
+    _same_trajectory(losses, plain_losses, killed=4, last=HF_STEPS)
+    _trainer_bookkeeping_whole(out, ref_out, res.output, first_steps=(1, 1))  # both ranks start again
 
 
 def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, env: dict | None = None,
@@ -170,52 +241,54 @@ def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, 
     return res, read_metrics(metrics), read_events(timeline) if os.path.exists(timeline) else [], pids
 
 
-def _swap_fault(tmp_path, after_step: bool) -> tuple[dict | None, int | None]:
-    """(harness env, kill_after_step) for ``_dprun``: rank 1 killed in-process right after its optimizer step 4, or
-    SIGKILLed from outside wherever it is once rank 0 logged step 3."""
+def _swap_fault(tmp_path, after_step: bool, rank: int = 1) -> tuple[dict | None, int | None]:
+    """(harness env, kill_after_step) for ``_dprun``: ``rank`` killed in-process right after its optimizer step 4,
+    or rank 1 SIGKILLed from outside wherever it is once rank 0 logged step 3."""
     if after_step:
         marker = os.path.join(str(tmp_path), "fault.marker")
-        return at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, marker).render()}), None
+        return at_step.harness_env({at_step.ENV: StepFault("kill", 4, rank, marker).render()}), None
     return None, 3
 
 
-def _hot_swapped_in_place(res, events, pids, *, reuse_line: bool = True) -> None:
-    """One hot-swap, in place: the survivor kept its process (and its engine), the spare restored rank 1.
-    ``reuse_line``: the framework builds its engine again through deepspeed.initialize (the HF Trainer does;
-    Lightning's loop runs again on the engine it holds)."""
+def _hot_swapped_in_place(res, events, pids, *, reuse_line: bool = True, lost: int = 1) -> None:
+    """One hot-swap, in place: the survivor kept its process (and its engine), the spare restored rank ``lost``
+    (rank r runs on node r). ``reuse_line``: the framework builds its engine again through deepspeed.initialize
+    (the HF Trainer does; Lightning's loop runs again on the engine it holds)."""
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     spares = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
-    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
-    assert [e["rank"] for e in spares] == [1] and spares[0]["pid"] not in pids.values(), spares
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids[f"node{1 - lost}.0"], True)], survivors
+    assert [e["rank"] for e in spares] == [lost] and spares[0]["pid"] not in pids.values(), spares
     if reuse_line:
         assert "returns the engine recovered in place (no new engine)" in res.output, res.output[-4000:]
 
 
-@pytest.mark.parametrize("fault", matrix(["after_optimizer_step", "sigkill_anywhere"],
-                                         ci=["after_optimizer_step"]))  # SIGKILL anywhere: test_hot_swap
-def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault):
-    """An unmodified Trainer script (ZeRO-3, gradient accumulation 2) under deadpool-run: rank 1 dies (right after
-    its optimizer step 4, or SIGKILLed from outside wherever it is after rank 0 logged step 3); the survivor keeps
-    its process, engine, optimizer and scheduler, the Trainer's loop is re-entered at the restored step, the spare
-    takes rank 1, and every logged loss equals plain torchrun's bit for bit; the Trainer's bookkeeping is whole."""
-    args = ["--max-steps", "8", "--output-dir", str(tmp_path / "out")]
-    hf_base = "configs/hf_trainer_zero3_cpu.json"
-    plain, plain_losses = _job(tmp_path, "plain", HF_TRAINER, ["--deepspeed", _config(tmp_path, None, hf_base),
-                                                                *args])
-    assert _finished(plain, "hf_trainer"), plain.output[-3000:]
-    cfg = _config(tmp_path, shm_root, hf_base, local={"shm_root": shm_root})
-    env, kill = _swap_fault(tmp_path, fault == "after_optimizer_step")
+@pytest.mark.parametrize("fault", matrix(["after_optimizer_step-rank1", "after_optimizer_step-rank0",
+                                          "sigkill_anywhere-rank1"],
+                                         ci=["after_optimizer_step-rank1", "after_optimizer_step-rank0"]))
+def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault, hf_reference):
+    """An unmodified Trainer script (ZeRO-3, gradient accumulation 2) under deadpool-run: rank 1 or rank 0 dies
+    (right after its optimizer step 4, or rank 1 SIGKILLed from outside wherever it is after rank 0 logged step 3);
+    the survivor keeps its process, engine, optimizer and scheduler, the Trainer's loop is re-entered at the
+    restored step, the spare takes the lost rank (rank 0 too: it then writes the Trainer's files), every logged loss
+    equals plain torchrun's bit for bit, and the Trainer's bookkeeping is the uninterrupted run's."""
+    plain_losses, ref_out = hf_reference(False)
+    lost = int(fault[-1])
+    out = str(tmp_path / "out")
+    args = ["--max-steps", str(HF_STEPS), "--output-dir", out]
+    cfg = _config(tmp_path, shm_root, HF_BASE, local={"shm_root": shm_root})
+    env, kill = _swap_fault(tmp_path, fault.startswith("after_optimizer_step"), lost)
     res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", HF_TRAINER, ["--deepspeed", cfg, *args], env=env,
                                        kill_after_step=kill)
     assert res.returncode == 0, res.output[-4000:]
-    _hot_swapped_in_place(res, events, pids)
+    _hot_swapped_in_place(res, events, pids, lost=lost)
     assert "HF Trainer: recovered in place at step" in res.output and "training loop re-entered" in res.output
-    assert "Didn't find an RNG file" not in res.output  # the RNG came back from memory: no false warning
-    _same_trajectory(losses, plain_losses, killed=4, last=8)
+    assert "the Trainer's state as the uninterrupted run had it at that step" in res.output, res.output[-4000:]
+    _same_trajectory(losses, plain_losses, killed=4, last=HF_STEPS)
     s = _summary(res, "hf_trainer")
-    # rank 0 kept its log history: every step once, but possibly the killed one (its update was committed, so it is
-    # not redone, but the Trainer's logging gather of it was cut by the failure: not logged, as after a restart)
-    assert s["global_step"] == 8 and s["logged_steps"] in (list(range(1, 9)), [1, 2, 3, 5, 6, 7, 8]), s
+    assert s["global_step"] == HF_STEPS and s["logged_steps"] == list(range(1, HF_STEPS + 1)), s
+    # the spare starts its engine (half of a first step); whether the survivor's restored engine gathers as in its
+    # first step is DeepSpeed's prefetch state: between half and one whole first step
+    _trainer_bookkeeping_whole(out, ref_out, res.output, first_steps=(0.5, 1))
     _snapshot_metrics_in_the_trainers_log(os.path.join(str(tmp_path), "swap.jsonl"))
 
 
