@@ -1,6 +1,6 @@
 """A DeepSpeed pipeline-parallel job (``PipelineModule``, 2 stages) with the extension attached, for
-``tests/integration/test_ds_wrappers.py``: bf16 (DeepSpeed builds a ``BF16_Optimizer`` for a bf16 pipeline),
-activation checkpointing on every layer, gradient clipping.
+``tests/integration/test_ds_wrappers.py``: bf16 or fp32 as the config says (DeepSpeed builds a ``BF16_Optimizer``
+for a bf16 pipeline), activation checkpointing on every layer, gradient clipping.
 
     torchrun --nproc-per-node 2 tests/integration/workers/ds_wrappers_pipeline.py CONFIG ITERS OUT \
         [--save-at N --save-dir D] [--load-dir D --load-tag T]
@@ -21,8 +21,12 @@ HIDDEN, LAYERS, MICRO = 16, 4, 2
 
 
 class Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.bfloat16)
+        return x.to(self.dtype)
 
 
 def batches(step: int, gas: int):
@@ -60,7 +64,7 @@ def main(argv: list[str]) -> int:
     with open(args.config) as fh:
         cfg = json.load(fh)
     torch.manual_seed(0)
-    layers = [LayerSpec(Cast)]
+    layers = [LayerSpec(Cast, torch.bfloat16 if cfg.get("bf16", {}).get("enabled") else torch.float32)]
     for _ in range(LAYERS):
         layers += [LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.Tanh)]
     model = PipelineModule(layers=layers, num_stages=2, loss_fn=loss_fn, partition_method="uniform",
