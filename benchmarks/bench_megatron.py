@@ -50,10 +50,10 @@ def worker(args: argparse.Namespace) -> None:
     from deadpool_ext.distributed import init_distributed
     from deadpool_ext.integrations.megatron import parallel
     from deadpool_ext.integrations.megatron.layout import Layout, coordinates
-    from deadpool_ext.integrations.megatron.model import ModelSpec, build, count_parameters
     from deadpool_ext.integrations.megatron.runtime import MegatronRuntime
-    from deadpool_ext.integrations.megatron.step import forward_backward, global_mean_loss, microbatches
     from deadpool_ext.training.data import ByteLMData
+    from deadpool_ext.training.megatron.model import ModelSpec, build, count_parameters
+    from deadpool_ext.training.megatron.step import forward_backward, global_mean_loss, microbatches
 
     parallel.apply_cpu_shims()
     init_distributed()

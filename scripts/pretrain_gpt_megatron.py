@@ -17,7 +17,7 @@ import sys
 # The repository root, for the patches/ package (deadpool_ext itself is installed).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from deadpool_ext.integrations.megatron.train import run  # noqa: E402
+from deadpool_ext.training.megatron.train import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> dict:

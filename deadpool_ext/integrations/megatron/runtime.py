@@ -37,10 +37,20 @@ from ...config import DeadpoolConfig
 from ..base import ResilientRuntime
 from . import parallel
 from .layout import Coordinates, Layout, LayoutError, dp_resize, keep_global_batch
-from .model import Built
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("deadpool_ext")
+
+
+@dataclass(slots=True)
+class Built:
+    """What a model factory hands the runtime: the model chunks, optimizer and scheduler of the current parallel
+    state (a hot-swap calls the factory again on the new world)."""
+
+    chunks: list[Any]          # DDP-wrapped model chunks (one per rank without virtual pipeline)
+    optimizer: Any             # megatron.core.optimizer.MegatronOptimizer
+    scheduler: Any             # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
+    config: Any                # the TransformerConfig (carries the schedule hooks)
 
 
 @dataclass(slots=True)

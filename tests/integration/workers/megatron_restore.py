@@ -18,10 +18,10 @@ from deadpool_ext.config import DeadpoolConfig  # noqa: E402
 from deadpool_ext.distributed import init_distributed  # noqa: E402
 from deadpool_ext.integrations.megatron import parallel  # noqa: E402
 from deadpool_ext.integrations.megatron.layout import Layout, coordinates  # noqa: E402
-from deadpool_ext.integrations.megatron.model import ModelSpec, build  # noqa: E402
 from deadpool_ext.integrations.megatron.runtime import MegatronRuntime  # noqa: E402
-from deadpool_ext.integrations.megatron.step import forward_backward, global_mean_loss, microbatches  # noqa: E402
 from deadpool_ext.training.data import ByteLMData  # noqa: E402
+from deadpool_ext.training.megatron.model import ModelSpec, build  # noqa: E402
+from deadpool_ext.training.megatron.step import forward_backward, global_mean_loss, microbatches  # noqa: E402
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...training.data import ByteLMData
+from ..data import ByteLMData
 
 
 def microbatches(data: ByteLMData, consumed: int, micro: int, num_micro: int, dp: int, dp_rank: int

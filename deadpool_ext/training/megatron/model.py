@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ...training.data import VOCAB_SIZE
-from ...training.models import MODEL_SIZES
+from ...integrations.megatron.runtime import Built
+from ..data import VOCAB_SIZE
+from ..models import MODEL_SIZES
 
 PADDED_VOCAB = 320
 """VOCAB_SIZE (260) rounded up to a multiple of 64: divisible by every TP size up to 64."""
@@ -44,14 +45,6 @@ class ModelSpec:
     @property
     def seq_len(self) -> int:
         return MODEL_SIZES[self.size][3]
-
-
-@dataclass(slots=True)
-class Built:
-    chunks: list[Any]          # DDP-wrapped model chunks (one per rank without virtual pipeline)
-    optimizer: Any             # megatron.core.optimizer.MegatronOptimizer
-    scheduler: Any             # megatron.core.optimizer_param_scheduler.OptimizerParamScheduler
-    config: Any                # the TransformerConfig (carries the schedule hooks)
 
 
 def transformer_config(spec: ModelSpec) -> Any:

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
 from ...distributed import init_distributed, membership
+from ...integrations.loop import ResilientLoop
+from ...integrations.megatron import parallel
+from ...integrations.megatron.layout import Layout, LayoutError, coordinates, keep_global_batch
+from ...integrations.megatron.runtime import MegatronRuntime
 from ...logs import configure_logging
-from ...training.data import ByteLMData, seed_everything
-from ...training.models import MODEL_SIZES
-from ..loop import ResilientLoop
-from . import parallel
-from .layout import Layout, LayoutError, coordinates, keep_global_batch
+from ..data import ByteLMData, seed_everything
+from ..models import MODEL_SIZES
 from .model import ModelSpec, build, count_parameters
-from .runtime import MegatronRuntime
 from .step import forward_backward, global_mean_loss, microbatches
 
 log = logging.getLogger("deadpool_ext")
