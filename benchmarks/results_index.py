@@ -66,6 +66,13 @@ CURRENT: tuple[Current, ...] = (
             "tensors) / DLRover flash; window and CPU ratios with 90% CIs, the CPU floor and where the extra CPU goes.",
             companions=("snapshot_overhead_small_n4_small.log",),
             note="Run from a clean worktree with `--out /tmp/results_n4` and copied here."),
+    Current("snapshot_overhead_medium_n2", "snapshot_overhead", "overhead counted whole: medium, 2 ranks, DLRover",
+            "Issue 'honest numbers': GPT medium (~125M), ZeRO-3 with activation checkpointing, 2 CPU ranks on 2 "
+            "simulated nodes (replica on), the shipped defaults with a snapshot every step; 10 interleaved rounds of "
+            "8-step windows of none / deadpool / DLRover flash; window and CPU ratios with 90% CIs, the CPU floor and "
+            "where the extra CPU goes.",
+            companions=("snapshot_overhead_medium_n2_medium.log",),
+            note="Run from a clean worktree with `--out /tmp/results_m2` and copied here."),
     Current("snapshot_overhead_small_n2_differential", "snapshot_overhead",
             "diagnostic: TierCheck differentials, counted whole, small, 2 ranks",
             "The same job as snapshot_overhead_small_n2 with `differential.enabled: true` (a base every 10 steps, "

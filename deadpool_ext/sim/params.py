@@ -207,7 +207,7 @@ class Costs:
     restore_fixed_s: float = 0.62
     """Fixed part of restoring from memory (measured: recovery.json, GPT small, restore_s); bytes / bandwidth come
     on top."""
-    snapshot_overhead_ratio: float = 1.05
+    snapshot_overhead_ratio: float = 1.08
     """Failure-free window ratio with an in-memory snapshot every iteration, counted whole: a window of steps ends
     when its last snapshot is committed (the snapshot_overhead results on 2 CPU cores; `deadpool simulate` prints
     the file and interval it calibrates from). The DeadPool paper reports 1.0 on GPUs."""
