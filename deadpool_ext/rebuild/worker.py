@@ -200,7 +200,7 @@ def _abort_nccl_groups(why: str) -> None:
     communicators (the fence cuts TCP only, and NCCL's own transports do not see a FIN). No-op for gloo
     (CPU). deadpool-run starts workers with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` (clean up, keep the
     process) unless set, so NCCL's watchdog does not end a survivor that is about to rebuild in-process.
-    Not exercised on this project's CPU machines (no device was lent); guarded so it never runs there."""
+    GPU-only: unit-tested with an NCCL stand-in (tests/unit/test_cuda_paths*.py); guarded so it never runs on CPU."""
     if not dist.is_initialized():
         return
     try:

@@ -502,7 +502,7 @@ class SnapshotManager(MemoryRestore):
                 # Blocked on the dead generation's communicator: gloo may not fail a receive from a peer that
                 # died (it waits for the group's timeout). Its sockets are closed or cut, so nothing more can arrive;
                 # the transport is closed (no next message) and the epoch is past (no commit, no state): a commit
-                # all-reduce that returns later is dropped under the epoch lock (seen on a lost host, CI stop 22).
+                # all-reduce that returns later is dropped under the epoch lock (a host lost mid-commit does this).
                 self.peers.transport.closed = True
                 if self.dpeers is not None:
                     self.dpeers.transport.closed = True
