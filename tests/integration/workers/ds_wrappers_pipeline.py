@@ -81,6 +81,7 @@ def main(argv: list[str]) -> int:
     out = open(args.out, "a") if engine.is_last_stage() or engine.global_rank == 0 else None
     if out is not None and engine.global_rank == 0:
         out.write(json.dumps({"start": start, "optimizer": type(engine.optimizer).__name__}) + "\n")
+        out.flush()
     for step in range(start + 1, args.iters + 1):
         loss = engine.train_batch(iter(batches(step, gas)))
         if engine.is_last_stage() and out is not None:
