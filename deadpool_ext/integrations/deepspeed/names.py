@@ -99,7 +99,7 @@ def _axes(topology: type) -> list[str]:
     """The axis names of one of DeepSpeed's topology classes (built with every dimension 1)."""
     import inspect
 
-    n = len([p for p in inspect.signature(topology.__init__).parameters if p != "self"])
+    n = len(inspect.signature(topology).parameters)
     return list(topology(*([1] * n)).get_axis_names())
 
 
