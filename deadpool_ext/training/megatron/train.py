@@ -138,7 +138,7 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
     start = rt.resume()
     assert rt.built is not None  # a runtime is closed only by the hot-swap that replaces it
     if args.load and start == 0:
-        from .checkpoint import load_base
+        from ...integrations.megatron.checkpoint import load_base
 
         loaded = load_base(args.load, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress)
         if loaded is None:
@@ -166,7 +166,7 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
         loss = global_mean_loss(losses, rt.num_micro)
         _, grad_norm = rt.step()
         if args.save and args.save_interval and rt.progress.iteration % args.save_interval == 0:
-            from .checkpoint import save_base
+            from ...integrations.megatron.checkpoint import save_base
 
             save_base(args.save, rt.built.chunks, rt.built.optimizer, rt.built.scheduler, rt.progress, rt.layout,
                       keep_last=config.persist.keep_last)
