@@ -1,13 +1,15 @@
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
-from deadpool_ext.testing.launch import REPO
+from deadpool_ext.testing.launch import REPO, free_port
 
 FULL_MATRIX = os.environ.get("DEADPOOL_FULL_MATRIX", "") == "1"
 """Run every combination of the end-to-end matrices (ZeRO stage x fault x framework); by default a fixed subset."""
@@ -67,3 +69,37 @@ def make_config(tmp_path, *, stage: int = 3, deadpool: dict | None | bool = True
     with open(path, "w") as fh:
         json.dump(cfg, fh)
     return path
+
+
+@contextlib.contextmanager
+def one_rank_gloo_world() -> Iterator[None]:
+    """A 1-rank gloo default group for real DeepSpeed engines in the test process (DeepSpeed's CPU accelerator),
+    unless one exists; on exit the process is left as found: no default group, no launcher variables."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    from deadpool_ext.launcher.contract import reset_worker_env
+
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in names}
+    made_group = not dist.is_initialized()
+    if made_group:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        reset_worker_env()
+        deepspeed.init_distributed(dist_backend="gloo")
+    try:
+        yield
+    finally:
+        if made_group:
+            from deadpool_ext.integrations.deepspeed.rebuild import reset_deepspeed_comm_state
+
+            dist.destroy_process_group()
+            reset_deepspeed_comm_state()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            reset_worker_env()

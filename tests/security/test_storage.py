@@ -42,7 +42,8 @@ from deadpool_ext.persist.records import BadRecordError, CheckpointTrustError, U
 from deadpool_ext.persist.safe_load import UntrustedCheckpointError, restricted_load
 from deadpool_ext.persist.sign import KEY_ENV, KeyConfigError, SignatureError
 from deadpool_ext.persist.storage import open_storage
-from deadpool_ext.testing.launch import REPO, base_env, free_port
+from deadpool_ext.testing.launch import REPO, base_env
+from tests.conftest import one_rank_gloo_world
 
 KEY = "k" * 32
 TAG = "global_step2"
@@ -138,45 +139,23 @@ def assert_one_line(res: subprocess.CompletedProcess, *needles: str) -> str:
 # -- a real DeepSpeed engine in a 1-rank gloo world (module scope) ---------------------------------------------
 @pytest.fixture(scope="module")
 def engine():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
-    import torch.distributed as dist
 
-    from deadpool_ext.launcher.contract import reset_worker_env
     from deadpool_ext.training.models import build_gpt
 
-    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved = {k: os.environ.get(k) for k in names}
-    made_group = not dist.is_initialized()
-    if made_group:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        reset_worker_env()
-        deepspeed.init_distributed(dist_backend="gloo")
-    with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
-        cfg = json.load(fh)
-    cfg.pop("deadpool", None)
-    cfg["zero_optimization"] = {"stage": 2}
-    torch.manual_seed(0)
-    model = build_gpt("tiny")
-    eng, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
-    ids = torch.arange(64).reshape(4, 16) % 200
-    loss = eng(input_ids=ids, labels=ids).loss
-    eng.backward(loss)
-    eng.step()
-    yield eng
-    # leave the process as found: no default group, no launcher variables (later tests build their own)
-    if made_group:
-        from deadpool_ext.integrations.deepspeed.rebuild import reset_deepspeed_comm_state
-
-        dist.destroy_process_group()
-        reset_deepspeed_comm_state()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_worker_env()
+    with one_rank_gloo_world():
+        with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
+            cfg = json.load(fh)
+        cfg.pop("deadpool", None)
+        cfg["zero_optimization"] = {"stage": 2}
+        torch.manual_seed(0)
+        model = build_gpt("tiny")
+        eng, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+        ids = torch.arange(64).reshape(4, 16) % 200
+        loss = eng(input_ids=ids, labels=ids).loss
+        eng.backward(loss)
+        eng.step()
+        yield eng  # later tests build their own world: this one is gone after the module
 
 
 def real_base(engine, url: str, steps: tuple[int, ...] = (2,), key: str | None = None) -> None:

@@ -8,44 +8,19 @@ uses on the real class, after a real step of it."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
 
-from deadpool_ext.testing.launch import free_port
+from tests.conftest import one_rank_gloo_world
 
 IN, OUT = 8, 4
 
 
 @pytest.fixture(scope="module")
 def world():
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import torch.distributed as dist
-
-    from deadpool_ext.launcher.contract import reset_worker_env
-
-    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    saved = {k: os.environ.get(k) for k in names}
-    made_group = not dist.is_initialized()
-    if made_group:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                          LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        reset_worker_env()
-        deepspeed.init_distributed(dist_backend="gloo")
-    yield
-    if made_group:  # leave the process as found: no default group, no launcher variables
-        from deadpool_ext.integrations.deepspeed.rebuild import reset_deepspeed_comm_state
-
-        dist.destroy_process_group()
-        reset_deepspeed_comm_state()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        reset_worker_env()
+    with one_rank_gloo_world():
+        yield
 
 
 def _model() -> torch.nn.Module:
