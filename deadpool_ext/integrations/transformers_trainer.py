@@ -194,7 +194,9 @@ class StepEnd:
                                                                   cb.state()]
         fields["stateful_callbacks"] = callbacks
         tr_loss = getattr(trainer, "_tr_loss", None)
-        loop = {"tr_loss": float(tr_loss.item()) if tr_loss is not None else 0.0,
+        # the running loss stays a tensor (a copy): the snapshot worker reads it, the training thread never
+        # waits for the device here (HF itself reads it only at logging steps)
+        loop = {"tr_loss": tr_loss.detach().clone() if tr_loss is not None else 0.0,
                 "total_loss_scalar": float(getattr(trainer, "_total_loss_scalar", 0.0)),
                 "globalstep_last_logged": int(getattr(trainer, "_globalstep_last_logged", 0)),
                 "initial_global_step": int(getattr(trainer, "_initial_global_step", 0)),
@@ -209,7 +211,9 @@ class StepEnd:
         sizes = self._entry_sizes(history)
         from ..snapshot.late import encode, encoded_nbytes
 
-        cut = fit_history(sizes, self.room - encoded_nbytes(encode(section)) - 64)
+        # sized without reading the loss tensor (a float's JSON is at most 24 characters)
+        sized = {**section, "loop": {**loop, "tr_loss": 0.0}}
+        cut = fit_history(sizes, self.room - encoded_nbytes(encode(sized)) - 64 - 24)
         if cut:
             if not self.dropped_warned:
                 self.dropped_warned = True

@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .skeleton import flatten_state, unflatten_state
 
 log = logging.getLogger("deadpool_ext")
@@ -45,9 +47,22 @@ POLL_S = 0.05
 """How often the worker's wait looks whether a hot-swap replaced it (it then leaves at once)."""
 
 
+def _read_scalars(obj: Any) -> Any:
+    """0-dim tensors (a running loss the framework keeps on its device) as Python floats. Read here, in the
+    snapshot worker, so that the training thread never waits for the device to post its state."""
+    if isinstance(obj, torch.Tensor) and obj.dim() == 0:
+        return float(obj.item())
+    if isinstance(obj, dict):
+        return {k: _read_scalars(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_read_scalars(v) for v in obj]
+    return obj
+
+
 def encode(value: dict[str, Any]) -> Any:
-    """The section as header JSON: the skeleton encoding (non-finite floats, tuples round-trip); no tensors."""
-    skeleton, tensors, _ = flatten_state(value)
+    """The section as header JSON: the skeleton encoding (non-finite floats, tuples round-trip); 0-dim
+    tensors become floats; no other tensors."""
+    skeleton, tensors, _ = flatten_state(_read_scalars(value))
     if tensors:
         raise ValueError("a late client state holds tensors; it must be plain values (the data layout is fixed "
                          "when the snapshot is taken)")
@@ -108,7 +123,7 @@ class LateState:
         step = self.current
         if step is None or step.version != version or step.outcome != "pending":
             return False
-        return self._settle(step, "posted", encode(value))
+        return self._settle(step, "posted", value)  # encoded by the worker (wait), off the training thread
 
     def drop(self) -> None:
         """A failure before the post: the version in flight is never sealed (restores take the one before)."""
@@ -131,7 +146,14 @@ class LateState:
                 break
         if step.outcome == "dropped":
             raise LateDropped(f"snapshot of step {step.version} dropped: the step failed before its state was whole")
-        return step.value if step.outcome == "posted" else None
+        if step.outcome != "posted":
+            return None
+        try:
+            return encode(step.value)
+        except ValueError as exc:
+            self._warn_once("encode", "snapshot of step %d sealed without the framework's late client state: %s",
+                            step.version, exc)
+            return None
 
     # -- restore --------------------------------------------------------------------------------------
     def restored(self, meta: dict[str, Any], version: int) -> None:
