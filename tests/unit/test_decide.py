@@ -1,0 +1,473 @@
+"""The coordinator's rules (``deadpool_ext/launcher/decide.py``), turn by turn, without processes or a store: each
+test builds observations, calls ``decide`` and feeds the state it returns into the next turn, as the launcher's
+loop does."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import logging
+import os
+
+import pytest
+
+from deadpool_ext.cluster.membership import Worker, initial_assignment, shrink_failed
+from deadpool_ext.launcher import decide as d
+from deadpool_ext.launcher.decide import (
+    AnswerJoin,
+    AwaitSpare,
+    BadKey,
+    ClearRepaired,
+    CoordinatorState,
+    Event,
+    Fence,
+    Finish,
+    JoinRequest,
+    Log,
+    MarkRepaired,
+    NoteDropped,
+    Observation,
+    Publish,
+    Roster,
+    Say,
+    SetSpares,
+    Settings,
+    Stop,
+    WriteDeadSpares,
+    decide,
+    taken_over,
+)
+
+T0 = 1000.0
+DETECT = 6.0
+
+
+def settings(**kw) -> Settings:
+    base = dict(detect_timeout_s=DETECT, progress_timeout_s=30.0, store_outage_s=120.0, spare_wait_s=60.0,
+                nproc_per_node=1, policy_flag="fail")
+    return Settings(**{**base, **kw})
+
+
+def job(nnodes: int = 2, spares: int = 1, nproc: int = 1, hosts: int = 1) -> CoordinatorState:
+    active = tuple(f"node{i}" for i in range(nnodes))
+    spare = tuple(f"spare{i}" for i in range(spares))
+    workers = tuple(Worker(f"{n}.{i}", n, i) for n in active + spare for i in range(nproc))
+    host = {n: i % hosts for i, n in enumerate(active)} | {n: j % hosts for j, n in enumerate(spare)}
+    roster = Roster(workers=workers, active_nodes=active, spare_nodes=spare, node_host=host)
+    return CoordinatorState(assignment=initial_assignment(list(workers), list(active), list(spare)), roster=roster,
+                            last_turn=T0)
+
+
+def beat(t: float, step: int = 3, step_at: float | None = None, coll: bool = False, still_s: float = 0.0):
+    return {"t": t, "step": step, "step_at": t if step_at is None else step_at, "coll": coll, "still_s": still_s}
+
+
+def beats_of(state: CoordinatorState, t: float, **kw) -> dict:
+    return {w.worker_id: beat(t, **kw) for w in state.roster.workers}
+
+
+def of(actions, kind):
+    return [a for a in actions if isinstance(a, kind)]
+
+
+def events(actions, name: str) -> list[dict]:
+    return [dict(a.fields) for a in actions if isinstance(a, Event) and a.fields["event"] == name]
+
+
+# -- completion and fatal reports ------------------------------------------------------------------------------------
+def test_every_active_worker_done_or_exited_zero_finishes_the_job():
+    st = job()
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node0.0": 0}, done=frozenset({"node1.0"})), settings())
+    assert dec.exit_code == 0 and of(dec.actions, Finish) == [Finish(0)]
+    assert events(dec.actions, "finished") == [{"event": "finished", "generation": 0}]
+    # a spare's exit does not count: the active ranks decide
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node0.0": 0, "spare0.0": 0}), settings())
+    assert dec.exit_code is None
+
+
+def test_a_fatal_report_stops_the_job_and_says_why():
+    dec = decide(job(), Observation(now=T0 + 0.1, fatal="replica of rank 1 lost"), settings())
+    assert dec.exit_code == 1
+    [stop] = of(dec.actions, Stop)
+    assert stop.reason == "replica of rank 1 lost" and stop.assignment is None
+    assert stop.said == "stopping the job, a worker reports unrecoverable state:\nreplica of rank 1 lost"
+
+
+# -- detection -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rc,why", [(1, "exited with code 1"), (-9, "exited with signal 9"),
+                                    (137, "exited with code 137")])
+def test_a_crash_fences_the_node_and_a_spare_takes_its_ranks(rc, why):
+    st = job()
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": rc}), settings())
+    assert dec.exit_code is None
+    [failure] = events(dec.actions, "failure")
+    assert failure["failed"] == {"node1.0": {"rank": 1, "node": "node1", "why": why}}
+    assert failure["detected_at"] == T0 + 0.1
+    assert of(dec.actions, Fence) == [Fence("node1", drop_memory=True)]
+    [pub] = of(dec.actions, Publish)
+    new = pub.assignment
+    assert new.generation == 1 and new.replaced == {"node1": "spare0"} and new.ranks["spare0.0"] == 1
+    assert new.master_port == 0 and new.master_addr == "127.0.0.1"
+    assert pub.event == {"event": "assignment", "generation": 1, "replaced": {"node1": "spare0"}, "spares_left": [],
+                         "host_rank": 0}
+    assert dec.state.assignment == new and dec.state.formed_after == T0 + 0.1
+    # the fence comes before the publish: no two processes ever hold rank 1
+    kinds = [type(a).__name__ for a in dec.actions]
+    assert kinds.index("Fence") < kinds.index("Publish")
+
+
+def test_keep_memory_on_failure_fences_without_dropping_memory():
+    dec = decide(job(), Observation(now=T0 + 0.1, exits={"node0.0": 1}), settings(keep_memory_on_failure=True))
+    assert of(dec.actions, Fence) == [Fence("node0", drop_memory=False)]
+
+
+def test_a_silent_heartbeat_is_a_hang_after_the_detection_timeout():
+    st = job()
+    st = decide(st, Observation(now=T0 + 0.1, beats=beats_of(st, T0)), settings()).state
+    assert st.seen_hb == {"node0.0": T0, "node1.0": T0}
+    # node1 goes silent, node0 and the spare beat on
+    now = T0 + 0.1
+    for _ in range(11):   # turns 0.5 s apart (a later one would be a stalled store's)
+        now += 0.5
+        dec = decide(st, Observation(now=now, beats={"node0.0": beat(now), "spare0.0": beat(now),
+                                                     "node1.0": beat(T0)}), settings())
+        assert not of(dec.actions, Publish)
+        st = dec.state
+    now += 0.5   # 6.1 s since node1's last beat
+    dec = decide(st, Observation(now=now, beats={"node0.0": beat(now), "spare0.0": beat(now), "node1.0": beat(T0)}),
+                 settings())
+    [failure] = events(dec.actions, "failure")
+    assert failure["failed"]["node1.0"]["why"] == "hung: no heartbeat for 6.1s (SIGKILLed to fence it)"
+    # node1's record is gone; the new generation's ranks (the spare, the survivor) get a grace for their first beat
+    assert dec.state.seen_hb == {} and dec.state.progress == {}
+
+
+def test_a_worker_without_a_first_heartbeat_is_not_judged_by_age():
+    st = job()
+    dec = decide(st, Observation(now=T0 + 0.5), settings())
+    dec = decide(dec.state, Observation(now=T0 + 0.9), settings())
+    assert not of(dec.actions, Publish) and dec.state.seen_hb == {}
+
+
+def test_a_late_turn_grants_a_grace_period_before_heartbeats_count():
+    st = job()
+    st = decide(st, Observation(now=T0 + 0.1, beats=beats_of(st, T0)), settings()).state
+    late = T0 + 0.1 + 8.0   # the store stalled: this turn comes 8 s late, every beat is old
+    dec = decide(st, Observation(now=late, beats={"node0.0": beat(T0), "node1.0": beat(T0)}), settings())
+    assert not of(dec.actions, Publish)
+    assert dec.state.grace_until == late + DETECT
+    [line] = [a for a in of(dec.actions, Log) if a.level == logging.INFO]
+    assert "8.0s since its last turn (store slow)" in line.text
+    # still stale once the grace is over (turns on pace again): a hang after all
+    st = dataclasses.replace(dec.state, last_turn=late + DETECT)
+    dec = decide(st, Observation(now=late + DETECT + 0.05, beats={"node0.0": beat(late + DETECT),
+                                                                         "node1.0": beat(T0)}), settings())
+    assert list(events(dec.actions, "failure")[0]["failed"]) == ["node1.0"]
+
+
+def test_every_heartbeat_stale_at_once_spares_included_is_a_store_stall_said_once():
+    st = job()
+    st = decide(st, Observation(now=T0 + 0.1, beats=beats_of(st, T0)), settings()).state
+    stale = beats_of(st, T0)
+    logs = []
+    now = T0 + 0.1
+    for _ in range(3):   # the coordinator's turns keep their pace; nobody's writes reach the store
+        now += 0.1 if not logs else 0.5
+        now = max(now, T0 + DETECT + 0.5)
+        dec = decide(st, Observation(now=now, beats=stale), settings())
+        assert not of(dec.actions, Publish), dec.actions
+        logs += [a.text for a in of(dec.actions, Log) if a.level == logging.WARNING]
+        st = dec.state
+    assert len(logs) == 1 and "the spares' too: the store took no worker's writes (not a hang)" in logs[0]
+    # the store answers again: one worker beats, the other stays silent past the grace: that one is hung
+    now = st.grace_until + 0.1
+    st = dataclasses.replace(st, last_turn=now - 0.1)
+    dec = decide(st, Observation(now=now, beats={"node0.0": beat(now), "spare0.0": beat(now), "node1.0": beat(T0)}),
+                 settings())
+    assert list(events(dec.actions, "failure")[0]["failed"]) == ["node1.0"]
+    assert dec.state.stall_logged is False
+
+
+def test_a_store_stall_longer_than_the_outage_limit_is_judged_as_hangs():
+    st = job()
+    st = decide(st, Observation(now=T0 + 0.1, beats=beats_of(st, T0)), settings(store_outage_s=10.0)).state
+    st = dataclasses.replace(st, last_turn=T0 + 10.9)
+    dec = decide(st, Observation(now=T0 + 11.0, beats=beats_of(st, T0)), settings(store_outage_s=10.0))
+    assert sorted(events(dec.actions, "failure")[0]["failed"]) == ["node0.0", "node1.0"]
+
+
+def test_a_rank_standing_still_outside_a_collective_while_others_wait_is_hung_by_progress():
+    st = job(nnodes=3, spares=1)
+    now = T0 + 100.0
+    st = dataclasses.replace(st, last_turn=now - 0.1)
+    beats = {"node0.0": beat(now, step=5, step_at=now - 40, coll=True),
+             "node1.0": beat(now, step=5, step_at=now - 40, coll=False, still_s=35.0),
+             "node2.0": beat(now, step=5, step_at=now - 40, coll=True), "spare0.0": beat(now)}
+    dec = decide(st, Observation(now=now, beats=beats), settings())
+    [failure] = events(dec.actions, "failure")
+    assert list(failure["failed"]) == ["node1.0"] and failure["failed"]["node1.0"]["why"].startswith("no progress")
+    # every rank in a collective: nobody can be singled out, said once
+    coll = {w: beat(now, step=5, step_at=now - 40, coll=True) for w in ("node0.0", "node1.0", "node2.0")}
+    said = []
+    for i in range(3):
+        dec = decide(st, Observation(now=now + 0.1 * i, beats=coll), settings())
+        assert not of(dec.actions, Publish)
+        said += of(dec.actions, Log)
+        st = dec.state
+    assert len(said) == 1 and "every rank is inside a collective" in said[0].text
+
+
+def test_a_host_whose_lease_lapsed_fails_its_ranks_and_its_spares():
+    st = job(nnodes=2, spares=2, hosts=2)   # host 0: node0, spare0; host 1: node1, spare1
+    dec = decide(st, Observation(now=T0 + 0.1, hosts_seen=frozenset({0, 1}), hosts_now=frozenset({0})),
+                 settings(leased=True))
+    failure = events(dec.actions, "failure")[0]["failed"]
+    assert failure == {"node1.0": {"rank": 1, "node": "node1", "why": "host 1 lost (its launcher's lease lapsed)"}}
+    assert events(dec.actions, "spare_lost") == [{"event": "spare_lost", "node": "spare1", "detail": "host 1 lost"}]
+    assert of(dec.actions, WriteDeadSpares) == [WriteDeadSpares(("spare1",))]
+    assert of(dec.actions, Publish)[0].assignment.replaced == {"node1": "spare0"}
+    # without leases (the embedded store: one launcher for good) nobody's lease is read
+    dec = decide(st, Observation(now=T0 + 0.1, hosts_seen=frozenset({0, 1}), hosts_now=frozenset({0})), settings())
+    assert dec.actions == ()
+
+
+def test_a_dead_spare_is_fenced_once_and_never_chosen():
+    st = job(nnodes=2, spares=2)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"spare0.0": 1}), settings())
+    assert of(dec.actions, Fence) == [Fence("spare0", drop_memory=False)]
+    assert events(dec.actions, "spare_lost")[0]["detail"] == "exited with 1"
+    assert of(dec.actions, WriteDeadSpares) == []   # no successor coordinator to tell (no leases)
+    st = dec.state
+    assert st.dead_spares == {"spare0"}
+    dec = decide(st, Observation(now=T0 + 0.2, exits={"spare0.0": 1}), settings())
+    assert dec.actions == ()   # said once
+    dec = decide(dec.state, Observation(now=T0 + 0.3, exits={"spare0.0": 1, "node0.0": -9}), settings())
+    assert of(dec.actions, Publish)[0].assignment.replaced == {"node0": "spare1"}
+
+
+# -- no spare left -------------------------------------------------------------------------------------------------
+def test_no_spare_left_with_policy_fail_stops_naming_the_lost_node():
+    st = job(spares=0)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}), settings())
+    assert dec.exit_code == 1
+    [stop] = of(dec.actions, Stop)
+    assert stop.reason.startswith("node(s) ['node1'] failed but only 0 spare node(s) are left")
+    assert "Policy --no-spare-policy=fail: stopping the job" in stop.said
+    assert stop.assignment == st.assignment
+    assert of(dec.actions, Fence) == [Fence("node1", drop_memory=True)]
+
+
+def test_a_worker_that_exited_on_its_own_is_named_as_the_cause_not_a_lost_node():
+    dec = decide(job(spares=0), Observation(now=T0 + 0.1, exits={"node1.0": 2}), settings())
+    [stop] = of(dec.actions, Stop)
+    assert "node1.0 (exit status 2) refused its configuration" in stop.said
+
+
+def test_shrink_then_grow_back_once_the_shrunk_world_has_formed():
+    st = job(nnodes=3, spares=0)
+    s = settings(policy_flag=None)
+    # the job's config says shrink (no flag)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node2.0": -9}, job_policy="shrink"), s)
+    [say] = of(dec.actions, Say)
+    assert say.text.endswith("--no-spare-policy shrink: continuing without node(s) ['node2'] on 2 ranks (was 3), the "
+                             "state resharded from memory")
+    assert of(dec.actions, NoteDropped) == [NoteDropped(("node2",), 1)]
+    [pub] = of(dec.actions, Publish)
+    assert pub.assignment.shrunk == ("node2",) and pub.assignment.world_size == 2
+    st = dec.state
+    assert st.shrunk and st.formed_after == T0 + 0.1
+    # node2 repaired: its process beats, but the shrunk world has not stepped yet: the grow waits, said once
+    now = T0 + 5.0
+    obs = dict(job_policy="shrink", repaired=("node2",))
+    st = dataclasses.replace(st, last_turn=now - 0.1)
+    waiting = {"node0.0": beat(now, step_at=T0), "node1.0": beat(now, step_at=T0), "node2.0": beat(now)}
+    said = []
+    for i in range(3):
+        dec = decide(st, Observation(now=now + 0.1 * i, beats=waiting, **obs), s)
+        assert not of(dec.actions, Publish)
+        said += of(dec.actions, Log)
+        st = dec.state
+    assert [a.text for a in said] == ["node node2 is ready to join; the grow waits until generation 1 (2 ranks) has "
+                                      "finished a step on every rank (not yet: node0.0, node1.0)"]
+    # every rank of generation 1 finished a step: grow
+    formed = {**waiting, "node0.0": beat(now + 1, step_at=now + 1), "node1.0": beat(now + 1, step_at=now + 1)}
+    dec = decide(st, Observation(now=now + 1, beats=formed, **obs), s)
+    [pub] = of(dec.actions, Publish)
+    assert pub.assignment.grown == ("node2",) and pub.assignment.world_size == 3
+    assert pub.assignment.ranks == {"node0.0": 0, "node1.0": 1, "node2.0": 2}
+    assert pub.event == {"event": "assignment", "generation": 2, "grown": ["node2"], "world_size": 3}
+    assert of(dec.actions, ClearRepaired) == [ClearRepaired("node2")]
+    assert of(dec.actions, Say)[0].text == ("node node2 joins: growing to 3 ranks (was 2), the state resharded from "
+                                            "memory")
+    assert not dec.state.shrunk
+
+
+@pytest.mark.parametrize("case", ["unknown", "in_world", "exited", "no_beat", "policy_fail"])
+def test_a_repaired_node_is_grown_to_only_when_it_is_the_jobs_ready_and_the_policy_is_shrink(case):
+    st = job(nnodes=3, spares=0)
+    st = dataclasses.replace(st, assignment=shrink_failed(st.assignment, {"node2"}), formed_after=0.0)
+    now = T0 + 1
+    beats = beats_of(st, now)
+    obs = dict(now=now, beats=beats, job_policy="shrink", repaired=("node2",))
+    if case == "unknown":
+        obs["repaired"] = ("evil",)
+    if case == "in_world":
+        obs["repaired"] = ("node1",)
+    if case == "exited":
+        obs["exits"] = {"node2.0": 1}
+    if case == "no_beat":
+        obs["beats"] = {w: b for w, b in beats.items() if w != "node2.0"}
+    if case == "policy_fail":
+        obs["job_policy"] = "fail"
+    dec = decide(st, Observation(**obs), settings(policy_flag=None))
+    assert not of(dec.actions, Publish)
+    expected = {"unknown": [BadKey("repaired/evil", "names no node of this job (nor one admitted to join it)",
+                                   delete=True)],
+                "in_world": [ClearRepaired("node1")]}.get(case, [])
+    assert [a for a in dec.actions if isinstance(a, (BadKey, ClearRepaired))] == expected
+
+
+def test_shrink_with_no_node_left_stops():
+    st = job(nnodes=1, spares=0)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node0.0": -9}), settings(policy_flag="shrink"))
+    [stop] = of(dec.actions, Stop)
+    assert stop.reason.startswith("node(s) ['node0'] failed and no node is left to shrink to")
+
+
+# -- waiting for a spare: a state, not a sleep -----------------------------------------------------------------------
+def test_no_spare_with_policy_wait_awaits_a_joining_machine_and_gives_it_the_failed_ranks():
+    st = job(spares=0)
+    s = settings(policy_flag="wait", spare_wait_s=30.0)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}), s)
+    assert dec.exit_code is None and not of(dec.actions, Publish)
+    assert of(dec.actions, Fence) == [Fence("node1", drop_memory=True)]
+    assert dec.state.awaiting == AwaitSpare(frozenset({"node1"}), T0 + 30.1, "wait")
+    assert "waiting up to 30s for a machine to join as a spare" in of(dec.actions, Log)[0].text
+    st = dec.state
+    # turns go by: nothing is judged again (node1's exit is not a second failure), nothing is said again
+    for i in range(1, 4):
+        dec = decide(st, Observation(now=T0 + 0.1 + i, exits={"node1.0": -9}), s)
+        assert dec.actions == () and dec.state.awaiting == st.awaiting
+        st = dec.state
+    # a machine asks to join: admitted as a spare, and takes node1's ranks in the same turn
+    req = JoinRequest("extra0", json.dumps({"nproc": 1, "time": 0}).encode())
+    dec = decide(st, Observation(now=T0 + 5, exits={"node1.0": -9}, joins=(req,)), s)
+    assert of(dec.actions, AnswerJoin) == [AnswerJoin("extra0", True, role="spare")]
+    [spares] = of(dec.actions, SetSpares)
+    assert spares.assignment.spares == ("extra0",) and spares.assignment.generation == 0
+    [pub] = of(dec.actions, Publish)
+    assert pub.assignment.generation == 1 and pub.assignment.replaced == {"node1": "extra0"}
+    assert pub.assignment.ranks == {"node0.0": 0, "extra0.0": 1}
+    assert dec.state.awaiting is None and dec.state.roster.node_host["extra0"] == d.JOINED_HOST
+    # the next turn judges the new generation as usual
+    dec = decide(dec.state, Observation(now=T0 + 5.1, exits={"node1.0": -9}), s)
+    assert dec.actions == ()
+
+
+def test_waiting_for_a_spare_stops_at_the_deadline():
+    st = job(spares=0)
+    s = settings(policy_flag="wait", spare_wait_s=2.0)
+    st = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": 1}), s).state
+    assert decide(st, Observation(now=T0 + 2.0), s).state.awaiting is not None
+    dec = decide(st, Observation(now=T0 + 2.1, exits={"node1.0": 1}), s)
+    assert dec.exit_code == 1 and dec.state.awaiting is None
+    [stop] = of(dec.actions, Stop)
+    assert "node1.0 (exit status 1) exited on its own" in stop.said and stop.assignment == st.assignment
+
+
+def test_a_coordinator_taking_over_during_a_wait_judges_the_failure_afresh():
+    st = job(spares=0)
+    s = settings(policy_flag="wait", spare_wait_s=30.0)
+    st = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}), s).state
+    st = taken_over(st, st.assignment, {"spare9"}, T0 + 1)
+    assert st.awaiting is None and st.dead_spares == {"spare9"} and st.formed_after == T0 + 1 and st.seen_hb == {}
+    dec = decide(st, Observation(now=T0 + 1.1, exits={"node1.0": -9}), s)
+    assert events(dec.actions, "failure") and dec.state.awaiting is not None
+
+
+# -- joins ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,request_,why", [
+    ("node1", {"nproc": 1}, "node name 'node1' is taken by a node of this job"),
+    ("extra0", {"nproc": 3}, "the joining node has 3 process(es), this job's nodes have 1: pass --nproc-per-node 1"),
+    ("extra0", {"nproc": "1"}, "the joining node has '1' process(es)"),
+    ("extra0", ["not", "a", "dict"], "the joining node has None process(es)"),
+    ("0bad", {"nproc": 1}, "node name '0bad': must be 1-63 characters"),
+    ("../evil", {"nproc": 1}, "node name '../evil': must be 1-63 characters"),
+])
+def test_bad_join_requests_are_refused_with_the_reason(name, request_, why):
+    st = job()
+    req = JoinRequest(name, json.dumps(request_).encode(), earlier_ok=True)   # a pre-written ack changes nothing
+    dec = decide(st, Observation(now=T0 + 0.1, joins=(req,)), settings())
+    [ans] = of(dec.actions, AnswerJoin)
+    assert not ans.ok and why in ans.why
+    assert dec.state.roster == st.roster and dec.state.assignment == st.assignment
+    assert events(dec.actions, "join_refused")[0]["why"] == ans.why
+
+
+def test_an_unreadable_join_request_is_refused():
+    dec = decide(job(), Observation(now=T0, joins=(JoinRequest("extra0", b"\xff{"),)), settings())
+    assert of(dec.actions, AnswerJoin)[0].why.startswith("the join request is not usable: store key 'joined/extra0'")
+
+
+def test_each_join_request_is_judged_once_and_a_refusal_already_given_is_not_repeated():
+    st = job()
+    req = JoinRequest("extra0", b'{"nproc": 1}')
+    dec = decide(st, Observation(now=T0, joins=(req,)), settings())
+    assert len(of(dec.actions, AnswerJoin)) == 1
+    assert decide(dec.state, Observation(now=T0 + 1, joins=(req,)), settings()).actions == ()
+    bad = JoinRequest("extra1", b'{"nproc": 2}', earlier_ok=False)
+    assert decide(st, Observation(now=T0, joins=(bad,)), settings()).actions == ()
+
+
+def test_a_coordinator_taking_over_learns_the_nodes_admitted_before_without_answering_again():
+    st = job()
+    dec = decide(st, Observation(now=T0, joins=(JoinRequest("extra0", b'{"nproc": 1}', earlier_ok=True),)), settings())
+    assert dec.actions == ()
+    assert Worker("extra0.0", "extra0", 0) in dec.state.roster.workers and "extra0" in dec.state.roster.spare_nodes
+
+
+def test_a_machine_joining_a_shrunk_world_is_offered_for_growing():
+    st = job(nnodes=2, spares=0)
+    st = dataclasses.replace(st, assignment=shrink_failed(st.assignment, {"node1"}))
+    dec = decide(st, Observation(now=T0, joins=(JoinRequest("extra0", b'{"nproc": 1}'),)),
+                 settings(policy_flag="shrink"))
+    assert of(dec.actions, MarkRepaired) == [MarkRepaired("extra0")] and not of(dec.actions, SetSpares)
+    assert of(dec.actions, AnswerJoin) == [AnswerJoin("extra0", True, role="grow")]
+    assert dec.state.assignment == st.assignment
+    # grown to on a later turn, like a repaired node
+    now = T0 + 1
+    st = dec.state
+    dec = decide(st, Observation(now=now, beats=beats_of(st, now, step_at=now), repaired=("extra0",)),
+                 settings(policy_flag="shrink"))
+    assert of(dec.actions, Publish)[0].assignment.grown == ("extra0",)
+
+
+# -- a lease that resumed, and the purity of the whole ---------------------------------------------------------------
+def test_a_resumed_lease_restarts_heartbeat_records_with_a_grace():
+    st = job()
+    st = decide(st, Observation(now=T0 + 0.1, beats=beats_of(st, T0)), settings()).state
+    dec = decide(st, Observation(now=T0 + 30, resumed_grace_until=T0 + 50), settings())
+    assert not of(dec.actions, Publish)
+    assert dec.state.grace_until == T0 + 50 and dec.state.seen_hb == {}
+
+
+def test_decide_leaves_its_inputs_alone():
+    st = job()
+    obs = Observation(now=T0 + 0.1, exits={"node1.0": 1}, beats=beats_of(st, T0))
+    before = (dataclasses.asdict(st), dict(obs.beats), dict(obs.exits))
+    first = decide(st, obs, settings())
+    assert (dataclasses.asdict(st), dict(obs.beats), dict(obs.exits)) == before
+    assert decide(st, obs, settings()) == first   # the same turn twice: the same decision
+
+
+def test_the_rules_module_does_no_io():
+    """No clock, no sleep, no store, no process, no thread: what decide returns depends on its arguments only."""
+    with open(d.__file__) as fh:
+        tree = ast.parse(fh.read())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and not n.level}
+    assert not imported & {"time", "os", "subprocess", "socket", "threading", "signal", "shutil", "select", "random"}
+    from_package = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+    assert from_package <= {"cluster.membership", None, "final", "hangs"}, from_package
+    assert os.path.basename(d.__file__) == "decide.py"
