@@ -32,6 +32,7 @@ REGISTRY: dict[str, str] = {
     "transformers_trainer_resume": "transformers_trainer_resume",
     "transformers_trainer_logs": "transformers_trainer_logs",
     "transformers_trainer_hot_swap": "transformers_trainer_hot_swap",
+    "transformers_trainer_flops": "transformers_trainer_flops",
     "lightning_fit_loop": "lightning_fit_loop",
     "lightning_deepspeed_cpu": "lightning_deepspeed_cpu",
 }

@@ -19,11 +19,14 @@ whole. The state (:class:`StepEnd`): every ``TrainerState`` field (``log_history
 running loss since the last log and its FLOPs not yet summed, the loss sum behind ``train_loss``, the step last
 logged, the run's first step) and the Trainer's own LR scheduler. After a restart or a hot-swap, whichever rank
 was lost (rank 0 too: its snapshot comes from a peer's replica), ``trainer_state.json``'s ``log_history`` holds
-every step once, and ``train_loss`` equals the uninterrupted run's bit for bit. ``total_flos`` carries every step
-up to the restored one exactly; the steps after it count as HF counts them, and under ZeRO-3 HF's estimate
-(``floating_point_ops``: 6 x tokens x ``num_parameters()``) counts only the parameters gathered at that moment,
-fewer in a process's first step (DeepSpeed's prefetch; a plain run's step 1 counts half): each process that starts
-its engine again counts one such step, not a matter of the restored state.
+every step once, and ``train_loss`` equals the uninterrupted run's bit for bit. ``total_flos`` equals the
+uninterrupted run's too: it carries every step up to the restored one, and each step after it counts what the
+uninterrupted run counted, because under ZeRO-3 the estimate counts the whole model
+(``patches/transformers_trainer_flops.py``). HF's own estimate (``floating_point_ops``: 6 x tokens x
+``num_parameters()``) counts only the parameters gathered at that moment under ZeRO-3, fewer in a process's first
+step (DeepSpeed's prefetch; a plain run's step 1 counts about half), so a job that continued in a new process would
+end below the uninterrupted run, and a plain torchrun run of the same script reports less than the job under the
+extension.
 
 ``train_runtime`` (and the speed metrics from it) after a recovery: the training time of the steps that count,
 i.e. the time up to the restored step in the attempt(s) before plus this attempt's time since it continued; the
@@ -379,10 +382,11 @@ def install(*, lazy: bool = True) -> None:
         swap.set_recover(recover_trainer)
         try:
             patches.apply_all(["transformers_trainer_resume", "transformers_trainer_logs",
-                               "transformers_trainer_hot_swap"])
+                               "transformers_trainer_hot_swap", "transformers_trainer_flops"])
         except patches.UnsupportedVersionError as exc:
             log.warning("HF Trainer: %s; a restarted Trainer job starts from its own checkpoints only, a failed step "
-                        "is not hot-swapped, and its logs carry no deadpool metrics", exc)
+                        "is not hot-swapped, its logs carry no deadpool metrics, and under ZeRO-3 its total_flos "
+                        "counts only the parameters gathered when the Trainer asks", exc)
 
     if lazy:
         after_import("transformers.trainer", now)

@@ -26,6 +26,12 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 SEQ = 32
+BATCH = 2
+"""Micro-batch per rank (``per_device_train_batch_size``)."""
+
+
+def model_config() -> GPT2Config:
+    return GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
 
 
 class ByteChunks(torch.utils.data.Dataset):
@@ -67,13 +73,12 @@ def main() -> None:
                         "deepspeed.zero.Init (partitioned as it is built)")
     args = p.parse_args()
     targs = TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
-                              per_device_train_batch_size=2, gradient_accumulation_steps=args.grad_accum,
+                              per_device_train_batch_size=BATCH, gradient_accumulation_steps=args.grad_accum,
                               learning_rate=3e-4, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
                               data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
                               dataloader_num_workers=0)
     torch.manual_seed(args.seed)
-    config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
-                        eos_token_id=0)
+    config = model_config()
     # (TrainingArguments first: with a ZeRO-3 config, from_config then builds the model inside zero.Init)
     model = AutoModelForCausalLM.from_config(config) if args.zero_init else GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
