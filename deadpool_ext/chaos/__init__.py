@@ -1,5 +1,8 @@
 """Chaos suite: random faults over many trials, each checked against a fault-free run (docs/chaos.md).
 
+**A tool beside the product, not part of it**: nothing in the core or the integrations imports this package (the
+import contracts in ``pyproject.toml`` forbid it), and a user's job never runs it.
+
 - :mod:`.catalogue`  the faults (an enum), the layouts they run on, the primitive actions a fault expands to
 - :mod:`.plan`       ``plan_trial(seed, trial, layouts)``: a pure function from a seed to a scenario
 - :mod:`.inject`     applying one action to a running job (signals, byte corruption, a full disk)

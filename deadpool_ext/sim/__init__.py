@@ -1,5 +1,8 @@
 """Large-cluster simulator: goodput of fault-tolerance policies on 512 to 16,384+ GPUs (``deadpool simulate``).
 
+**A tool beside the product, not part of it**: nothing in the core or the integrations imports this package (the
+import contracts in ``pyproject.toml`` forbid it), and a user's job never runs it.
+
 Pure Python (no torch). Modules, in dependency order:
 
 * :mod:`.params`      typed parameters (failure model, cluster, workload, bandwidths, costs, Monte Carlo)
