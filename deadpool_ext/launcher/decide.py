@@ -84,9 +84,7 @@ class Roster:
 
 
 @dataclass(frozen=True, slots=True)
-class AwaitSpare:
-    """A failure found no spare and ``--no-spare-policy wait`` holds the job until one joins or ``deadline``."""
-
+class AwaitSpare:  # a failure found no spare: --no-spare-policy wait holds the job until one joins or the deadline
     failed_nodes: frozenset[str]
     deadline: float
     policy: str
@@ -168,9 +166,7 @@ class Observation:
 
 # -- what the coordinator does ----------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class Event:
-    """A timeline record (``--timeline``)."""
-
+class Event:  # a timeline record (--timeline)
     fields: Mapping[str, Any]
 
 
@@ -181,25 +177,19 @@ class Log:
 
 
 @dataclass(frozen=True, slots=True)
-class Say:
-    """A line on the launcher's stderr, prefixed ``deadpool-run: ``."""
-
+class Say:  # a line on the launcher's stderr, prefixed "deadpool-run: "
     text: str
 
 
 @dataclass(frozen=True, slots=True)
-class BadKey:
-    """A store value no schema takes: logged (once a minute per key) and, if ``delete``, removed."""
-
+class BadKey:  # a store value no schema takes: logged (once a minute per key) and, if delete, removed
     key: str
     what: str
     delete: bool = False
 
 
 @dataclass(frozen=True, slots=True)
-class Fence:
-    """Kill every process of ``node`` (through its host's launcher if it runs elsewhere); drop its memory too."""
-
+class Fence:  # kill every process of the node (through its host's launcher if it runs elsewhere), drop its memory
     node: str
     drop_memory: bool
 
@@ -218,9 +208,7 @@ class AnswerJoin:
 
 
 @dataclass(frozen=True, slots=True)
-class MarkRepaired:
-    """A joined machine offered to a shrunk world: grown to like a repaired node."""
-
+class MarkRepaired:  # a joined machine offered to a shrunk world: grown to like a repaired node
     node: str
 
 
@@ -230,17 +218,13 @@ class ClearRepaired:
 
 
 @dataclass(frozen=True, slots=True)
-class NoteDropped:
-    """Nodes a shrink left out (``dropped/``): their launchers may start them again (``--repair-after-s``)."""
-
+class NoteDropped:  # nodes a shrink left out (dropped/): their launchers may start them again (--repair-after-s)
     nodes: tuple[str, ...]
     generation: int
 
 
 @dataclass(frozen=True, slots=True)
-class SetSpares:
-    """The same generation with another spare pool (a machine joined): written, nobody is notified."""
-
+class SetSpares:  # the same generation with another spare pool (a machine joined): written, nobody is notified
     assignment: Assignment
 
 
@@ -334,7 +318,8 @@ class _Turn:
             self.update(seen_hb={}, progress={}, grace_until=self.obs.resumed_grace_until)
         self.joins()
         if self.state.awaiting is not None:
-            self.await_spare(self.state.awaiting)
+            self.update(last_turn=self.obs.now)   # turns keep their pace meanwhile: no store stall to make up for
+            self.next_generation(self.state.awaiting)
             return
         if self.finished_or_fatal():
             return
@@ -556,10 +541,6 @@ class _Turn:
         wait_s = self.settings.spare_wait_s if policy == "wait" else 0.0
         self.next_generation(AwaitSpare(failed_nodes, now + wait_s, policy))
 
-    def await_spare(self, waiting: AwaitSpare) -> None:
-        self.update(last_turn=self.obs.now)   # turns keep their pace meanwhile: no store stall to make up for
-        self.next_generation(waiting)
-
     def next_generation(self, waiting: AwaitSpare) -> None:
         """Spares take the failed nodes' ranks; with none left, the policy: shrink, await a spare until the
         deadline, or stop (said, and written to the store)."""
@@ -612,10 +593,3 @@ class _Turn:
                     seen_hb={w: t for w, t in self.state.seen_hb.items() if w not in new.ranks})
         self.actions.append(Publish(new, event))
 
-
-__all__ = [
-    "Action", "AnswerJoin", "AwaitSpare", "BadKey", "ClearRepaired", "CoordinatorState", "Decision", "Event", "Fence",
-    "Finish", "JOINED_HOST", "JOIN_RE", "JoinRequest", "Log", "MarkRepaired", "NoteDropped", "Observation", "Publish",
-    "Roster", "Say", "SetSpares", "Settings", "Stop", "TURN_GAP_S", "WriteDeadSpares", "decide", "join_refusal",
-    "policy_of", "taken_over",
-]
