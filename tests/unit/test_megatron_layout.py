@@ -150,3 +150,17 @@ def test_global_batch_kept_by_micro_batches_or_refused():
     with pytest.raises(LayoutError, match="cannot keep the global batch 12 at data-parallel size 2.*allow_batch"):
         keep_global_batch(12, 4, 1, 2, False)
     assert keep_global_batch(12, 4, 1, 2, True) == (1, 8)      # opted in: micro-batches stay, the batch changes
+
+
+def test_tier3_bases_refuse_virtual_pipeline_stages_before_any_collective(tmp_path):
+    """Every rank holds the same chunk count, so each refuses alike, before a barrier could leave a peer waiting
+    (no process group exists here: a collective would raise something else)."""
+    pytest.importorskip("megatron.core")
+    from deadpool_ext.integrations.megatron.checkpoint import load_base, save_base
+
+    two = [object(), object()]
+    for call, what in ((lambda: save_base(str(tmp_path), two, None, None, None, None), "save_base"),
+                       (lambda: load_base(str(tmp_path), two, None, None, None), "load_base")):
+        with pytest.raises(LayoutError, match=rf"{what}: tier-3 bases take one model chunk per rank, got 2 "
+                                              r"\(virtual pipeline stages"):
+            call()

@@ -59,6 +59,7 @@ from ...persist.records import (
 from ...persist.safe_load import UntrustedCheckpointError, only_weights, restricted_load
 from ...persist.sign import checkpoint_key, key_env
 from .allowlist import dcp_metadata_table, megatron_globals
+from .layout import LayoutError
 
 log = logging.getLogger("deadpool_ext")
 
@@ -76,9 +77,15 @@ def _name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
-def _sharded_state_dict(chunks: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
+def one_chunk(chunks: list[Any], what: str) -> None:
+    """Refuse, on every rank alike and before any collective, a model in virtual pipeline stages: a base is written
+    and read for one model chunk per rank."""
     if len(chunks) != 1:
-        raise NotImplementedError("tier-3 bases support one model chunk per rank (no virtual pipeline stages)")
+        raise LayoutError(f"{what}: tier-3 bases take one model chunk per rank, got {len(chunks)} (virtual pipeline "
+                          "stages, --virtual-pipeline-model-parallel-size > 1, are not supported)")
+
+
+def _sharded_state_dict(chunks: list[Any], optimizer: Any, *, is_loading: bool) -> dict[str, Any]:
     model_sd = chunks[0].module.sharded_state_dict()
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
@@ -87,6 +94,8 @@ def save_base(directory: str, chunks: list[Any], optimizer: Any, scheduler: Any,
               layout: Any, keep_last: int = 2) -> str:
     """Collective: write a base of the current state; returns the published directory."""
     from megatron.core import dist_checkpointing
+
+    one_chunk(chunks, "save_base")
 
     name = _name(progress.iteration)
     final = os.path.join(directory, name)
@@ -233,6 +242,7 @@ def load_base(directory: str, chunks: list[Any], optimizer: Any, scheduler: Any,
     whatever TP/PP layout it was saved with. Returns its iteration, or None when there is none."""
     from megatron.core import dist_checkpointing
 
+    one_chunk(chunks, "load_base")
     verdict: dict[str, Any] = {}
     if dist.get_rank() == 0:
         try:
