@@ -89,10 +89,11 @@ def _overhead_lines(stem: str, doc: dict[str, Any]) -> list[str]:
             f"- **Overhead, GPT {size} ({res['params'] / 1e6:.0f}M), {res['world_size']} ranks, ZeRO-"
             f"{res['zero_stage']}, replica on** (`{stem}.md`, {sch['rounds']} rounds of {sch['steps_per_block']}-step "
             f"windows, every checkpoint complete inside its window): deadpool **{dp.get('window_ratio', 0):.3f}**"
-            f"{_ci(dp.get('window_ratio_ci90'))}, process CPU x{dp.get('cpu_ratio') or 0:.3f}; in the same job "
-            f"{peers or 'no peer'}{f' (decoupled writer: {dec})' if dec and 'ds_decoupled' in modes else ''}. "
-            f"deadpool also keeps a replica on the other node and checksums every tensor; the peers keep neither. "
-            f"Extra CPU {1e3 * (cpu.get('extra_cpu_s_per_step_per_rank') or 0):.0f} ms per step per rank against a "
+            f"{_ci(dp.get('window_ratio_ci90'))}, process CPU x{dp.get('cpu_ratio') or 0:.3f}; "
+            + (f"in the same job {peers}{f' (decoupled writer: {dec})' if dec and 'ds_decoupled' in modes else ''}. "
+               "deadpool also keeps a replica on the other node and checksums every tensor; the peers keep neither. "
+               if peers else "no peer in this job (the other runs have them). ")
+            + f"Extra CPU {1e3 * (cpu.get('extra_cpu_s_per_step_per_rank') or 0):.0f} ms per step per rank against a "
             f"floor of {1e3 * (cpu.get('floor_cpu_s') or 0):.0f} ms (one copy, one checksum pass, one replica "
             f"exchange measured in the same job); where it goes: {where or 'n/a'}.")
     return lines

@@ -73,6 +73,14 @@ CURRENT: tuple[Current, ...] = (
             "where the extra CPU goes.",
             companions=("snapshot_overhead_medium_n2_medium.log",),
             note="Run from a clean worktree with `--out /tmp/results_m2` and copied here."),
+    Current("snapshot_overhead_medium_n4", "snapshot_overhead", "overhead counted whole: medium, 4 ranks",
+            "Issue 'honest numbers': GPT medium (~125M), ZeRO-3 with activation checkpointing, 4 CPU ranks (2 per "
+            "simulated node, 2 cores shared by all, replica on), the shipped defaults with a snapshot every step; 10 "
+            "interleaved rounds of 8-step windows of none / deadpool; window and CPU ratios with 90% CIs, the CPU "
+            "floor and where the extra CPU goes.",
+            companions=("snapshot_overhead_medium_n4_medium.log",),
+            note="Run from a clean worktree with `--out /tmp/results_m4` and copied here. No peer in this job (a "
+                 "round of two modes takes ~9 minutes): the peers are beside deadpool in the other three runs."),
     Current("snapshot_overhead_small_n2_differential", "snapshot_overhead",
             "diagnostic: TierCheck differentials, counted whole, small, 2 ranks",
             "The same job as snapshot_overhead_small_n2 with `differential.enabled: true` (a base every 10 steps, "
