@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     # Math only, this rank: the same differentials on a copy of the base state.
     diffs = []
     for v in range(k + 1, steps + 1):
-        grads, state, _ = restore_from(mgr.ring_segs[mgr.ring.index(v)].buf, verify=False)
+        grads, state, _ = restore_from(mgr.store.ring_entry(mgr.ring.index(v)).buf, verify=False)
         n = len(state["hypers"])
         diffs.append(StepDiff(grads=[grads[f"grad.{i}"] for i in range(n)],
                               hypers=[AdamHyper.from_json(state["hypers"][str(i)]) for i in range(n)]))

@@ -237,7 +237,7 @@ def worker(args: argparse.Namespace) -> int:
             peers.begin(mode)
             blk: dict[str, Any] = {"round": r, "mode": mode, "interval": k, "warmup": warm, "step_s": [],
                                    "ckpt_step_s": [], "blocking_s": [], "loss": []}
-            snap0, commit0 = len(snaps._stats["blocking_s"]), len(peers.commit_s)
+            snap0, commit0 = len(snaps.timings.blocking_s), len(peers.commit_s)
             for _ in range(n):
                 step = int(engine.global_steps) + 1
                 peers.before_step(mode, step, k)
@@ -257,7 +257,7 @@ def worker(args: argparse.Namespace) -> int:
                 blk["loss"].append(float(loss.detach().item()))
             blk["drain_s"] = peers.drain(mode)
             if mode == "deadpool":
-                blk["blocking_s"] = list(snaps._stats["blocking_s"][snap0:])
+                blk["blocking_s"] = list(snaps.timings.blocking_s[snap0:])
             elif mode == "ds_decoupled":  # the commit of save i-1 runs inside step i: it is blocking time too
                 blk["blocking_s"] = [b + c for b, c in zip(blk["blocking_s"], peers.commit_s[commit0 + 1:] + [0.0] * n)]
             blk["memory"] = process_memory()

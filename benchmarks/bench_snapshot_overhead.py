@@ -361,7 +361,7 @@ def worker(args: argparse.Namespace) -> int:
             begin(mode)
             blk: dict[str, Any] = {"round": r, "mode": mode, "warmup": warm, "step_s": [], "save_s": [], "wait_s": [],
                                    "loss": [], "first_step": int(engine.global_steps) + 1}
-            snap_i0 = len(snaps._stats["blocking_s"])
+            snap_i0 = len(snaps.timings.blocking_s)
             commit_i0 = len(commit_times)
             # Every rank starts the window together: the job's window is then the slowest rank's, and it ends
             # when that rank's last checkpoint of the block is complete (drain below, inside the window).
@@ -385,7 +385,7 @@ def worker(args: argparse.Namespace) -> int:
             blk["main_thread_cpu_s"] = time.thread_time() - main0
             blk["snapshot_thread_cpu_s"] = _thread_cpu_s(snap_tid) - thr0
             blk["machine_busy_fraction"] = (sys1[0] - sys0[0]) / max(1e-9, sys1[1] - sys0[1])
-            blk["snap_range"] = [snap_i0, len(snaps._stats["blocking_s"])]
+            blk["snap_range"] = [snap_i0, len(snaps.timings.blocking_s)]
             # The engine calls the commit inside every step() while the decoupled engine is in place: step i
             # commits save i-1 (step 1 of a block finds nothing to commit: the previous block was drained).
             blk["commit_s"] = commit_times[commit_i0:]
@@ -409,21 +409,21 @@ def worker(args: argparse.Namespace) -> int:
 
     # Per-snapshot stats are appended by the manager (blocking_s of a snapshot grows when the *next* step
     # waits for its copy), so they are read only now.
-    st = snaps._stats
+    st = snaps.timings
     state_tensors = adapter.tensors()  # after training: torch Adam creates exp_avg/exp_avg_sq at the first step
     state_bytes = sum(t.numel() * t.element_size() for _, t in state_tensors)
     for blk in blocks:
         a, b = blk.pop("snap_range")
-        blk["snapshots"] = {k: list(st[k][a:b]) for k in SNAPSHOT_STATS}
+        blk["snapshots"] = {k: list(getattr(st, k)[a:b]) for k in SNAPSHOT_STATS}
     rank_info = {
         "rank": rank, "node": snaps.node, "state_bytes": state_bytes, "state_tensors": len(state_tensors),
         "captured_bytes": sum(t.numel() * t.element_size() for _, t in adapter.captured()),
-        "shm_bytes": snaps.memory_bytes(), "slot_bytes": [s.nbytes for s in snaps.slots if s is not None],
+        "shm_bytes": snaps.memory_bytes(), "slot_bytes": [s.nbytes for s in snaps.store.slots if s is not None],
         "replica_bytes": snaps.peers.held_nbytes(), "replica_sources": list(snaps.peers.sources),
         "replica_buffers_per_source": getattr(snaps.peers, "nbuf", 1),
         "holders": list(snaps.peers.holders.get(rank, ())) if snaps.peers.factor else [],
         "init_s": init_s, "memory_end": process_memory(), "blocks": blocks, "cpu_floor": floor,
-        "checksum_fused": bool(st.get("checksum_fused")),
+        "checksum_fused": bool(st.checksum_fused),
         "decoupled": decoupled_info,
     }
     gathered: list[Any] = [None] * world

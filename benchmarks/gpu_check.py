@@ -314,8 +314,8 @@ def worker_train(args: argparse.Namespace) -> dict[str, Any]:
         dist.barrier()
         snaps.active = mode != "none"
         snaps.peers.factor = factor if mode == "deadpool" else 0
-        n_block = len(snaps._stats["blocking_s"])
-        n_copy = len(snaps._stats["copy_s"])
+        n_block = len(snaps.timings.blocking_s)
+        n_copy = len(snaps.timings.copy_s)
         n_dev = len(snaps._side.copy_s) if snaps._side is not None else 0
         start = torch.cuda.Event(enable_timing=True)
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps_per_window)]
@@ -334,13 +334,13 @@ def worker_train(args: argparse.Namespace) -> dict[str, Any]:
         blocks.append({"round": rnd, "mode": mode, "warmup": rnd == 0, "steps": len(ends),
                        "window_s": start.elapsed_time(done) / 1e3, "step_s": steps_s,
                        "tail_s": ends[-1].elapsed_time(done) / 1e3,
-                       "blocking_s": list(snaps._stats["blocking_s"][n_block:]),
-                       "copy_s": list(snaps._stats["copy_s"][n_copy:]),
+                       "blocking_s": list(snaps.timings.blocking_s[n_block:]),
+                       "copy_s": list(snaps.timings.copy_s[n_copy:]),
                        # the copies alone, on the device's clock (side-stream events around them)
                        "device_copy_s": list(snaps._side.copy_s[n_dev:]) if snaps._side is not None else []})
         if mode != "none" and not pinned:
-            pinned = {"slots_is_pinned": [bool(s.tensor().is_pinned()) for s in snaps.slots if s is not None],
-                      "registered": [snaps._pinner.is_pinned(s) for s in snaps.slots if s is not None]}
+            pinned = {"slots_is_pinned": [bool(s.tensor().is_pinned()) for s in snaps.store.slots if s is not None],
+                      "registered": [snaps._pinner.is_pinned(s) for s in snaps.store.slots if s is not None]}
         if big:
             b = blocks[-1]
             print(f"[gpu_check a] round {rnd} {mode}: window {b['window_s']:.3f} s for {b['steps']} steps, tail "
@@ -366,7 +366,7 @@ def _peak_copy(torch: Any, tensors: list[Any], snaps: Any) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     biggest = max(t.numel() * t.element_size() for t in tensors)
     buf = torch.empty(biggest, dtype=torch.uint8, pin_memory=True)
-    slot = snaps.slots[0].tensor() if snaps.slots[0] is not None else None
+    slot = snaps.store.slots[0].tensor() if snaps.store.slots[0] is not None else None
     side = torch.cuda.Stream()
 
     def timed(dst: Any) -> float:
@@ -414,9 +414,9 @@ def worker_restart(args: argparse.Namespace, second: bool) -> dict[str, Any]:
     checksums = {name: tensor_checksum(t) for name, t in engine.deadpool.adapter.tensors()}
     snaps.active = False
     losses = [float(_train_step(torch, engine, args, args.vocab, args.seq_len).float().item()) for _ in range(10)]
-    st = snaps._stats
-    out = {"version": version, "checksums": checksums, "losses": losses, "restored_from": st.get("restored_from"),
-           "restore_s": st.get("restore_s"), "on_device": all(t.is_cuda for _, t in engine.deadpool.adapter.tensors())}
+    st = snaps.timings
+    out = {"version": version, "checksums": checksums, "losses": losses, "restored_from": st.restored_from,
+           "restore_s": st.restore_s, "on_device": all(t.is_cuda for _, t in engine.deadpool.adapter.tensors())}
     engine.deadpool.close()
     return out
 

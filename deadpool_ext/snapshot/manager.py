@@ -33,16 +33,18 @@ from ..config import DeadpoolConfig
 from ..distributed import membership
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.pinned import HostPinner, SideStream, cuda_runtime
-from ..memory.shm import ShmSegment, ensure_private_dir, job_shm_dir, segment_name
+from ..memory.shm import ensure_private_dir, job_shm_dir
 from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
 from .late import LATE_KEY, LateDropped, LateState, LateStep
 from .priority import WorkerPriority
-from .restore import MemoryRestore
+from .restore import RestoreExecutor, shrink_allowed
 from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter
+from .stats import SnapshotStats
+from .tier1 import TierOneStore
 
 log = logging.getLogger("deadpool_ext")
 
@@ -72,19 +74,7 @@ ABANDON_AFTER_S = 2.0
 dead generation's sockets are cut, a transfer that can fail does so within milliseconds; one still blocked is on
 a receive gloo does not fail (a peer that died), which would only end at the group's timeout."""
 
-TIMING_WINDOW = 50_000
-"""Per-snapshot timings kept for ``stats()`` (medians, maxima): the newest 50,000-100,000 of each kind, so a job of
-millions of steps does not grow a list per step (about 4 MB per kind at most)."""
-
-
-def trim_window(values: list[float], window: int = TIMING_WINDOW) -> None:
-    """Drop the oldest entries of ``values`` once it holds more than twice ``window`` (amortised O(1) per append;
-    positions move only past that length, so a benchmark slicing a shorter run is unaffected)."""
-    if len(values) > 2 * window:
-        del values[:len(values) - window]
-
-
-class SnapshotManager(MemoryRestore):
+class SnapshotManager:
     def __init__(self, adapter: RankStateAdapter, config: DeadpoolConfig, placement: NodePlacement) -> None:
         self.adapter = adapter
         self.config = config
@@ -113,12 +103,12 @@ class SnapshotManager(MemoryRestore):
         # GPU: device-to-host copies on a side stream into page-locked slots (memory/pinned.py); None on CPU.
         self._side: SideStream | None = SideStream.create()
         self._pinner = HostPinner(cuda_runtime(), drain=self._side.synchronize if self._side is not None else None)
-        self._stats: dict[str, Any] = {"snapshots": 0, "diffs": 0, "blocking_s": [], "copy_s": [], "seal_s": [],
-                                       "replicate_s": [], "commit_s": [], "base_nbytes": None, "diff_nbytes": None,
-                                       # the worker thread's CPU per phase (thread_time; gloo's own threads are
-                                       # not in it): where a snapshot's cycles go, for the overhead profile
-                                       "copy_cpu_s": [], "seal_cpu_s": [], "replicate_cpu_s": [],
-                                       "commit_cpu_s": []}
+        self.store = TierOneStore(self.dir, self.job_id, self.rank, self._pinner, dc.base_interval - 1)
+        """Tier 1: this rank's slots and differential ring (memory only; what to write and when is decided here)."""
+        self.timings = SnapshotStats()
+        """What the memory tiers did (typed); :meth:`stats` is its summary."""
+        self.shrink_allowed = shrink_allowed(config)
+        """Whether a restore may reshard a world of another size (``no_spare_policy: shrink``)."""
         self._thread: threading.Thread | None = None
         self._epoch = 0
         """Bumped when the worker is stopped for a hot-swap: a worker of an older epoch (abandoned, still blocked
@@ -139,13 +129,10 @@ class SnapshotManager(MemoryRestore):
         self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
                                     group=self.group, shm_dir=self.dir, job_id=self.job_id,
                                     double_buffer=config.replication.double_buffer, signer=signer)
-        self.slots: list[ShmSegment | None] = [None, None]
-        self.header_reserved = 0
-        # Differential mode (TierCheck): bases every K steps in the slots above, differentials in a ring.
+        # Differential mode (TierCheck): bases every K steps in the store's slots, differentials in its ring.
         dc = config.differential
         self.ring = DiffRing(dc.base_interval)
-        self.ring_segs: list[ShmSegment | None] = [None] * self.ring.size
-        self.ring_header_reserved = 0
+        self.store.reset(self.ring.size)
         self.dpeers: PeerReplicator | None = None
         if dc.enabled:
             self.dpeers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
@@ -155,7 +142,6 @@ class SnapshotManager(MemoryRestore):
             self.tap.discard()
         self.committed_base: int | None = None
         self._last_version: int | None = None
-        self.latest: tuple[int, int] | None = None  # (version, slot) of newest complete local version
         self.committed_version: int | None = None
         self._inflight: _Job | None = None
         self._error: BaseException | None = None
@@ -174,9 +160,7 @@ class SnapshotManager(MemoryRestore):
         the failed node's place) and a manager state like a new one's. This rank's snapshots stay in shared
         memory, where the restore finds them; only this object's handles to them are closed."""
         self.stop_worker()
-        for seg in [*self.slots, *self.ring_segs]:
-            if seg is not None:
-                self._pinner.close(seg)  # unregistered before it is unmapped
+        self.store.close()  # unregistered (GPU) before it is unmapped
         for peers in (self.peers, self.dpeers):
             if peers is not None:
                 peers.close()
@@ -205,7 +189,7 @@ class SnapshotManager(MemoryRestore):
                 raise SnapshotWorkerError(
                     f"snapshot copy of step {job.snap.version} did not finish within "
                     f"{self.config.replication.timeout_s}s")
-            self._stats["blocking_s"][-1] += time.perf_counter() - t0
+            self.timings.blocking_s[-1] += time.perf_counter() - t0
         self._raise_worker_error()
 
     def after_step(self) -> None:
@@ -227,12 +211,12 @@ class SnapshotManager(MemoryRestore):
         # A differential needs the previous version in the chain; any gap (snapshots paused, a restore) and
         # every K-th step take a full base. Every rank decides the same way: the worker's side-group traffic
         # (replication, commit) must match across ranks.
-        if (self.tap is not None and self._last_version == version - 1 and self.latest is not None
+        if (self.tap is not None and self._last_version == version - 1 and self.store.latest is not None
                 and version % self.ring.k != 0):
             grads, hypers = self.tap.take()
             obj = {"tensors": grads, "state": {"meta": self.adapter.meta(), "hypers": hypers}}
             snap = prepare(version, obj, {**ident, "kind": "diff"})
-            if not self.ring_header_reserved:
+            if not self.store.ring_header_reserved:
                 self._allocate_ring(snap)
             kind, slot = "diff", self.ring.index(version)
         else:
@@ -240,9 +224,9 @@ class SnapshotManager(MemoryRestore):
                 self.tap.discard()
             obj = {"tensors": dict(self.adapter.captured()), "state": self.adapter.meta()}
             snap = prepare(version, obj, {**ident, "kind": "base"}, self.adapter.derived())
-            if self.slots[0] is None:
+            if self.store.slots[0] is None:
                 self._allocate(snap)
-            kind, slot = "base", 0 if self.latest is None else 1 - self.latest[1]
+            kind, slot = "base", 0 if self.store.latest is None else 1 - self.store.latest[1]
         self._last_version = version
         event = None
         if self._side is not None and _on_device(snap.tensors):
@@ -250,8 +234,7 @@ class SnapshotManager(MemoryRestore):
         job = _Job(snap, slot, event, kind)
         job.late = late
         self._inflight = job
-        self._stats["blocking_s"].append(0.0)
-        trim_window(self._stats["blocking_s"])
+        self.timings.add_timing("blocking_s", 0.0)
         if self._thread is not None:
             self._queue.put(job)
         else:
@@ -260,11 +243,11 @@ class SnapshotManager(MemoryRestore):
             finally:
                 job.copied.set()
                 job.done.set()  # else the next after_step waits replication.timeout_s for it
-        self._stats["blocking_s"][-1] += time.perf_counter() - t0
+        self.timings.blocking_s[-1] += time.perf_counter() - t0
 
     # -- worker ----------------------------------------------------------------------------------------
     def _worker(self, epoch: int = 0) -> None:
-        got = self._stats["worker_priority"] = self.priority.lower()
+        got = self.timings.worker_priority = self.priority.lower()
         if self.rank == 0:
             log.info("snapshot worker: CPU priority %s (snapshot.worker_priority: %s)%s", got,
                      self.priority.requested, ", raised to normal while a step waits for its copy"
@@ -291,18 +274,17 @@ class SnapshotManager(MemoryRestore):
         diff = job.kind == "diff"
         if diff:
             self.ring.check_reuse(job.snap.version, self.committed_base)  # watermark GC
-            seg, reserved = self.ring_segs[job.slot], self.ring_header_reserved
+            seg, reserved = self.store.ring_entry(job.slot), self.store.ring_header_reserved
         else:
-            seg, reserved = self.slots[job.slot], self.header_reserved
-        assert seg is not None
+            seg, reserved = self.store.slot(job.slot), self.store.header_reserved
         writer = SlotWriter(seg.tensor(), reserved, self.chunk_bytes)
         self._phase = "copy"
         t0, c0 = time.perf_counter(), time.thread_time()
         writer.invalidate()
         if diff:
             self.ring.versions.pop(job.slot, None)
-        elif self.latest is not None and self.latest[1] == job.slot:
-            self.latest = None
+        elif self.store.latest is not None and self.store.latest[1] == job.slot:
+            self.store.latest = None
         if job.event is not None:
             assert self._side is not None  # an event is recorded only with a side stream
             # returns once the side stream's event after the copies has completed: the bytes are in the slot
@@ -328,7 +310,7 @@ class SnapshotManager(MemoryRestore):
         if diff:
             self.ring.stored(job.snap.version)
         else:
-            self.latest = (job.snap.version, job.slot)
+            self.store.latest = (job.snap.version, job.slot)
         t2, c2 = time.perf_counter(), time.thread_time()
         self._phase = _REPLICATING
         if diff:
@@ -350,15 +332,16 @@ class SnapshotManager(MemoryRestore):
                 self.committed_base = job.snap.version
         t4, c4 = time.perf_counter(), time.thread_time()
         self._phase = "idle"
-        st = self._stats
-        st["diffs" if diff else "snapshots"] += 1
-        st["checksum_fused"] = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
-        st["diff_nbytes" if diff else "base_nbytes"] = blob_len
+        st = self.timings
+        if diff:
+            st.diffs, st.diff_nbytes = st.diffs + 1, blob_len
+        else:
+            st.snapshots, st.base_nbytes = st.snapshots + 1, blob_len
+        st.checksum_fused = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
         for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3),
                            ("copy_cpu_s", c1 - c0), ("seal_cpu_s", c2 - c1), ("replicate_cpu_s", c3 - c2),
                            ("commit_cpu_s", c4 - c3)):
-            st[key].append(value)
-            trim_window(st[key])
+            st.add_timing(key, value)
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
@@ -367,9 +350,9 @@ class SnapshotManager(MemoryRestore):
     # -- memory -----------------------------------------------------------------------------------------
     def _allocate(self, snap: PreparedSnapshot) -> None:
         """First snapshot: size and pre-touch both slots, exchange sizes with peers, report memory."""
-        self.header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
-        nbytes = slot_nbytes(self.header_reserved, snap.data_nbytes)
-        self._open_slots(nbytes)
+        self.store.header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
+        nbytes = slot_nbytes(self.store.header_reserved, snap.data_nbytes)
+        self.store.open_slots(nbytes)
         m = membership()
         if m is not None:  # for spares, which make their slots while they wait (snapshot/spare_slots.py)
             from .spare_slots import publish_slot_size
@@ -392,48 +375,18 @@ class SnapshotManager(MemoryRestore):
 
     def _allocate_ring(self, snap: PreparedSnapshot) -> None:
         """First differential: size and pre-touch the ring, exchange sizes with peers, report memory."""
-        self.ring_header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
-        nbytes = slot_nbytes(self.ring_header_reserved, snap.data_nbytes)
-        self._open_ring(nbytes)
+        self.store.ring_header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
+        nbytes = slot_nbytes(self.store.ring_header_reserved, snap.data_nbytes)
+        self.store.open_ring(nbytes)
         assert self.dpeers is not None  # differential mode
         self.dpeers.setup(nbytes)
-        base = self.slots[0].nbytes if self.slots[0] is not None else 0
+        base = self.store.slot(0).nbytes if self.store.slots[0] is not None else 0
         log.info("differential memory: %d x %.1f MB per rank (%.0f%% of a %.1f MB base) plus %.1f MB of peer "
                  "differentials; total snapshot memory %.1f MB", self.ring.size, nbytes / 1e6,
                  100 * nbytes / max(base, 1), base / 1e6, self.dpeers.held_nbytes() / 1e6, self.memory_bytes() / 1e6)
 
-    def _open_ring(self, nbytes: int) -> None:
-        for j in range(self.ring.size):
-            seg = self.ring_segs[j]
-            if seg is None or seg.nbytes != nbytes:
-                if seg is not None:
-                    self._pinner.close(seg)
-                seg = ShmSegment.create(segment_name(self.job_id, "diff", self.rank, j), nbytes,
-                                        root=self.dir, touch=True)
-                self.ring_segs[j] = seg
-                self._pinner.pin(seg)
-
-    def _open_slots(self, nbytes: int) -> None:
-        from . import spare_slots
-
-        made = spare_slots.take(self.dir, self.job_id, self.rank, nbytes) if self.slots == [None, None] else None
-        if made is not None:  # a spare's slots, made while it waited (snapshot/spare_slots.py)
-            for i, ready in enumerate(made):
-                self.slots[i] = ready
-                self._pinner.pin(ready)
-            return
-        for i in (0, 1):
-            seg = self.slots[i]
-            if seg is None or seg.nbytes != nbytes:
-                if seg is not None:
-                    self._pinner.close(seg)
-                seg = ShmSegment.create(segment_name(self.job_id, "snap", self.rank, i), nbytes,
-                                        root=self.dir, touch=True)
-                self.slots[i] = seg
-                self._pinner.pin(seg)
-
     def memory_bytes(self) -> int:
-        total = sum(s.nbytes for s in [*self.slots, *self.ring_segs] if s is not None) + self.peers.held_nbytes()
+        total = self.store.nbytes() + self.peers.held_nbytes()
         return total + (self.dpeers.held_nbytes() if self.dpeers is not None else 0)
 
     # -- misc -------------------------------------------------------------------------------------------
@@ -441,29 +394,48 @@ class SnapshotManager(MemoryRestore):
         """A few numbers for a training job's own logs (DeepSpeed's monitor, the HF Trainer's logs), cheap enough
         for every step: the blocking time of the newest snapshot whose wait is complete, the newest base's size,
         how many steps the newest globally committed version is behind ``step``, and the snapshot memory."""
-        blocking = self._stats["blocking_s"]
+        blocking = self.timings.blocking_s
         out: dict[str, float] = {"snapshot_memory_mb": self.memory_bytes() / 2**20}
         if len(blocking) >= 2:
             out["blocking_ms"] = blocking[-2] * 1000.0
-        if self._stats["base_nbytes"] is not None:
-            out["snapshot_mb"] = self._stats["base_nbytes"] / 2**20
+        if self.timings.base_nbytes is not None:
+            out["snapshot_mb"] = self.timings.base_nbytes / 2**20
         if self.committed_version is not None:
             out["commit_lag_steps"] = float(step - self.committed_version)
-        if self._stats.get("restore_s") is not None:
-            out["restore_s"] = float(self._stats["restore_s"])
+        if self.timings.restore_s is not None:
+            out["restore_s"] = float(self.timings.restore_s)
         return out
 
     def stats(self) -> dict[str, Any]:
-        st = dict(self._stats)
-        st["worker_priority_boosts"] = self.priority.boosts
-        for key in ("blocking_s", "copy_s", "seal_s", "replicate_s", "commit_s", "copy_cpu_s", "seal_cpu_s",
-                    "replicate_cpu_s", "commit_cpu_s"):
-            vals = sorted(st.pop(key))
-            st[f"{key}_median"] = vals[len(vals) // 2] if vals else None
-            st[f"{key}_max"] = vals[-1] if vals else None
-        st["committed_version"] = self.committed_version
-        st["memory_bytes"] = self.memory_bytes()
-        return st
+        """The summary of :attr:`timings` (JSON; the keys benchmarks and job summaries read)."""
+        return self.timings.as_dict(worker_priority_boosts=self.priority.boosts,
+                                    committed_version=self.committed_version, memory_bytes=self.memory_bytes())
+
+    # -- restore ----------------------------------------------------------------------------------------
+    def restore_latest(self, newer_than: int | None = None) -> int | None:
+        """Collective. Restore the newest version every rank can obtain from the memory tiers (:mod:`.restore`);
+        ``None`` when there is none, or none newer than ``newer_than`` (a tier-3 base already loaded)."""
+        done = self._executor().run(newer_than)
+        if done is None:
+            return None
+        self.store.latest = done.latest
+        self.committed_version = done.version
+        self.committed_base = done.base
+        self.ring.versions = {self.ring.index(v): v for v in done.ring_of}
+        self._last_version = None  # the next snapshot is a base: the chain restarts from the restored state
+        return done.version
+
+    def _executor(self) -> RestoreExecutor:
+        return RestoreExecutor(adapter=self.adapter, config=self.config, rank=self.rank, world=self.world,
+                               node=self.node, job_id=self.job_id, group=self.group, store=self.store,
+                               peers=self.peers, dpeers=self.dpeers, ring=self.ring, differential=self.tap is not None,
+                               late=self.late, stats=self.timings, elastic=self.shrink_allowed)
+
+    def _scan(self, verify: bool) -> tuple[Any, dict[int, int], dict[int, int]]:
+        """(report, version -> slot, version -> ring entry) of what this rank holds (headers only unless
+        ``verify``); kept for ``ResilientRuntime._say_if_never_restored``, which reads ``report.local``."""
+        report, own = self._executor().scan(verify)
+        return report, own.slot_of, own.ring_of
 
     def quiesce(self, timeout_s: float = 10.0) -> None:
         """Hot-swap: stop snapshotting. Waits (bounded) until the in-flight copy is done, so no stale worker
@@ -477,7 +449,7 @@ class SnapshotManager(MemoryRestore):
             self.priority.boost()  # waited for: not at idle priority
             job.copied.wait(timeout_s)
             deadline = time.time() + timeout_s
-            while self.latest is None or self.latest[0] != job.snap.version:
+            while self.store.latest is None or self.store.latest[0] != job.snap.version:
                 if job.done.is_set() or time.time() > deadline:
                     break
                 time.sleep(0.01)

@@ -12,9 +12,10 @@ Call order:
    ``Membership.join``'s ``while_waiting``), once sizes are published creates and pre-faults two segments of the
    largest size in its node's directory under names of its own (kind ``prep``: the census and every scan ignore
    them) and keeps them (:func:`tick`);
-3. at its restore, ``SnapshotManager._open_slots`` calls :func:`take`: each prepared file is renamed to the slot's
-   name and opened at the slot's exact size (its pages already allocated: a shrink frees the tail). A prepared
-   segment in another directory than the manager's (a config that moved ``local.shm_root``) is removed instead.
+3. at its restore, ``TierOneStore.open_slots`` (snapshot/tier1.py) calls :func:`take`: each prepared file is
+   renamed to the slot's name and opened at the slot's exact size (its pages already allocated: a shrink frees the
+   tail). A prepared segment in another directory than the store's (a config that moved ``local.shm_root``) is
+   removed instead.
 
 The launcher removes the node's directory, prepared segments included, when the job ends.
 """

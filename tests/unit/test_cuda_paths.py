@@ -281,16 +281,16 @@ def test_every_pinned_slot_is_unregistered_before_unmap_on_every_path(cuda_manag
     FakeEvent.auto_complete = True  # (the fixture's monkeypatch restores it)
     _step(m, a, 1)
     m.wait_idle()
-    slots = [s for s in m.slots if s is not None]
+    slots = [s for s in m.store.slots if s is not None]
     assert len(slots) == 2 and all(m._pinner.is_pinned(s) for s in slots) and len(rt.registered) == 2
     # resize: the state changed size at a restore -> new slots, the old ones unregistered first
-    m._open_slots(slots[0].nbytes + 4096)
+    m.store.open_slots(slots[0].nbytes + 4096)
     assert all(s.closed for s in slots) and len(rt.registered) == 2
     _check_unregistered_before_unmap(log)
     # an abandoned restore closes the slots it opened
-    m.header_reserved = 0
-    m._unopened()
-    assert m.slots == [None, None] and not rt.registered
+    m.store.header_reserved = 0
+    m.store.close_unused()
+    assert m.store.slots == [None, None] and not rt.registered
     _check_unregistered_before_unmap(log)
     # rewire at an in-place hot-swap: slots of the first snapshot after it, then given up
     _step(m, a, 2)
@@ -304,6 +304,6 @@ def test_every_pinned_slot_is_unregistered_before_unmap_on_every_path(cuda_manag
     m.wait_idle()
     assert len(rt.registered) == 2
     m.close()  # close: everything still pinned is unregistered (the slots stay readable)
-    assert not rt.registered and all(s is not None and not s.closed for s in m.slots)
+    assert not rt.registered and all(s is not None and not s.closed for s in m.store.slots)
     _check_unregistered_before_unmap(log)
     assert not [e for e in log if e[0] == "unregister" and e[1] not in {r[1] for r in log if r[0] == "register"}]

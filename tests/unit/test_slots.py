@@ -66,7 +66,7 @@ def test_reseal_after_invalidate_keeps_slot_readable_with_new_version(tmp_path):
 
 
 def test_timings_are_a_bounded_window():
-    from deadpool_ext.snapshot.manager import trim_window
+    from deadpool_ext.snapshot.stats import trim_window
 
     values: list[float] = []
     for i in range(1000):

@@ -43,7 +43,7 @@ def test_each_version_is_sealed_with_the_state_posted_after_its_step(tmp_path):
         # 40 entries, ~11 KB of JSON: over the 8 KiB of slack a header keeps for changing digits
         _steps(m, a, range(1, 41), post=_history)
         m.wait_idle()
-        assert m.header_reserved > (64 << 10) and m.committed_version == 40
+        assert m.store.header_reserved > (64 << 10) and m.committed_version == 40
         m.close()
         b = Adapter()
         m2 = manager(str(tmp_path), b)
@@ -66,7 +66,7 @@ def test_a_step_that_failed_before_its_post_is_never_sealed(tmp_path, caplog):
         with caplog.at_level(logging.INFO, logger="deadpool_ext"):
             m.quiesce()
             m.wait_idle()
-        assert m.latest is not None and m.latest[0] == 2 and m.committed_version == 2
+        assert m.store.latest is not None and m.store.latest[0] == 2 and m.committed_version == 2
         assert any("dropped" in r.message and "step 3" in r.message for r in caplog.records)
         m.close()
         b = Adapter()
@@ -89,7 +89,8 @@ def test_an_unposted_step_is_sealed_without_the_state_at_the_next_snapshot(tmp_p
             _steps(m, a, (2,))
             m.late.drop()
             m.wait_idle()
-        assert m.latest is not None and m.latest[0] == 1  # step 1 kept (the engine stays protected), 2 dropped
+        # step 1 kept (the engine stays protected), 2 dropped
+        assert m.store.latest is not None and m.store.latest[0] == 1
         assert sum("sealed without the framework's late client state" in r.message for r in caplog.records) == 1
         m.close()
         m2 = manager(str(tmp_path), Adapter())

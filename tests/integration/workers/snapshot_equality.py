@@ -15,6 +15,7 @@ import deadpool_ext.deepspeed as dpx
 from deadpool_ext.distributed import init_distributed
 from deadpool_ext.recovery.agree import RecoveryError
 from deadpool_ext.snapshot.format import tensor_checksum
+from deadpool_ext.snapshot.restore import verify_derived
 from deadpool_ext.snapshot.slots import restore_from
 from deadpool_ext.training.data import ByteLMData
 from deadpool_ext.training.models import build_gpt
@@ -36,9 +37,9 @@ def main(argv: list[str]) -> int:
         engine.step()
     mgr = engine.deadpool.snapshots
     mgr.wait_idle()
-    version, slot = mgr.latest
+    version, slot = mgr.store.latest
     assert version == steps, (version, steps)
-    tensors, state, header = restore_from(mgr.slots[slot].buf, verify=True)
+    tensors, state, header = restore_from(mgr.store.slot(slot).buf, verify=True)
     adapter = engine.deadpool.adapter
     live = dict(adapter.captured())
     derived = dict(adapter.derived())
@@ -62,13 +63,13 @@ def main(argv: list[str]) -> int:
         with torch.no_grad():
             t.view(-1)[0] += 1
         try:
-            mgr._verify_derived(header, version)
+            verify_derived(adapter, mgr.rank, header, version)
             raise AssertionError("a wrong re-derived buffer was accepted")
         except RecoveryError as exc:
             assert name in str(exc), exc
         with torch.no_grad():
             t.copy_(keep)
-        mgr._verify_derived(header, version)
+        verify_derived(adapter, mgr.rank, header, version)
     for name, t in live.items():
         snap = tensors[name]
         assert snap.dtype == t.dtype and snap.shape == t.shape, name
