@@ -349,7 +349,7 @@ def worker(args: argparse.Namespace) -> int:
     engine.train()
     blocks: list[dict[str, Any]] = []
     n_rounds = args.warmup_rounds + args.rounds
-    snap_thread = getattr(snaps, "_thread", None)
+    snap_thread = snaps.writer.thread
     snap_tid = snap_thread.native_id if snap_thread is not None else None
     dist.barrier()
     t_run = time.perf_counter()

@@ -9,6 +9,12 @@ Call order (every rank; the runtime does this):
 3. Per optimizer step: ``before_optimizer_step()`` then (after the step) ``after_step()``.
 4. ``close()``.
 
+The manager is the facade over four parts, each owning one concern: the tier-1 store of this rank's segments
+(:mod:`.tier1`), the writer thread that seals, replicates and commits (:mod:`.writer`), the restore planner and its
+executor (:mod:`.plan`, :mod:`.restore`), and the typed stats (:mod:`.stats`). It keeps the hot path (what to
+snapshot at a step: a base or a differential, into which slot) and the wiring of a world (side group, replicators,
+node directory and agent).
+
 The hazard and how it is avoided: the background worker copies *live* parameter, master-weight and optimizer
 tensors. Forward and backward only read them (ZeRO keeps gradients in separate buffers); the optimizer step
 overwrites them in place. ``before_optimizer_step`` therefore waits until the copy of the previous version is
@@ -18,9 +24,6 @@ and the global commit happen after that point, on the copied bytes, and never bl
 from __future__ import annotations
 
 import logging
-import os
-import queue
-import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -38,41 +41,19 @@ from ..persist.sign import checkpoint_key
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
-from .late import LATE_KEY, LateDropped, LateState, LateStep
+from .late import LateState
 from .priority import WorkerPriority
 from .restore import RestoreExecutor, shrink_allowed
-from .slots import PreparedSnapshot, SlotWriter, header_reserve, prepare, slot_nbytes
+from .slots import PreparedSnapshot, header_reserve, prepare, slot_nbytes
 from .state import RankStateAdapter
 from .stats import SnapshotStats
 from .tier1 import TierOneStore
+from .writer import ABANDON_AFTER_S, COMMITTING, Job, SnapshotWorkerError, SnapshotWriter
+
+__all__ = ["ABANDON_AFTER_S", "COMMITTING", "SnapshotManager", "SnapshotWorkerError"]
 
 log = logging.getLogger("deadpool_ext")
 
-
-class SnapshotWorkerError(RuntimeError):
-    pass
-
-
-class _Job:
-    __slots__ = ("snap", "slot", "copied", "done", "event", "kind", "late")
-
-    def __init__(self, snap: PreparedSnapshot, slot: int, event: Any, kind: str = "base") -> None:
-        self.snap, self.slot, self.event, self.kind = snap, slot, event, kind
-        self.late: LateStep | None = None
-        self.copied = threading.Event()
-        self.done = threading.Event()
-
-
-_REPLICATING = "replication to peers"
-"""The worker's phase while it exchanges replicas (a hot-swap may abandon it in this phase and the next)."""
-_COMMITTING = "global commit (all-reduce on the side group)"
-"""The worker's phase in the all-reduce that agrees on the committed version (abandonable: see ``stop_worker``)."""
-_ABANDONABLE = (_REPLICATING, _COMMITTING)
-
-ABANDON_AFTER_S = 2.0
-"""How long a hot-swap waits for a snapshot worker that is in a replica transfer before abandoning it: after the
-dead generation's sockets are cut, a transfer that can fail does so within milliseconds; one still blocked is on
-a receive gloo does not fail (a peer that died), which would only end at the group's timeout."""
 
 class SnapshotManager:
     def __init__(self, adapter: RankStateAdapter, config: DeadpoolConfig, placement: NodePlacement) -> None:
@@ -109,15 +90,13 @@ class SnapshotManager:
         """What the memory tiers did (typed); :meth:`stats` is its summary."""
         self.shrink_allowed = shrink_allowed(config)
         """Whether a restore may reshard a world of another size (``no_spare_policy: shrink``)."""
-        self._thread: threading.Thread | None = None
-        self._epoch = 0
-        """Bumped when the worker is stopped for a hot-swap: a worker of an older epoch (abandoned, still blocked
-        in a transfer on the dead generation's communicator) touches nothing of this manager when it wakes."""
-        self._epoch_lock = threading.Lock()
         self.late: LateState | None = None
         """The framework's state posted after the step (snapshot/late.py; the HF Trainer's), kept across rewires."""
-        self._phase = "idle"
-        """What the worker is doing (for the error that says where it is stuck)."""
+        self.writer = SnapshotWriter(rank=self.rank, store=self.store, group=self.group, side=self._side,
+                                     stats=self.timings, chunk_bytes=self.chunk_bytes,
+                                     background=config.snapshot.background, timeout_s=config.replication.timeout_s,
+                                     late=lambda: self.late)
+        """The thread that seals, replicates and commits each snapshot (one per world, epochs across them)."""
         self._wire()
 
     def _wire(self) -> None:
@@ -140,19 +119,21 @@ class SnapshotManager:
                                          kind="dreplica", nbuf=self.ring.size, signer=signer)
         if self.tap is not None:
             self.tap.discard()
-        self.committed_base: int | None = None
         self._last_version: int | None = None
-        self.committed_version: int | None = None
-        self._inflight: _Job | None = None
-        self._error: BaseException | None = None
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
         self.active = True
         """Benchmarks flip this to interleave blocks of steps with and without snapshots in one run."""
         self.priority = WorkerPriority(config.snapshot.worker_priority)
-        if self.config.snapshot.background:
-            self._thread = threading.Thread(target=self._worker, args=(self._epoch,), name="deadpool-snapshot",
-                                            daemon=True)
-            self._thread.start()
+        self.writer.start(peers=self.peers, dpeers=self.dpeers, ring=self.ring, priority=self.priority)
+
+    @property
+    def committed_version(self) -> int | None:
+        """The newest version every rank committed (the writer's all-reduce MIN, or the version restored)."""
+        return self.writer.committed_version
+
+    @property
+    def committed_base(self) -> int | None:
+        """The newest base every rank committed (differentials after it are kept: watermark GC)."""
+        return self.writer.committed_base
 
     def rewire(self, placement: NodePlacement) -> None:
         """In-place hot-swap, after the side group's communicator was swapped (collective on it, every rank of the
@@ -179,7 +160,7 @@ class SnapshotManager:
 
     # -- hot path -------------------------------------------------------------------------------------
     def before_optimizer_step(self) -> None:
-        job = self._inflight
+        job = self.writer.inflight
         if job is None:
             return
         if not job.copied.is_set():
@@ -190,10 +171,10 @@ class SnapshotManager:
                     f"snapshot copy of step {job.snap.version} did not finish within "
                     f"{self.config.replication.timeout_s}s")
             self.timings.blocking_s[-1] += time.perf_counter() - t0
-        self._raise_worker_error()
+        self.writer.raise_error()
 
     def after_step(self) -> None:
-        self._raise_worker_error()
+        self.writer.raise_error()
         version = self.adapter.step()
         if not self.active or version % self.config.snapshot.interval:
             if self.tap is not None:
@@ -201,11 +182,12 @@ class SnapshotManager:
             return
         late = self.late.begin(version) if self.late is not None else None  # an unposted previous one: sealed
         t0 = time.perf_counter()
-        if self._inflight is not None and not self._inflight.done.is_set():
+        previous = self.writer.inflight
+        if previous is not None and not previous.done.is_set():
             # The previous version is still being sealed/replicated; its slot must not be the target.
             self.priority.boost()
-            self._inflight.done.wait(self.config.replication.timeout_s)
-            self._raise_worker_error()
+            previous.done.wait(self.config.replication.timeout_s)
+            self.writer.raise_error()
         ident = {"version": version, "rank": self.rank, "world_size": self.world, "job_id": self.job_id,
                  "node": self.node}
         # A differential needs the previous version in the chain; any gap (snapshots paused, a restore) and
@@ -231,121 +213,11 @@ class SnapshotManager:
         event = None
         if self._side is not None and _on_device(snap.tensors):
             event = self._side.ready()  # the version is complete on the compute stream; the copy starts after it
-        job = _Job(snap, slot, event, kind)
+        job = Job(snap, slot, event, kind)
         job.late = late
-        self._inflight = job
         self.timings.add_timing("blocking_s", 0.0)
-        if self._thread is not None:
-            self._queue.put(job)
-        else:
-            try:
-                self._run(job, self._epoch)  # snapshot.background: false, in the training thread
-            finally:
-                job.copied.set()
-                job.done.set()  # else the next after_step waits replication.timeout_s for it
+        self.writer.submit(job)
         self.timings.blocking_s[-1] += time.perf_counter() - t0
-
-    # -- worker ----------------------------------------------------------------------------------------
-    def _worker(self, epoch: int = 0) -> None:
-        got = self.timings.worker_priority = self.priority.lower()
-        if self.rank == 0:
-            log.info("snapshot worker: CPU priority %s (snapshot.worker_priority: %s)%s", got,
-                     self.priority.requested, ", raised to normal while a step waits for its copy"
-                     if got in ("idle", "nice19") else "")
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self.priority.lower()  # again after a boost (no system call otherwise)
-            try:
-                self._run(job, epoch)
-            except BaseException as exc:  # surfaced on the main thread at the next hook
-                if epoch != self._epoch:  # abandoned at a hot-swap: its failure is the dead generation's
-                    log.info("abandoned snapshot worker (snapshot of step %d) ended: %s", job.snap.version,
-                             " ".join(str(exc).split())[:200])
-                    return
-                self._error = exc
-                log.error("snapshot of step %d failed: %s", job.snap.version, exc)
-            finally:
-                job.copied.set()
-                job.done.set()
-
-    def _run(self, job: _Job, epoch: int = 0) -> None:
-        diff = job.kind == "diff"
-        if diff:
-            self.ring.check_reuse(job.snap.version, self.committed_base)  # watermark GC
-            seg, reserved = self.store.ring_entry(job.slot), self.store.ring_header_reserved
-        else:
-            seg, reserved = self.store.slot(job.slot), self.store.header_reserved
-        writer = SlotWriter(seg.tensor(), reserved, self.chunk_bytes)
-        self._phase = "copy"
-        t0, c0 = time.perf_counter(), time.thread_time()
-        writer.invalidate()
-        if diff:
-            self.ring.versions.pop(job.slot, None)
-        elif self.store.latest is not None and self.store.latest[1] == job.slot:
-            self.store.latest = None
-        if job.event is not None:
-            assert self._side is not None  # an event is recorded only with a side stream
-            # returns once the side stream's event after the copies has completed: the bytes are in the slot
-            self._side.copy(job.event, lambda stream: writer.copy(job.snap, stream))
-        else:
-            writer.copy(job.snap)
-        job.copied.set()  # only now may the next optimizer step overwrite the source tensors
-        t1, c1 = time.perf_counter(), time.thread_time()
-        if job.late is not None and self.late is not None:
-            self._phase = "waiting for the step's late client state"
-            try:
-                section = self.late.wait(job.late, lambda: epoch != self._epoch)
-            except LateDropped as exc:
-                log.info("%s", exc)
-                self._phase = "idle"
-                return
-            if section is not None:
-                job.snap.meta[LATE_KEY] = section
-        blob_len = writer.seal(job.snap)
-        if blob_len != seg.nbytes:
-            raise RuntimeError(f"snapshot of step {job.snap.version} is {blob_len} bytes, slot is {seg.nbytes}: "
-                               "the rank's state changed size, which in-memory snapshots do not support")
-        if diff:
-            self.ring.stored(job.snap.version)
-        else:
-            self.store.latest = (job.snap.version, job.slot)
-        t2, c2 = time.perf_counter(), time.thread_time()
-        self._phase = _REPLICATING
-        if diff:
-            assert self.dpeers is not None  # differential mode
-            self.dpeers.replicate(seg.tensor(), blob_len, buf=job.slot)
-        else:
-            self.peers.replicate(seg.tensor(), blob_len)
-        t3, c3 = time.perf_counter(), time.thread_time()
-        if epoch != self._epoch:
-            raise SnapshotWorkerError("replaced at a hot-swap during the replication; no commit")
-        self._phase = _COMMITTING
-        flag = torch.tensor([job.snap.version], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        with self._epoch_lock:  # a worker abandoned in the all-reduce never writes the new generation's versions
-            if epoch != self._epoch:
-                raise SnapshotWorkerError("replaced at a hot-swap during the global commit; nothing committed")
-            self.committed_version = int(flag.item())
-            if not diff and self.committed_version == job.snap.version:
-                self.committed_base = job.snap.version
-        t4, c4 = time.perf_counter(), time.thread_time()
-        self._phase = "idle"
-        st = self.timings
-        if diff:
-            st.diffs, st.diff_nbytes = st.diffs + 1, blob_len
-        else:
-            st.snapshots, st.base_nbytes = st.snapshots + 1, blob_len
-        st.checksum_fused = writer.checksums is not None  # hashed in the copy's pass (one read of the bytes)
-        for key, value in (("copy_s", t1 - t0), ("seal_s", t2 - t1), ("replicate_s", t3 - t2), ("commit_s", t4 - t3),
-                           ("copy_cpu_s", c1 - c0), ("seal_cpu_s", c2 - c1), ("replicate_cpu_s", c3 - c2),
-                           ("commit_cpu_s", c4 - c3)):
-            st.add_timing(key, value)
-
-    def _raise_worker_error(self) -> None:
-        if self._error is not None:
-            raise SnapshotWorkerError(f"background snapshot worker failed: {self._error}") from self._error
 
     # -- memory -----------------------------------------------------------------------------------------
     def _allocate(self, snap: PreparedSnapshot) -> None:
@@ -419,8 +291,8 @@ class SnapshotManager:
         if done is None:
             return None
         self.store.latest = done.latest
-        self.committed_version = done.version
-        self.committed_base = done.base
+        self.writer.committed_version = done.version
+        self.writer.committed_base = done.base
         self.ring.versions = {self.ring.index(v): v for v in done.ring_of}
         self._last_version = None  # the next snapshot is a base: the chain restarts from the restored state
         return done.version
@@ -444,72 +316,21 @@ class SnapshotManager:
         self.active = False
         if self.late is not None:
             self.late.drop()  # a step that failed before its state was posted is never sealed
-        job = self._inflight
-        if job is not None:
-            self.priority.boost()  # waited for: not at idle priority
-            job.copied.wait(timeout_s)
-            deadline = time.time() + timeout_s
-            while self.store.latest is None or self.store.latest[0] != job.snap.version:
-                if job.done.is_set() or time.time() > deadline:
-                    break
-                time.sleep(0.01)
-        if self._thread is not None:
-            self._queue.put(None)
-        self._thread = None
+        self.writer.quiesce(timeout_s)
 
     def stop_worker(self, timeout_s: float = 30.0) -> None:
         """Quiesce, then wait (bounded) until the worker thread has exited: after an in-place hot-swap no stale
         worker may issue a collective on the side group's new communicator. Call it after the dead generation's
         communicators are parked (their collectives then fail at once)."""
-        thread = self._thread
-        job = self._inflight
-        with self._epoch_lock:
-            self._epoch += 1  # from here on the current worker touches nothing of this manager
-        self.quiesce()
-        if thread is not None:
-            t0 = time.monotonic()
-            thread.join(min(timeout_s, ABANDON_AFTER_S))
-            phase = self._phase
-            if thread.is_alive() and phase in _ABANDONABLE:
-                # Blocked on the dead generation's communicator: gloo may not fail a receive from a peer that
-                # died (it waits for the group's timeout). Its sockets are closed or cut, so nothing more can arrive;
-                # the transport is closed (no next message) and the epoch is past (no commit, no state): a commit
-                # all-reduce that returns later is dropped under the epoch lock (a host lost mid-commit does this).
-                self.peers.transport.closed = True
-                if self.dpeers is not None:
-                    self.dpeers.transport.closed = True
-                log.warning("snapshot worker abandoned after %.1fs: still in the %s of step %s on the dead "
-                            "generation's communicator (at %s); it ends when that collective times out and touches "
-                            "nothing of the new generation", time.monotonic() - t0, phase,
-                            job.snap.version if job is not None else "?", _stack_of(thread, 3))
-                return
-            thread.join(max(0.0, timeout_s - (time.monotonic() - t0)))
-            if thread.is_alive():
-                where = _stack_of(thread)
-                raise SnapshotWorkerError(
-                    f"the snapshot worker did not stop within {timeout_s:.0f}s after the failure: it is still in the "
-                    f"{job.kind if job is not None else '?'} snapshot of step "
-                    f"{job.snap.version if job is not None else '?'} ({self._phase}), at {where}")
+        self.writer.stop(self.quiesce, timeout_s)
 
     def wait_idle(self) -> None:
         """Wait (``replication.timeout_s`` at most) for the snapshot in flight, in short slices so that the
         launcher's notice (``rebuild.interrupt``, inside an armed region) can stop the wait; raise its error."""
-        job = self._inflight
-        if job is not None:
-            if not job.done.is_set():
-                self.priority.boost()
-            deadline = time.monotonic() + self.config.replication.timeout_s
-            while not job.done.wait(0.2) and time.monotonic() < deadline:
-                pass
-        self._raise_worker_error()
+        self.writer.wait_idle()
 
     def close(self) -> None:
-        thread = self._thread
-        if thread is not None and thread.is_alive():
-            self._queue.put(None)
-            thread.join(self.config.replication.timeout_s)
-        self._thread = None
-        if thread is not None and thread.is_alive():  # it may still enqueue a copy into a slot: leave them pinned
+        if not self.writer.close():  # it may still enqueue a copy into a slot: leave them pinned
             log.warning("snapshot worker still running at close: its %d pinned slot(s) stay registered",
                         len(self._pinner))
         else:
@@ -519,15 +340,3 @@ class SnapshotManager:
 def _on_device(tensors: list[torch.Tensor]) -> bool:
     """Whether a snapshot has tensors in device memory (then it is copied on the side stream)."""
     return any(t.is_cuda for t in tensors)
-
-
-def _stack_of(thread: threading.Thread, frames: int = 6) -> str:
-    """The innermost frames of a live thread, as ``file:line function`` from the outside in (for an error line)."""
-    import sys
-    import traceback
-
-    frame = sys._current_frames().get(thread.ident or -1)
-    if frame is None:
-        return "(no stack: the thread is not running Python code)"
-    summary = traceback.extract_stack(frame)[-frames:]
-    return " < ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}" for f in reversed(summary))

@@ -260,7 +260,7 @@ def _complete_copy_events() -> None:
 def test_copied_is_reported_only_after_the_side_streams_event(cuda_manager):
     m, a, rt, _ = cuda_manager
     _step(m, a, 1)
-    job = m._inflight
+    job = m.writer.inflight
     assert job is not None and isinstance(job.event, FakeEvent) and job.event.stream == "current"
     for _ in range(500):  # the worker reaches the wait for the copies' event
         if any(ev.blocking and ev.waiting.is_set() for ev in FakeEvent.made):

@@ -41,8 +41,8 @@ def test_worker_blocked_in_the_commit_is_abandoned_and_commits_nothing(tmp_path,
                 m.wait_idle()
         assert m.committed_version == 2
         assert entered.wait(30), "the worker never reached the commit of step 3"
-        thread = m._thread
-        assert thread is not None and m._phase == mgr._COMMITTING
+        thread = m.writer.thread
+        assert thread is not None and m.writer.phase == mgr.COMMITTING
         t0 = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="deadpool_ext"):
             m.stop_worker(30.0)   # raised SnapshotWorkerError after 30 s before the fix
@@ -54,5 +54,5 @@ def test_worker_blocked_in_the_commit_is_abandoned_and_commits_nothing(tmp_path,
         thread.join(30)
         assert not thread.is_alive()
         assert m.committed_version == 2 and m.committed_base == 2  # the stale commit was dropped
-        assert m._error is None   # an abandoned worker's end is not the new generation's error
+        assert m.writer.error is None   # an abandoned worker's end is not the new generation's error
         m.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from deadpool_ext.snapshot.manager import _stack_of
+from deadpool_ext.snapshot.writer import stack_of
 
 
 def _blocked_in_a_transfer(release: threading.Event) -> None:
@@ -15,10 +15,10 @@ def test_stack_of_a_blocked_thread_names_its_innermost_frames():
     t = threading.Thread(target=_blocked_in_a_transfer, args=(release,), daemon=True)
     t.start()
     try:
-        where = _stack_of(t)
+        where = stack_of(t)
         assert where.split(" < ")[0].startswith("threading.py:")  # innermost first: Event.wait -> Condition.wait
         assert "test_worker_stack.py" in where and "_blocked_in_a_transfer" in where
     finally:
         release.set()
         t.join(5)
-    assert _stack_of(t).startswith("(no stack")  # finished
+    assert stack_of(t).startswith("(no stack")  # finished
