@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import stat
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -45,7 +46,13 @@ def make_special(path: str, kind: str) -> object:
             pytest.skip("making a device node needs CAP_MKNOD")
         return None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(path)
+    # An AF_UNIX address holds at most 107 bytes, less than a pytest tmp path can take: bound under a short name
+    # in the same directory and renamed into place (a rename keeps the socket inode).
+    short = os.path.join(os.path.dirname(path), "s")
+    if len(short.encode()) > 100:
+        short = os.path.join(tempfile.mkdtemp(prefix="dps", dir="/tmp"), "s")
+    sock.bind(short)
+    os.rename(short, path)
     sock.listen(1)
     return sock
 
