@@ -1,6 +1,6 @@
 """Every store value the launcher reads, decoded in one place: size first, then JSON with a depth bound, then the
 key's schema. A value that fails is a `BadValue` naming the key and what is allowed (one line, what it echoes
-shortened); `StoreReads.values` reads it as absent and logs that line at most once a minute per key.
+shortened); `StoreValues` reads it as absent and logs that line at most once a minute per key.
 
 Why one bounded decoder: anyone holding the job's token (a worker, a joining machine) can write any key, and
 the coordinator's loop must outlive a wrong value there: a nested document exhausting the recursion limit, a
@@ -337,18 +337,3 @@ class StoreValues:
             if v is not None:
                 out[tail] = v
         return out
-
-
-class StoreReads:
-    """Mixin of the Supervisor: ``self.values``, the launcher's one reader of store values (made for the current
-    ``self.store``: the client is set when the job's store is connected)."""
-
-    store: Any
-
-    @property
-    def values(self) -> StoreValues:
-        v: StoreValues | None = self.__dict__.get("_store_values")
-        if v is None or v.store is not self.store:
-            v = StoreValues(self.store)
-            self.__dict__["_store_values"] = v
-        return v

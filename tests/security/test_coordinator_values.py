@@ -103,9 +103,10 @@ def test_hostile_values_in_every_key_never_end_the_coordinator_loop(job, kind, c
     for key in keys:
         assert said(key), (key, lines)
     # nothing was admitted: neither the name with path characters nor the unusable request
-    assert {w.node for w in sup.workers} == {"node0", "node1", "spare0"}
-    assert "../evil" not in sup.node_host and attacker.get_json("join_ack/../evil")["ok"] is False
-    assert sup.assignment.to_json() == good
+    state = sup.coordinator.state
+    assert {w.node for w in state.roster.workers} == {"node0", "node1", "spare0"}
+    assert "../evil" not in state.roster.node_host and attacker.get_json("join_ack/../evil")["ok"] is False
+    assert state.assignment.to_json() == good
 
 
 @pytest.mark.parametrize("name", ["../evil", "a/b", "x" * 200, "node1", "0bad"])
@@ -113,9 +114,10 @@ def test_a_prewritten_join_ack_never_admits_a_name_the_checks_refuse(job, name):
     sup, attacker = job
     attacker.set_json(f"joined/{name}", {"nproc": 1, "time": 0})
     attacker.set_json(f"join_ack/{name}", {"ok": True, "as": "spare"})
-    before = list(sup.workers)
-    a = sup._join_tick(sup.assignment)
-    assert sup.workers == before and a.spares == ("spare0",)
+    coord = sup.coordinate(sup.assignment)
+    before = coord.state.roster.workers
+    coord.turn()
+    assert coord.state.roster.workers == before and coord.state.assignment.spares == ("spare0",)
     assert attacker.get_json(f"join_ack/{name}")["ok"] is False   # the answer now says why
 
 
@@ -123,25 +125,26 @@ def test_a_prewritten_join_ack_with_a_wrong_request_admits_nothing(job):
     sup, attacker = job
     attacker.set_json("joined/extra0", {"nproc": 3, "time": 0})     # this job's nodes have 1 process
     attacker.set_json("join_ack/extra0", {"ok": True, "as": "spare"})
-    sup._join_tick(sup.assignment)
-    assert "extra0" not in {w.node for w in sup.workers}
+    coord = sup.coordinate(sup.assignment)
+    coord.turn()
+    assert "extra0" not in {w.node for w in coord.state.roster.workers}
 
 
 def test_a_repaired_key_naming_no_node_of_the_job_is_never_grown_to(job, caplog):
     sup, attacker = job
     shrunk = shrink_failed(sup.assignment, {"node1"})
-    sup.assignment = shrunk
+    coord = sup.coordinate(shrunk)
     for name in ("evil", "../x"):
         attacker.set_json(f"repaired/{name}", {"time": time.time()})
     with caplog.at_level(logging.WARNING, logger="deadpool_ext.launcher"):
-        sup._grow_tick(shrunk)
-    assert sup.assignment == shrunk and attacker.list("repaired/") == {}
+        coord.turn()
+    assert coord.state.assignment == shrunk and attacker.list("repaired/") == {}
     assert "names no node of this job" in caplog.text
 
 
 def test_a_huge_fatal_report_stops_the_job_with_a_bounded_message(job, capsys):
     sup, attacker = job
     attacker.set("fatal", b"y" * (1 << 20))
-    assert sup._coordinate() == 1
+    assert sup.coordinate(sup.assignment).turn() == 1
     err = capsys.readouterr().err
     assert "unrecoverable state" in err and len(err) < 5000

@@ -136,9 +136,10 @@ def test_a_flood_from_another_uid_leaves_the_jobs_clients_served(capsys):
                 os.environ["DEADPOOL_STORE_TOKEN"] = token
                 joiner = Supervisor(jargs)
                 joiner.store = connect(server.url, token, "floodjob", 5.0)
-                joiner._join_request()
-                coordinator._join_tick(coordinator.assignment)
-                assert joiner._joiner_tick() is None and joiner._join_answered   # admitted
+                assert joiner.joiner is not None
+                joiner.joiner.request(joiner.values)
+                coordinator.coordinate(coordinator.assignment).turn()
+                assert joiner.joiner.tick(joiner.values) is None and joiner.joiner.answered   # admitted
                 served["--join"] = time.monotonic() - t
                 joiner.store.close()
 

@@ -1,5 +1,6 @@
 """deadpool-run --join (launcher/join.py): the coordinator's answer to a join request, against a real embedded
-store; the joiner's flags. No workers are started: the coordinator's part is called directly."""
+store; the joiner's flags. No workers are started: the coordinator's turn (launcher/coordinator.py: observe ->
+decide -> act) is called directly."""
 from __future__ import annotations
 
 import os
@@ -31,8 +32,8 @@ def coordinator():
         check_args(parser, args)
         sup = Supervisor(args)
         sup.store = connect(server.url, token, "joinjob", 10.0)
-        sup.assignment = initial_assignment(sup.workers, sup.active_nodes, sup.spare_nodes)
-        sup.store.set_json("assignment", sup.assignment.to_json())
+        sup.assignment = sup.publish(initial_assignment(sup.workers, sup.active_nodes, sup.spare_nodes))
+        sup.coordinate(sup.assignment)
         try:
             yield sup, connect(server.url, token, "joinjob", 10.0)
         finally:  # the Supervisor wakes its loop on SIGCHLD: leave the test process as it was
@@ -42,24 +43,47 @@ def coordinator():
 
 def test_a_node_joining_a_full_world_becomes_a_spare_that_takes_a_failed_node(coordinator):
     sup, joiner = coordinator
+    coord = sup.coordinator
     joiner.set_json("joined/extra0", {"nproc": 2, "time": 0})
-    a = sup._join_tick(sup.assignment)
+    assert coord.turn() is None
+    a = coord.state.assignment
     assert a.spares == ("extra0",) and joiner.get_json("assignment")["spares"] == ["extra0"]
     assert joiner.get_json("join_ack/extra0") == {"ok": True, "as": "spare"}
-    assert [w.worker_id for w in sup.workers if w.node == "extra0"] == ["extra0.0", "extra0.1"]
-    sup._join_next = 0.0
-    assert sup._join_tick(a) == a  # answered once
+    workers = list(coord.state.roster.workers)
+    assert [w.worker_id for w in workers if w.node == "extra0"] == ["extra0.0", "extra0.1"]
+    coord.join_next = 0.0
+    coord.turn()
+    assert coord.state.assignment == a and coord.state.roster.workers == tuple(workers)  # answered once
     # the joined spare takes node1's ranks like any pre-started spare
-    new = replace_failed(a, sup.workers, {"node1"})
+    new = replace_failed(a, workers, {"node1"})
     assert new.replaced == {"node1": "extra0"} and new.ranks["extra0.0"] == 2 and new.ranks["extra0.1"] == 3
+
+
+def test_a_crash_is_fenced_and_the_spare_that_joined_meanwhile_takes_its_ranks(coordinator):
+    """--no-spare-policy wait: the failure finds no spare, the coordinator's turns go on (waiting is a state);
+    a machine that joins gets the failed node's ranks in the generation published next."""
+    sup, joiner = coordinator
+    sup.args.no_spare_policy, sup.args.spare_wait_s = "wait", 60.0
+    coord = sup.coordinate(sup.assignment)
+    joiner.set_json("exit/node1.0", {"rc": -9, "time": 0})
+    assert coord.turn() is None
+    assert coord.state.awaiting is not None
+    assert joiner.get_json("assignment")["generation"] == 0
+    joiner.set_json("joined/extra0", {"nproc": 2, "time": 0})
+    coord.join_next = 0.0
+    assert coord.turn() is None
+    published = joiner.get_json("assignment")
+    assert published["generation"] == 1 and published["replaced"] == {"node1": "extra0"}
+    assert joiner.get("gen/1") == b"1" and coord.state.awaiting is None
 
 
 def test_a_node_joining_a_shrunk_world_is_offered_for_growing(coordinator):
     sup, joiner = coordinator
-    shrunk = shrink_failed(sup.assignment, {"node1"})
-    sup.assignment = shrunk
+    shrunk = sup.publish(shrink_failed(sup.assignment, {"node1"}))
+    coord = sup.coordinate(shrunk)
     joiner.set_json("joined/extra0", {"nproc": 2, "time": 0})
-    assert sup._join_tick(shrunk) == shrunk   # no spare: the grow takes it (resize._grow_tick reads repaired/)
+    coord.turn()
+    assert coord.state.assignment == shrunk   # no spare: the grow takes it (decide's grow reads repaired/)
     assert joiner.get_json("join_ack/extra0") == {"ok": True, "as": "grow"}
     assert joiner.get_json("repaired/extra0")["joined"] is True
 
@@ -68,28 +92,39 @@ def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator, caplog):
     """A repaired node whose processes beat is grown to only once every rank of the shrunk world finished a step
     since the shrink was published: a grow published while the survivors still rebuild would abandon that rebuild
     half done (what a slow host showed: the shrunk world never trained)."""
+    import dataclasses
     import logging
     import time
 
     sup, joiner = coordinator
-    sup.progress = {w: {"step": 3, "step_at": time.time()} for w in sup.assignment.ranks}  # steps of generation 0
+    before = time.time()
+
+    def beat(wid: str, step_at: float) -> None:
+        joiner.set_json(f"hb/{wid}", {"t": time.time(), "step": 3, "step_at": step_at, "coll": False, "still_s": 0})
+
+    for wid in ("node0.0", "node0.1"):
+        beat(wid, before)   # steps of generation 0
     shrunk = sup.publish(shrink_failed(sup.assignment, {"node1"}))
+    coord = sup.coordinator
+    coord.state = dataclasses.replace(coord.state, assignment=shrunk, formed_after=time.time(),
+                                      last_turn=time.time())
     for wid in ("node1.0", "node1.1"):
-        joiner.set_json(f"hb/{wid}", {"t": time.time()})
+        beat(wid, 0.0)   # the repaired node's processes wait as spares
     joiner.set_json("repaired/node1", {"time": time.time()})
     with caplog.at_level(logging.INFO, logger="deadpool_ext.launcher"):
-        sup._grow_tick(shrunk)
-        sup.progress["node0.0"] = {"step": 4, "step_at": time.time() + 1}   # one survivor trains in generation 1
-        sup._grow_tick(shrunk)
-    assert sup.assignment == shrunk and joiner.get_json("repaired/node1") is not None
+        coord.turn()
+        beat("node0.0", time.time() + 1)   # one survivor trains in generation 1
+        coord.turn()
+    assert coord.state.assignment == shrunk and joiner.get_json("repaired/node1") is not None
     said = [r.getMessage() for r in caplog.records if "the grow waits" in r.getMessage()]
     assert said == ["node node1 is ready to join; the grow waits until generation 1 (2 ranks) has finished a step "
                     "on every rank (not yet: node0.0, node0.1)"]   # said once, not at every turn
-    sup.progress["node0.1"] = {"step": 4, "step_at": time.time() + 1}
-    sup._grow_tick(shrunk)
-    assert sup.assignment.generation == 2 and sup.assignment.world_size == 4
+    beat("node0.1", time.time() + 1)
+    coord.turn()
+    grown = coord.state.assignment
+    assert grown.generation == 2 and grown.world_size == 4 and joiner.get_json("assignment")["grown"] == ["node1"]
     assert joiner.get_json("repaired/node1") is None
-    assert not_formed(sup.assignment.ranks, sup.progress, sup.formed_after) == ["node1.0", "node1.1"]
+    assert not_formed(grown.ranks, coord.state.progress, coord.state.formed_after) == ["node1.0", "node1.1"]
 
 
 @pytest.mark.parametrize("name,request_,why", [
@@ -102,8 +137,10 @@ def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator, caplog):
 def test_bad_join_requests_are_refused_with_the_reason(coordinator, name, request_, why):
     sup, joiner = coordinator
     joiner.set_json(f"joined/{name}", request_)
-    a = sup._join_tick(sup.assignment)
-    assert a.spares == () and not [w for w in sup.workers if w.node == name and w.node not in ("node1",)]
+    sup.coordinator.turn()
+    roster = sup.coordinator.state.roster
+    assert sup.coordinator.state.assignment.spares == ()
+    assert not [w for w in roster.workers if w.node == name and w.node not in ("node1",)]
     ack = joiner.get_json(f"join_ack/{name}")
     assert ack["ok"] is False and why in ack["why"]
 
@@ -112,8 +149,9 @@ def test_a_coordinator_taking_over_learns_the_nodes_admitted_before(coordinator)
     sup, joiner = coordinator
     joiner.set_json("joined/extra0", {"nproc": 2, "time": 0})
     joiner.set_json("join_ack/extra0", {"ok": True, "as": "spare"})   # answered by the coordinator before
-    sup._join_tick(sup.assignment)
-    assert Worker("extra0.1", "extra0", 1) in sup.workers and "extra0" in sup.spare_nodes
+    sup.coordinator.turn()
+    roster = sup.coordinator.state.roster
+    assert Worker("extra0.1", "extra0", 1) in roster.workers and "extra0" in roster.spare_nodes
 
 
 def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypatch):
@@ -125,14 +163,15 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
     monkeypatch.setenv("DEADPOOL_STORE_TOKEN", "x")
     me = Supervisor(args)
     me.store = joiner
-    me._join_request()
-    assert me._joiner_tick() is None          # not answered yet
-    sup._join_tick(sup.assignment)            # 3 processes: refused
-    assert me._joiner_tick() == 2
+    assert me.joiner is not None
+    me.joiner.request(me.values)
+    assert me.joiner.tick(me.values) is None          # not answered yet
+    sup.coordinator.turn()                            # 3 processes: refused
+    assert me.joiner.tick(me.values) == 2
     assert ("--join extra0: refused by job joinjob's coordinator: the joining node has 3 process(es), this job's "
             "nodes have 2: pass --nproc-per-node 2") in capsys.readouterr().err
     with pytest.raises(SystemExit, match="a machine already asked to join job joinjob under that name"):
-        me._join_request()   # a second machine under the same name is refused before it starts anything
+        me.joiner.request(me.values)   # a second machine under the same name is refused before it starts anything
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -158,14 +158,14 @@ class _Store:
 
 
 def test_launcher_policy_flag_then_config_key_then_fail():
-    import argparse
+    from deadpool_ext.launcher.coordinator import job_policy
+    from deadpool_ext.launcher.decide import Observation, Settings, policy_of
+    from deadpool_ext.launcher.values import StoreValues
 
-    from deadpool_ext.launcher.resize import ElasticResize
-
-    def policy(flag, store):
-        r = ElasticResize()
-        r.args, r.store = argparse.Namespace(no_spare_policy=flag), store
-        return r.no_spare_policy()
+    def policy(flag, store):   # what the coordinator observes (the job's key, read without the flag) and decides
+        s = Settings(detect_timeout_s=6, progress_timeout_s=0, store_outage_s=60, spare_wait_s=0, nproc_per_node=1,
+                     policy_flag=flag)
+        return policy_of(s, Observation(now=0.0, job_policy=None if flag else job_policy(StoreValues(store))))
 
     assert policy("wait", _Store("shrink")) == "wait"       # the flag, given, wins
     assert policy(None, _Store("shrink")) == "shrink"       # else the job's deadpool.elastic.no_spare_policy
