@@ -45,7 +45,7 @@ def _blob(mib: int) -> Any:
     partition), the rest in 3 x 48 equal ones (master, exp_avg, exp_avg_sq of 48 parameter partitions)."""
     import torch
 
-    from deadpool_ext.snapshot import format as fmt
+    from deadpool_ext.snapshot.slots import serialize
 
     n = (mib << 20) // 4
     big = n // 4
@@ -53,7 +53,7 @@ def _blob(mib: int) -> Any:
     gen = torch.Generator().manual_seed(mib)
     tensors = {"big": torch.randn(big, generator=gen)}
     tensors.update({f"t{i}": torch.randn(each, generator=gen) for i in range(144)})
-    return torch.frombuffer(bytearray(fmt.serialize({"tensors": tensors, "state": {}}, {"version": 1, "rank": 0})),
+    return torch.frombuffer(bytearray(serialize({"tensors": tensors, "state": {}}, {"version": 1, "rank": 0})),
                             dtype=torch.uint8)
 
 

@@ -79,13 +79,13 @@ def worker(blob_mb: int, rounds: int, out_path: str) -> None:
     from deadpool_ext.replicate.auth import BlobSigner
     from deadpool_ext.replicate.gloo import GlooTransport
     from deadpool_ext.replicate.transport import BlobReceive, BlobSend
-    from deadpool_ext.snapshot import format as fmt
+    from deadpool_ext.snapshot.slots import serialize
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank = dist.get_rank()
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=300))
     n = (blob_mb << 20) // 4
-    blob = torch.frombuffer(bytearray(fmt.serialize({"w": torch.rand(n)}, {"rank": rank, "version": 1})),
+    blob = torch.frombuffer(bytearray(serialize({"w": torch.rand(n)}, {"rank": rank, "version": 1})),
                             dtype=torch.uint8)
     into = torch.zeros(blob.numel() + 4096, dtype=torch.uint8)
     transports = {"unsigned": GlooTransport(group), "signed": GlooTransport(group, BlobSigner(KEY.encode()))}

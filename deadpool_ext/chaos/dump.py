@@ -19,7 +19,7 @@ STEPS = "DEADPOOL_DUMP_STEPS"
 
 
 def _write(path: str, state: Any) -> None:
-    from ..snapshot.format import serialize
+    from ..snapshot.slots import serialize
 
     layout = state.partition_layout()
     whole = isinstance(layout, dict) and layout.get("rule") == "replicated"

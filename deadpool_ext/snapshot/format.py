@@ -9,7 +9,9 @@ Blob layout::
 
     MAGIC (8) | u64 LE header length | header JSON (ASCII) | zero pad to 64 | data section
 
-MAGIC is written last by :func:`write_blob`, so a torn write is never recognised as a blob.
+MAGIC is cleared first and written last by the one writer (:class:`deadpool_ext.snapshot.slots.SlotWriter`, also
+behind :func:`~deadpool_ext.snapshot.slots.write_blob` / ``serialize``), so a torn write is never recognised as a
+blob. This module holds the framing, the header and the reading.
 
 Reading trusts nothing in the bytes: decoding never imports or calls anything named by a blob (enum types come
 from the explicit table :data:`ENUM_TYPES`, dtypes from :data:`DTYPES`), nesting is bounded (:data:`MAX_DEPTH`),
@@ -46,10 +48,8 @@ from .skeleton import (
 
 __all__ = [
     "MAGIC", "SnapshotFormatError", "CorruptSnapshotError", "TensorEntry", "flatten_state", "unflatten_state",
-    "plan_layout", "build_header", "tensor_checksum", "bytes_checksum", "serialize", "write_blob", "blob_nbytes",
-    "read_header", "deserialize", "verify_blob", "StreamVerifier", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES",
-    "MAX_DEPTH", "MAX_NDIM",
-    "MAX_HEADER_BYTES",
+    "plan_layout", "build_header", "tensor_checksum", "bytes_checksum", "read_header", "deserialize", "verify_blob",
+    "StreamVerifier", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES", "MAX_DEPTH", "MAX_NDIM", "MAX_HEADER_BYTES", "PLACEHOLDER",
 ]
 
 MAGIC = b"DPSNAP01"
@@ -76,7 +76,9 @@ def header_len_of(buf: Any) -> int:
 
 def pack_header_len(header_len: int) -> bytes:
     return struct.pack("<Q", header_len)
-_PLACEHOLDER = "0" * 16  # xxh3_64 hex digests are always 16 chars, so header size is known before hashing
+PLACEHOLDER = "0" * 16
+"""A checksum before it is known: xxh3_64 hex digests are always 16 characters, so a header's size is known before
+its tensors are hashed."""
 
 MAX_HEADER_BYTES = 1 << 28
 """A header longer than this (256 MiB of JSON, ~10^6 tensors) is refused before it is parsed."""
@@ -167,62 +169,6 @@ def build_header(skeleton: Any, entries: Sequence[TensorEntry], data_nbytes: int
     if len(out) > MAX_HEADER_BYTES:
         raise SnapshotFormatError(f"header of {len(out)} bytes is over the {MAX_HEADER_BYTES} allowed")
     return out
-
-
-# ------------------------------------------------------------------------------------------------ writing
-def _prepare(obj: Any, meta: dict[str, Any] | None) -> tuple[Any, list[torch.Tensor], list[TensorEntry], int, int]:
-    skeleton, tensors, names = flatten_state(obj)
-    entries, data_nbytes = plan_layout(tensors, names)
-    header_len = len(build_header(skeleton, entries, data_nbytes, [_PLACEHOLDER] * len(entries), meta))
-    return skeleton, tensors, entries, data_nbytes, header_len
-
-
-def blob_nbytes(obj: Any, meta: dict[str, Any] | None = None) -> int:
-    """Exact size of ``serialize(obj, meta)`` without copying tensor data (lets callers size shared memory)."""
-    _, _, _, data_nbytes, header_len = _prepare(obj, meta)
-    return _align(_PREFIX.size + header_len) + data_nbytes
-
-
-def write_blob(buf: memoryview, obj: Any, meta: dict[str, Any] | None = None) -> int:
-    """Write the blob for ``obj`` into ``buf`` (e.g. shared memory), copying each tensor's bytes once.
-
-    Order matters for crash safety: any old MAGIC is cleared first and the new MAGIC written last, so a
-    reader never accepts a half-written blob. Checksums are computed from the bytes as written to ``buf``,
-    which also lets CUDA tensors go device->buf directly without a staging copy.
-    """
-    skeleton, tensors, entries, data_nbytes, header_len = _prepare(obj, meta)
-    data_start = _align(_PREFIX.size + header_len)
-    total = data_start + data_nbytes
-    mv = _as_bytes_mv(buf)
-    if mv.readonly:
-        raise ValueError("write_blob needs a writable buffer")
-    if len(mv) < total:
-        raise ValueError(f"buffer too small for snapshot: need {total} bytes, have {len(mv)}")
-    mv[MAGIC_SLICE] = bytes(MAGIC_LEN)  # invalidate whatever blob was there before touching anything else
-    dst = torch.frombuffer(mv, dtype=torch.uint8, count=total)
-    checksums: list[str] = []
-    pos = _PREFIX.size + header_len
-    for t, e in zip(tensors, entries):
-        start = data_start + e.offset
-        dst[pos:start].zero_()
-        if e.nbytes:
-            dst[start:start + e.nbytes].copy_(_byte_view(t))
-        checksums.append(_digest(mv[start:start + e.nbytes]))
-        pos = start + e.nbytes
-    header = build_header(skeleton, entries, data_nbytes, checksums, meta)
-    assert len(header) == header_len, "header size changed between planning and writing"
-    mv[_PREFIX.size:_PREFIX.size + header_len] = header
-    dst[_PREFIX.size + header_len:data_start].zero_()
-    mv[HEADER_LEN_SLICE] = pack_header_len(header_len)
-    mv[MAGIC_SLICE] = MAGIC
-    return total
-
-
-def serialize(obj: Any, meta: dict[str, Any] | None = None) -> bytes:
-    """Whole blob as ``bytes``; not for the hot path (one extra copy), shares write_blob's code for parity."""
-    out = bytearray(blob_nbytes(obj, meta))
-    write_blob(memoryview(out), obj, meta)
-    return bytes(out)
 
 
 # ------------------------------------------------------------------------------------------------ reading

@@ -13,6 +13,9 @@ Write protocol (:class:`SlotWriter`), in this order:
    before the next optimizer step);
 3. ``seal``: header (with the checksums of the copied bytes), length, and MAGIC last.
 
+The same writer makes every blob outside a slot too (:func:`write_blob` into any buffer, :func:`serialize` to
+``bytes``: the header not padded, the gaps zeroed): there is one implementation of the framing's write side.
+
 Checksums are taken of the bytes as written into the slot. On the CPU path they are computed in the copy's own
 pass: each piece of at most :data:`FUSED_PIECE` bytes is copied and then hashed while it is still in cache, so the
 captured bytes are read from memory once (by the copy) instead of twice. A copy on a CUDA side stream is
@@ -58,7 +61,7 @@ def prepare(version: int, obj: Any, meta: dict[str, Any],
     entries, data_nbytes = fmt.plan_layout(tensors, names)
     derived = list(derived or [])
     if derived:  # placeholders of the final length, so the header's size is known before hashing
-        meta = {**meta, "derived": {name: "0" * 16 for name, _ in derived}}
+        meta = {**meta, "derived": {name: fmt.PLACEHOLDER for name, _ in derived}}
     return PreparedSnapshot(version=version, skeleton=skeleton, tensors=tensors, entries=entries,
                             data_nbytes=data_nbytes, meta=meta, derived=derived)
 
@@ -69,8 +72,14 @@ def header_reserve(snap: PreparedSnapshot, late: int = 0) -> int:
     stays the same; plus ``late`` bytes for a section posted after the step (snapshot/late.py: the HF Trainer's
     log history, which grows every logged step). Slots are sized once per job (a restore keeps their size), so
     ``late`` covers the whole run. Sealing raises a clear error if a header ever outgrows it."""
-    probe = fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, ["0" * 16] * len(snap.entries), snap.meta)
-    return len(probe) + len(probe) // 4 + (8 << 10) + max(0, int(late))
+    probe = header_nbytes(snap)
+    return probe + probe // 4 + (8 << 10) + max(0, int(late))
+
+
+def header_nbytes(snap: PreparedSnapshot) -> int:
+    """The exact length of the snapshot's header (checksums have a fixed length: known before hashing)."""
+    return len(fmt.build_header(snap.skeleton, snap.entries, snap.data_nbytes, [fmt.PLACEHOLDER] * len(snap.entries),
+                                snap.meta))
 
 
 def slot_nbytes(header_reserved: int, data_nbytes: int) -> int:
@@ -146,6 +155,44 @@ class SlotWriter:
                                                                dtype=torch.uint8))
         self.slot[fmt.MAGIC_SLICE].copy_(torch.frombuffer(bytearray(fmt.MAGIC), dtype=torch.uint8))
         return base + snap.data_nbytes
+
+
+def blob_nbytes(obj: Any, meta: dict[str, Any] | None = None) -> int:
+    """Exact size of ``serialize(obj, meta)`` without copying tensor data (lets callers size a buffer)."""
+    snap = prepare(0, obj, dict(meta or {}))
+    return slot_nbytes(header_nbytes(snap), snap.data_nbytes)
+
+
+def write_blob(buf: Any, obj: Any, meta: dict[str, Any] | None = None) -> int:
+    """Write the blob of ``obj`` into ``buf`` (any writable buffer) with the slots' writer: MAGIC cleared first,
+    tensor bytes copied and hashed once, header unpadded, MAGIC last; the gaps are zeroed (nothing stale in the
+    blob). Returns its length."""
+    snap = prepare(0, obj, dict(meta or {}))
+    reserved = header_nbytes(snap)
+    total = slot_nbytes(reserved, snap.data_nbytes)
+    mv = fmt._as_bytes_mv(buf)
+    if mv.readonly:
+        raise ValueError("write_blob needs a writable buffer")
+    if len(mv) < total:
+        raise ValueError(f"buffer too small for snapshot: need {total} bytes, have {len(mv)}")
+    dst = torch.frombuffer(mv, dtype=torch.uint8, count=total)
+    writer = SlotWriter(dst, reserved, FUSED_PIECE)
+    writer.invalidate()
+    writer.copy(snap)
+    base = data_offset(reserved)
+    pos = fmt.PREFIX_LEN + reserved  # zero what no entry covers: header end -> data, and between entries
+    for entry in snap.entries:
+        dst[pos:base + entry.offset].zero_()
+        pos = base + entry.offset + entry.nbytes
+    writer.seal(snap)
+    return total
+
+
+def serialize(obj: Any, meta: dict[str, Any] | None = None) -> bytes:
+    """The whole blob as ``bytes``; not for the hot path (one extra copy)."""
+    out = bytearray(blob_nbytes(obj, meta))
+    write_blob(memoryview(out), obj, meta)
+    return bytes(out)
 
 
 def probe_slot(buf: Any, *, verify: bool, restorable: bool = False) -> tuple[dict[str, Any] | None, str | None]:

@@ -28,11 +28,10 @@ from deadpool_ext.snapshot.format import (
     deserialize,
     flatten_state,
     read_header,
-    serialize,
     unflatten_state,
     verify_blob,
 )
-from deadpool_ext.snapshot.slots import probe_received, probe_slot, restore_from
+from deadpool_ext.snapshot.slots import probe_received, probe_slot, restore_from, serialize
 
 # -- forging ------------------------------------------------------------------------------------------------
 

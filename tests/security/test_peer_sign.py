@@ -20,6 +20,7 @@ from deadpool_ext.persist import sign
 from deadpool_ext.replicate.auth import TAG_LEN, BlobSigner
 from deadpool_ext.replicate.peer import _same_key_everywhere
 from deadpool_ext.snapshot import format as fmt
+from deadpool_ext.snapshot.slots import serialize
 from deadpool_ext.testing.faults import drop_node_memory
 from deadpool_ext.testing.launch import REPO
 from tests.conftest import make_config, matrix
@@ -31,7 +32,7 @@ NODE1 = f"{socket.gethostname()}-sim1"
 
 def _blob(seed: int = 0) -> torch.Tensor:
     obj = {"w": torch.arange(64, dtype=torch.float32) + seed, "step": seed}
-    return torch.frombuffer(bytearray(fmt.serialize(obj, {"rank": 0, "version": 3})), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(serialize(obj, {"rank": 0, "version": 3})), dtype=torch.uint8)
 
 
 def _parts(blob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

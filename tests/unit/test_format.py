@@ -20,18 +20,16 @@ from deadpool_ext.snapshot.format import (
     CorruptSnapshotError,
     SnapshotFormatError,
     TensorEntry,
-    blob_nbytes,
     bytes_checksum,
     deserialize,
     flatten_state,
     plan_layout,
     read_header,
-    serialize,
     tensor_checksum,
     unflatten_state,
     verify_blob,
-    write_blob,
 )
+from deadpool_ext.snapshot.slots import blob_nbytes, serialize, write_blob
 
 
 class LocalColor(enum.Enum):  # module is the test module: not an allowed enum prefix

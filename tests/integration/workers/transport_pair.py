@@ -29,7 +29,7 @@ from deadpool_ext.replicate.auth import BlobSigner
 from deadpool_ext.replicate.gloo import GlooTransport
 from deadpool_ext.replicate.transport import BlobReceive, BlobSend
 from deadpool_ext.snapshot import format as fmt
-from deadpool_ext.snapshot.slots import probe_slot
+from deadpool_ext.snapshot.slots import probe_slot, serialize
 
 IMPLEMENTATIONS = {"gloo": lambda group, signer: GlooTransport(group, signer)}
 KEY, OTHER = b"k" * 32, b"o" * 32
@@ -47,7 +47,7 @@ def probe(t: torch.Tensor) -> tuple:
 
 def blob(rank: int, n: int) -> torch.Tensor:
     obj = {"w": torch.arange(n, dtype=torch.float32) + 1000 * rank, "step": rank}
-    return torch.frombuffer(bytearray(fmt.serialize(obj, {"rank": rank, "version": 7})), dtype=torch.uint8)
+    return torch.frombuffer(bytearray(serialize(obj, {"rank": rank, "version": 7})), dtype=torch.uint8)
 
 
 def main(impl: str, case: str, out_dir: str) -> None:
