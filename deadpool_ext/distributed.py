@@ -20,9 +20,11 @@ import torch.distributed as dist
 from .cluster.netif import pin_gloo_interface
 from .config import HotSwapConfig
 from .launcher.contract import WorkerEnv, worker_env
+from .rebuild.context import context
 from .store.c10d import serve_c10d_store
 
 if TYPE_CHECKING:
+    from .cluster.membership import Assignment
     from .rebuild.worker import Membership
 
 log = logging.getLogger("deadpool_ext")
@@ -32,18 +34,15 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-_membership: Membership | None = None
-_spare_warmups: list[Callable[[], None]] = []
-
-
 def membership() -> Membership | None:
-    """The hot-swap membership client when launched by deadpool-run, else None."""
-    return _membership
+    """The hot-swap membership client when launched by deadpool-run, else None (``rebuild/context.py``)."""
+    return context().membership
 
 
 def generation() -> int:
-    """The hot-swap generation this process is in (0 outside deadpool-run and before the first failure)."""
-    return _membership.generation if _membership is not None else 0
+    """The hot-swap generation this process is in (0 outside deadpool-run and before the first failure): the
+    context's, the one source of it."""
+    return context().generation
 
 
 def in_hot_swap() -> bool:
@@ -55,14 +54,16 @@ def in_hot_swap() -> bool:
 
 def is_spare() -> bool:
     """This process was started by deadpool-run as a spare (it keeps that role after taking a node's place)."""
-    return _membership is not None and _membership.role == "spare"
+    m = context().membership
+    return m is not None and m.role == "spare"
 
 
 def on_spare_wait(fn: Callable[[], None]) -> None:
     """Run ``fn()`` in a spare before it blocks for an assignment: what an integration can warm up before it
     knows its ranks (DeepSpeed: lazy imports, the communication op). A failure is logged, never raised."""
-    if fn not in _spare_warmups:
-        _spare_warmups.append(fn)
+    warmups = context().spare_warmups
+    if fn not in warmups:
+        warmups.append(fn)
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None, *, in_place: bool = False) -> None:
@@ -74,7 +75,6 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     deadpool-run it is only the backstop: the launcher's next generation cuts a dead one). Default: that key's
     default under deadpool-run, 300 s otherwise. ``in_place``: the config's ``hot_swap.in_place`` where the
     integration supports it (DeepSpeed): under deadpool-run the groups are swappable (``rebuild/swap.py``)."""
-    global _membership
     if dist.is_initialized():
         return
     # `kill -USR1 <pid>` prints every thread's stack: the first tool to reach for when a rank seems stuck.
@@ -85,35 +85,26 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     env = worker_env()
     if env.hot_swap is not None:
-        from .rebuild.worker import Membership, init_process_group, teardown
+        from .rebuild.worker import Membership, init_process_group, join_until_formed, teardown
 
-        _membership = Membership.start(env.hot_swap)
+        m = context().membership = Membership.start(env.hot_swap)
         if env.hot_swap.role == "spare":
             _warm_up_spare()
-            log.info("spare %s on %s: ready, waiting for an assignment", _membership.worker_id, _membership.node)
+            log.info("spare %s on %s: ready, waiting for an assignment", m.worker_id, m.node)
         timeout = HotSwapConfig().collective_timeout_s if timeout_s is None else timeout_s
-        min_gen, wait_s = 0, None
         prepare = (_spare_slots(env) if env.hot_swap.role == "spare" and env.hot_swap.spare_slots == "prepare"
                    else None)
-        while True:
-            assignment = _membership.join(min_gen, timeout_s=wait_s, while_waiting=prepare)
-            try:
-                init_process_group(assignment, _membership.worker_id, backend or default_backend(), timeout,
-                                   in_place=in_place)
-                destroy_groups_at_exit()
-                return
-            except RuntimeError as exc:
-                # A peer died while this generation was forming (e.g. a spare joining as another node fails):
-                # wait for the launcher's next generation instead of leaving, which would cost a spare.
-                log.warning("generation %d: could not form the process group (%s); waiting for the next "
-                            "assignment", assignment.generation, " ".join(str(exc).split())[:300])
-                _membership.report_failure(assignment.generation, repr(exc))
-                teardown()
-                min_gen, wait_s = assignment.generation + 1, 3 * timeout
+
+        def form(assignment: Assignment) -> None:
+            init_process_group(assignment, m.worker_id, backend or default_backend(), timeout, in_place=in_place)
+            destroy_groups_at_exit()
+
+        # A peer that dies while the first generation forms (e.g. a spare joining as another node fails): the
+        # launcher's next generation is joined instead of leaving, which would cost a spare.
+        join_until_formed(m, 0, form, leave=teardown, what="could not form the process group", wait_s=None,
+                          retry_wait_s=3 * timeout, while_waiting=prepare)
+        return
     _init_from_launcher(env, backend or default_backend(), 300.0 if timeout_s is None else timeout_s)
-
-
-_served_stores: list[object] = []   # the c10d store rank 0 serves (env:// launches), alive as long as the process
 
 
 def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
@@ -138,16 +129,13 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
         # "::" whatever the host); here rank 0 serves it on MASTER_ADDR only.
         if env.rank == 0:
             base, _ = serve_c10d_store(env.master_addr, env.world_size, port=env.master_port, timeout_s=timeout_s)
-            _served_stores.append(base)
+            context().served_stores.append(base)  # the c10d store rank 0 serves, alive as long as the process
         else:
             base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=base, rank=env.rank, world_size=env.world_size, timeout=timeout)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     destroy_groups_at_exit()
-
-
-_exit_registered = False
 
 
 def destroy_groups_at_exit() -> None:
@@ -160,10 +148,10 @@ def destroy_groups_at_exit() -> None:
     reverse order of registration: this one is registered when the group is built, before any runtime registers
     its ``close``, so the snapshot worker has stopped before the groups go. Bounded: past 10 s (a group blocked on
     a dead peer) the exit goes on without it."""
-    global _exit_registered
-    if _exit_registered:
+    ctx = context()
+    if ctx.exit_registered:
         return
-    _exit_registered = True
+    ctx.exit_registered = True
     import atexit
 
     atexit.register(_destroy_groups)
@@ -200,7 +188,7 @@ def _spare_slots(env: WorkerEnv) -> Callable[[], None]:
     """A spare's wait also makes its snapshot slots, once their size is published (``snapshot/spare_slots.py``)."""
     from .snapshot import spare_slots
 
-    hs, m = env.hot_swap, _membership
+    hs, m = env.hot_swap, context().membership
     assert hs is not None and m is not None
     local = env.local_rank or 0
     root = hs.shm_root or spare_slots.SHM_ROOT
@@ -210,7 +198,7 @@ def _spare_slots(env: WorkerEnv) -> Callable[[], None]:
 def _warm_up_spare() -> None:
     """What a spare can do before it knows its ranks, so that it is not the last one after an assignment
     (the callbacks integrations registered with :func:`on_spare_wait`)."""
-    for fn in _spare_warmups:
+    for fn in context().spare_warmups:
         try:
             fn()
         except Exception as exc:  # only an optimisation: the framework does it (or fails clearly) later

@@ -2,8 +2,9 @@
 Hugging Face Trainer / Accelerate / Lightning ones).
 
 A :class:`ResilientRuntime` is attached to one training job's model and optimizer. It owns what every
-framework needs alike: the snapshot manager (tiers 1 and 2), client state, ``resume``, ``can_recover``, the
-survivor side of a hot-swap (``recover``), statistics and ``close``. A framework supplies only what is its
+framework needs alike: the snapshot manager (tiers 1 and 2), client state, ``resume``, the one failure path
+(``handle_failure``, which hands a failure to the process's recovery driver, ``rebuild/recover.py``),
+statistics and ``close``. A framework supplies only what is its
 own: the state adapter, its step hook, what to release before teardown, how to rebuild on a new world.
 
 Call order (every rank, main thread; "collective" = every rank calls it at the same point):
@@ -14,15 +15,16 @@ Call order (every rank, main thread; "collective" = every rank calls it at the s
    ``set_rebuild(factory)``: ``factory()`` rebuilds the framework's objects on the current world and returns
    the handle the training loop holds (the engine, or the new runtime); hot-swap calls it on the new world.
 3. ``resume(newer_than=None)`` once before the loop (collective): restores the newest version every rank can
-   obtain from memory; returns the step to continue from.
+   obtain from memory; returns the step to continue from. A spare that took a failed node's place joins the
+   survivors first, in its own step (``join_survivors()``, which ``resume`` runs when the script has not).
 4. Per optimizer step, from the subclass's step hook: ``_before_optimizer_step()`` before the optimizer
    overwrites the state in place, ``_after_optimizer_step()`` after it (schedules the next snapshot, fires the
    ``after_step`` hook point). Framework calls that a launcher's notice may stop run inside ``stoppable()``.
-5. A failure inside a step: ``if runtime.can_recover(exc): handle = runtime.recover(exc)`` and redo the step
-   (:class:`deadpool_ext.integrations.loop.ResilientLoop` does this for a loop). ``recover``: begin (log,
-   deadline, tell the launcher) -> quiesce snapshots -> ``_release()`` -> teardown -> join the next
-   generation -> ``_rebuild(factory)`` -> the new runtime's ``resume()`` -> catch-up accounting. This runtime
-   is closed afterwards; the handle returned belongs to the new world.
+5. A failure inside a step: ``handle = runtime.handle_failure(exc)``; None: raise ``exc``; else redo the step
+   with ``handle`` (:class:`deadpool_ext.integrations.loop.ResilientLoop` does this for a loop). The driver
+   recovers when the launcher ended the generation (the cause), in the runtime's mode (in place, rebuild,
+   resized), calling this runtime's named hooks (:class:`RuntimeHooks`; order in ``rebuild/recover.py``).
+   After a rebuild this runtime is closed; the handle returned belongs to the new world.
 6. ``stats()`` (waits, bounded, for the snapshot in flight), ``close()`` (idempotent; also at exit).
 
 Subclasses implement :meth:`step_counter`, :meth:`_release`, :meth:`_rebuild` and :meth:`_runtime_of`;
@@ -48,6 +50,8 @@ from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
 from ..rebuild import interrupt, progress
 from ..rebuild import recover as protocol
+from ..rebuild.cause import Mode, recovery_mode
+from ..rebuild.recover import driver
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
 
@@ -80,22 +84,6 @@ def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str
         lines.append(f"deadpool_ext: snapshots of {step_name} {max(unused_versions)} from an earlier attempt of this "
                      "job exist in memory and were not used: this run started again from step 0")
     return lines
-
-
-def _drop_frames(exc: BaseException) -> None:
-    """Free what the failed step's frames hold (activations, autograd graphs, gathered parameters): the exception's
-    traceback keeps every frame of the interrupted forward/backward alive for as long as the caller holds the
-    exception, which is the whole recovery. Its chain too (``__context__``, ``__cause__``), at most 16 deep."""
-    import traceback
-
-    seen = 0
-    e: BaseException | None = exc
-    while e is not None and seen < 16:
-        if e.__traceback__ is not None:
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
-        e = e.__cause__ or e.__context__
-        seen += 1
 
 
 def _memory_census() -> str:
@@ -296,11 +284,8 @@ class ResilientRuntime(ABC):
         ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
         newer version, and a memory state no version of which every rank can rebuild falls back to that base
         (logged) instead of failing the job."""
-        from ..rebuild import worker
-
         self._resume_called = True
-        if worker.pending_live():
-            self._go_live()
+        self.join_survivors()  # a spare built solo: its own step first (a no-op otherwise)
         if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
             return self.step_counter()
         t0 = time.perf_counter()
@@ -324,13 +309,15 @@ class ResilientRuntime(ABC):
         """Whether a recovery keeps this runtime and its framework objects (the in-place swap applies)."""
         return self._in_place
 
-    def _go_live(self) -> None:
-        """A process whose engine was built solo (a spare taking a node's place) joins the survivors'
-        communicators, then the snapshot manager's placement is redone: what the survivors do in
-        :meth:`_recover_in_place`, collective for collective."""
+    def join_survivors(self) -> None:
+        """A spare that took a failed node's place, its engine built solo, joins the survivors' communicators and
+        its snapshot placement is redone: collective for collective what the survivors' in-place recovery does
+        before its restore (``Recovery.join_survivors``). :meth:`resume` runs it first; a no-op in any other
+        process."""
         from ..rebuild import worker
 
-        worker.go_live_pending(self.config.hot_swap.assignment_timeout_s, after=self._rewire_snapshots)
+        if worker.pending_live() is not None:
+            driver().join_survivors(self._rewire_snapshots, self.config.hot_swap)
 
     def _rewire_snapshots(self) -> None:
         if self.snapshots is not None:
@@ -340,65 +327,22 @@ class ResilientRuntime(ABC):
         """``factory()`` rebuilds on the current world and returns the loop's handle (see the call order)."""
         self._factory = factory
 
-    def can_recover(self, exc: BaseException) -> bool:
-        """Whether ``recover(exc)`` applies: under deadpool-run with hot-swap on, a rebuild factory set, and a
-        failure of the kind a lost peer causes (a collective error or the launcher's notice)."""
-        return (self._hot_swap and (self._in_place or self._factory is not None)
-                and isinstance(exc, (RuntimeError, OSError)))
+    def recovery_mode(self, *, same_objects: bool = False) -> Mode:
+        """How a failure would be recovered now (``rebuild/cause.py``): IN_PLACE, REBUILD, or RESTART_RESTORE (none
+        in-process). ``same_objects``: the caller continues with the objects it holds (no rebuilt handle)."""
+        return recovery_mode(hot_swap=self._hot_swap, in_place=self._in_place, has_factory=self._factory is not None,
+                             same_objects=same_objects)
 
-    def recover(self, exc: BaseException) -> Any:
-        """Survivor side of hot-swap (``rebuild/recover.py``): returns the handle of the rebuilt world. The
-        process and everything outside the framework's objects (data, metrics files) stay."""
-        if self._in_place:
-            return self._recover_in_place(exc)
-        hc = self.config.hot_swap
-        factory = self._factory
-        if factory is None:
-            raise RuntimeError("recover() needs set_rebuild(factory) first") from exc
-        begun = protocol.begin(hc, exc, self.step_counter(), self.what_recovers)
-        old_rank = self.rank
-        if self.snapshots is not None:
-            self.snapshots.quiesce()
-        self._closed = True
-        restore_follows = self.snapshots is not None and (self.snapshots.committed_version or 0) > 0
-        self.adapter = None
-        self._release()
-        r = protocol.rejoin(hc, begun,
-                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory),
-                                                                        restore_follows),
-                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial,
-                            resize_check=self._resize_refusal)
-        # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
-        self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
-        protocol.finish(begun, r, old_rank=old_rank)
-        return r.result
-
-    def _recover_in_place(self, exc: BaseException) -> Any:
-        """Survivor side of an in-place hot-swap: this runtime, its engine and every object holding them stay;
-        the communicators are replaced beneath the process groups, the snapshot placement redone, the state
-        restored in place (every rank, the spare included, at the same points)."""
-        from ..rebuild.worker import detach_generation
-
-        hc = self.config.hot_swap
-        begun = protocol.begin(hc, exc, self.step_counter(), "swapping the communicators beneath the engine")
-        _drop_frames(exc)
-        old_rank = self.rank
-        detach_generation("recovery")
-        if self.snapshots is not None:
-            self.snapshots.stop_worker(hc.teardown_timeout_s)
-        self._abandon_step()
-        try:
-            r = protocol.rejoin(hc, begun, in_place=True, build=lambda _a: self._rewire_snapshots(),
-                                resume=lambda _h: self.resume())
-        except protocol.Resized as resized:
-            return self._recover_resized(begun, resized.assignment, old_rank)
-        self._expect_catch_up(begun.failed_step + 1, r.restored_at)
-        protocol.finish(begun, r, old_rank=old_rank, in_place=True)
-        # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and with
-        # them activations and autograd graphs) is freed now, not at some later collection during training.
-        self._release_after_recovery("after the in-place recovery")
-        self._trim_at_catch_up = True
-        return self._handle()
+    def handle_failure(self, exc: BaseException, *, same_objects: bool = False) -> Any | None:
+        """THE failure path of every training loop (``ResilientLoop``, ``resilient_steps``, the HF Trainer,
+        Lightning, Megatron-Core): recover in-process when the failure's cause is a lost peer (the launcher ended
+        the generation the step ran in; never decided by the exception's type: ``rebuild/cause.py``) and return the
+        handle to continue with (the same engine after an in-place swap, the factory's after a rebuild; never
+        None), or None: the caller raises ``exc`` unchanged. ``same_objects``: the caller cannot take new objects
+        (Lightning, the HF Trainer, ``resilient_steps``): only an in-place swap applies. After a rebuild this
+        runtime is closed; the handle belongs to the new world."""
+        return driver().handle_failure(exc, RuntimeHooks(self), self.config.hot_swap,
+                                       self.recovery_mode(same_objects=same_objects))
 
     def _release_after_recovery(self, when: str) -> None:
         """Collect what the interrupted step left and give the C heap's free memory back (``hot_swap.release_memory``).
@@ -409,27 +353,6 @@ class ResilientRuntime(ABC):
             release_free_heap()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s: %s", when, _memory_census())
-
-    def _recover_resized(self, begun: protocol.Begun, joined: Any, old_rank: int) -> Any:
-        """In-place path, but the next generation has another size (elastic shrink or grow): the framework's
-        objects are rebuilt by the factory on the new world, with live swappable groups on every rank, and the
-        new runtime's restore reshards the state from memory (``snapshot/reshard.py``)."""
-        hc = self.config.hot_swap
-        factory = self._factory
-        if factory is None:
-            raise RuntimeError(f"generation {joined.generation} has {joined.world_size} ranks (was "
-                               f"{begun.world_size}): resizing needs set_rebuild(factory)")
-        log.warning("generation %d: %d ranks (was %d): rebuilding the framework's objects on the new world, the "
-                    "state resharded from memory", joined.generation, joined.world_size, begun.world_size)
-        self._closed = True
-        self.adapter = None
-        self._release()
-        r = protocol.rejoin(hc, begun, joined=joined, live_groups=True, resize_check=self._resize_refusal,
-                            build=lambda _a: protocol.build_for_restore(lambda: self._rebuild(factory), True),
-                            resume=lambda handle: self._runtime_of(handle).resume(), release=self._release_partial)
-        self._runtime_of(r.result)._expect_catch_up(begun.failed_step + 1, r.restored_at)
-        protocol.finish(begun, r, old_rank=old_rank, resized_from=begun.world_size)
-        return r.result
 
     def _expect_catch_up(self, step: int, since: float) -> None:
         """Write the ``caught_up`` timeline event once ``step`` is completed again (after a recovery)."""
@@ -465,3 +388,70 @@ class ResilientRuntime(ABC):
         self._close()
         if self.snapshots is not None:
             self.snapshots.close()
+
+
+class RuntimeHooks:
+    """The recovery driver's named hooks for one runtime (``rebuild/recover.py`` ``RecoveryHooks``: their call
+    order): each is this runtime's own step of a recovery, or the subclass hook behind it."""
+
+    def __init__(self, runtime: ResilientRuntime) -> None:
+        self.runtime = runtime
+        self.rank = runtime.rank
+        self.what_recovers = runtime.what_recovers
+
+    def step_counter(self) -> int:
+        return self.runtime.step_counter()
+
+    def has_factory(self) -> bool:
+        return self.runtime._factory is not None
+
+    def stop_snapshots(self, timeout_s: float) -> None:
+        if self.runtime.snapshots is not None:
+            self.runtime.snapshots.stop_worker(timeout_s)
+
+    def quiesce_snapshots(self) -> bool:
+        snapshots = self.runtime.snapshots
+        if snapshots is None:
+            return False
+        snapshots.quiesce()
+        return (snapshots.committed_version or 0) > 0
+
+    def abandon_step(self) -> None:
+        self.runtime._abandon_step()
+
+    def release(self) -> None:
+        rt = self.runtime
+        rt._closed = True
+        rt.adapter = None
+        rt._release()
+
+    def release_partial(self) -> None:
+        self.runtime._release_partial()
+
+    def rebuild(self) -> Any:
+        factory = self.runtime._factory
+        if factory is None:
+            raise RuntimeError("a rebuild needs set_rebuild(factory) first")
+        return self.runtime._rebuild(factory)
+
+    def rewire_snapshots(self) -> None:
+        self.runtime._rewire_snapshots()
+
+    def restore(self, handle: Any) -> int | None:
+        return (self.runtime if handle is None else self.runtime._runtime_of(handle)).resume()
+
+    def resize_refusal(self, old: Any, new: Any) -> str | None:
+        return self.runtime._resize_refusal(old, new)
+
+    def recovered(self, handle: Any, mode: Mode, failed_step: int, restored_at: float) -> Any:
+        # Caught up once the step that was in flight when the failure hit (failed_step + 1) is done again.
+        if handle is None:  # in place: this runtime and its engine go on
+            rt = self.runtime
+            rt._expect_catch_up(failed_step + 1, restored_at)
+            # What the interrupted step left in reference cycles (an exception's traceback holds its frames, and
+            # with them activations and autograd graphs) is freed now, not at some later collection in training.
+            rt._release_after_recovery("after the in-place recovery")
+            rt._trim_at_catch_up = True
+            return rt._handle()
+        self.runtime._runtime_of(handle)._expect_catch_up(failed_step + 1, restored_at)
+        return handle

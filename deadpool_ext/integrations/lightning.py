@@ -212,9 +212,8 @@ def recover_fit(loop: Any, exc: BaseException) -> bool:
     restore the engine in place and position the loop at the restored step (True); otherwise False (the error
     propagates as without the extension)."""
     runtime = _runtime(loop.trainer)
-    if runtime is None or not getattr(runtime, "in_place", False) or not runtime.can_recover(exc):
+    if runtime is None or runtime.handle_failure(exc, same_objects=True) is None:
         return False
-    runtime.recover(exc)
     step = int(runtime.step_counter())
     rec = _record(loop)
     set_lightning_state(loop, rec.restored)

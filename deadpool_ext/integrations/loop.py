@@ -44,9 +44,10 @@ class ResilientLoop(Generic[H, R]):
                 out = self._step(self.handle)
             except Exception as exc:
                 rt = self._runtime(self.handle)
-                if rt is None or not rt.can_recover(exc):
+                handle = rt.handle_failure(exc) if rt is not None else None
+                if handle is None:
                     raise
-                self.handle = rt.recover(exc)
+                self.handle = handle
                 self.swaps += 1
                 if self._after_swap is not None:
                     self._after_swap(self.handle)

@@ -189,9 +189,8 @@ class ResilientSteps:
 
     def _recover(self, exc: BaseException) -> bool:
         rt = self.runtime
-        if rt is None or not getattr(rt, "in_place", False) or not rt.can_recover(exc):
+        if rt is None or rt.handle_failure(exc, same_objects=True) is None:
             return False
-        rt.recover(exc)
         self.swaps += 1
         self._apply_restored()
         self._rewind = True

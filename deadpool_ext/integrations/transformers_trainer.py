@@ -344,12 +344,17 @@ def recover_trainer(trainer: Any, exc: BaseException) -> bool:
     restore the engine in place and have the loop re-entered at the restored step (True); otherwise False (the
     error propagates as without the extension)."""
     runtime = _runtime(trainer)
-    if runtime is None or not getattr(runtime, "in_place", False) or not runtime.can_recover(exc):
+    if runtime is None:
         return False
     from .deepspeed_hook import reuse_engine
 
+    before = trainer.__dict__.get(LATE_ATTR, _NOTHING)
     trainer.__dict__[LATE_ATTR] = _NOTHING
-    engine = runtime.recover(exc)  # the restore hands the Trainer's state of the restored step back (LATE_ATTR)
+    # The restore hands the Trainer's state of the restored step back (LATE_ATTR).
+    engine = runtime.handle_failure(exc, same_objects=True)
+    if engine is None:
+        trainer.__dict__[LATE_ATTR] = before
+        return False
     step = int(runtime.step_counter())
     setattr(trainer, IN_PLACE_ATTR, step)
     reuse_engine(engine)

@@ -3,7 +3,7 @@
 Why: a gloo collective blocked on a peer only returns when a socket of that peer errors or the group's
 timeout expires. A peer that is killed closes its sockets (the kernel does it), but a *survivor* that has
 left the generation keeps them open as long as its process-group objects live, and those are kept alive on
-purpose (``rebuild.worker._GRAVEYARD``: gloo's destructor can block). Without this module a survivor still
+purpose (the context's ``graveyard``: gloo's destructor can block). Without this module a survivor still
 inside the dead generation waits for the full collective timeout while everyone else waits for it in the
 next one.
 
@@ -125,13 +125,9 @@ class GenerationFence:
             return n
 
 
-_FENCE: GenerationFence | None = None
-
-
 def fence() -> GenerationFence:
-    """The process-wide fence. The membership client adds the coordination store's port to
+    """This process's fence (``rebuild/context.py``). The membership client adds the coordination store's port to
     ``keep_remote_ports`` (that connection is never cut)."""
-    global _FENCE
-    if _FENCE is None:
-        _FENCE = GenerationFence(set())
-    return _FENCE
+    from .context import context
+
+    return context().fence

@@ -18,8 +18,9 @@ How (call order):
    armed region of generation ``g``, :class:`GenerationLost` is raised there; otherwise nothing happens
    now, and the next armed region of generation ``g`` raises at entry. A request about an older generation
    than the process's current one is ignored, so it cannot stop the rebuilt world's first step.
-4. ``GenerationLost`` is a ``RuntimeError``: the training loop's hot-swap path takes it like a collective
-   error (``recover.begin`` logs it).
+4. The training loop hands the failure to the recovery driver (``rebuild/recover.py``), which recovers because
+   the launcher ended the generation, not because of the exception's type; :func:`stopped` tells it that the
+   notice stopped the step (the ``recover`` event's ``cause``).
 
 A real ``SIGUSR2`` sent by someone else is passed to the handler that was installed before ours.
 """
@@ -43,6 +44,7 @@ _installed = False
 _previous: Any = signal.SIG_DFL
 _armed_generation: int | None = None   # the generation whose step is running in an armed region, or None
 _requested: tuple[int, str] | None = None  # (dead generation, why)
+_stopped: int | None = None  # the last generation whose step a request stopped
 
 
 def install() -> bool:
@@ -66,11 +68,12 @@ def request(generation: int, why: str) -> None:
 
 
 def _raise_if_requested(generation: int) -> None:
-    global _requested, _armed_generation
+    global _requested, _armed_generation, _stopped
     req = _requested
     if req is not None and req[0] == generation:
         _requested = None
         _armed_generation = None
+        _stopped = generation
         raise GenerationLost(f"generation {generation} was abandoned: {req[1]}")
 
 
@@ -105,9 +108,9 @@ def stoppable(enabled: bool) -> Any:
     on), else a no-op context: what an integration wraps around the framework's forward, backward and step."""
     if not enabled:
         return contextlib.nullcontext()
-    from .fence import fence
+    from .context import context
 
-    return armed(fence().generation)
+    return armed(context().generation)
 
 
 def forget(generation: int) -> None:
@@ -115,3 +118,8 @@ def forget(generation: int) -> None:
     global _requested
     if _requested is not None and _requested[0] <= generation:
         _requested = None
+
+
+def stopped(generation: int) -> bool:
+    """Whether the launcher's notice stopped a step of ``generation`` in this process."""
+    return _stopped == generation

@@ -29,46 +29,62 @@ _MAX_DEPTH = 200
 _COLLECTIVE_PATHS = (f"{os.sep}torch{os.sep}distributed{os.sep}", f"{os.sep}deepspeed{os.sep}comm{os.sep}",
                      f"deadpool_ext{os.sep}rebuild{os.sep}swap.py")
 
-_step = -1
-_step_at = 0.0
-_signature: tuple[tuple[int, int], ...] | None = None
-_still_since = 0.0
-_lock = threading.Lock()
+class Progress:
+    """One process's progress record (held by ``rebuild/context.py``; the functions below reach it)."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.step_at = 0.0
+        self._signature: tuple[tuple[int, int], ...] | None = None
+        self._still_since = 0.0
+        self._lock = threading.Lock()
+
+    def note_step(self, step: int) -> None:
+        self.step, self.step_at = step, time.time()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.step, self.step_at, self._signature = -1, 0.0, None
+
+    def sample(self) -> dict[str, Any]:
+        frame = sys._current_frames().get(_MAIN) if _MAIN is not None else None
+        top: list[tuple[int, int]] = []
+        in_collective = False
+        depth = 0
+        while frame is not None and depth < _MAX_DEPTH:
+            if len(top) < _TOP_FRAMES:
+                top.append((id(frame.f_code), frame.f_lineno or 0))
+            if not in_collective and any(p in frame.f_code.co_filename for p in _COLLECTIVE_PATHS):
+                in_collective = True
+            frame = frame.f_back
+            depth += 1
+        now = time.monotonic()
+        signature = tuple(top)
+        with self._lock:
+            if signature != self._signature:
+                self._signature, self._still_since = signature, now
+            still = now - self._still_since
+        return {"step": self.step, "step_at": self.step_at, "coll": in_collective, "still_s": round(still, 3)}
+
+
+def _progress() -> Progress:
+    from .context import context
+
+    return context().progress
 
 
 def note_step(step: int) -> None:
     """The training thread finished optimizer step ``step``."""
-    global _step, _step_at
-    _step, _step_at = step, time.time()
+    _progress().note_step(step)
 
 
 def reset() -> None:
     """A new generation of this process (a spare taking a node's place starts counting at its first step)."""
-    global _step, _step_at, _signature
-    with _lock:
-        _step, _step_at, _signature = -1, 0.0, None
+    _progress().reset()
 
 
 def sample() -> dict[str, Any]:
     """``{"step", "step_at", "coll", "still_s"}``: the last finished step (-1: none yet) and when (epoch seconds),
     whether the main thread is inside a torch.distributed call, and how long its innermost frames have been the
     same (seconds, as seen by the successive samples)."""
-    global _signature, _still_since
-    frame = sys._current_frames().get(_MAIN) if _MAIN is not None else None
-    top: list[tuple[int, int]] = []
-    in_collective = False
-    depth = 0
-    while frame is not None and depth < _MAX_DEPTH:
-        if len(top) < _TOP_FRAMES:
-            top.append((id(frame.f_code), frame.f_lineno or 0))
-        if not in_collective and any(p in frame.f_code.co_filename for p in _COLLECTIVE_PATHS):
-            in_collective = True
-        frame = frame.f_back
-        depth += 1
-    now = time.monotonic()
-    signature = tuple(top)
-    with _lock:
-        if signature != _signature:
-            _signature, _still_since = signature, now
-        still = now - _still_since
-    return {"step": _step, "step_at": _step_at, "coll": in_collective, "still_s": round(still, 3)}
+    return _progress().sample()

@@ -1,16 +1,24 @@
-"""The survivor side of a hot-swap, shared by every integration (DeepSpeed, Megatron-Core).
+"""The recovery driver: one object per process (:func:`driver`) that every integration hands its failures to.
 
-An integration's ``recover(exc)`` does its own framework-specific teardown (drop the engine / model and
-optimizer, destroy framework caches) and hands the rest to these functions, in this order:
+A training loop that catches a failure calls its runtime's ``handle_failure(exc)``, which calls
+:meth:`Recovery.handle_failure` with the runtime's named hooks (:class:`RecoveryHooks`). The driver decides
+whether to recover from the failure's *cause* (``rebuild/cause.py``: did the launcher end the generation the
+step ran in?), picks the mode once (:class:`~deadpool_ext.rebuild.cause.Mode`), and runs it:
 
-1. ``begin(hot_swap_config, exc, step)``: log, arm the last-resort deadline, tell the launcher (timeline);
-2. the integration releases its framework state, then ``rejoin(...)``: tear down the process groups, join
-   the next generation, build the process group, ``build(assignment)`` the framework state, ``resume()`` it;
-   a failure during recovery (a peer dying meanwhile) goes round to the following generation;
-3. ``finish(...)``: cancel the deadline, write the ``recover`` timeline event.
+1. begin: log, arm the last-resort deadline, tell the launcher (``failed/<g>/<worker>``);
+2. leave the dead generation (in place: cut it and park its communicators; rebuild: tear its groups down) and
+   drop the framework state the mode drops (hooks: ``stop_snapshots``, ``abandon_step`` or ``release``);
+3. join the next generation until one forms (THE join loop, ``rebuild/worker.py`` :func:`join_until_formed`):
+   build or swap its process groups, then the hooks ``rewire_snapshots`` (in place) or ``rebuild``, then
+   ``restore``; an in-place process whose next generation has another world size turns to RESIZED here;
+4. finish: cancel the deadline, write the ``recover`` timeline event, the catch-up accounting.
 
-Every wait has a deadline: the assignment (``hot_swap.assignment_timeout_s``), the collectives
-(``collective_timeout_s``), the teardown (``teardown_timeout_s``), and around all of them
+A spare that built its engine solo joins the survivors' communicators in its own step,
+:meth:`Recovery.join_survivors` (the runtime's ``join_survivors()``), collective for collective with step 3 of
+the survivors' in-place recovery.
+
+Every wait has a deadline: the launcher's verdict and the assignment (``hot_swap.assignment_timeout_s``), the
+collectives (``collective_timeout_s``), the teardown (``teardown_timeout_s``), and around all of them
 ``faulthandler.dump_traceback_later`` with their sum plus 120 s, which prints every thread's stack and exits,
 so the launcher replaces this node instead of the job hanging.
 """
@@ -23,7 +31,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .. import hooks
 from ..cluster.membership import Assignment
@@ -31,38 +39,11 @@ from ..config import HotSwapConfig
 from ..distributed import generation, in_hot_swap, is_spare, membership
 from ..recovery.agree import NoCommonVersionError, RecoveryError
 from ..recovery.timeline import write_event
+from .cause import Cause, FailureView, Mode, decide_failure
+from .context import context
 
 log = logging.getLogger("deadpool_ext")
 T = TypeVar("T")
-
-
-@dataclass(kw_only=True, slots=True)
-class Begun:
-    membership: Any
-    generation: int
-    failed_step: int
-    noticed_at: float
-    world_size: int
-    """The world of the generation that failed (a generation of another size is a resize: elastic)."""
-    assignment: Assignment
-    """That generation's assignment (who held which rank: an integration's resize check compares it)."""
-    cause: str
-    """What stopped the step: ``"launcher_notice"`` (the launcher's notice of a new generation) or
-    ``"collective_failed"`` (a collective with a lost peer raised); the ``recover`` event's ``cause``."""
-
-
-@dataclass(kw_only=True, slots=True)
-class Rejoined(Generic[T]):
-    result: T
-    assignment: Assignment
-    version: int | None
-    assigned_at: float
-    pg_ready_at: float
-    engine_ready_at: float
-    restored_at: float
-
-
-_restore_follows = False
 
 
 def weights_will_be_restored() -> bool:
@@ -70,7 +51,7 @@ def weights_will_be_restored() -> bool:
     from memory (this rank had a committed snapshot, so the agreement finds a version or the job stops with
     an error: it never trains on them). A factory may then skip random initialisation, seconds for a large
     model (``deadpool_ext.training.models.build_gpt(..., init=False)``)."""
-    return _restore_follows
+    return context().restore_follows
 
 
 def every_rank_restores() -> bool:
@@ -89,7 +70,7 @@ def every_rank_restores() -> bool:
 
     if not in_hot_swap() or not dist.is_initialized():
         return False
-    mine = _restore_follows or is_spare()
+    mine = context().restore_follows or is_spare()
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -97,116 +78,343 @@ def every_rank_restores() -> bool:
 
 def build_for_restore(factory: Callable[[], T], restore_follows: bool) -> T:
     """Call ``factory()`` with :func:`weights_will_be_restored` answering ``restore_follows``."""
-    global _restore_follows
-    _restore_follows = restore_follows
+    ctx = context()
+    ctx.restore_follows = restore_follows
     try:
         return factory()
     finally:
-        _restore_follows = False
+        ctx.restore_follows = False
 
 
-def begin(hc: HotSwapConfig, exc: BaseException, step: int, what: str = "rebuilding communicators") -> Begun:
-    from . import interrupt
+class RecoveryHooks(Protocol):
+    """What a runtime supplies to the driver: named hooks (``integrations/base.py`` implements them once for every
+    framework, from the runtime's own ``_release`` / ``_rebuild`` / ``_abandon_step`` ...). Called on every rank,
+    main thread, in the order of the mode:
 
-    m = membership()
-    assert m is not None and m.assignment is not None, "hot-swap recovery outside deadpool-run"
-    gen = m.assignment.generation
-    interrupt.forget(gen)
-    noticed = isinstance(exc, interrupt.GenerationLost)
-    what_failed = "step stopped by the launcher's notice" if noticed else "collective failed"
-    log.warning("generation %d: %s at step %d (%s: %s); %s in-process", gen, what_failed, step,
-                type(exc).__name__, " ".join(str(exc).split())[:600], what)
-    faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s + 120,
-                                      exit=True)
-    m.report_failure(gen, repr(exc))
-    return Begun(membership=m, generation=gen, failed_step=step, noticed_at=time.time(),
-                 world_size=m.assignment.world_size, assignment=m.assignment,
-                 cause="launcher_notice" if noticed else "collective_failed")
+    - IN_PLACE: ``stop_snapshots`` -> ``abandon_step`` -> (communicators swapped) -> ``rewire_snapshots`` ->
+      ``restore(None)`` -> ``recovered``;
+    - REBUILD: ``quiesce_snapshots`` -> ``release`` -> (groups torn down, the next generation's built) ->
+      ``rebuild`` -> ``restore(handle)`` -> ``recovered``;
+    - RESIZED: IN_PLACE up to the join, then ``release`` -> (groups torn down, live swappable groups built) ->
+      ``rebuild`` -> ``restore(handle)`` -> ``recovered``;
+    - a generation that fails while it forms: ``release_partial`` (REBUILD, RESIZED) before the next is joined.
+    """
+
+    rank: int
+    what_recovers: str
+
+    def step_counter(self) -> int:
+        """The optimizer step the failure hit (the version a snapshot taken now would carry)."""
+
+    def has_factory(self) -> bool:
+        """A rebuild factory is set (``set_rebuild``): REBUILD and RESIZED need one."""
+
+    def stop_snapshots(self, timeout_s: float) -> None:
+        """In place: stop the snapshot worker (the manager and its memory stay, rewired later)."""
+
+    def quiesce_snapshots(self) -> bool:
+        """Rebuild: let the snapshot worker finish and stop it; whether a committed snapshot exists (then the
+        factory's weights are overwritten by the restore: :func:`weights_will_be_restored`)."""
+
+    def abandon_step(self) -> None:
+        """In place: drop what the interrupted step left half done, without any collective."""
+
+    def release(self) -> None:
+        """Rebuild: drop the framework objects that hold the dead world's process groups."""
+
+    def release_partial(self) -> None:
+        """Drop what a rebuild built on a generation that failed while it formed."""
+
+    def rebuild(self) -> Any:
+        """Build the framework's objects on the new world (its groups are up); returns the loop's handle."""
+
+    def rewire_snapshots(self) -> None:
+        """In place: redo the snapshot placement on the new generation (collective)."""
+
+    def restore(self, handle: Any) -> int | None:
+        """Restore from memory, into this runtime (``handle`` None) or the rebuilt handle's; the version."""
+
+    def resize_refusal(self, old: Assignment, new: Assignment) -> str | None:
+        """Why this integration cannot continue on ``new`` (another world size than ``old``); None: it can."""
+
+    def recovered(self, handle: Any, mode: Mode, failed_step: int, restored_at: float) -> Any:
+        """After the ``recover`` event: the catch-up accounting (and, in place, the memory released); returns
+        the loop's handle."""
 
 
-class Resized(Exception):
-    """In-place path: the next generation has another world size (an elastic shrink or grow), so the
-    communicators cannot be swapped beneath the framework's objects; the integration rebuilds them instead,
-    starting from this already-joined ``assignment``."""
+@dataclass(kw_only=True, slots=True)
+class Failure:
+    """The failure a recovery started from."""
 
-    def __init__(self, assignment: Assignment) -> None:
-        super().__init__(f"generation {assignment.generation} has {assignment.world_size} ranks")
-        self.assignment = assignment
+    generation: int
+    assignment: Assignment
+    """The generation that failed (who held which rank; a resize refusal compares it with the next)."""
+    failed_step: int
+    old_rank: int
+    noticed_at: float
+    cause: Cause
 
 
-def rejoin(hc: HotSwapConfig, begun: Begun, *, build: Callable[[Assignment], T], resume: Callable[[T], int | None],
-           release: Callable[[], None] = lambda: None, in_place: bool = False,
-           joined: Assignment | None = None, live_groups: bool = False,
-           resize_check: Callable[[Assignment, Assignment], str | None] | None = None) -> Rejoined[T]:
-    """Tear down, then join generations until one forms and ``build`` + ``resume`` succeed on it.
+@dataclass(kw_only=True, slots=True)
+class Rejoined:
+    handle: Any
+    assignment: Assignment
+    version: int | None
+    assigned_at: float
+    pg_ready_at: float
+    engine_ready_at: float
+    restored_at: float
 
-    ``joined``: the first generation is already joined (the in-place path found it resized, :class:`Resized`);
-    ``live_groups``: its groups are built swappable and live on every rank (all ranks rebuild together, none
-    builds solo), so later failures swap in place again. ``resize_check(old, new)``: for a generation of another
-    world size, why this integration cannot continue on it (None: it can); a reason stops the job with that
-    message (reported fatal).
 
-    ``release()`` drops framework state built on a generation that failed while forming (called before each
-    teardown after the first). A :class:`RecoveryError` from ``resume`` is final (state is gone) and raised.
-    ``in_place``: the process groups stay and only their communicators are replaced (``rebuild/swap.py``):
-    "tear down" parks the dead generation's communicators, "build the process group" swaps new ones in."""
-    from ..distributed import default_backend
-    from . import swap
-    from .worker import detach_generation, init_process_group, swap_into, teardown
+@dataclass(frozen=True, slots=True)
+class _Resize:
+    """The in-place join found a generation of another world size: the recovery turns RESIZED."""
 
-    def leave() -> None:
-        if in_place:
-            detach_generation("recovery")
-        else:
-            teardown(hc.teardown_timeout_s)
-            gc.collect()
+    assignment: Assignment
 
-    m = begun.membership
-    leave()
-    min_gen = begun.generation + 1
-    while True:
-        a = joined if joined is not None else m.join(min_gen, timeout_s=hc.assignment_timeout_s)
-        joined = None
-        t_assigned = time.time()
-        why = resize_check(begun.assignment, a) if resize_check and a.world_size != begun.world_size else None
-        if why is not None:
-            msg = f"generation {a.generation} has {a.world_size} ranks (was {begun.world_size}): {why}"
-            m.report_fatal(msg)
-            raise RecoveryError(msg)
-        if in_place and a.world_size != begun.world_size:
-            raise Resized(a)
+
+class Recovery:
+    """This process's recovery driver (one per process: :func:`driver`); see the module docstring.
+
+    ``mode``: the mode of the recovery under way, or of the last one (RESTART_RESTORE before any)."""
+
+    def __init__(self) -> None:
+        self.mode = Mode.RESTART_RESTORE
+        self.recoveries = 0
+        self._hooks: RecoveryHooks | None = None
+        self._hc: HotSwapConfig | None = None
+        self._failure: Failure | None = None
+        self._restore_follows = False
+
+    # -- the entry point ----------------------------------------------------------------------------------
+    def handle_failure(self, exc: BaseException, hooks: RecoveryHooks, hc: HotSwapConfig, mode: Mode) -> Any | None:
+        """Recover from ``exc`` if its cause says so (``rebuild/cause.py``); returns the loop's handle on the next
+        generation, or None: the caller raises ``exc`` unchanged. ``mode``: :func:`recovery_mode` of the runtime."""
+        if mode is Mode.RESTART_RESTORE:
+            return None
+        from . import interrupt
+
+        noticed_at = time.time()
+        m = membership()
+        if m is None or m.assignment is None:
+            return None
+        gen = m.assignment.generation
+        published, stop = m.verdict(gen, 0.0)
+        if stop is None and (published is None or published <= gen):
+            log.warning("generation %d: step %d failed (%s: %s); waiting up to %.0f s for the launcher's verdict "
+                        "(hot_swap.assignment_timeout_s): recovered if it ends this generation", gen,
+                        hooks.step_counter(), type(exc).__name__, _short(exc), hc.assignment_timeout_s)
+            published, stop = m.verdict(gen, hc.assignment_timeout_s)
+        decision = decide_failure(FailureView(mode=mode, generation=gen, published=published, stopped=stop,
+                                              stopped_by_notice=interrupt.stopped(gen)))
+        if not decision.recover:
+            log.warning("generation %d: the failure at step %d is not recovered in-process: %s", gen,
+                        hooks.step_counter(), decision.why)
+            return None
+        assert decision.cause is not None
+        self.mode, self._hooks, self._hc = decision.mode, hooks, hc
         try:
-            if in_place:
-                swap_into(a, m.worker_id, hc.collective_timeout_s)
-            else:
-                init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s,
-                                   in_place=live_groups, solo=not live_groups)
-            t_pg = time.time()
-            result = build(a)
-            t_engine = time.time()
-            version = resume(result)
-            return Rejoined(result=result, assignment=a, version=version, assigned_at=t_assigned, pg_ready_at=t_pg,
-                            engine_ready_at=t_engine, restored_at=time.time())
-        except (RecoveryError, swap.SwapError) as fatal:
-            m.report_fatal(str(fatal))
-            raise  # not transient: state is gone, or the groups cannot be swapped
-        except (RuntimeError, OSError) as again:
-            log.warning("generation %d: recovery interrupted (%s); waiting for the next assignment", a.generation,
-                        " ".join(str(again).split())[:300])
-            m.report_failure(a.generation, repr(again))
-            result = None
-            release()
-            leave()
-            min_gen = a.generation + 1
+            f = self._begin(exc, decision.cause, m.assignment, hooks.rank, noticed_at)
+            if self.mode is Mode.IN_PLACE:
+                return self._in_place(exc, f)
+            return self._rebuild(f, hooks.quiesce_snapshots(), first=None)
+        finally:
+            self._hooks = self._hc = self._failure = None
+
+    # -- the steps ----------------------------------------------------------------------------------------
+    def _begin(self, exc: BaseException, cause: Cause, a: Assignment, rank: int, noticed_at: float) -> Failure:
+        """Log, arm the last-resort deadline, tell the launcher."""
+        from . import interrupt
+
+        hooks, hc, m = self._hooks, self._hc, membership()
+        assert hooks is not None and hc is not None and m is not None
+        interrupt.forget(a.generation)
+        step = hooks.step_counter()
+        what_failed = "step stopped by the launcher's notice" if cause is Cause.LAUNCHER_NOTICE else "collective failed"
+        what = ("swapping the communicators beneath the engine" if self.mode is Mode.IN_PLACE
+                else hooks.what_recovers)
+        log.warning("generation %d: %s at step %d (%s: %s); %s in-process", a.generation, what_failed, step,
+                    type(exc).__name__, " ".join(str(exc).split())[:600], what)
+        faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s
+                                          + 120, exit=True)
+        m.report_failure(a.generation, repr(exc))
+        self.recoveries += 1
+        self._failure = Failure(generation=a.generation, assignment=a, failed_step=step, old_rank=rank,
+                                noticed_at=noticed_at, cause=cause)
+        return self._failure
+
+    def _in_place(self, exc: BaseException, f: Failure) -> Any:
+        """Keep the framework's objects: park the dead communicators, swap the next generation's in beneath them,
+        rewire the snapshots, restore in place."""
+        from . import swap
+        from .worker import detach_generation, join_until_formed
+
+        hooks, hc, m = self._hooks, self._hc, membership()
+        assert hooks is not None and hc is not None and m is not None
+        _drop_frames(exc)
+        detach_generation("recovery")
+        hooks.stop_snapshots(hc.teardown_timeout_s)
+        hooks.abandon_step()
+        r = join_until_formed(m, f.generation + 1, self._swap_in, leave=self._leave_in_place,
+                              what="recovery interrupted", wait_s=hc.assignment_timeout_s,
+                              retry_wait_s=hc.assignment_timeout_s, fatal=(RecoveryError, swap.SwapError))
+        if isinstance(r, _Resize):
+            return self._resized(f, r.assignment)
+        self._finish(f, r, in_place=True)
+        return hooks.recovered(None, self.mode, f.failed_step, r.restored_at)
+
+    def _resized(self, f: Failure, a: Assignment) -> Any:
+        hooks, hc = self._hooks, self._hc
+        assert hooks is not None and hc is not None
+        self.mode = Mode.RESIZED
+        if not hooks.has_factory():
+            raise RuntimeError(f"generation {a.generation} has {a.world_size} ranks (was "
+                               f"{f.assignment.world_size}): resizing needs set_rebuild(factory)")
+        log.warning("generation %d: %d ranks (was %d): rebuilding the framework's objects on the new world, the "
+                    "state resharded from memory", a.generation, a.world_size, f.assignment.world_size)
+        return self._rebuild(f, True, first=a)
+
+    def _rebuild(self, f: Failure, restore_follows: bool, first: Assignment | None) -> Any:
+        """Drop the framework's objects, tear the groups down, build them again on the next generation (RESIZED:
+        live swappable groups on every rank, starting from the already joined ``first``)."""
+        from . import swap
+        from .worker import join_until_formed
+
+        hooks, hc, m = self._hooks, self._hc, membership()
+        assert hooks is not None and hc is not None and m is not None
+        hooks.release()
+        self._tear_down()
+        self._restore_follows = restore_follows
+        r = join_until_formed(m, f.generation + 1, self._build_on, leave=self._leave_rebuilt,
+                              what="recovery interrupted", wait_s=hc.assignment_timeout_s,
+                              retry_wait_s=hc.assignment_timeout_s, first=first,
+                              fatal=(RecoveryError, swap.SwapError))
+        assert isinstance(r, Rejoined)
+        if self.mode is Mode.RESIZED:
+            self._finish(f, r, resized_from=f.assignment.world_size)
+        else:
+            self._finish(f, r)
+        return hooks.recovered(r.handle, self.mode, f.failed_step, r.restored_at)
+
+    # -- forming one generation (called by the join loop) ------------------------------------------------------
+    def _swap_in(self, a: Assignment) -> Rejoined | _Resize:
+        from .worker import swap_into
+
+        hooks, hc, m, f = self._hooks, self._hc, membership(), self._failure
+        assert hooks is not None and hc is not None and m is not None and f is not None
+        t_assigned = time.time()
+        if a.world_size != f.assignment.world_size:
+            return _Resize(a)
+        swap_into(a, m.worker_id, hc.collective_timeout_s)
+        t_pg = time.time()
+        hooks.rewire_snapshots()
+        t_engine = time.time()
+        version = hooks.restore(None)
+        return Rejoined(handle=None, assignment=a, version=version, assigned_at=t_assigned, pg_ready_at=t_pg,
+                        engine_ready_at=t_engine, restored_at=time.time())
+
+    def _build_on(self, a: Assignment) -> Rejoined:
+        from ..distributed import default_backend
+        from .worker import init_process_group
+
+        hooks, hc, m, f = self._hooks, self._hc, membership(), self._failure
+        assert hooks is not None and hc is not None and m is not None and f is not None
+        t_assigned = time.time()
+        if a.world_size != f.assignment.world_size:
+            why = hooks.resize_refusal(f.assignment, a)
+            if why is not None:  # fatal: the join loop reports it to the launcher, which stops the job
+                raise RecoveryError(f"generation {a.generation} has {a.world_size} ranks (was "
+                                    f"{f.assignment.world_size}): {why}")
+        live = self.mode is Mode.RESIZED
+        init_process_group(a, m.worker_id, default_backend(), hc.collective_timeout_s, in_place=live, solo=not live)
+        t_pg = time.time()
+        handle = build_for_restore(hooks.rebuild, self._restore_follows)
+        t_engine = time.time()
+        version = hooks.restore(handle)
+        return Rejoined(handle=handle, assignment=a, version=version, assigned_at=t_assigned, pg_ready_at=t_pg,
+                        engine_ready_at=t_engine, restored_at=time.time())
+
+    def _leave_in_place(self) -> None:
+        from .worker import detach_generation
+
+        detach_generation("recovery")
+
+    def _leave_rebuilt(self) -> None:
+        assert self._hooks is not None
+        self._hooks.release_partial()
+        self._tear_down()
+
+    def _tear_down(self) -> None:
+        from .worker import teardown
+
+        assert self._hc is not None
+        teardown(self._hc.teardown_timeout_s)
+        gc.collect()
+
+    def _finish(self, f: Failure, r: Rejoined, **extra: Any) -> None:
+        m = membership()
+        assert m is not None
+        faulthandler.cancel_dump_traceback_later()
+        write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=f.old_rank,
+                    rank=r.assignment.ranks[m.worker_id], pid=os.getpid(), failed_step=f.failed_step,
+                    cause=f.cause.value, restored_version=r.version, noticed_at=f.noticed_at,
+                    assigned_at=r.assigned_at, pg_ready_at=r.pg_ready_at, engine_ready_at=r.engine_ready_at,
+                    restored_at=r.restored_at, **extra)
+
+    # -- a spare -------------------------------------------------------------------------------------------
+    def join_survivors(self, rewire_snapshots: Callable[[], None], hc: HotSwapConfig) -> Assignment:
+        """A spare whose engine was built solo (``rebuild/worker.py`` :func:`init_process_group`) joins the
+        survivors: its groups get the generation's communicators, then ``rewire_snapshots()`` (collective: the
+        snapshot placement), collective for collective with the survivors' in-place recovery. A peer lost
+        meanwhile: the next generation is joined (the join loop)."""
+        from . import swap
+        from .worker import detach_generation, join_until_formed, pending_live, went_live
+
+        pending = pending_live()
+        m = membership()
+        assert pending is not None and m is not None, "join_survivors() outside a spare built solo"
+        a, _, collective_s = pending
+
+        def form(a: Assignment) -> Assignment:
+            from .worker import swap_into
+
+            swap_into(a, m.worker_id, collective_s)
+            rewire_snapshots()
+            return a
+
+        def leave() -> None:
+            detach_generation("joining failed")
+
+        joined = join_until_formed(m, a.generation, form, leave=leave, what="could not join the survivors",
+                                   wait_s=hc.assignment_timeout_s, retry_wait_s=hc.assignment_timeout_s, first=a,
+                                   fatal=(swap.SwapError,))
+        went_live()
+        return joined
 
 
-def finish(begun: Begun, r: Rejoined[Any], *, old_rank: int, **extra: Any) -> None:
-    faulthandler.cancel_dump_traceback_later()
-    write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=old_rank,
-                rank=r.assignment.ranks[begun.membership.worker_id], pid=os.getpid(), failed_step=begun.failed_step,
-                cause=begun.cause,
-                restored_version=r.version, noticed_at=begun.noticed_at, assigned_at=r.assigned_at,
-                pg_ready_at=r.pg_ready_at, engine_ready_at=r.engine_ready_at, restored_at=r.restored_at, **extra)
+def driver() -> Recovery:
+    """This process's recovery driver (held by its context, ``rebuild/context.py``)."""
+    return context().recovery
+
+
+def _short(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """Free what the failed step's frames hold (activations, autograd graphs, gathered parameters): the exception's
+    traceback keeps every frame of the interrupted forward/backward alive for as long as the caller holds the
+    exception, which is the whole recovery. Its chain too (``__context__``, ``__cause__``), at most 16 deep."""
+    import traceback
+
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 16:
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        e = e.__cause__ or e.__context__
+        seen += 1
 
 
 def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_than: int | None = None,

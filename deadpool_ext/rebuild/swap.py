@@ -33,8 +33,9 @@ Call order (every rank of a generation):
 2. Failure: :func:`detach` (every inner group of the dead generation parked, further use raises
    :class:`GroupDetached`), then after the next assignment :func:`go_live(store, generation)` on every rank:
    each group (ascending creation order; a rank only builds the groups it is in, which cannot deadlock) gets a
-   new inner communicator under ``<group name>/`` of the generation's store; :func:`check_same_groups` first
-   compares every rank's list of groups (a mismatch is an error naming both lists, never a hang).
+   new inner communicator under ``<group name>/`` of the generation's store; its ``check``
+   (``rebuild/worker.py`` ``_check_same_groups``) first compares every rank's list of groups (a mismatch is an
+   error naming both lists, never a hang).
 
 Ranks keep their rank through a swap (the spare takes the failed node's ranks); a rank change is refused.
 """
@@ -48,6 +49,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .context import context
 
 log = logging.getLogger("deadpool_ext")
 
@@ -76,22 +79,19 @@ class SwapError(RuntimeError):
     """The groups cannot be swapped in place (ranks differ in their groups, or a rank changed)."""
 
 
-_lock = threading.Lock()
-_mode = "live"
-_groups: list[weakref.ReferenceType[SwappableGroup]] = []
+_lock = threading.Lock()  # guards the context's swappable_groups (the mode and the groups: rebuild/context.py)
 _graveyard: list[Any] = []   # dead generations' inner groups: gloo's destructor joins threads that may block
 
 
 def set_mode(mode: str) -> None:
     """``"live"`` or ``"solo"`` (see the module docstring) for the groups created from now on."""
-    global _mode
     if mode not in ("live", "solo"):
         raise ValueError(f"swap mode must be 'live' or 'solo', got {mode!r}")
-    _mode = mode
+    context().swap_mode = mode
 
 
 def mode() -> str:
-    return _mode
+    return context().swap_mode
 
 
 def default_inner() -> str:
@@ -348,10 +348,10 @@ for _name in COLLECTIVES:
 def _creator(kind: str) -> Any:
     def create(store: Any, rank: int, size: int, timeout: timedelta) -> SwappableGroup:
         k = default_inner() if kind == "default" else kind
-        inner = _Solo(rank, size) if _mode == "solo" else build_inner(k, store, rank, size, timeout)
+        inner = _Solo(rank, size) if mode() == "solo" else build_inner(k, store, rank, size, timeout)
         g = SwappableGroup(rank, size, inner, k, timeout)
         with _lock:
-            _groups.append(weakref.ref(g))
+            context().swappable_groups.append(weakref.ref(g))
         return g
     return create
 
@@ -405,8 +405,9 @@ def side_backend() -> str:
 def groups() -> list[SwappableGroup]:
     """The live swappable groups this rank is a member of, in creation order."""
     with _lock:
-        alive = [g for g in (r() for r in _groups) if g is not None]
-        _groups[:] = [weakref.ref(g) for g in alive]
+        refs = context().swappable_groups
+        alive = [g for g in (r() for r in refs) if g is not None]
+        refs[:] = [weakref.ref(g) for g in alive]
     names = dist.distributed_c10d._world.pg_names
     alive = [g for g in alive if g in names]  # destroyed groups are no longer torch's
     return sorted(alive, key=lambda g: _order(names[g]))
@@ -470,7 +471,7 @@ def abort_device_communicators() -> int:
     aborted communicators are the dead generation's, which :func:`detach` parks and :func:`go_live` replaces.
     Returns how many were aborted (0 on a CPU-only job: no :class:`DeviceSplit`)."""
     with _lock:
-        alive = [g for g in (r() for r in _groups) if g is not None]
+        alive = [g for g in (r() for r in context().swappable_groups) if g is not None]
     n = 0
     for g in alive:
         inner = g.inner
@@ -487,7 +488,7 @@ def forget_all() -> None:
     """At exit: drop every communicator this module references (live and dead generations'), on the calling
     thread, so their destructors run now and not during interpreter finalization."""
     with _lock:
-        alive = [g for g in (r() for r in _groups) if g is not None]
+        alive = [g for g in (r() for r in context().swappable_groups) if g is not None]
     held = [g.inner for g in alive] + _graveyard[:]
     _graveyard.clear()
     for g in alive:

@@ -9,10 +9,12 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
    generation is ever read: in the job's authenticated coordination store (``store/rendezvous.py``; what
    deadpool-run publishes, ``master_port`` 0), or a c10d TCPStore at the assignment's ``master_port`` (test
    harnesses that serve one).
-3. On a collective error (or :class:`rebuild.interrupt.GenerationLost`): ``teardown()`` cuts the generation's
-   connections (``rebuild.fence``: peers still blocked in it get an error at once), destroys every process
-   group and runs the teardown hooks the integrations registered (:func:`on_teardown`; DeepSpeed: its cached
-   communicator state); then ``join(g + 1)``. The heartbeat thread also watches ``assignment``: when the
+3. On a failure that ended the generation (the launcher published the next one: :meth:`Membership.verdict`,
+   ``rebuild/cause.py``), the recovery driver (``rebuild/recover.py``) leaves it: ``teardown()`` cuts the
+   generation's connections (``rebuild.fence``: peers still blocked in it get an error at once), destroys every
+   process group and runs the teardown hooks the integrations registered (:func:`on_teardown`; DeepSpeed: its
+   cached communicator state), or, in place, :func:`detach_generation`; then :func:`join_until_formed`, the one
+   loop that joins the next generation until one forms. The heartbeat thread also watches ``assignment``: when the
    launcher publishes a newer generation it cuts the current one, so a rank blocked in a collective learns
    of the failure from the launcher instead of from a timeout.
 
@@ -27,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -36,9 +38,11 @@ from ..cluster.netif import pin_gloo_interface
 from ..launcher import keys, values
 from ..launcher.contract import HotSwapEnv
 from ..store.base import parse_store_endpoints
+from .context import context
 from .fence import fence
 
 log = logging.getLogger("deadpool_ext")
+T = TypeVar("T")
 
 
 class MembershipError(RuntimeError):
@@ -162,6 +166,26 @@ class Membership:
                                       f"within {timeout_s:.0f}s (waited for store key {keys.ASSIGNMENT!r})")
             time.sleep(0.05)
 
+    def verdict(self, generation: int, timeout_s: float) -> tuple[int | None, str | None]:
+        """What the launcher made of ``generation`` after a failure in it, waiting at most ``timeout_s`` for it to
+        publish a newer one: (the newest generation published, or None when nothing could be read; the stop
+        message when it stopped the job, else None). The launcher sees every process and heartbeat, so a newer
+        generation means this one lost a peer (or changes size); still ``generation`` at the deadline means it
+        did not (``rebuild/cause.py``)."""
+        deadline = time.monotonic() + timeout_s
+        newest: int | None = None
+        while True:
+            published = self._values.get(keys.ASSIGNMENT, values.assignment)
+            if published is not None:
+                newest = published.assignment.generation
+                if published.stop:
+                    return newest, published.stop
+                if newest > generation:
+                    return newest, None
+            if time.monotonic() >= deadline:
+                return newest, None
+            time.sleep(0.05)
+
     def report_failure(self, generation: int, what: str) -> None:
         try:
             self.store.set_json(keys.failure(generation, self.worker_id), keys.failure_value(what))
@@ -226,10 +250,9 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     ``in_place`` (``hot_swap.in_place``): the groups are swappable (``rebuild/swap.py``). A process that builds
     its first group in a generation after the first (a spare taking a node's place, or a worker whose first
     generation failed while forming) builds it *solo*: the survivors keep their framework objects and do not
-    answer the collectives of an engine build, so the spare builds locally and goes live at its restore
-    (:func:`go_live_pending`). In a resized generation (elastic shrink or grow, or ``solo=False``) every rank
-    rebuilds, so the groups go live at once."""
-    global _pending_live
+    answer the collectives of an engine build, so the spare builds locally and joins the survivors before its
+    restore (``Recovery.join_survivors``). In a resized generation (elastic shrink or grow, or ``solo=False``)
+    every rank rebuilds, so the groups go live at once."""
     rank = a.ranks[worker_id]
     _export_world(a, rank, worker_id)
     timeout = timedelta(seconds=timeout_s)
@@ -246,7 +269,7 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
         swap.use()
         if a.generation > 0 and solo and not a.resized:
             swap.set_mode("solo")
-            _pending_live = (a, worker_id, timeout_s)
+            context().pending_live = (a, worker_id, timeout_s)
             init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size, timeout=timeout)
             log.info("generation %d: rank %d of %d on node %s; building this rank's engine locally, it joins the "
                      "survivors' communicators at its restore", a.generation, rank, a.world_size, a.nodes[worker_id])
@@ -296,41 +319,54 @@ def _generation_store(a: Assignment, timeout: timedelta) -> Any:
     return dist.PrefixStore(f"deadpool/gen{a.generation}", base)
 
 
-_pending_live: tuple[Assignment, str, float] | None = None
+def pending_live() -> tuple[Assignment, str, float] | None:
+    """(assignment, worker id, collective timeout) in a process whose groups were built solo and have not
+    joined their generation yet (a spare that took a node's place: ``Recovery.join_survivors``), else None."""
+    return context().pending_live
 
 
-def pending_live() -> bool:
-    """True in a process whose groups were built solo and have not joined their generation yet."""
-    return _pending_live is not None
+def went_live() -> None:
+    """The solo-built process joined its generation's communicators."""
+    context().pending_live = None
 
 
-def go_live_pending(timeout_s: float, after: Callable[[], None] = lambda: None) -> Assignment:
-    """The solo-built process joins the survivors: its groups get the generation's communicators, then
-    ``after()`` (collective: the snapshot manager's rewire). A peer lost meanwhile: wait for the next
-    generation and try again (``timeout_s``: the wait for an assignment)."""
-    global _pending_live
-    from ..distributed import membership
-    from . import swap
+def join_until_formed(m: Membership, min_generation: int, form: Callable[[Assignment], T], *,
+                      leave: Callable[[], None], what: str, wait_s: float | None, retry_wait_s: float,
+                      first: Assignment | None = None, while_waiting: Callable[[], None] | None = None,
+                      fatal: tuple[type[BaseException], ...] = ()) -> T:
+    """THE loop that joins the next generation until one forms (a worker's first join, a spare joining the
+    survivors, every recovery): join a generation >= ``min_generation`` that includes this worker (``first``:
+    already joined; ``wait_s``: the wait for it, None: unbounded; ``while_waiting`` as in
+    :meth:`Membership.join`) and ``form(assignment)`` on it.
 
-    assert _pending_live is not None
-    a, worker_id, collective_s = _pending_live
-    m = membership()
+    A failure while it forms is decided by its cause, as a failed step is (``rebuild/cause.py``): it is logged
+    (``what``), reported (``failed/<g>/<worker>``) and ``leave()`` drops what was built; if the launcher then
+    publishes a newer generation within ``retry_wait_s`` (a peer was lost while this one formed), that one is
+    joined; if it stops the job, :class:`MembershipError` says so; otherwise the failure is raised unchanged.
+    ``fatal``: failures after which no generation can help (state gone, groups that cannot be swapped): reported
+    to the launcher as fatal (it stops the job) and raised."""
+    from .cause import failure_cause
+
+    a = first
     while True:
+        if a is None:
+            a = m.join(min_generation, timeout_s=wait_s, while_waiting=while_waiting)
         try:
-            swap_into(a, worker_id, collective_s)
-            after()
-            _pending_live = None
-            return a
-        except swap.SwapError:
+            return form(a)
+        except fatal as exc:
+            m.report_fatal(str(exc))
             raise
-        except (RuntimeError, OSError) as exc:
-            log.warning("generation %d: could not join the survivors (%s); waiting for the next assignment",
-                        a.generation, " ".join(str(exc).split())[:300])
-            if m is None:
-                raise
+        except Exception as exc:
+            log.warning("generation %d: %s (%s); waiting for the launcher's next generation", a.generation, what,
+                        " ".join(str(exc).split())[:300])
             m.report_failure(a.generation, repr(exc))
-            detach_generation("joining failed")
-            a = m.join(a.generation + 1, timeout_s=timeout_s)
+            leave()
+            published, stop = m.verdict(a.generation, retry_wait_s)
+            if stop is not None:
+                raise MembershipError(f"launcher stopped the job: {stop}") from exc
+            if failure_cause(a.generation, published, stopped_by_notice=False) is None:
+                raise
+            min_generation, a, wait_s = a.generation + 1, None, retry_wait_s
 
 
 def swap_into(a: Assignment, worker_id: str, timeout_s: float) -> None:
@@ -385,13 +421,6 @@ def _reset_group_names() -> None:
         world.group_count = 0
 
 
-# Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
-# worker threads, which may still be blocked on a dead peer until the group's timeout. Dropping the last
-# reference on the main thread (e.g. in gc.collect() after the old engine is released) would stall recovery
-# for that long. Kept here, the objects are tiny and their threads finish on their own.
-_GRAVEYARD: list[Any] = []
-
-
 def teardown(timeout_s: float = 30.0) -> None:
     """Destroy every process group and DeepSpeed's cached communicator state, keeping the process.
 
@@ -402,7 +431,11 @@ def teardown(timeout_s: float = 30.0) -> None:
     if f.generation is not None:
         f.cut(f.generation, "teardown")
     if dist.is_initialized():
-        _GRAVEYARD.extend(list(dist.distributed_c10d._world.pg_map.keys()))
+        # Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
+        # worker threads, which may still be blocked on a dead peer until the group's timeout. Dropping the last
+        # reference on the main thread (e.g. in gc.collect() after the old engine is released) would stall
+        # recovery for that long. Kept, the objects are tiny and their threads finish on their own.
+        context().graveyard.extend(list(dist.distributed_c10d._world.pg_map.keys()))
         done = threading.Event()
 
         def destroy() -> None:
@@ -417,15 +450,13 @@ def teardown(timeout_s: float = 30.0) -> None:
         if not done.wait(timeout_s):
             raise MembershipError(f"could not destroy the old process groups within {timeout_s:.0f}s (a transfer is "
                                   "blocked on a peer); leaving so the launcher replaces this node")
-    for hook in _TEARDOWN_HOOKS:
+    for hook in context().teardown_hooks:
         hook()
-
-
-_TEARDOWN_HOOKS: list[Callable[[], None]] = []
 
 
 def on_teardown(fn: Callable[[], None]) -> None:
     """Run ``fn()`` at every teardown, after the process groups are destroyed: a framework's process-wide
     caches of the dead world (DeepSpeed registers the reset of its communicator state). Idempotent per fn."""
-    if fn not in _TEARDOWN_HOOKS:
-        _TEARDOWN_HOOKS.append(fn)
+    hooks = context().teardown_hooks
+    if fn not in hooks:
+        hooks.append(fn)

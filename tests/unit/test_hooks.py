@@ -36,10 +36,9 @@ class _Runtime:
             self.drain_fails -= 1
             raise RuntimeError("the last snapshot's replication lost a peer")
 
-    def can_recover(self, exc: BaseException) -> bool:
-        return isinstance(exc, self.recoverable)
-
-    def recover(self, exc: BaseException) -> dict:
+    def handle_failure(self, exc: BaseException) -> dict | None:
+        if not isinstance(exc, self.recoverable):  # the stand-in's "a peer was lost"
+            return None
         self.recovered += 1
         return {"step": 2, "gen": self.recovered}  # the rebuilt world restored step 2
 

@@ -69,12 +69,12 @@ class StandIn:
             self.put(self.captured[self.step])
         return self.step
 
-    def can_recover(self, exc) -> bool:
-        return isinstance(exc, RuntimeError)
-
-    def recover(self, exc) -> None:
+    def handle_failure(self, exc, *, same_objects: bool = False):
+        if not (self.in_place and isinstance(exc, RuntimeError)):  # the stand-in's "a peer was lost"
+            return None
         self.recovered += 1
         self.put(self.captured[self.restored_at])
+        return self
 
     def step_counter(self) -> int:
         return int(self.restored_at or 0)

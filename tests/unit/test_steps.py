@@ -51,10 +51,9 @@ class Runtime:
     def resume(self) -> int:
         return self._load(self.restore) if self.restore else 0
 
-    def can_recover(self, exc: BaseException) -> bool:
-        return isinstance(exc, RuntimeError)
-
-    def recover(self, exc: BaseException) -> Engine:
+    def handle_failure(self, exc: BaseException, *, same_objects: bool = False) -> Engine | None:
+        if not (self.in_place and isinstance(exc, RuntimeError)):  # the stand-in's "a peer was lost"
+            return None
         self._load(self.rewind)
         return self.engine
 

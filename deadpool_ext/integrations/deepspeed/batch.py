@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from ...rebuild.context import context
 from ...recovery.agree import RecoveryError
 
 log = logging.getLogger("deadpool_ext")
@@ -34,19 +35,17 @@ class BatchShape:
     dp: int
 
 
-_first: BatchShape | None = None
-
-
 def record(engine: Any) -> None:
-    """Remember the first engine's batch shape (once per process)."""
-    global _first
-    if _first is None:
-        _first = BatchShape(int(engine.train_batch_size()), int(engine.train_micro_batch_size_per_gpu()),
-                            int(engine.gradient_accumulation_steps()), int(engine.dp_world_size))
+    """Remember the first engine's batch shape (once per process, in its context: ``rebuild/context.py``)."""
+    ctx = context()
+    if ctx.first_batch is None:
+        ctx.first_batch = BatchShape(int(engine.train_batch_size()), int(engine.train_micro_batch_size_per_gpu()),
+                                     int(engine.gradient_accumulation_steps()), int(engine.dp_world_size))
 
 
 def recorded() -> BatchShape | None:
-    return _first
+    first = context().first_batch
+    return first if isinstance(first, BatchShape) else None
 
 
 def rescale(ds_config: dict[str, Any], first: BatchShape, dp: int, allow_change: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ Call order (every rank) is the :class:`~deadpool_ext.integrations.base.Resilient
    just before the optimizer overwrites the tensors being copied, and schedules the next snapshot right after.
    A pipeline engine (``PipelineModule``) steps inside ``train_batch``: its ``_take_model_step`` is wrapped.
 4. Hot-swap: ``engine.deadpool.set_rebuild(build_engine)``; around a step,
-   ``if engine.deadpool.can_recover(exc): engine = engine.deadpool.recover(exc)`` (the new engine).
+   ``engine = engine.deadpool.handle_failure(exc)`` (the same engine in place, else the new one; None: raise).
 5. ``runtime.close()`` at the end (or at interpreter exit): drains the background worker and tier 3.
 
 What is DeepSpeed's own here: the state adapter (``state.py``), the wrapped ``engine.step`` (and

@@ -36,10 +36,10 @@ def main() -> None:
         # only the agreement is under test here, not the launcher.
         from types import SimpleNamespace
 
-        from deadpool_ext import distributed
+        from deadpool_ext.rebuild.context import context
 
         role = "spare" if (rank == 0 or mode == "agree_yes") else "active"
-        distributed._membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
+        context().membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
         out["every_rank_restores"] = recover.every_rank_restores()
         _write(out_dir, out)
         return

@@ -1,0 +1,96 @@
+"""rebuild/context.py: the process's fault-tolerance state in one object; one source answers "which generation"."""
+from __future__ import annotations
+
+import secrets
+import signal
+
+import pytest
+
+from deadpool_ext import distributed
+from deadpool_ext.cluster.membership import Assignment
+from deadpool_ext.launcher import keys
+from deadpool_ext.rebuild import interrupt, progress, recover, worker
+from deadpool_ext.rebuild.context import WorkerContext, context
+from deadpool_ext.rebuild.fence import fence
+from deadpool_ext.store import connect
+from deadpool_ext.store.embedded import EmbeddedStoreServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_process_starts_in_generation_zero_with_one_driver():
+    ctx = WorkerContext()
+    assert ctx.generation == 0 and ctx.membership is None and ctx.pending_live is None
+    assert ctx.recovery is ctx.recovery
+    assert recover.driver() is context().recovery
+    assert fence() is context().fence
+
+
+def test_progress_is_the_contexts():
+    before = context().progress.step
+    try:
+        progress.note_step(41)
+        assert context().progress.step == 41 and progress.sample()["step"] == 41
+    finally:
+        context().progress.step = before
+
+
+def test_the_generation_comes_from_the_membership_alone(monkeypatch):
+    token = secrets.token_urlsafe(16)
+    with EmbeddedStoreServer(token=token) as server:
+        launcher = connect(server.url, token, "ctxjob", 10.0)
+        m = worker.Membership(store_url=server.url, token=token, job_id="ctxjob", worker_id="node0.0", node="node0",
+                              heartbeat_s=0.2, watch_s=0.2)
+        try:
+            monkeypatch.setattr(context(), "membership", m)
+            assert distributed.generation() == context().generation == 0 and not distributed.in_hot_swap()
+            a = Assignment(generation=2, world_size=1, ranks={"node0.0": 0}, nodes={"node0.0": "node0"})
+            launcher.set_json(keys.ASSIGNMENT, a.to_json())
+            assert m.join(1, timeout_s=5.0) == a
+            assert distributed.generation() == context().generation == 2 and distributed.in_hot_swap()
+        finally:
+            m.close()
+
+
+def test_a_step_is_armed_in_the_contexts_generation(monkeypatch):
+    class Assigned:
+        generation, role = 5, "active"
+
+    before = signal.getsignal(interrupt.SIGNAL)
+    monkeypatch.setattr(context(), "membership", Assigned())
+    assert interrupt.install()
+    try:
+        interrupt.request(5, "the launcher published generation 6")
+        with pytest.raises(interrupt.GenerationLost, match="generation 5 was abandoned"):
+            with interrupt.stoppable(True):
+                pass
+        assert interrupt.stopped(5)
+    finally:
+        signal.signal(interrupt.SIGNAL, before)
+        interrupt._installed = False
+        interrupt._requested = None
+        interrupt._armed_generation = None
+        interrupt._stopped = None
+
+
+def test_the_first_engines_batch_shape_is_kept_in_the_context(monkeypatch):
+    from deadpool_ext.integrations.deepspeed import batch
+
+    class Engine:
+        def __init__(self, dp: int) -> None:
+            self.dp_world_size = dp
+
+        def train_batch_size(self) -> int:
+            return 8 * self.dp_world_size // 4
+
+        def train_micro_batch_size_per_gpu(self) -> int:
+            return 2
+
+        def gradient_accumulation_steps(self) -> int:
+            return 1
+
+    monkeypatch.setattr(context(), "first_batch", None)
+    batch.record(Engine(4))
+    batch.record(Engine(2))  # a rebuilt engine on a resized world: the first one's shape stays
+    assert batch.recorded() == batch.BatchShape(global_batch=8, micro=2, accumulation=1, dp=4)
+    assert context().first_batch is batch.recorded()
