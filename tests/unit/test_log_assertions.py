@@ -1,0 +1,126 @@
+"""Tests say what the system decided, not what it printed (issue 31, part 7; the rule: tests/log_interface.py).
+
+Every test module under tests/ is parsed with ``ast`` and its log-text assertions counted. A marked one (``#
+log-interface: <why>`` at the assertion, or a call of ``assert_refusal``) is a refusal or one-line error whose
+words are the interface; at most ``LIMIT`` are marked. An unmarked one is allowed only while its file is in
+``UNMARKED``, the debt still to pay, which may only shrink: a file's count must match it exactly, so a fixed
+assertion is struck from the list in the same commit and a new one fails here.
+"""
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+
+from deadpool_ext.testing.launch import REPO
+from tests.log_interface import LIMIT, all_sites, sites_in
+
+UNMARKED: dict[str, int] = {
+    "tests/integration/test_differential.py": 1,
+    "tests/integration/test_ds_wrappers.py": 2,
+    "tests/integration/test_elastic.py": 8,
+    "tests/integration/test_existing_jobs.py": 28,
+    "tests/integration/test_hot_swap.py": 2,
+    "tests/integration/test_megatron.py": 9,
+    "tests/integration/test_memory_tiers.py": 2,
+    "tests/integration/test_pretrain.py": 5,
+    "tests/integration/test_tier3.py": 6,
+    "tests/integration/test_tier3_s3.py": 3,
+    "tests/security/test_coordinator_values.py": 3,
+    "tests/security/test_format.py": 1,
+    "tests/security/test_input.py": 22,
+    "tests/security/test_peer_sign.py": 4,
+    "tests/security/test_rendezvous.py": 1,
+    "tests/security/test_shm.py": 3,
+    "tests/security/test_special_files.py": 1,
+    "tests/security/test_storage.py": 5,
+    "tests/security/test_store.py": 7,
+    "tests/security/test_store_flood.py": 1,
+    "tests/unit/test_at_step.py": 3,
+    "tests/unit/test_attach_hook.py": 4,
+    "tests/unit/test_bench_fetch_check.py": 1,
+    "tests/unit/test_config_bounds.py": 2,
+    "tests/unit/test_cuda_paths.py": 1,
+    "tests/unit/test_gpu_check.py": 5,
+    "tests/unit/test_join.py": 3,
+    "tests/unit/test_launcher_args.py": 3,
+    "tests/unit/test_packaging.py": 3,
+    "tests/unit/test_persist_tier3.py": 2,
+    "tests/unit/test_priority.py": 1,
+    "tests/unit/test_public_api.py": 1,
+    "tests/unit/test_simulate.py": 8,
+    "tests/unit/test_simulate_shrink.py": 2,
+    "tests/unit/test_snapshot_abandon.py": 1,
+    "tests/unit/test_snapshot_late.py": 2,
+    "tests/unit/test_store_contract.py": 2,
+    "tests/unit/test_store_values.py": 1,
+    "tests/unit/test_trainer_state.py": 1,
+}
+"""Unmarked log-text assertions per file still to replace by a decision (issue 31, part 7). Only shrinks."""
+
+
+def test_at_most_twenty_log_text_assertions_are_marked_as_the_interface():
+    marked = [f"{s.path}:{s.line}: {s.source}" for s in all_sites(REPO) if s.marked]
+    assert len(marked) <= LIMIT, "\n".join(marked)
+
+
+def test_no_log_text_assertion_is_unmarked_beyond_the_recorded_debt():
+    sites = [s for s in all_sites(REPO) if not s.marked]
+    per_file = Counter(s.path for s in sites)
+    grew = {p: n for p, n in per_file.items() if n > UNMARKED.get(p, 0)}
+    assert not grew, "assert on a decision (timeline event, typed stats, exit code, return value) instead:\n" + \
+        "\n".join(f"{s.path}:{s.line}: {s.source}" for s in sites if s.path in grew)
+    paid = {p: (n, per_file.get(p, 0)) for p, n in UNMARKED.items() if per_file.get(p, 0) < n}
+    assert not paid, f"lower UNMARKED to the new counts (recorded, now): {paid}"
+
+
+def _count(src: str) -> list[tuple[int, bool]]:
+    return [(s.line, s.marked) for s in sites_in("t.py", textwrap.dedent(src))]
+
+
+def test_the_counter_finds_output_logs_and_names_bound_from_them():
+    assert _count("""
+        def test_a(caplog, capsys, tmp_path):
+            res = run()
+            assert "x" in res.output
+            assert res.returncode == 0
+            err = capsys.readouterr().err
+            lines = err.strip().splitlines()
+            assert lines[0].startswith("deadpool-run:")
+            assert any("y" in r.message for r in caplog.records)
+            assert res.stderr.count("z") == 2
+            assert re.search("w+", res.stdout)
+            assert "t" in (tmp_path / "run.log").read_text()
+            cap = capsys.readouterr()
+            assert cap.out == ""
+        """) == [(4, False), (8, False), (9, False), (10, False), (11, False), (12, False), (14, False)]
+
+
+def test_parsed_output_exception_messages_and_returned_strings_are_not_log_text():
+    assert _count("""
+        def test_b(tmp_path):
+            res = run()
+            data = json.loads(res.stdout)
+            assert "x" in data and data["k"] == "v"
+            with pytest.raises(ValueError) as err:
+                f()
+            assert "bad" in str(err.value)
+            assert "out of spares" in stop_line("x")
+            assert "a" in (tmp_path / "outside").read_text()
+            assert "b" in res.output[-100:] or True, res.output  # the failure message is not the test
+        """) == [(11, False)]
+
+
+def test_marks_helper_calls_and_functions_returning_output():
+    assert _count("""
+        @pytest.fixture
+        def job(tmp_path):
+            def run(*argv):
+                return subprocess.run(argv, capture_output=True, text=True).stderr.strip()
+            return run
+
+        def test_c(job, r):
+            assert job("--x").startswith("deadpool-run: --x")  # log-interface: the refusal names the flag
+            assert_refusal(r, rc=2, names="--x")
+            assert_refusal(
+                r, rc=2, names="--y")
+        """) == [(9, True), (10, True), (11, True)]
