@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..recovery.timeline import read_events
+from ..testing.jobs import Job
 from ..testing.launch import REPO, RunResult, base_env, read_metrics, run_job
 from .at_step import GATE_ENV, harness_env
 from .catalogue import LAYOUTS, Layout
@@ -85,21 +85,19 @@ class Runner:
                  load: str | None = None) -> tuple[list[str], JobPaths]:
         paths = JobPaths(shm_root=self.shm_root, job_id=job_id, metrics=os.path.join(d, f"{name}.metrics.jsonl"),
                          timeline=os.path.join(d, f"{name}.timeline.jsonl"), save_dir=save)
-        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(layout.nnodes),
-               "--nproc-per-node", str(layout.nproc_per_node), "--spare-nodes", str(spares), "--job-id", job_id,
-               "--shm-root", self.shm_root, "--timeline", paths.timeline, "--detect-timeout-s", str(DETECT_TIMEOUT_S)]
-        cfg = self._config(layout, d)
-        if layout.framework == "megatron":
-            cmd += ["scripts/pretrain_gpt_megatron.py", "--tensor-model-parallel-size", str(layout.tp),
-                    "--deadpool-config", cfg]
-        else:
-            cmd += ["scripts/pretrain_gpt.py", "--deepspeed_config", cfg]
-        cmd += ["--train-iters", str(iters), "--metrics-out", paths.metrics]
+        args = ["--train-iters", str(iters)]
         if save:
-            cmd += ["--save", save, "--save-interval", str(save_interval)]
+            args += ["--save", save, "--save-interval", str(save_interval)]
         if load:
-            cmd += ["--load", load]
-        return cmd, paths
+            args += ["--load", load]
+        job = Job(script="scripts/pretrain_gpt.py", args=tuple(args), config=self._config(layout, d),
+                  metrics=paths.metrics, nnodes=layout.nnodes, nproc_per_node=layout.nproc_per_node,
+                  spare_nodes=spares, job_id=job_id, shm_root=self.shm_root, timeline=paths.timeline,
+                  detect_timeout_s=DETECT_TIMEOUT_S)
+        if layout.framework == "megatron":
+            job = job.replace(script="scripts/pretrain_gpt_megatron.py", config_flag="--deadpool-config",
+                              args=("--tensor-model-parallel-size", str(layout.tp), *args))
+        return job.argv(), paths
 
     def _launch(self, cmd: list[str], paths: JobPaths, d: str, name: str, inject=None,
                 env: dict[str, str] | None = None) -> JobRun:

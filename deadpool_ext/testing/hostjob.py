@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import Any
 
 from ..recovery.timeline import read_events
 from .hosts import HostBed
+from .jobs import Job
 from .launch import REPO, base_env, read_metrics, wait_for_step
 
 
@@ -48,6 +48,8 @@ def run_on_hosts(bed: HostBed, workdir: str, script: Sequence[str], metrics: str
     line with --from-slurm, SLURM's variables in each host's environment). ``env``: added to the launchers'
     environment (e.g. a fault injector's ``chaos.at_step.harness_env``)."""
     assert bed.etcd is not None, "the bed needs its etcd cluster (bed.start_etcd)"
+    if launch not in ("flags", "hostfile", "slurm"):
+        raise ValueError(f"run_on_hosts: launch={launch!r}: must be flags, hostfile or slurm")
     n_hosts = bed.n_hosts if hosts is None else hosts
     timeline = os.path.join(workdir, f"{name}.timeline.jsonl")
     job_env = base_env({"DEADPOOL_STORE_TOKEN": bed.etcd.token, "GLOO_SOCKET_IFNAME": "eth0", **(env or {})})
@@ -59,19 +61,21 @@ def run_on_hosts(bed: HostBed, workdir: str, script: Sequence[str], metrics: str
     for h in range(n_hosts):
         log_path = os.path.join(workdir, f"{name}.host{h}.log")
         logs.append(log_path)
-        place = {"flags": ["--hosts", str(n_hosts), "--host-rank", str(h), "--host", bed.addr(h),
-                           "--nproc-per-node", "1", "--job-id", name],
-                 "hostfile": ["--hostfile", hostfile, "--job-id", name],
-                 "slurm": ["--from-slurm"]}[launch]
+        job = Job(script=script[0], args=tuple(script[1:]), nnodes=nnodes, spare_nodes=spares,
+                  store_url=bed.etcd.store_url, timeline=timeline,
+                  launcher_flags=("--leader-ttl-s", str(leader_ttl_s), *extra))
+        if launch == "flags":
+            job = job.replace(hosts=n_hosts, host_rank=h, host=bed.addr(h), nproc_per_node=1, job_id=name)
+        elif launch == "hostfile":
+            job = job.replace(job_id=name, launcher_flags=("--hostfile", hostfile, *job.launcher_flags))
+        else:
+            job = job.replace(launcher_flags=("--from-slurm", *job.launcher_flags))
         host_env = dict(job_env)
         if launch == "slurm":
             host_env.update(SLURM_JOB_ID=name, SLURM_NNODES=str(n_hosts), SLURM_NODEID=str(h),
                             SLURM_STEP_NODELIST=f"{prefix}.[1-{n_hosts}]")
-        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), *place,
-               "--spare-nodes", str(spares), "--store-url", bed.etcd.store_url,
-               "--leader-ttl-s", str(leader_ttl_s), "--timeline", timeline, *extra, *script]
         with open(log_path, "w") as fh:
-            procs.append(bed.popen(h, cmd, cwd=REPO, env=host_env, stdout=fh, stderr=fh))
+            procs.append(bed.popen(h, job.argv(), cwd=REPO, env=host_env, stdout=fh, stderr=fh))
     rcs: list[int | None] = [None] * len(procs)
     t_fault = None
     try:

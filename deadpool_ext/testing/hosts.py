@@ -4,7 +4,7 @@ The multi-host test bed (facts: ``../shared/notes/multihost.md``)::
 
     with HostBed(3) as bed:
         etcd = bed.start_etcd(token, members=3)       # a 3-member cluster on the bridge address
-        p = bed.popen(0, [sys.executable, "-m", "deadpool_ext.launcher.cli", ..., "--host", bed.addr(0)])
+        p = bed.popen(0, Job(script=..., host=bed.addr(0), ...).argv())   # testing/jobs.py
         bed.cut(1); bed.heal(1)                        # a partition: the link down, processes alive
         bed.kill_host(2)                               # every process of host 2 SIGKILLed, its memory gone
         etcd.kill_member(0)

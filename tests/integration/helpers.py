@@ -10,8 +10,10 @@ import psutil
 
 from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
+from deadpool_ext.testing.baselines import BASELINES
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory, kill_rank
-from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
 from deadpool_ext.testing.wait import wait_until
 
 JOB_TIMEOUT_S = 300
@@ -27,39 +29,47 @@ def memory_tier_config(tmp_path, stage: int, shm_root: str, **deadpool) -> str:
         "local": {"shm_root": shm_root, "simulate_nodes": 2}})
 
 
-class Baselines:
-    """Uninterrupted runs of ``iters`` steps, one per ZeRO stage, run once per test module and reused.
-    ``config(tmp_path, stage, shm_root)`` builds the job's config."""
-
-    def __init__(self, config: Callable[..., str], iters: int) -> None:
-        self.config, self.iters, self.runs = config, iters, {}
-
-    def __call__(self, tmp_path, stage: int, shm_root: str) -> dict[int, float]:
-        if stage not in self.runs:
-            res, metrics, _ = pretrain(tmp_path, self.config(tmp_path, stage, shm_root), iters=self.iters,
-                                       name=f"base{stage}")
-            assert res.returncode == 0, res.output[-3000:]
-            assert sorted(metrics) == list(range(1, self.iters + 1))
-            self.runs[stage] = metrics
-        return self.runs[stage]
+def pretrain_job(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: str = "scripts/pretrain_gpt.py",
+                 extra: list[str] | None = None, max_restarts: int = 0, name: str = "run",
+                 env: dict[str, str] | None = None) -> Job:
+    """The pretraining script under torchrun: ``nproc`` ranks, ``iters`` steps, metrics in ``NAME.jsonl``."""
+    return Job(launcher="torchrun", script=script, nproc_per_node=nproc, port=free_port(), max_restarts=max_restarts,
+               config=config, args=("--train-iters", str(iters), *(extra or [])),
+               metrics=os.path.join(str(tmp_path), f"{name}.jsonl"), env_vars=dict(env or {}))
 
 
-def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: str = "scripts/pretrain_gpt.py",
-             extra: list[str] | None = None, max_restarts: int = 0, inject: Callable | None = None,
-             name: str = "run", env: dict[str, str] | None = None) -> tuple[object, dict[int, float], str]:
-    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    cmd = torchrun_cmd(nproc, script, ["--deepspeed_config", config, "--train-iters", str(iters),
-                                       "--metrics-out", metrics, *(extra or [])],
-                       port=free_port(), max_restarts=max_restarts)
-    extra_env = dict(env or {})
+def run_pretrain(tmp_path, job: Job, *, inject: Callable | None = None,
+                 name: str = "run") -> tuple[object, dict[int, float], str]:
+    """Run ``job`` (its log in ``NAME.log``); ``inject``: a :class:`KillAt` or ``inject(proc, metrics)``."""
+    assert job.metrics is not None
+    metrics = job.metrics
     if isinstance(inject, KillAt):
-        extra_env.update(inject.env(os.path.join(str(tmp_path), f"{name}.fault")))
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(extra_env) if extra_env else None,
+        job = job.replace(env_vars={**job.env_vars, **inject.env(os.path.join(str(tmp_path), f"{name}.fault"))})
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(),
                   while_running=(lambda p: inject(p, metrics)) if inject else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, f"job timed out after {JOB_TIMEOUT_S}s:\n{res.output[-4000:]}"
     return res, read_metrics(metrics), metrics
+
+
+def pretrain(tmp_path, config: str, *, nproc: int = 2, iters: int = 8, script: str = "scripts/pretrain_gpt.py",
+             extra: list[str] | None = None, max_restarts: int = 0, inject: Callable | None = None,
+             name: str = "run", env: dict[str, str] | None = None) -> tuple[object, dict[int, float], str]:
+    job = pretrain_job(tmp_path, config, nproc=nproc, iters=iters, script=script, extra=extra,
+                       max_restarts=max_restarts, name=name, env=env)
+    return run_pretrain(tmp_path, job, inject=inject, name=name)
+
+
+def baseline(tmp_path, config: str, *, iters: int, nproc: int = 2) -> dict[int, float]:
+    """The uninterrupted run's losses (``testing/baselines.py``: run once per key; every step logged)."""
+    def run(job: Job) -> dict[int, float]:
+        res, metrics, _ = run_pretrain(tmp_path, job, name="base")
+        assert res.returncode == 0, res.output[-3000:]  # type: ignore[attr-defined]
+        assert sorted(metrics) == list(range(1, iters + 1))
+        return metrics
+
+    return BASELINES.get(pretrain_job(tmp_path, config, nproc=nproc, iters=iters, name="base"), run)
 
 
 def summary(res, script: str = "pretrain_gpt") -> dict:
@@ -147,7 +157,8 @@ def kill_node_agents(shm_root: str) -> None:
             pass
 
 
-__all__ = ["worker_proc", "kill_node_agents", "pretrain", "kill_at", "memory_tier_config", "Baselines",
+__all__ = ["worker_proc", "kill_node_agents", "pretrain", "pretrain_job", "run_pretrain", "baseline", "kill_at",
+           "memory_tier_config",
            "drop_node_memory", "corrupt_file", "wait_for_step", "kill_rank"]
 
 

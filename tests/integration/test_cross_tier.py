@@ -12,11 +12,10 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file
 from tests.conftest import make_config
-from tests.integration.helpers import kill_at, pretrain, summary
+from tests.integration.helpers import baseline, kill_at, pretrain, summary
 
 pytestmark = pytest.mark.slow
 ITERS = 12
-_baseline: dict[str, dict[int, float]] = {}
 
 
 def _cfg(tmp_path, shm_root, factor):
@@ -25,11 +24,7 @@ def _cfg(tmp_path, shm_root, factor):
 
 
 def _base(tmp_path):
-    if "m" not in _baseline:
-        res, metrics, _ = pretrain(tmp_path, make_config(tmp_path, stage=3, deadpool=None), iters=ITERS, name="base")
-        assert res.returncode == 0, res.output[-3000:]
-        _baseline["m"] = metrics
-    return _baseline["m"]
+    return baseline(tmp_path, make_config(tmp_path, stage=3, deadpool=None), iters=ITERS)
 
 
 def _args(tmp_path):

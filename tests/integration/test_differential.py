@@ -14,7 +14,7 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import Baselines, kill_at, memory_tier_config, pretrain, restore_of, summary
+from tests.integration.helpers import baseline, kill_at, memory_tier_config, pretrain, restore_of, summary
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -26,7 +26,8 @@ def _cfg(tmp_path, stage, shm_root):
     return memory_tier_config(tmp_path, stage, shm_root, differential={"enabled": True, "base_interval": K})
 
 
-_baseline = Baselines(lambda tmp_path, stage, shm_root: make_config(tmp_path, stage=stage, deadpool=None), ITERS)
+def _baseline(tmp_path, stage: int, shm_root: str) -> dict[int, float]:
+    return baseline(tmp_path, make_config(tmp_path, stage=stage, deadpool=None), iters=ITERS)
 
 
 def _replayers(restore: dict) -> list[int]:
@@ -112,11 +113,12 @@ def test_replay_in_place_equals_the_live_state(tmp_path, shm_root, stage):
     """Train 6 steps (base 4, differentials 5 and 6), wreck the live state, restore: every tensor, counter and
     a forward pass equal what they were, bit for bit."""
 
-    from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, run_job
 
-    cmd = torchrun_cmd(2, "tests/integration/workers/differential_equality.py", [_cfg(tmp_path, stage, shm_root), "6"],
-                       port=free_port())
-    res = run_job(cmd, timeout_s=300)
+    job = Job(launcher="torchrun", script="tests/integration/workers/differential_equality.py", nproc_per_node=2,
+              port=free_port(), args=(_cfg(tmp_path, stage, shm_root), "6"))
+    res = run_job(job.argv(), timeout_s=300, env=job.env())
     assert not res.timed_out and res.returncode == 0, res.output[-4000:]
     assert res.output.count("tensors equal after replaying 2 differentials") == 2, res.output[-3000:]
     sizes = re.findall(r"diff (\d+) B vs base (\d+) B", res.output)

@@ -11,13 +11,16 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import Baselines, kill_at, kill_node_agents, memory_tier_config, pretrain, restore_of
+from tests.integration.helpers import baseline, kill_at, kill_node_agents, memory_tier_config, pretrain, restore_of
 
 pytestmark = pytest.mark.slow
 ITERS = 10
 NODE1 = f"{socket.gethostname()}-sim1"
 _cfg = memory_tier_config
-_baseline = Baselines(_cfg, ITERS)
+
+
+def _baseline(tmp_path, stage: int, shm_root: str) -> dict[int, float]:
+    return baseline(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS)
 
 
 @pytest.mark.full_matrix(covered_by="test_relaunch_under_the_deepspeed_launcher_restores_from_memory (ZeRO-3: every "
@@ -69,14 +72,16 @@ def test_corrupt_tier1_falls_back_to_peer(tmp_path, shm_root):
     [(1, False, 1, True), (2, True, 2, True), (3, False, 1, True), (3, True, 1, True), (3, False, 1, False)],
     ci=[(1, False, 1, True), (2, True, 2, True), (3, False, 1, False)]))
 def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive):
-    from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, run_job
     extra = {"gradient_accumulation_steps": gas}
     if bf16:
         extra["bf16"] = {"enabled": True}
     cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root, "simulate_nodes": 2},
                                                        "snapshot": {"derive_params": derive}}, **extra)
-    res = run_job(torchrun_cmd(2, "tests/integration/workers/snapshot_equality.py", [cfg, "3"], port=free_port()),
-                  timeout_s=300)
+    job = Job(launcher="torchrun", script="tests/integration/workers/snapshot_equality.py", nproc_per_node=2,
+              port=free_port(), args=(cfg, "3"))
+    res = run_job(job.argv(), timeout_s=300, env=job.env())
     errors = [line for line in res.output.splitlines() if "Error" in line or "assert" in line]
     assert res.returncode == 0, "\n".join(errors[:40]) + res.output[-2000:]
     assert res.output.count("tensors equal") == 2
@@ -100,22 +105,21 @@ def test_relaunch_under_the_deepspeed_launcher_restores_from_memory(tmp_path, sh
     """DeepSpeed's launcher ends the whole job when a worker dies and never restarts it. With
     local.keep_after_exit_s the node agent keeps tier 1 for a while; relaunching the same command (same master
     port, hence the same job id) restores from it, losses identical to an uninterrupted run."""
-    import sys
-
     from deadpool_ext.chaos import at_step
     from deadpool_ext.chaos.at_step import StepFault
-    from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, read_metrics, run_job
 
     stage = 3
     base = _baseline(tmp_path, stage, shm_root)
     cfg = make_config(tmp_path, stage=stage, deadpool={
         "snapshot": {"interval": 1}, "local": {"shm_root": shm_root, "keep_after_exit_s": 120}})
     metrics = os.path.join(str(tmp_path), "ds_relaunch.jsonl")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(ITERS),
-           "--metrics-out", metrics]
-    env = base_env(at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
-                                                                                         "ds.fault")).render()}))
+    job = Job(launcher="deepspeed", script="scripts/pretrain_gpt.py", nproc_per_node=2, port=free_port(),
+              config=cfg, args=("--train-iters", str(ITERS)), metrics=metrics,
+              env_vars=at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
+                                                                                             "ds.fault")).render()}))
+    cmd, env = job.argv(), job.env()
     try:
         first = run_job(cmd, timeout_s=300, env=env)
         assert first.returncode != 0 and not first.timed_out, first.output[-3000:]
