@@ -1,0 +1,479 @@
+"""Which deadpool_ext modules run code during one in-place hot-swap, per role (survivor, spare, launcher).
+
+**A tool, not part of the product** (issue 31, part 8: "the map"). It measures what ``docs/architecture.md``
+states: how many modules a reader must open to follow one in-place recovery.
+
+How it measures. ``run`` launches the tiny-model hot-swap of ``tests/integration/test_hot_swap.py`` (deadpool-run,
+3 nodes of 1 rank, 1 spare, ZeRO-3 on CPU) with ``trace_boot/`` on the job's ``PYTHONPATH``: its
+``sitecustomize`` calls :func:`install` in every Python process of the job (launcher, workers, spare), which sets a
+``sys.settrace`` / ``threading.settrace`` call hook. The hook returns None (no line tracing) and, for a function of
+the package, records (module, function, thread) in 50 ms buckets of wall time, plus the nearest calling module
+of the package (the module-level call graph); an ``after_step`` hook point callback (``hooks.py``) records when each
+step completed. Each process writes ``<pid>.json`` into the folder ``DEADPOOL_TRACE_MODULES`` names, once a second
+and at exit. The product holds no hook for this: without that folder on ``PYTHONPATH`` nothing is installed.
+
+Once the job reaches step ``--fault-step``, node1's worker is SIGKILLed (the time is written to the timeline as
+the test's injector does). The window of a process is [the fault, the first step it completed after its own
+``recover`` timeline event]; the launcher's ends with the last worker's. A module counts for a role when a
+function of it (not only its import) ran inside the window in any process of that role.
+
+The reader's count. Of the modules that ran, those a reader must open to follow the recovery are the ones that
+carry its control flow: the driver, the decisions, the protocol between processes, the restore. The rest are
+**leaves** (:data:`LEAVES`, each with its reason): they answer a question or format data and hand control back, so
+a reader takes each call at its name: logging, config and contract parsing, store key names and value schemas,
+byte formats and checksums, timeline events, hook registries, file and memory helpers. A leaf that calls a
+non-leaf module inside the window is flagged by the report (it would not be a leaf). Tools beside the product
+(``chaos``, ``sim``, ``testing``, ``training``: here the demo's loop) and the user's script are listed, not counted.
+
+Launch (about a minute on 2 CPU cores; an end-to-end job, so one at a time)::
+
+    flock /tmp/e2e.lock nice -n 19 env TORCH_EXTENSIONS_DIR=$PWD/.cache/torch_extensions DS_ACCELERATOR=cpu \\
+        .venv/bin/python -m deadpool_ext.testing.trace_modules run --out /tmp/trace_recovery
+    .venv/bin/python -m deadpool_ext.testing.trace_modules report /tmp/trace_recovery [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+ENV = "DEADPOOL_TRACE_MODULES"
+"""The folder each traced process writes ``<pid>.json`` into (set by :func:`run` for the job)."""
+BOOT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_boot")
+"""Folder holding the ``sitecustomize`` that calls :func:`install` in every process of a traced job."""
+BUCKET_S = 0.05
+_NEWLOCALS = 0x2  # inspect.CO_NEWLOCALS: set for functions, not for module and class bodies
+PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(PKG_DIR)
+TOOLS = ("deadpool_ext.chaos", "deadpool_ext.sim", "deadpool_ext.testing", "deadpool_ext.training")
+"""Packages beside the product (their docstrings say so): listed by the report, never counted."""
+
+# -- the leaf rule ---------------------------------------------------------------------------------------------
+
+LEAVES: dict[str, str] = {
+    "deadpool_ext.logs": "the log handler's prefix",
+    "deadpool_ext.config": "typed config parsing",
+    "deadpool_ext.hooks": "the hook-point registry",
+    "deadpool_ext.launcher.contract": "the launcher -> worker variables, parsed once",
+    "deadpool_ext.launcher.keys": "store key names and value builders",
+    "deadpool_ext.launcher.values": "store value schemas and the bounded decoder",
+    "deadpool_ext.launcher.hostlist": "which host am I",
+    "deadpool_ext.recovery.timeline": "timeline events written as JSON lines",
+    "deadpool_ext.snapshot.format": "the blob's byte framing and checksums",
+    "deadpool_ext.snapshot.skeleton": "the state skeleton codec",
+    "deadpool_ext.snapshot.rng_json": "RNG state as JSON",
+    "deadpool_ext.snapshot.stats": "typed counters",
+    "deadpool_ext.cluster.comm": "JSON all-gather / broadcast of control messages",
+    "deadpool_ext.cluster.topology": "ranks -> nodes",
+    "deadpool_ext.memory.shm": "named shared-memory files",
+    "deadpool_ext.memory.trust": "owner / mode checks",
+    "deadpool_ext.memory.heap": "malloc_trim",
+    "deadpool_ext.memory.pinned": "pinned host memory (a no-op on CPU)",
+    "deadpool_ext.replicate.auth": "HMAC tags",
+    "deadpool_ext.store.base": "the store ABC and its errors",
+    "deadpool_ext.store.auth": "HMAC challenge-response",
+    "deadpool_ext.store.admission": "connection slots",
+    "deadpool_ext.integrations.importhook": "after-import callbacks",
+    "deadpool_ext.persist.regular": "safe file opens",
+}
+"""Modules a reader takes at their name, each with why (see the module docstring for the rule)."""
+
+
+def module_of(filename: str) -> str:
+    """The dotted module of a source file of the package (``deadpool_ext.patches.*`` lives in ``patches/``);
+    ``script:<path>`` for the repository's scripts; '' for anything else."""
+    path = os.path.abspath(filename)
+    if path.startswith(PKG_DIR + os.sep) and path.endswith(".py"):
+        rel = os.path.relpath(path, REPO)[:-3]
+    elif path.startswith(os.path.join(REPO, "patches") + os.sep) and path.endswith(".py"):
+        rel = "deadpool_ext/" + os.path.relpath(path, REPO)[:-3]
+    elif path.startswith(os.path.join(REPO, "scripts") + os.sep):
+        return "script:" + os.path.relpath(path, REPO)
+    else:
+        return ""
+    parts = rel.split(os.sep)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+# -- in every traced process -----------------------------------------------------------------------------------
+
+
+class _Tracer:
+    """The call hook and what it recorded; written as ``<pid>.json``."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+        self.start = time.time()
+        self.modules: dict[str, str] = {}
+        self.threads: dict[int, str] = {}
+        self.calls: dict[tuple[str, str, str], set[int]] = defaultdict(set)
+        self.edges: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.imports: dict[str, int] = {}
+        self.steps: list[tuple[int, int, float]] = []
+        self.changed = True
+        self.me = module_of(__file__)
+
+    def _module(self, filename: str) -> str:
+        mod = self.modules.get(filename)
+        if mod is None:
+            mod = module_of(filename)
+            mod = "" if mod == self.me or mod.startswith("deadpool_ext.testing.trace_boot") else mod
+            self.modules[filename] = mod
+        return mod
+
+    def trace(self, frame: FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        mod = self.modules.get(code.co_filename)
+        if mod is None:
+            mod = self._module(code.co_filename)
+        if not mod:
+            return None
+        bucket = int(time.time() / BUCKET_S)
+        body = not code.co_flags & _NEWLOCALS  # a module's or a class's body: it is being imported
+        if not body and code.co_name.startswith("<") and frame.f_back is not None:
+            body = not frame.f_back.f_code.co_flags & _NEWLOCALS  # a comprehension in such a body
+        if body:
+            self.imports.setdefault(mod, bucket)
+            self.changed = True
+            return None
+        ident = threading.get_ident()
+        thread = self.threads.get(ident)
+        if thread is None:
+            thread = self.threads[ident] = threading.current_thread().name
+        seen = self.calls[(mod, code.co_qualname, thread)]
+        if bucket not in seen:
+            seen.add(bucket)
+            self.changed = True
+        caller = frame.f_back
+        for _ in range(64):
+            if caller is None:
+                break
+            cmod = self._module(caller.f_code.co_filename)
+            if cmod:
+                if cmod != mod:
+                    self.edges[(cmod, mod)].add(bucket)
+                break
+            caller = caller.f_back
+        return None
+
+    def after_step(self, step: int, rank: int, **_: object) -> None:
+        self.steps.append((int(step), int(rank), time.time()))
+        self.changed = True
+
+    def dump(self) -> None:
+        from ..launcher.contract import WORKER_ID
+
+        if not self.changed:
+            return
+        self.changed = False
+        rec = {
+            "pid": os.getpid(), "argv": sys.argv, "worker_id": os.environ.get(WORKER_ID),
+            "start": self.start, "bucket_s": BUCKET_S, "steps": list(self.steps), "imports": dict(self.imports),
+            "calls": [[m, f, t, sorted(b)] for (m, f, t), b in list(self.calls.items())],
+            "edges": [[a, b, sorted(s)] for (a, b), s in list(self.edges.items())],
+        }
+        path = os.path.join(self.out_dir, f"{os.getpid()}.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(rec, fh)
+        os.replace(tmp, path)
+
+    def dump_every(self, period_s: float) -> None:
+        while True:
+            time.sleep(period_s)
+            try:
+                self.dump()
+            except OSError:
+                pass
+
+
+_tracer: _Tracer | None = None
+
+
+def install(out_dir: str) -> None:
+    """Trace this process's calls into the package (once). Called by ``trace_boot/sitecustomize.py``."""
+    global _tracer
+    if _tracer is not None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    _tracer = tracer = _Tracer(out_dir)
+    threading.Thread(target=tracer.dump_every, args=(1.0,), name="trace-modules-dump", daemon=True).start()
+    atexit.register(tracer.dump)
+    from .. import hooks
+
+    hooks.register(hooks.AFTER_STEP, tracer.after_step)
+    threading.settrace(tracer.trace)  # type: ignore[arg-type]
+    sys.settrace(tracer.trace)  # type: ignore[arg-type]
+
+
+# -- the job ---------------------------------------------------------------------------------------------------
+
+
+def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeout_s: float) -> int:
+    """The hot-swap of ``test_sigkill_hot_swap_identical_losses``, traced; returns the job's exit status."""
+    import shutil
+    import signal
+    import uuid
+
+    import psutil
+
+    from ..launcher.contract import WORKER_ID
+    from ..recovery.timeline import read_events
+    from .launch import base_env, run_job, wait_for_step
+    from .wait import wait_until
+
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(out):
+        if name.endswith((".json", ".jsonl", ".tmp", ".log")):
+            os.unlink(os.path.join(out, name))
+    traces = os.path.join(out, "procs")
+    os.makedirs(traces, exist_ok=True)
+    for name in os.listdir(traces):
+        os.unlink(os.path.join(traces, name))
+    shm_root = f"/dev/shm/dp-trace-{uuid.uuid4().hex[:8]}"
+    os.makedirs(shm_root)
+    with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
+        cfg = json.load(fh)
+    cfg["zero_optimization"] = {"stage": stage}
+    cfg["deadpool"] = {"local": {"shm_root": shm_root}}
+    config = os.path.join(out, "ds_config.json")
+    with open(config, "w") as fh:
+        json.dump(cfg, fh)
+    metrics = os.path.join(out, "metrics.jsonl")
+    timeline = os.path.join(out, "timeline.jsonl")
+    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "3", "--nproc-per-node", "1",
+           "--spare-nodes", "1", "--shm-root", shm_root, "--timeline", timeline,
+           "scripts/pretrain_gpt.py", "--deepspeed_config", config, "--train-iters", str(iters),
+           "--metrics-out", metrics]
+    path = [BOOT_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
+    env = base_env({ENV: traces, "PYTHONPATH": os.pathsep.join(path)})
+
+    def worker(launcher_pid: int, wid: str) -> psutil.Process:
+        def find() -> psutil.Process | None:
+            for p in psutil.Process(launcher_pid).children(recursive=True):
+                try:
+                    if p.environ().get(WORKER_ID) == wid:
+                        return p
+                except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+                    continue
+            return None
+        return wait_until(find, 120, f"worker {wid} under launcher pid {launcher_pid}", interval_s=0.05)
+
+    def inject(proc: Any) -> None:
+        wait_for_step(metrics, fault_step, timeout_s=timeout_s, proc=proc)
+        target = worker(proc.pid, victim)
+        at = time.time()
+        with open(timeline, "a") as fh:
+            fh.write(json.dumps({"event": "fault", "time": at, "worker": victim, "signal": int(signal.SIGKILL),
+                                 "source": "injector"}) + "\n")
+        target.send_signal(signal.SIGKILL)
+        with open(os.path.join(out, "fault.json"), "w") as fh:
+            json.dump({"time": at, "worker": victim, "pid": target.pid, "step": fault_step}, fh)
+
+    try:
+        res = run_job(cmd, timeout_s=timeout_s, while_running=inject, env=env)
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
+    with open(os.path.join(out, "job.log"), "w") as fh:
+        fh.write(res.output)
+    kinds = [e.get("event") for e in read_events(timeline)] if os.path.exists(timeline) else []
+    print(f"job: exit {res.returncode} in {res.elapsed_s:.0f}s{' (timed out)' if res.timed_out else ''}; "
+          f"timeline: {kinds.count('recover')} recover events; log {os.path.join(out, 'job.log')}")
+    return 0 if res.returncode == 0 and not res.timed_out else 1
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    """One traced process and its window."""
+
+    pid: int
+    role: str
+    worker_id: str | None
+    rec: dict[str, Any]
+    window: tuple[float, float] | None = None
+
+
+@dataclass
+class RoleCount:
+    """What ran in one role's windows."""
+
+    role: str
+    procs: list[int]
+    windows: list[tuple[float, float]]
+    product: dict[str, list[str]] = field(default_factory=dict)   # module -> functions (thread-tagged) that ran
+    tools: dict[str, list[str]] = field(default_factory=dict)
+    imported_only: list[str] = field(default_factory=list)
+    edges: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def reader(self) -> list[str]:
+        return sorted(m for m in self.product if m not in LEAVES)
+
+    @property
+    def leaves(self) -> list[str]:
+        return sorted(m for m in self.product if m in LEAVES)
+
+    def flagged_leaves(self) -> list[tuple[str, str]]:
+        """Leaf -> non-leaf calls inside the window (a leaf should hand control back, not drive)."""
+        return sorted((a, b) for a, b in self.edges if a in LEAVES and b in self.product and b not in LEAVES)
+
+
+def _product(mod: str) -> bool:
+    return mod.startswith("deadpool_ext") and not mod.startswith(TOOLS)
+
+
+def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
+    """The traced processes with their roles, the fault time and the timeline."""
+    from ..recovery.timeline import read_events
+
+    with open(os.path.join(out, "fault.json")) as fh:
+        fault = json.load(fh)
+    events = read_events(os.path.join(out, "timeline.jsonl"))
+    roles = {e["pid"]: e["role"] for e in events if e.get("event") == "recover" and "pid" in e}
+    procs = []
+    traces = os.path.join(out, "procs")
+    for name in sorted(os.listdir(traces)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(traces, name)) as fh:
+            rec = json.load(fh)
+        argv = " ".join(rec.get("argv") or [])
+        pid = int(rec["pid"])
+        if "deadpool_ext.launcher.cli" in argv:
+            role = "launcher"
+        elif pid == fault["pid"]:
+            role = "failed"
+        elif pid in roles:
+            role = roles[pid]
+        elif rec.get("worker_id"):
+            role = "worker (no recover event)"
+        elif "memory.agent" in argv or "deadpool_ext.memory.agent" in argv:
+            role = "node agent"
+        else:
+            role = "other"
+        procs.append(Proc(pid, role, rec.get("worker_id"), rec))
+    t_fault = float(fault["time"])
+    recovered_at = {e["pid"]: float(e["time"]) for e in events if e.get("event") == "recover" and "pid" in e}
+    for p in procs:
+        if p.role in ("survivor", "spare"):
+            after = recovered_at[p.pid]
+            ends = [t for _, _, t in p.rec["steps"] if t > after]
+            p.window = (t_fault, ends[0]) if ends else None
+    ends = [p.window[1] for p in procs if p.window is not None]
+    for p in procs:
+        if p.role in ("launcher", "node agent") and ends:
+            p.window = (t_fault, max(ends))
+    return procs, t_fault, events
+
+
+def count(procs: Iterable[Proc], role: str) -> RoleCount:
+    """What ran in the windows of ``role``'s processes (a union over them)."""
+    mine = [p for p in procs if p.role == role and p.window is not None]
+    rc = RoleCount(role, [p.pid for p in mine], [p.window for p in mine if p.window is not None])
+    product: dict[str, set[str]] = defaultdict(set)
+    tools: dict[str, set[str]] = defaultdict(set)
+    imported: set[str] = set()
+    edges: set[tuple[str, str]] = set()
+    for p in mine:
+        assert p.window is not None
+        lo, hi = int(p.window[0] / BUCKET_S), int(p.window[1] / BUCKET_S)
+        for mod, fn, thread, buckets in p.rec["calls"]:
+            if any(lo <= b <= hi for b in buckets):
+                where = "" if thread == "MainThread" else f" [{thread}]"
+                (product if _product(mod) else tools)[mod].add(fn + where)
+        for mod, b in p.rec["imports"].items():
+            if lo <= b <= hi:
+                imported.add(mod)
+        for a, b, buckets in p.rec["edges"]:
+            if any(lo <= x <= hi for x in buckets):
+                edges.add((a, b))
+    rc.product = {m: sorted(f) for m, f in sorted(product.items())}
+    rc.tools = {m: sorted(f) for m, f in sorted(tools.items())}
+    rc.imported_only = sorted(m for m in imported if m not in product and m not in tools)
+    rc.edges = sorted(edges)
+    return rc
+
+
+ROLES = ("survivor", "spare", "launcher")
+
+
+def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
+    procs, t_fault, events = load(out)
+    counts = {r: count(procs, r) for r in ROLES}
+    missing = [r for r in ROLES if not counts[r].procs]
+    if as_json:
+        print(json.dumps({r: {"processes": c.procs, "windows_s": [round(b - a, 2) for a, b in c.windows],
+                              "reader": c.reader, "leaves": c.leaves, "tools": sorted(c.tools),
+                              "imported_only": c.imported_only, "edges": c.edges,
+                              "functions": c.product} for r, c in counts.items()}, indent=1))
+        return 1 if missing else 0
+    print(f"fault at {time.strftime('%H:%M:%S', time.gmtime(t_fault))} UTC; processes: "
+          + ", ".join(f"{p.pid} {p.role}{' ' + p.worker_id if p.worker_id else ''}" for p in procs))
+    for role, c in counts.items():
+        if not c.procs:
+            print(f"\n{role}: no process with a complete window (see the timeline and job.log)")
+            continue
+        span = ", ".join(f"{b - a:.1f}s" for a, b in c.windows)
+        print(f"\n== {role} (pids {c.procs}; window {span}): {len(c.reader)} modules to read, "
+              f"{len(c.leaves)} leaves, {len(c.product)} product modules ran")
+        print("  read:   " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.reader))
+        print("  leaves: " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.leaves))
+        if c.tools:
+            print("  tools and script (not counted): " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.tools))
+        if c.imported_only:
+            print("  imported only (not counted): " + ", ".join(m.removeprefix("deadpool_ext.")
+                                                              for m in c.imported_only))
+        for a, b in c.flagged_leaves():
+            print(f"  ! leaf {a} calls {b} inside the window")
+        if functions:
+            for mod in c.reader:
+                calls = sorted({a for a, b in c.edges if b == mod})
+                print(f"  {mod}  <- {', '.join(x.removeprefix('deadpool_ext.') for x in calls) or '(entry)'}")
+                print("      " + ", ".join(c.product[mod]))
+    return 1 if missing else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deadpool_ext.testing.trace_modules", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="launch the traced hot-swap, then report")
+    r.add_argument("--out", required=True, help="folder for the traces, timeline, metrics and the job's log")
+    r.add_argument("--stage", type=int, choices=(1, 2, 3), default=3, help="ZeRO stage")
+    r.add_argument("--iters", type=int, default=8, help="optimizer steps of the job")
+    r.add_argument("--fault-step", type=int, default=4, help="SIGKILL the victim once this step completed")
+    r.add_argument("--victim", default="node1.0", help="the worker id killed")
+    r.add_argument("--timeout-s", type=float, default=400.0, help="deadline of the whole job")
+    r.add_argument("--functions", action="store_true", help="also list each module's functions and callers")
+    s = sub.add_parser("report", help="count the modules of a finished run's traces")
+    s.add_argument("out", help="the --out folder of a run")
+    s.add_argument("--json", action="store_true", help="machine-readable")
+    s.add_argument("--functions", action="store_true", help="also list each module's functions and callers")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        if args.fault_step >= args.iters:
+            p.error(f"--fault-step {args.fault_step} must be below --iters {args.iters}")
+        rc = run(args.out, stage=args.stage, iters=args.iters, fault_step=args.fault_step, victim=args.victim,
+                 timeout_s=args.timeout_s)
+        if rc:
+            return rc
+        return report(args.out, functions=args.functions)
+    return report(args.out, as_json=args.json, functions=args.functions)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The module-count tool (deadpool_ext/testing/trace_modules.py): the tracer in a real child process, and the
+report's windows, roles and leaf rule over a recorded run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from deadpool_ext.testing import trace_modules as tm
+
+
+def test_module_of_names_package_patches_and_scripts():
+    pkg = os.path.join(tm.REPO, "deadpool_ext")
+    assert tm.module_of(os.path.join(pkg, "rebuild", "recover.py")) == "deadpool_ext.rebuild.recover"
+    assert tm.module_of(os.path.join(pkg, "launcher", "__init__.py")) == "deadpool_ext.launcher"
+    assert tm.module_of(os.path.join(tm.REPO, "patches", "x.py")) == "deadpool_ext.patches.x"
+    assert tm.module_of(os.path.join(tm.REPO, "scripts", "pretrain_gpt.py")) == "script:scripts/pretrain_gpt.py"
+    assert tm.module_of("/usr/lib/python3/threading.py") == ""
+
+
+def test_tracer_records_calls_threads_callers_and_steps_in_a_child(tmp_path):
+    # A real interpreter with the boot folder on its path, as deadpool-run's workers get it: a function of the
+    # package called from another module of it, one in a named thread, one step through the hook point.
+    code = """
+import threading
+from deadpool_ext import hooks
+from deadpool_ext.cluster.membership import Worker, initial_assignment
+from deadpool_ext.launcher import keys
+initial_assignment([Worker("a.0", "a", 0)], ["a"], [])
+t = threading.Thread(target=lambda: keys.heartbeat("a.0"), name="beat"); t.start(); t.join()
+hooks.fire(hooks.AFTER_STEP, step=3, rank=0)
+"""
+    env = {**os.environ, tm.ENV: str(tmp_path), "PYTHONPATH": os.pathsep.join([tm.BOOT_DIR, tm.REPO])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, cwd=tm.REPO)
+    (dump,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    rec = json.loads((tmp_path / dump).read_text())
+    calls = {(m, f, t) for m, f, t, _ in rec["calls"]}
+    assert ("deadpool_ext.cluster.membership", "initial_assignment", "MainThread") in calls
+    assert ("deadpool_ext.launcher.keys", "heartbeat", "beat") in calls
+    assert ("deadpool_ext.hooks", "fire", "MainThread") in calls
+    assert not any(m == "deadpool_ext.testing.trace_modules" for m, _, _ in calls)  # the tracer leaves itself out
+    assert "deadpool_ext.launcher.keys" in rec["imports"]                          # import-time runs apart
+    assert [s for s, _, _ in rec["steps"]] == [3]
+
+
+def _proc(pid, argv, *, calls, steps=(), worker_id=None):
+    return {"pid": pid, "argv": argv, "worker_id": worker_id, "start": 0.0, "bucket_s": tm.BUCKET_S,
+            "steps": [list(s) for s in steps], "imports": {},
+            "calls": [[m, f, t, [int(x / tm.BUCKET_S) for x in times]] for m, f, t, times in calls],
+            "edges": [["deadpool_ext.logs", "deadpool_ext.rebuild.recover", [int(100.0 / tm.BUCKET_S)]]]}
+
+
+def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
+    procs = tmp_path / "procs"
+    procs.mkdir()
+    recs = [
+        _proc(10, ["-m", "deadpool_ext.launcher.cli"], calls=[("deadpool_ext.launcher.decide", "decide", "MainThread",
+                                                                [101.0]),
+                                                               ("deadpool_ext.launcher.args", "parse", "MainThread",
+                                                                [1.0])]),
+        _proc(11, ["scripts/pretrain_gpt.py"], worker_id="node0.0", steps=[(5, 0, 99.0), (5, 0, 103.0)],
+              calls=[("deadpool_ext.rebuild.recover", "Recovery.handle_failure", "MainThread", [101.0]),
+                     ("deadpool_ext.logs", "where", "MainThread", [101.0]),
+                     ("deadpool_ext.training.pretrain", "run", "MainThread", [101.0]),
+                     ("deadpool_ext.snapshot.manager", "SnapshotManager.after_step", "MainThread", [104.0])]),
+        _proc(12, ["scripts/pretrain_gpt.py"], worker_id="spare0.0", steps=[(5, 1, 103.5)],
+              calls=[("deadpool_ext.rebuild.recover", "Recovery.join_survivors", "MainThread", [102.0]),
+                     ("deadpool_ext.rebuild.worker", "Membership._heartbeat", "deadpool-heartbeat", [90.0])]),
+        _proc(13, ["scripts/pretrain_gpt.py"], worker_id="node1.0", calls=[]),
+    ]
+    for r in recs:
+        (procs / f"{r['pid']}.json").write_text(json.dumps(r))
+    (tmp_path / "fault.json").write_text(json.dumps({"time": 100.0, "worker": "node1.0", "pid": 13, "step": 4}))
+    events = [{"event": "recover", "role": "survivor", "pid": 11, "time": 102.5},
+              {"event": "recover", "role": "spare", "pid": 12, "time": 103.0}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+
+    loaded, t_fault, _ = tm.load(str(tmp_path))
+    roles = {p.pid: p.role for p in loaded}
+    assert roles == {10: "launcher", 11: "survivor", 12: "spare", 13: "failed"}
+    windows = {p.pid: p.window for p in loaded}
+    assert windows[11] == (100.0, 103.0) and windows[12] == (100.0, 103.5) and windows[10] == (100.0, 103.5)
+    survivor = tm.count(loaded, "survivor")
+    # after_step at 104 s is past the first step after the recover event; the demo's loop is a tool
+    assert survivor.reader == ["deadpool_ext.rebuild.recover"] and survivor.leaves == ["deadpool_ext.logs"]
+    assert list(survivor.tools) == ["deadpool_ext.training.pretrain"]
+    assert survivor.flagged_leaves() == [("deadpool_ext.logs", "deadpool_ext.rebuild.recover")]
+    spare = tm.count(loaded, "spare")
+    assert spare.reader == ["deadpool_ext.rebuild.recover"]       # the heartbeat at 90 s ran before the fault
+    assert tm.count(loaded, "launcher").reader == ["deadpool_ext.launcher.decide"]
+    assert tm.report(str(tmp_path)) == 0
+    assert "1 modules to read" in capsys.readouterr().out
