@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 
 import psutil
@@ -14,7 +13,9 @@ import pytest
 
 from deadpool_ext.chaos.at_step import ENV, harness_env
 from deadpool_ext.recovery.timeline import phases, read_events
-from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step
+from deadpool_ext.testing.baselines import BASELINES
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import read_metrics, run_job, wait_for_step
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import worker_proc
 
@@ -22,16 +23,25 @@ pytestmark = pytest.mark.slow
 ITERS = 10
 
 
-def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, faults=(), name="run", extra=(),
-          env=None, **cfg):
-    """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``. ``env``: extra
+def dprun_job(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, name="run", extra=(), env=None,
+              **cfg) -> Job:
+    """The tiny GPT job under deadpool-run: ``nnodes`` nodes of 1 worker, ``spares`` spares. ``env``: extra
     environment of the job (e.g. ``chaos.at_step.harness_env(...)``); ``cfg``: DeepSpeed config overrides."""
-    cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
-    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", "1",
-           "--spare-nodes", str(spares), "--shm-root", shm_root, "--timeline", timeline, *extra,
-           "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(iters), "--metrics-out", metrics]
+    config = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
+    return Job(script="scripts/pretrain_gpt.py", nnodes=nnodes, nproc_per_node=1, spare_nodes=spares,
+               shm_root=shm_root, timeline=os.path.join(str(tmp_path), f"{name}.timeline.jsonl"),
+               launcher_flags=tuple(extra), config=config, args=("--train-iters", str(iters)),
+               metrics=os.path.join(str(tmp_path), f"{name}.jsonl"), env_vars=dict(env or {}))
+
+
+def dprun(tmp_path, shm_root, *, faults=(), name="run", **job):
+    """faults: [(step, worker_id, signal)] applied in order once the metrics reach ``step``; ``job``: dprun_job's."""
+    return run_dprun(tmp_path, dprun_job(tmp_path, shm_root, name=name, **job), faults=faults, name=name)
+
+
+def run_dprun(tmp_path, job: Job, *, faults=(), name="run"):
+    assert job.metrics is not None and job.timeline is not None and job.nnodes is not None
+    metrics, timeline, nnodes = job.metrics, job.timeline, job.nnodes
     pids: dict[str, int] = {}
 
     def inject(proc):
@@ -52,7 +62,7 @@ def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, fault
                                      "source": "injector"}) + "\n")
             target.send_signal(sig)
 
-    res = run_job(cmd, timeout_s=400, while_running=inject, env=base_env(env))
+    res = run_job(job.argv(), timeout_s=400, while_running=inject, env=job.env())
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
@@ -60,16 +70,15 @@ def dprun(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, fault
     return res, read_metrics(metrics), events, pids
 
 
-_baselines: dict[int, dict[int, float]] = {}
-
-
 def baseline(tmp_path, shm_root, stage):
-    if stage not in _baselines:
-        res, metrics, _, _ = dprun(tmp_path, shm_root, stage=stage, spares=0, name=f"base{stage}")
+    """The uninterrupted run of the module's job (3 nodes, no spare) from the one cache (testing/baselines.py)."""
+    def run(job: Job) -> dict[int, float]:
+        res, metrics, _, _ = run_dprun(tmp_path, job, name=f"base{stage}")
         assert res.returncode == 0, res.output[-3000:]
         assert sorted(metrics) == list(range(1, ITERS + 1))
-        _baselines[stage] = metrics
-    return _baselines[stage]
+        return metrics
+
+    return BASELINES.get(dprun_job(tmp_path, shm_root, stage=stage, spares=0, name=f"base{stage}"), run)
 
 
 @pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))  # ZeRO-1: the busy-survivors test
@@ -199,25 +208,21 @@ def test_two_launchers_joined_through_etcd(tmp_path, shm_root, etcd_server):  # 
     over."""
     import subprocess
 
-    from deadpool_ext.testing.launch import base_env, kill_tree
+    from deadpool_ext.testing.launch import kill_tree
 
     base = baseline(tmp_path, shm_root, 3)
     cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}})
     metrics = os.path.join(str(tmp_path), "mh.jsonl")
     timeline = os.path.join(str(tmp_path), "mh.timeline.jsonl")
-    env = base_env({"DEADPOOL_STORE_TOKEN": etcd_server.token})
-    common = ["--nnodes", "3", "--nproc-per-node", "1", "--spare-nodes", "1", "--hosts", "2", "--job-id", "mhjob",
-              "--store-url", etcd_server.store_url, "--shm-root", shm_root]
-    script = ["scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(ITERS),
-              "--metrics-out", metrics]
+    job = Job(script="scripts/pretrain_gpt.py", nnodes=3, nproc_per_node=1, spare_nodes=1, hosts=2, job_id="mhjob",
+              store_url=etcd_server.store_url, shm_root=shm_root, config=cfg, args=("--train-iters", str(ITERS)),
+              metrics=metrics, env_vars={"DEADPOOL_STORE_TOKEN": etcd_server.token})
     from deadpool_ext.testing.launch import REPO
     logs = [open(os.path.join(str(tmp_path), f"mh{i}.log"), "w") for i in (0, 1)]
-    leader = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", *common, "--host-rank", "0",
-                               "--timeline", timeline, *script], cwd=REPO, env=env, stdout=logs[0],
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    follower = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", *common, "--host-rank", "1",
-                                 *script], cwd=REPO, env=env, stdout=logs[1], stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    leader = subprocess.Popen(job.replace(host_rank=0, timeline=timeline).argv(), cwd=REPO, env=job.env(),
+                              stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True)
+    follower = subprocess.Popen(job.replace(host_rank=1).argv(), cwd=REPO, env=job.env(), stdout=logs[1],
+                                stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for_step(metrics, 4, timeout_s=240, proc=leader)
         worker_proc(follower.pid, "node1.0").kill()
@@ -240,14 +245,14 @@ def test_killed_launcher_leaves_no_shared_memory(tmp_path, shm_root):
     job's directories once the launcher is gone."""
     import subprocess
 
-    from deadpool_ext.testing.launch import REPO, base_env, kill_tree
+    from deadpool_ext.testing.launch import REPO, kill_tree
 
     cfg = make_config(tmp_path, stage=3, deadpool={"local": {"shm_root": shm_root}})
     metrics = os.path.join(str(tmp_path), "k.jsonl")
-    proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--shm-root",
-                             shm_root, "--job-id", "leakcheck", "scripts/pretrain_gpt.py", "--deepspeed_config", cfg,
-                             "--train-iters", "50", "--metrics-out", metrics], cwd=REPO, env=base_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    job = Job(script="scripts/pretrain_gpt.py", nnodes=2, shm_root=shm_root, job_id="leakcheck", config=cfg,
+              args=("--train-iters", "50"), metrics=metrics)
+    proc = subprocess.Popen(job.argv(), cwd=REPO, env=job.env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_for_step(metrics, 2, timeout_s=240, proc=proc)
         assert [d for d in os.listdir(shm_root) if d.startswith("deadpool.leakcheck.")]
@@ -267,14 +272,14 @@ def test_embedded_store_with_many_hosts_warns_that_host_0_is_a_single_point_of_f
     """No failover without etcd: a multi-host job on the embedded store says so at start, naming the fix."""
     import subprocess
 
-    from deadpool_ext.testing.launch import REPO, base_env, kill_tree
+    from deadpool_ext.testing.launch import REPO, kill_tree
 
     script = tmp_path / "idle.py"
     script.write_text("import time\ntime.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--hosts", "2",
-                             "--host-rank", "0", "--job-id", "embwarn", str(script)], cwd=REPO,
-                            env=base_env({"DEADPOOL_STORE_TOKEN": "t" * 32}), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = Job(script=str(script), nnodes=2, hosts=2, host_rank=0, job_id="embwarn",
+              env_vars={"DEADPOOL_STORE_TOKEN": "t" * 32})
+    proc = subprocess.Popen(job.argv(), cwd=REPO, env=job.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
         lines = []
         deadline = time.time() + 60
