@@ -12,25 +12,31 @@ membership's assignment) and a reader finds the whole state in one place:
 - ``pending_live``: a spare whose groups were built solo and have not joined the survivors yet;
 - ``swap_mode``, ``swappable_groups``: whether new swappable groups are built solo or live, and every one built
   (``rebuild/swap.py``);
-- ``teardown_hooks``, ``graveyard``: the framework caches reset at a teardown, the dead generations' groups kept
-  referenced (``rebuild/worker.py``);
+- ``interrupts``: the launcher's notice to the main thread, by generation: the one requested, the one armed, the
+  one stopped (``rebuild/interrupt.py``);
+- ``teardown_hooks``: the framework caches reset at a teardown (``rebuild/worker.py``);
+- ``graveyard``: the one place dead generations' process groups and communicators go (:class:`Graveyard`: a
+  rebuild's torn-down groups, ``rebuild/worker.py``; an in-place swap's inner communicators, ``rebuild/swap.py``);
 - ``spare_warmups``, ``served_stores``, ``exit_registered``: start-up (``distributed.py``);
 - ``restore_follows``: a rebuild's factory runs with a restore from memory to follow (``rebuild/recover.py``);
 - ``first_batch``: the first engine's batch shape, which a resized world keeps (``integrations/deepspeed/batch.py``);
 - ``recovery``: the recovery driver (``rebuild/recover.py``).
 
-Left where they are: the signal handler's state (``rebuild/interrupt.py``: a handler runs with no argument to
-pass the context in), ``rebuild/swap.py``'s registration of its backend with torch and its reaped graveyard of
-inner groups.
+No generation state is anywhere else. What stays in module globals is process-wide by nature, each with its reason
+on the line (``tests/unit/test_module_state.py`` holds the list and fails on any other): the installed signal
+handler (``rebuild/interrupt.py``: ``signal.signal`` is per process), the backends registered with torch
+(``rebuild/swap.py``), caches of the environment and of probes, and the harness's hook registry.
 """
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .fence import GenerationFence
+from .interrupt import Interrupts
 from .progress import Progress
 
 if TYPE_CHECKING:
@@ -38,6 +44,41 @@ if TYPE_CHECKING:
     from .recover import Recovery
     from .swap import SwappableGroup
     from .worker import Membership
+
+
+class Graveyard:
+    """Dead generations' process groups and communicators, kept referenced: gloo's destructor joins the group's
+    worker threads, which may still be blocked on a dead peer until the group's timeout, so dropping the last
+    reference on the main thread (e.g. in ``gc.collect()`` after an old engine is released) would stall a recovery
+    that long. Two kinds of graves, one graveyard:
+
+    - :meth:`keep`: held for the process's life (a rebuild's torn-down groups: tiny, their threads finish alone);
+    - :meth:`bury`, then :meth:`reap`: an in-place swap's inner communicators, which hold the tensors of the
+      collectives in flight at the failure (about one gradient bucket per swap): freed once the next generation's
+      are built, their last reference dropped on a daemon thread (the fence cut their sockets; a destructor that
+      still blocks makes only that thread wait);
+    - :meth:`take_buried`: at exit, the buried not reaped yet, for the caller to drop on its own thread (before
+      interpreter finalization).
+    """
+
+    def __init__(self) -> None:
+        self.kept: list[Any] = []
+        self.buried: list[Any] = []
+
+    def keep(self, objs: Iterable[Any]) -> None:
+        self.kept.extend(objs)
+
+    def bury(self, obj: Any) -> None:
+        self.buried.append(obj)
+
+    def take_buried(self) -> list[Any]:
+        dead, self.buried = self.buried, []
+        return dead
+
+    def reap(self) -> None:
+        dead = self.take_buried()
+        if dead:
+            threading.Thread(target=dead.clear, name="deadpool-reap-communicators", daemon=True).start()
 
 
 @dataclass(eq=False)
@@ -51,8 +92,9 @@ class WorkerContext:
     """(assignment, worker id, collective timeout) of a spare built solo, until it joins the survivors."""
     swap_mode: str = "live"
     swappable_groups: list[weakref.ReferenceType[SwappableGroup]] = field(default_factory=list)
+    interrupts: Interrupts = field(default_factory=Interrupts)
     teardown_hooks: list[Callable[[], None]] = field(default_factory=list)
-    graveyard: list[Any] = field(default_factory=list)
+    graveyard: Graveyard = field(default_factory=Graveyard)
     spare_warmups: list[Callable[[], None]] = field(default_factory=list)
     served_stores: list[object] = field(default_factory=list)
     exit_registered: bool = False
@@ -78,7 +120,7 @@ class WorkerContext:
         return self._recovery
 
 
-_CONTEXT = WorkerContext()
+_CONTEXT = WorkerContext()  # the one per process: every other piece of a worker's state hangs off it
 
 
 def context() -> WorkerContext:

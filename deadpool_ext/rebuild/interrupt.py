@@ -31,6 +31,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 SIGNAL = signal.SIGUSR2
@@ -40,11 +41,28 @@ class GenerationLost(RuntimeError):
     """The launcher published a newer generation while this rank was computing a step of the old one."""
 
 
+@dataclass
+class Interrupts:
+    """This process's notice state, per generation (held by ``rebuild/context.py``, so the context answers every
+    "which generation" question; the functions below reach it)."""
+
+    armed_generation: int | None = None
+    """The generation whose step is running in an armed region, or None."""
+    requested: tuple[int, str] | None = None
+    """(dead generation, why): the launcher's notice, not yet acted on."""
+    stopped: int | None = None
+    """The last generation whose step a request stopped."""
+
+
+# Process-wide: a signal handler is installed per process (signal.signal), not per generation.
 _installed = False
-_previous: Any = signal.SIG_DFL
-_armed_generation: int | None = None   # the generation whose step is running in an armed region, or None
-_requested: tuple[int, str] | None = None  # (dead generation, why)
-_stopped: int | None = None  # the last generation whose step a request stopped
+_previous: Any = signal.SIG_DFL  # process-wide: the handler installed before ours, that a real SIGUSR2 goes to
+
+
+def _state() -> Interrupts:
+    from .context import context
+
+    return context().interrupts
 
 
 def install() -> bool:
@@ -61,46 +79,45 @@ def install() -> bool:
 
 def request(generation: int, why: str) -> None:
     """Generation ``generation`` is dead: stop its step in the main thread (from any thread)."""
-    global _requested
-    _requested = (generation, why)
+    _state().requested = (generation, why)
     if _installed:
         _thread.interrupt_main(SIGNAL)
 
 
-def _raise_if_requested(generation: int) -> None:
-    global _requested, _armed_generation, _stopped
-    req = _requested
+def _raise_if_requested(st: Interrupts, generation: int) -> None:
+    req = st.requested
     if req is not None and req[0] == generation:
-        _requested = None
-        _armed_generation = None
-        _stopped = generation
+        st.requested = None
+        st.armed_generation = None
+        st.stopped = generation
         raise GenerationLost(f"generation {generation} was abandoned: {req[1]}")
 
 
 def _handler(signum: int, frame: Any) -> None:
-    if _requested is None:
+    st = _state()
+    if st.requested is None:
         prev: Callable[..., Any] | Any = _previous
         if callable(prev):
             prev(signum, frame)
         return
-    if _armed_generation is not None:
-        _raise_if_requested(_armed_generation)
+    if st.armed_generation is not None:
+        _raise_if_requested(st, st.armed_generation)
 
 
 @contextlib.contextmanager
 def armed(generation: int | None) -> Iterator[None]:
     """Let the current step of ``generation`` be stopped by a request (None: not in a generation, no-op).
     Re-entrant: an inner region (e.g. DeepSpeed's step inside a wrapped call) keeps the outer one armed."""
-    global _armed_generation
-    if generation is None or not _installed or _armed_generation is not None:
+    st = _state()
+    if generation is None or not _installed or st.armed_generation is not None:
         yield
         return
-    _raise_if_requested(generation)
-    _armed_generation = generation
+    _raise_if_requested(st, generation)
+    st.armed_generation = generation
     try:
         yield
     finally:
-        _armed_generation = None
+        st.armed_generation = None
 
 
 def stoppable(enabled: bool) -> Any:
@@ -115,11 +132,11 @@ def stoppable(enabled: bool) -> Any:
 
 def forget(generation: int) -> None:
     """Recovery of ``generation`` has begun: a request about it has nothing left to stop."""
-    global _requested
-    if _requested is not None and _requested[0] <= generation:
-        _requested = None
+    st = _state()
+    if st.requested is not None and st.requested[0] <= generation:
+        st.requested = None
 
 
 def stopped(generation: int) -> bool:
     """Whether the launcher's notice stopped a step of ``generation`` in this process."""
-    return _stopped == generation
+    return _state().stopped == generation

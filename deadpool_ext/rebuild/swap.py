@@ -14,7 +14,7 @@ each collective goes to the one for its tensors' device. The group advertises CP
 frameworks issue host-tensor collectives on the default group (object collectives, ``barrier``), which NCCL
 refuses.
 
-Modes of a process (module state, set by the worker before any group exists):
+Modes of a process (the context's ``swap_mode``, set by the worker before any group exists):
 
 - **live** (default): a group's inner communicator is built when the group is created, on the store torch gives.
 - **solo**: a spare building its framework objects *before* it joins the survivors' collectives (survivors do
@@ -80,7 +80,6 @@ class SwapError(RuntimeError):
 
 
 _lock = threading.Lock()  # guards the context's swappable_groups (the mode and the groups: rebuild/context.py)
-_graveyard: list[Any] = []   # dead generations' inner groups: gloo's destructor joins threads that may block
 
 
 def set_mode(mode: str) -> None:
@@ -378,7 +377,7 @@ def unsupported() -> str | None:
     return None
 
 
-_registered = False
+_registered = False  # process-wide: torch's backend registry (dist.Backend.register_backend) is per process
 
 
 def use() -> None:
@@ -430,7 +429,7 @@ def detach(why: str) -> int:
     n = 0
     for g in groups():
         if not isinstance(g.inner, _Dead):
-            _graveyard.append(g.inner)
+            context().graveyard.bury(g.inner)
             g.inner = _Dead(why)
             n += 1
     return n
@@ -453,14 +452,14 @@ def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
         g.inner = build_inner(g.kind, dist.PrefixStore("swap/", prefix), g._rank, g._size, g.timeout)
         g.generation = generation
         if not isinstance(old, _Dead):
-            _graveyard.append(old)
+            context().graveyard.bury(old)
         backend_name, _ = world.pg_map[g]
         # torch keeps each group's store (new_group's rendezvous barrier uses the default group's)
         world.pg_map[g] = (backend_name, store if g is default else prefix)
         n += 1
         if g is default and check is not None:
             check()
-    _reap_graveyard()
+    context().graveyard.reap()  # the dead generations' communicators: see Graveyard (rebuild/context.py)
     return n
 
 
@@ -489,22 +488,10 @@ def forget_all() -> None:
     thread, so their destructors run now and not during interpreter finalization."""
     with _lock:
         alive = [g for g in (r() for r in context().swappable_groups) if g is not None]
-    held = [g.inner for g in alive] + _graveyard[:]
-    _graveyard.clear()
+    held = [g.inner for g in alive] + context().graveyard.take_buried()
     for g in alive:
         g.inner = _Dead("process exiting")
     held.clear()
-
-
-def _reap_graveyard() -> None:
-    """Free the communicators of dead generations (their buffers, and the tensors of collectives that were in
-    flight at the failure, which they keep referenced: about one gradient bucket per swap). The last reference is
-    dropped on a daemon thread: gloo's destructor joins its worker threads, which the fence has released (their
-    sockets were cut); if one still blocks, only that thread waits."""
-    dead = _graveyard[:]
-    _graveyard.clear()
-    if dead:
-        threading.Thread(target=dead.clear, name="deadpool-reap-communicators", daemon=True).start()
 
 
 class SoloStore(dist.Store):

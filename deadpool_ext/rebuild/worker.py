@@ -431,11 +431,9 @@ def teardown(timeout_s: float = 30.0) -> None:
     if f.generation is not None:
         f.cut(f.generation, "teardown")
     if dist.is_initialized():
-        # Process groups of dead generations, kept referenced on purpose: gloo's C++ destructor joins the group's
-        # worker threads, which may still be blocked on a dead peer until the group's timeout. Dropping the last
-        # reference on the main thread (e.g. in gc.collect() after the old engine is released) would stall
-        # recovery for that long. Kept, the objects are tiny and their threads finish on their own.
-        context().graveyard.extend(list(dist.distributed_c10d._world.pg_map.keys()))
+        # Process groups of dead generations, kept referenced on purpose (Graveyard, rebuild/context.py): gloo's
+        # destructor may block on a dead peer until the group's timeout.
+        context().graveyard.keep(list(dist.distributed_c10d._world.pg_map.keys()))
         done = threading.Event()
 
         def destroy() -> None:

@@ -7,6 +7,14 @@ import time
 import pytest
 
 from deadpool_ext.rebuild import interrupt
+from deadpool_ext.rebuild.context import context
+
+
+@pytest.fixture(autouse=True)
+def fresh(monkeypatch):
+    """A notice state of its own (the context's) for each test."""
+    monkeypatch.setattr(context(), "interrupts", interrupt.Interrupts())
+    return context().interrupts
 
 
 @pytest.fixture
@@ -18,8 +26,6 @@ def installed():
     yield calls
     signal.signal(interrupt.SIGNAL, before)
     interrupt._installed = False
-    interrupt._requested = None
-    interrupt._armed_generation = None
 
 
 def _spin(seconds: float) -> None:
@@ -29,12 +35,12 @@ def _spin(seconds: float) -> None:
         pass
 
 
-def test_notice_stops_an_armed_step_of_that_generation(installed):
+def test_notice_stops_an_armed_step_of_that_generation(installed, fresh):
     with pytest.raises(interrupt.GenerationLost, match="generation 3 was abandoned: launcher says so"):
         with interrupt.armed(3):
             threading.Timer(0.05, interrupt.request, (3, "launcher says so")).start()
             _spin(5.0)
-    assert interrupt._armed_generation is None and interrupt._requested is None
+    assert fresh.armed_generation is None and fresh.requested is None and fresh.stopped == 3
 
 
 def test_notice_outside_a_step_waits_for_the_next_step_of_that_generation(installed):
@@ -73,11 +79,8 @@ def test_a_real_sigusr2_goes_to_the_handler_installed_before(installed):
 def test_not_installed_or_not_in_a_generation_is_a_no_op():
     assert not interrupt._installed
     interrupt.request(5, "dead")  # no handler: nothing is delivered
-    try:
-        with interrupt.armed(None):
-            _spin(0.01)
-    finally:
-        interrupt._requested = None
+    with interrupt.armed(None):
+        _spin(0.01)
 
 
 def test_install_refuses_outside_the_main_thread():

@@ -179,11 +179,11 @@ def test_a_snapshot_worker_error_before_the_step_is_not_a_lost_peer(job, monkeyp
     assert time.monotonic() - t0 < 0.2
 
 
-def test_the_notice_that_stopped_a_step_is_its_cause():
-    interrupt._stopped = None
+def test_the_notice_that_stopped_a_step_is_its_cause(monkeypatch):
+    notice = interrupt.Interrupts()
+    monkeypatch.setattr(context(), "interrupts", notice)
     assert not interrupt.stopped(4)
-    interrupt._requested = (4, "the launcher published generation 5")
+    notice.requested = (4, "the launcher published generation 5")
     with pytest.raises(interrupt.GenerationLost):
-        interrupt._raise_if_requested(4)
+        interrupt._raise_if_requested(notice, 4)
     assert interrupt.stopped(4) and not interrupt.stopped(5)
-    interrupt._stopped = None

@@ -58,19 +58,29 @@ def test_a_step_is_armed_in_the_contexts_generation(monkeypatch):
 
     before = signal.getsignal(interrupt.SIGNAL)
     monkeypatch.setattr(context(), "membership", Assigned())
+    monkeypatch.setattr(context(), "interrupts", interrupt.Interrupts())
     assert interrupt.install()
     try:
         interrupt.request(5, "the launcher published generation 6")
+        assert context().interrupts.requested == (5, "the launcher published generation 6")
         with pytest.raises(interrupt.GenerationLost, match="generation 5 was abandoned"):
             with interrupt.stoppable(True):
                 pass
-        assert interrupt.stopped(5)
+        assert interrupt.stopped(5) and context().interrupts.stopped == 5
     finally:
         signal.signal(interrupt.SIGNAL, before)
         interrupt._installed = False
-        interrupt._requested = None
-        interrupt._armed_generation = None
-        interrupt._stopped = None
+
+
+def test_one_graveyard_holds_every_dead_generations_groups():
+    graveyard = WorkerContext().graveyard
+    kept, buried = object(), [object()]
+    graveyard.keep([kept])
+    graveyard.bury(buried)
+    graveyard.reap()   # the buried go (their last reference dropped off the calling thread); the kept stay
+    assert graveyard.kept == [kept] and graveyard.buried == []
+    graveyard.bury(buried)
+    assert graveyard.take_buried() == [buried] and graveyard.buried == [] and graveyard.kept == [kept]
 
 
 def test_the_first_engines_batch_shape_is_kept_in_the_context(monkeypatch):
