@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 import os
 import signal
-import sys
 
 import pytest
 import torch
@@ -19,7 +18,8 @@ import torch
 from deadpool_ext.chaos.at_step import harness_env
 from deadpool_ext.chaos.dump import DIR, STEPS, gather
 from deadpool_ext.recovery.timeline import read_events
-from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, wait_for_step
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import release_hold_when_grown, worker_proc
 
@@ -35,11 +35,10 @@ def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=Non
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     dumps = os.path.join(str(tmp_path), f"{name}.dumps")
     os.makedirs(dumps, exist_ok=True)
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-           "--spare-nodes", "0", "--no-spare-policy", policy, "--shm-root", shm_root, "--timeline", timeline,
-           *launcher, "scripts/pretrain_gpt.py", "--deepspeed_config", config, "--train-iters", str(iters),
-           "--metrics-out", metrics, "--dropout", "0"]
-    env = harness_env({DIR: dumps, STEPS: ",".join(map(str, dump_steps)), **(inject_env or {})})
+    job = Job(script="scripts/pretrain_gpt.py", nnodes=nnodes, nproc_per_node=nproc, spare_nodes=0,
+              no_spare_policy=policy, shm_root=shm_root, timeline=timeline, launcher_flags=tuple(launcher),
+              config=config, args=("--train-iters", str(iters), "--dropout", "0"), metrics=metrics,
+              env_vars=harness_env({DIR: dumps, STEPS: ",".join(map(str, dump_steps)), **(inject_env or {})}))
 
     def inject(proc):
         if kill_node is None:
@@ -49,9 +48,9 @@ def elastic_run(tmp_path, shm_root, *, stage, nnodes, nproc, name, kill_node=Non
         for v in victims:
             v.send_signal(signal.SIGKILL)
         if then is not None:
-            then(proc, timeline, cmd, metrics)
+            then(proc, timeline, job, metrics)
 
-    res = run_job(cmd, timeout_s=400, while_running=inject, env=base_env(env))
+    res = run_job(job.argv(), timeout_s=400, while_running=inject, env=job.env())
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
@@ -140,21 +139,21 @@ def test_grow_back_when_a_node_returns(tmp_path, shm_root, how):
     token, job_id, port = "t0ken-" + os.urandom(8).hex(), "growjob", free_port()
     joiner: dict = {}
 
-    def start_joiner(cmd, metrics):
+    def start_joiner(job, metrics):
         wait_for_step(metrics, 4, timeout_s=240)  # the shrunk world redid step 3 and trains on
-        script = cmd.index("scripts/pretrain_gpt.py")
-        jcmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--join", "extra0", "--store-url",
-                f"dp://127.0.0.1:{port}", "--job-id", job_id, "--nproc-per-node", "2", "--shm-root", shm_root,
-                *cmd[script:]]
-        env = base_env(harness_env({DIR: dumps_dir, STEPS: ",".join(map(str, range(1, iters + 1))),
-                                    "DEADPOOL_STORE_TOKEN": token}))
-        t = threading.Thread(target=lambda: joiner.update(res=run_job(jcmd, timeout_s=300, env=env)), daemon=True)
+        env = harness_env({DIR: dumps_dir, STEPS: ",".join(map(str, range(1, iters + 1))),
+                           "DEADPOOL_STORE_TOKEN": token})
+        joining = Job(script=job.script, args=job.args, config=job.config, metrics=job.metrics, join="extra0",
+                      nnodes=None, store_url=f"dp://127.0.0.1:{port}", job_id=job_id, nproc_per_node=2,
+                      shm_root=shm_root, env_vars=env)
+        t = threading.Thread(target=lambda: joiner.update(res=run_job(joining.argv(), timeout_s=300,
+                                                                      env=joining.env())), daemon=True)
         t.start()
         joiner["thread"] = t
 
-    def release_on_grow(proc, timeline, cmd, metrics):
+    def release_on_grow(proc, timeline, job, metrics):
         if how == "joined":
-            start_joiner(cmd, metrics)
+            start_joiner(job, metrics)
         release_hold_when_grown(proc, timeline, marker, 240)
 
     dumps_dir = os.path.join(str(tmp_path), "grow.dumps")

@@ -8,7 +8,6 @@ import glob
 import json
 import os
 import signal
-import sys
 
 import pytest
 import torch
@@ -18,13 +17,14 @@ from deadpool_ext.chaos.dump import DIR as DUMP_DIR
 from deadpool_ext.chaos.dump import STEPS as DUMP_STEPS
 from deadpool_ext.chaos.dump import by_shard
 from deadpool_ext.recovery.timeline import read_events
-from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import matrix
-from tests.integration.helpers import release_hold_when_grown
-from tests.integration.test_hot_swap import worker_proc
+from tests.integration.helpers import release_hold_when_grown, worker_proc
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/pretrain_gpt_megatron.py"
+RESTORE_WORKER = "tests/integration/workers/megatron_restore.py"
 ITERS = 12
 JOB_TIMEOUT_S = 600
 
@@ -38,9 +38,10 @@ def _config(tmp_path, shm_root) -> str:
 
 def _torchrun(tmp_path, shm_root, nproc, layout, name, extra=()):
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    cmd = torchrun_cmd(nproc, SCRIPT, [*layout, "--train-iters", str(ITERS), "--metrics-out", metrics,
-                                       "--deadpool-config", _config(tmp_path, shm_root), *extra], port=free_port())
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+    job = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=nproc, port=free_port(),
+              args=(*layout, "--train-iters", str(ITERS), *extra), config=_config(tmp_path, shm_root),
+              config_flag="--deadpool-config", metrics=metrics)
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
     assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
     return read_metrics(metrics), res
 
@@ -48,15 +49,15 @@ def _torchrun(tmp_path, shm_root, nproc, layout, name, extra=()):
 def _swap(tmp_path, shm_root, layout, kill_step=5, victim="node1.1"):
     metrics = os.path.join(str(tmp_path), "swap.jsonl")
     timeline = os.path.join(str(tmp_path), "swap.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "2",
-           "--spare-nodes", "1", "--shm-root", shm_root, "--timeline", timeline, SCRIPT, *layout,
-           "--train-iters", str(ITERS), "--metrics-out", metrics, "--deadpool-config", _config(tmp_path, shm_root)]
+    job = Job(script=SCRIPT, nnodes=2, nproc_per_node=2, spare_nodes=1, shm_root=shm_root, timeline=timeline,
+              args=(*layout, "--train-iters", str(ITERS)), config=_config(tmp_path, shm_root),
+              config_flag="--deadpool-config", metrics=metrics)
 
     def inject(proc):
         wait_for_step(metrics, kill_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
         worker_proc(proc.pid, victim).send_signal(signal.SIGKILL)
 
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=inject)
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, while_running=inject, env=job.env())
     with open(os.path.join(str(tmp_path), "swap.log"), "w") as fh:
         fh.write(res.output)
     assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
@@ -94,10 +95,9 @@ def test_node_loss_hot_swap_identical_losses(tmp_path, shm_root, layout):
 def test_in_process_rebuild_and_restore_is_exact(tmp_path, shm_root):
     out = {}
     for restore_at in (0, 3):
-        cmd = torchrun_cmd(4, "tests/integration/workers/megatron_restore.py",
-                           ["--pp", "2", "--iters", "8", "--restore-at", str(restore_at), "--shm-root", shm_root],
-                           port=free_port())
-        res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+        job = Job(launcher="torchrun", script=RESTORE_WORKER, nproc_per_node=4, port=free_port(),
+                  args=("--pp", "2", "--iters", "8", "--restore-at", str(restore_at), "--shm-root", shm_root))
+        res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
         assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
         line = [ln for ln in res.output.splitlines() if ln.startswith("LOSSES ")][0]
         out[restore_at] = json.loads(line[len("LOSSES "):])
@@ -109,10 +109,10 @@ def test_differential_replay_in_process_is_exact(tmp_path, shm_root):
     restoring at 5 replays it, and the losses equal an uninterrupted run."""
     out = {}
     for restore_at in (0, 3):
-        cmd = torchrun_cmd(4, "tests/integration/workers/megatron_restore.py",
-                           ["--pp", "2", "--iters", "7", "--restore-at", str(restore_at), "--shm-root", shm_root,
-                            "--differential", "4"], port=free_port())
-        res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+        job = Job(launcher="torchrun", script=RESTORE_WORKER, nproc_per_node=4, port=free_port(),
+                  args=("--pp", "2", "--iters", "7", "--restore-at", str(restore_at), "--shm-root", shm_root,
+                        "--differential", "4"))
+        res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
         assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
         line = [ln for ln in res.output.splitlines() if ln.startswith("LOSSES ")][0]
         out[restore_at] = json.loads(line[len("LOSSES "):])
@@ -154,10 +154,11 @@ def _elastic(tmp_path, shm_root, layout, name, *, kill_node=None, kill_at=3, dum
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     dumps = os.path.join(str(tmp_path), f"{name}.dumps")
     os.makedirs(dumps, exist_ok=True)
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "2",
-           "--spare-nodes", "0", "--no-spare-policy", policy, "--shm-root", shm_root, "--timeline", timeline,
-           *launcher, SCRIPT, *layout, "--train-iters", str(ITERS), "--metrics-out", metrics,
-           "--deadpool-config", _config(tmp_path, shm_root)]
+    job = Job(script=SCRIPT, nnodes=2, nproc_per_node=2, spare_nodes=0, no_spare_policy=policy, shm_root=shm_root,
+              timeline=timeline, launcher_flags=tuple(launcher), args=(*layout, "--train-iters", str(ITERS)),
+              config=_config(tmp_path, shm_root), config_flag="--deadpool-config", metrics=metrics,
+              env_vars=harness_env({DUMP_DIR: dumps, DUMP_STEPS: ",".join(map(str, dump_steps)),
+                                    **(inject_env or {})}))
 
     def inject(proc):
         if kill_node is None:
@@ -169,8 +170,7 @@ def _elastic(tmp_path, shm_root, layout, name, *, kill_node=None, kill_at=3, dum
         if then is not None:
             then(proc, timeline)
 
-    env = base_env(harness_env({DUMP_DIR: dumps, DUMP_STEPS: ",".join(map(str, dump_steps)), **(inject_env or {})}))
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, while_running=inject, env=env)
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, while_running=inject, env=job.env())
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
@@ -249,8 +249,8 @@ def test_shrink_that_breaks_a_pipeline_group_is_refused_with_one_line(tmp_path, 
     (["--global-batch-size", "8", "--num-microbatches", "2"], "--global-batch-size and --num-microbatches: give one"),
 ])
 def test_bad_batch_flags_are_one_line(tmp_path, shm_root, flags, line):
-    cmd = torchrun_cmd(1, SCRIPT, [*flags, "--train-iters", "2", "--deadpool-config", _config(tmp_path, shm_root)],
-                       port=free_port())
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S)
+    job = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=1, port=free_port(),
+              args=(*flags, "--train-iters", "2"), config=_config(tmp_path, shm_root), config_flag="--deadpool-config")
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
     assert res.returncode != 0 and not res.timed_out
     assert line in res.output and "raise ConfigError" not in res.output, res.output[-3000:]
