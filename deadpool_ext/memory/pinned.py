@@ -59,6 +59,8 @@ class HostPinner:
         """Waits for every copy enqueued into pinned memory (the side stream's synchronize): the DMA must be over
         before its target stops being page-locked."""
         self._pinned: dict[int, tuple[ShmSegment, int, int]] = {}  # id(seg) -> (seg, address, bytes)
+        self.refused: dict[str, int] = {}
+        """Segments the runtime refused to page-lock (name -> cudaHostRegister's error): pageable memory."""
         self._lock = threading.Lock()
 
     @property
@@ -87,6 +89,7 @@ class HostPinner:
             del t  # a live view would keep the mapping from being unmapped at close
             rc = int(self.cudart.cudaHostRegister(ptr, nbytes, REGISTER_DEFAULT))
             if rc != 0:
+                self.refused[seg.name] = rc
                 log.warning("cudaHostRegister of %s failed (error %s): snapshot copies fall back to pageable memory",
                             seg.name, rc)
                 return False

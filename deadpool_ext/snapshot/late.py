@@ -31,6 +31,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +102,9 @@ class LateState:
         self.timeout_s = timeout_s
         self.current: LateStep | None = None
         self._warned: set[str] = set()
+        self.sealed_without: deque[tuple[int, str]] = deque(maxlen=64)
+        """(version, why) of the newest snapshots sealed without the framework's section: ``cancelled`` (the next
+        step's snapshot came first), ``timeout`` (not posted in time), ``encode`` (the section did not encode)."""
         self._lock = threading.Lock()  # a step settles once: the worker's deadline and the main thread's post race
 
     def room(self) -> int:
@@ -112,6 +116,7 @@ class LateState:
         """At the snapshot of ``version``: an unposted earlier version is sealed without its section."""
         prev = self.current
         if prev is not None and self._settle(prev, "cancelled"):
+            self.sealed_without.append((prev.version, "cancelled"))
             self._warn_once("cancelled", "snapshot of step %d sealed without the framework's late client state: the "
                             "next step's snapshot was taken first (its step-end hook did not run); a restore of that "
                             "step restores the engine but not the framework's bookkeeping", prev.version)
@@ -141,6 +146,7 @@ class LateState:
                 raise LateDropped(f"snapshot of step {step.version}: replaced at a hot-swap while it waited for the "
                                   "framework's step-end state; not sealed")
             if time.monotonic() > deadline and self._settle(step, "cancelled"):
+                self.sealed_without.append((step.version, "timeout"))
                 self._warn_once("timeout", "snapshot of step %d sealed without the framework's late client state: "
                                 "not posted within %.0f s (replication.timeout_s)", step.version, self.timeout_s)
                 break
@@ -151,6 +157,7 @@ class LateState:
         try:
             return encode(step.value)
         except ValueError as exc:
+            self.sealed_without.append((step.version, "encode"))
             self._warn_once("encode", "snapshot of step %d sealed without the framework's late client state: %s",
                             step.version, exc)
             return None

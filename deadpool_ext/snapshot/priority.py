@@ -75,10 +75,13 @@ class WorkerPriority:
             raise ValueError(f"worker priority must be one of {', '.join(LEVELS)}; got {level!r}")
         self.requested = level
         self.level = level
+        self.not_boostable: str | None = None
+        """Why ``auto`` chose ``normal``: the error a lowered thread got raising itself back (None otherwise)."""
         if level == "auto":
             ok, why = can_boost()
             self.level = "idle" if ok else "normal"
             if not ok:
+                self.not_boostable = why
                 log.info("snapshot worker: normal CPU priority (a lowered worker could not be raised back while the "
                          "step waits for it: %s; snapshot.worker_priority: idle forces it)", why)
         self.got = "normal"

@@ -64,6 +64,12 @@ class SnapshotStats:
     replay_s: float | None = None
     fetch_checked_early: float | None = None
     """Fraction of a fetched blob's bytes checked while the rest arrived."""
+    unsealed: list[int] = field(default_factory=list)
+    """Versions copied but never sealed: the step failed before its late client state was posted, or the worker
+    was replaced at a hot-swap while it waited (restores take the version before)."""
+    abandoned: list[tuple[int | None, str]] = field(default_factory=list)
+    """(version, phase) of each worker a hot-swap abandoned in a collective on the dead generation's communicator
+    (``writer.stop``): it ends on its own and commits nothing."""
 
     def add_timing(self, name: str, value: float) -> None:
         series: list[float] = getattr(self, name)

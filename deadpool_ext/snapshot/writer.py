@@ -167,6 +167,7 @@ class SnapshotWriter:
             try:
                 section = late.wait(job.late, lambda: epoch != self.epoch)
             except LateDropped as exc:
+                self.stats.unsealed.append(job.snap.version)
                 log.info("%s", exc)
                 self.phase = "idle"
                 return
@@ -251,6 +252,7 @@ class SnapshotWriter:
             self.peers.transport.closed = True
             if self.dpeers is not None:
                 self.dpeers.transport.closed = True
+            self.stats.abandoned.append((job.snap.version if job is not None else None, phase))
             log.warning("snapshot worker abandoned after %.1fs: still in the %s of step %s on the dead generation's "
                         "communicator (at %s); it ends when that collective times out and touches nothing of the "
                         "new generation", time.monotonic() - t0, phase,

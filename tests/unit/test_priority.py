@@ -101,13 +101,12 @@ def test_a_waiting_thread_boosts_the_idle_worker_until_its_next_job():
     t.join(5)
 
 
-def test_auto_is_normal_where_the_worker_could_not_be_raised_back(monkeypatch, caplog):
+def test_auto_is_normal_where_the_worker_could_not_be_raised_back(monkeypatch):
     import deadpool_ext.snapshot.priority as priority
 
     monkeypatch.setattr(priority, "_can_boost", (False, "PermissionError: [Errno 1] Operation not permitted"))
-    with caplog.at_level("INFO", logger="deadpool_ext"):
-        prio = WorkerPriority("auto")
-    assert prio.level == "normal" and "could not be raised back" in caplog.text
+    prio = WorkerPriority("auto")
+    assert prio.level == "normal" and prio.not_boostable == "PermissionError: [Errno 1] Operation not permitted"
     t, jobs, seen = _worker_thread(prio)
     assert seen["first"] == "normal" and _policy(seen["tid"]) == _policy(threading.get_native_id())
     assert not prio.boost()  # nothing to raise
