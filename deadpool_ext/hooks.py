@@ -28,7 +28,7 @@ BEFORE_RESTORE = "before_restore"
 AFTER_RESTORE = "after_restore"
 POINTS = (AFTER_STEP, BEFORE_RESTORE, AFTER_RESTORE)
 
-_registry: dict[str, list[Callable[..., None]]] = {}
+_registry: dict[str, list[Callable[..., None]]] = {}  # process-wide: a harness registers once, for every generation
 
 
 def register(point: str, fn: Callable[..., None]) -> Callable[[], None]:

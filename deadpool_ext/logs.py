@@ -27,7 +27,7 @@ class _WorkerFormatter(logging.Formatter):
         return super().format(record)
 
 
-_last_rank: int | None = None
+_last_rank: int | None = None  # process-wide, for log lines only: the last rank known (a rank's, not a generation's)
 
 
 def where() -> str:

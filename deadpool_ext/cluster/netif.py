@@ -105,7 +105,7 @@ def interface_for(addr: str) -> str:
                          f"getifaddrs lists; set {GLOO_IFNAME_ENV} to the interface gloo should listen on")
 
 
-_pinned: str | None = None   # what this module set, so a later generation does not log it as the user's
+_pinned: str | None = None   # process-wide, as os.environ is: what this module set there, not the user's
 
 
 def pin_gloo_interface(master_addr: str) -> str:

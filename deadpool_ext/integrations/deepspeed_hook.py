@@ -61,7 +61,7 @@ class HookState:
     """An engine recovered in place that the next ``initialize`` of its module returns (:func:`reuse_engine`)."""
 
 
-_state = HookState()
+_state = HookState()  # process-wide: deepspeed.initialize is patched once per process
 
 
 def state() -> HookState:

@@ -205,7 +205,7 @@ def job_id_from(secret_material: bytes | str, public: str = "") -> str:
     return derive_id(raw, public)
 
 
-_CURRENT: WorkerEnv | None = None
+_CURRENT: WorkerEnv | None = None  # process-wide: the environment a process started with, parsed once
 
 
 def worker_env() -> WorkerEnv:

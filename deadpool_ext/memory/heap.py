@@ -12,7 +12,7 @@ import logging
 
 log = logging.getLogger("deadpool_ext")
 
-_libc: ctypes.CDLL | None | bool = None
+_libc: ctypes.CDLL | None | bool = None  # process-wide: the C library loaded once (False: no malloc_trim)
 
 
 def release_free_heap() -> bool:

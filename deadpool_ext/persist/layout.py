@@ -78,7 +78,7 @@ FALLBACK_NAMES = FileNames(patterns=tuple(re.compile(p, re.ASCII) for p in (
 )), allowed=("DeepSpeed checkpoint file names: mp_rank_NN_model_states.pt, "
              "[bf16_]zero_pp_rank_R_mp_rank_NN_{model,optim}_states.pt, layer_LL[-model_MM]-model_states.pt, "
              "[layer_L_]expert_E_mp_rank_NN_model_states.pt, expp_rank_R_mp_rank_NN_optim_states.pt"))
-_names: list[Callable[[], FileNames]] = []
+_names: list[Callable[[], FileNames]] = []  # process-wide: set by a framework integration at its import
 
 
 def use_file_names(provider: Callable[[], FileNames]) -> None:

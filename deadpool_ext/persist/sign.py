@@ -30,7 +30,7 @@ from ..config import DEFAULT_KEY_ENV
 from .records import BadRecordError, CheckpointTrustError
 
 KEY_ENV = DEFAULT_KEY_ENV
-_key_env = KEY_ENV  # the variable this process reads the key from (use_key_env)
+_key_env = KEY_ENV  # process-wide: the variable this process reads the key from (use_key_env), like os.environ
 MIN_KEY_BYTES = 16
 SIGNATURE = "signature"
 ALG = "hmac-sha256"

@@ -33,6 +33,7 @@ log = logging.getLogger("deadpool_ext")
 
 __all__ = ["SHM_ROOT", "publish_slot_size", "release", "take", "tick"]
 KIND = "prep"
+# Process-wide: a spare makes its two slots once in its life, while it waits before its first generation.
 _prepared: list[ShmSegment] = []
 _state = {"done": False, "next": 0.0}
 
