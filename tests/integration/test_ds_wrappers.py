@@ -56,12 +56,15 @@ def _pipe_config(tmp_path, shm_root: str, *, bf16: bool) -> str:
 
 
 def _pipe(tmp_path, cfg: str, name: str, args: list[str], *, max_restarts: int = 0, inject=None):
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, run_job
 
     out = os.path.join(str(tmp_path), f"{name}.jsonl")
-    cmd = torchrun_cmd(2, PIPE, [cfg, str(ITERS), out, *args], port=free_port(), max_restarts=max_restarts)
-    env = base_env(inject.env(os.path.join(str(tmp_path), f"{name}.fault"))) if inject else None
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env, while_running=(lambda p: inject(p, out)) if inject else None)
+    job = Job(launcher="torchrun", script=PIPE, nproc_per_node=2, port=free_port(), max_restarts=max_restarts,
+              args=(cfg, str(ITERS), out, *args),
+              env_vars=inject.env(os.path.join(str(tmp_path), f"{name}.fault")) if inject else {})
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(),
+                  while_running=(lambda p: inject(p, out)) if inject else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]

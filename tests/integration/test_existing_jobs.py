@@ -21,7 +21,8 @@ import pytest
 from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.recovery.timeline import read_events
-from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import base_env, free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import matrix
 from tests.integration.helpers import JOB_TIMEOUT_S, KillAt, kill_at, kill_node_agents, worker_proc
 
@@ -48,11 +49,10 @@ def _job(tmp_path, name: str, script: str, args: list[str], *, runner: bool = Fa
          inject: KillAt | None = None, wrap: str | None = None):
     """``wrap``: a module that runs the script (the Lightning reference runs' CPU shim), instead of the runner."""
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    head = ["-m", "deadpool_ext.run", script] if runner else (["-m", wrap, script] if wrap else [script])
-    cmd = torchrun_cmd(2, head[0], [*head[1:], *args, "--metrics-out", metrics], port=free_port(),
-                       max_restarts=max_restarts)
-    env = base_env(inject.env(os.path.join(str(tmp_path), f"{name}.fault")) if inject is not None else None)
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env,
+    job = Job(launcher="torchrun", script=script, wrap="deadpool_ext.run" if runner else wrap, nproc_per_node=2,
+              port=free_port(), max_restarts=max_restarts, args=tuple(args), metrics=metrics,
+              env_vars=inject.env(os.path.join(str(tmp_path), f"{name}.fault")) if inject is not None else {})
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(),
                   while_running=(lambda p: inject(p, metrics)) if inject is not None else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
@@ -224,9 +224,8 @@ def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, 
     ``kill_after_step``: SIGKILL node1.0 from outside once rank 0 logged that step (wherever its step then is)."""
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "1",
-           "--spare-nodes", "1", "--shm-root", shm_root, "--timeline", timeline, script, *args,
-           "--metrics-out", metrics]
+    job = Job(script=script, nnodes=2, nproc_per_node=1, spare_nodes=1, shm_root=shm_root, timeline=timeline,
+              args=tuple(args), metrics=metrics, env_vars=dict(env or {}))
     pids: dict[str, int] = {}
 
     def watch(proc) -> None:
@@ -236,7 +235,7 @@ def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, 
             wait_for_step(metrics, kill_after_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
             worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
 
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(env), while_running=watch)
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(), while_running=watch)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
     assert not res.timed_out, res.output[-4000:]
@@ -325,8 +324,8 @@ def test_deadpool_run_names_a_worker_that_exited_on_its_own(tmp_path):
     """A script that fails by itself under deadpool-run: the final line says so (not "out of spares", not --load)."""
     script = tmp_path / "fails.py"
     script.write_text("import sys\nsys.exit(1)\n")
-    res = run_job([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "1", "--nproc-per-node", "1",
-                   str(script)], timeout_s=120, env=base_env())
+    job = Job(script=str(script), nnodes=1, nproc_per_node=1)
+    res = run_job(job.argv(), timeout_s=120, env=job.env())
     assert res.returncode == 1 and not res.timed_out, res.output[-3000:]
     final = [ln for ln in res.output.splitlines() if ln.startswith("deadpool-run: ")][-1]
     assert final.startswith("deadpool-run: worker(s) node0.0 (exit status 1) exited on its own"), final
@@ -381,12 +380,12 @@ def _accelerate_launch(tmp_path, name: str, launch: list[str], script_args: list
     """``accelerate launch LAUNCH -m deadpool_ext.run accelerate_loop.py`` with no DeepSpeed config on the script's
     command line: Accelerate names it (its YAML, its flag or ACCELERATE_DEEPSPEED_CONFIG_FILE)."""
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--main_process_port",
-           str(free_port()), *launch, "-m", "deadpool_ext.run", ACCELERATE, *script_args, "--metrics-out", metrics]
     extra = dict(env or {}, HF_HOME=str(tmp_path / "hf_home"))  # no user's default Accelerate config
     if inject is not None:
         extra.update(inject.env(os.path.join(str(tmp_path), f"{name}.fault")))
-    res = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=base_env(extra),
+    job = Job(launcher="accelerate", port=free_port(), launcher_flags=tuple(launch), wrap="deadpool_ext.run",
+              script=ACCELERATE, args=tuple(script_args), metrics=metrics, env_vars=extra)
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(),
                   while_running=(lambda p: inject(p, metrics)) if inject is not None else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
@@ -489,10 +488,11 @@ def test_own_loop_survives_a_relaunch_under_the_deepspeed_launcher(tmp_path, shm
     assert _finished(ref, "own_loop"), ref.output[-3000:]
     cfg = _config(tmp_path, shm_root, local={"shm_root": shm_root, "keep_after_exit_s": 120, "simulate_nodes": 2})
     metrics = os.path.join(str(tmp_path), "relaunch.jsonl")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), OWN_LOOP, "--deepspeed_config", cfg, *steps, "--metrics-out", metrics]
-    env = base_env(at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
-                                                                                         "ds.fault")).render()}))
+    job = Job(launcher="deepspeed", script=OWN_LOOP, nproc_per_node=2, port=free_port(), config=cfg,
+              args=tuple(steps), metrics=metrics,
+              env_vars=at_step.harness_env({at_step.ENV: StepFault("kill", 4, 1, os.path.join(str(tmp_path),
+                                                                                             "ds.fault")).render()}))
+    cmd, env = job.argv(), job.env()
     try:
         first = run_job(cmd, timeout_s=JOB_TIMEOUT_S, env=env)
         assert first.returncode != 0 and not first.timed_out, first.output[-3000:]

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import REPO, base_env, free_port, read_metrics, run_job
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import pretrain
@@ -81,10 +82,9 @@ def test_deepspeed_launcher_matches_torchrun(tmp_path, shm_root):
     cfg = _no_snapshot_cfg(tmp_path, 3, shm_root)
     _, ref, _ = pretrain(tmp_path, cfg, iters=3, name="ref")
     metrics = os.path.join(str(tmp_path), "ds.jsonl")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2", "--master_port",
-           str(free_port()), "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", "3",
-           "--metrics-out", metrics]
-    res = run_job(cmd, timeout_s=300)
+    job = Job(launcher="deepspeed", script="scripts/pretrain_gpt.py", nproc_per_node=2, port=free_port(), config=cfg,
+              args=("--train-iters", "3"), metrics=metrics)
+    res = run_job(job.argv(), timeout_s=300, env=job.env())
     assert res.returncode == 0, res.output[-3000:]
     assert read_metrics(metrics) == ref
 

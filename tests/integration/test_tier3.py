@@ -19,7 +19,8 @@ import time
 import pytest
 import torch
 
-from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job, torchrun_cmd
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import JOB_TIMEOUT_S, pretrain, summary
 
@@ -66,8 +67,9 @@ PLAIN_LOAD = textwrap.dedent('''
 
 
 def _torchrun(tmp_path, nproc: int, script: str, args: list[str]):
-    res = run_job(torchrun_cmd(nproc, script, args, port=free_port()), timeout_s=JOB_TIMEOUT_S,
-                  env=base_env({"REPO": REPO}))
+    job = Job(launcher="torchrun", script=script, nproc_per_node=nproc, port=free_port(), args=tuple(args),
+              env_vars={"REPO": REPO})
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
     assert not res.timed_out, res.output[-3000:]
     return res
 

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import free_port, run_job
 
 WORKER = "tests/integration/workers/transport_pair.py"
 IMPLEMENTATIONS = ["gloo"]
@@ -16,7 +17,8 @@ IMPLEMENTATIONS = ["gloo"]
 def _run(tmp_path, impl: str, case: str, ranks: tuple[int, ...]) -> dict[int, dict]:
     d = tmp_path / f"{impl}-{case}"
     d.mkdir()
-    res = run_job(torchrun_cmd(2, WORKER, [impl, case, str(d)], port=free_port()), timeout_s=120, env=base_env())
+    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(), args=(impl, case, str(d)))
+    res = run_job(job.argv(), timeout_s=120, env=job.env())
     assert not res.timed_out, res.output[-3000:]
     return {r: json.loads((d / f"rank{r}.json").read_text()) for r in ranks}
 

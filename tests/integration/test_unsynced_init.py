@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import free_port, run_job
 
 WORKER = "tests/integration/workers/unsynced_init.py"
 
@@ -14,7 +15,8 @@ WORKER = "tests/integration/workers/unsynced_init.py"
 def _ranks(tmp_path, mode: str) -> dict[int, dict]:
     d = tmp_path / mode
     d.mkdir()
-    res = run_job(torchrun_cmd(2, WORKER, [mode, str(d)], port=free_port()), timeout_s=180, env=base_env())
+    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(), args=(mode, str(d)))
+    res = run_job(job.argv(), timeout_s=180, env=job.env())
     assert not res.timed_out and res.returncode == 0, res.output[-3000:]
     return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
 
