@@ -19,10 +19,13 @@ function of it (not only its import) ran inside the window in any process of tha
 
 The reader's count. Of the modules that ran, those a reader must open to follow the recovery are the ones that
 carry its control flow: the driver, the decisions, the protocol between processes, the restore. The rest are
-**leaves** (:data:`LEAVES`, each with its reason): they answer a question or format data and hand control back, so
-a reader takes each call at its name: logging, config and contract parsing, store key names and value schemas,
-byte formats and checksums, timeline events, hook registries, file and memory helpers. A leaf that calls a
-non-leaf module inside the window is flagged by the report (it would not be a leaf). Tools beside the product
+**leaves** (:data:`LEAVES`, each with its reason): they answer a question, record, or move bytes, and hand control
+back, deciding nothing of the recovery, so a reader takes each call at its name: names, schemas and parsing (logs,
+config, the launcher's contract, store keys and values); records (timeline events, typed stats); the storage side
+of the memory tiers (how bytes are laid out, moved and checked, never which bytes: DCP's split, the planner and the
+executor are read); the store's clients and server (get / set / wait, as ``store/base.py`` states them); plumbing
+that decides nothing (JSON collectives, ranks -> nodes, the state's holder, what a heartbeat reports). A leaf that
+calls a non-leaf module inside the window is flagged by the report (it would not be a leaf). Tools beside the product
 (``chaos``, ``sim``, ``testing``, ``training``: here the demo's loop) and the user's script are listed, not counted.
 
 Launch (about a minute on 2 CPU cores; an end-to-end job, so one at a time)::
@@ -60,6 +63,7 @@ TOOLS = ("deadpool_ext.chaos", "deadpool_ext.sim", "deadpool_ext.testing", "dead
 # -- the leaf rule ---------------------------------------------------------------------------------------------
 
 LEAVES: dict[str, str] = {
+    # names, schemas and parsing
     "deadpool_ext.logs": "the log handler's prefix",
     "deadpool_ext.config": "typed config parsing",
     "deadpool_ext.hooks": "the hook-point registry",
@@ -67,23 +71,42 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.launcher.keys": "store key names and value builders",
     "deadpool_ext.launcher.values": "store value schemas and the bounded decoder",
     "deadpool_ext.launcher.hostlist": "which host am I",
+    "deadpool_ext.launcher.args": "the command line",
+    # records
     "deadpool_ext.recovery.timeline": "timeline events written as JSON lines",
+    "deadpool_ext.snapshot.stats": "typed counters",
+    # bytes and their storage (DCP's storage side: how bytes are laid out, moved and checked, never which)
     "deadpool_ext.snapshot.format": "the blob's byte framing and checksums",
     "deadpool_ext.snapshot.skeleton": "the state skeleton codec",
     "deadpool_ext.snapshot.rng_json": "RNG state as JSON",
-    "deadpool_ext.snapshot.stats": "typed counters",
-    "deadpool_ext.cluster.comm": "JSON all-gather / broadcast of control messages",
-    "deadpool_ext.cluster.topology": "ranks -> nodes",
+    "deadpool_ext.snapshot.slots": "a slot's write protocol and its read into the state",
+    "deadpool_ext.snapshot.tier1": "the tier-1 segments: open, scan",
+    "deadpool_ext.replicate.transport": "the byte mover's ABC",
+    "deadpool_ext.replicate.gloo": "the byte mover over gloo",
+    "deadpool_ext.replicate.auth": "HMAC tags",
     "deadpool_ext.memory.shm": "named shared-memory files",
     "deadpool_ext.memory.trust": "owner / mode checks",
     "deadpool_ext.memory.heap": "malloc_trim",
     "deadpool_ext.memory.pinned": "pinned host memory (a no-op on CPU)",
-    "deadpool_ext.replicate.auth": "HMAC tags",
+    "deadpool_ext.memory.agent": "the node agent's directory claim",
+    "deadpool_ext.persist.regular": "safe file opens",
+    "deadpool_ext.persist.sign": "the checkpoint key",
+    # the store and its clients (get / set / wait as store/base.py's ABC states them)
+    "deadpool_ext.store": "the store package",
     "deadpool_ext.store.base": "the store ABC and its errors",
+    "deadpool_ext.store.connect": "the client for a URL",
+    "deadpool_ext.store.embedded": "the launcher's key-value server",
     "deadpool_ext.store.auth": "HMAC challenge-response",
     "deadpool_ext.store.admission": "connection slots",
+    "deadpool_ext.store.rendezvous": "torch's Store interface over the job's store",
+    "deadpool_ext.store.c10d": "a c10d store bound to one host",
+    # process plumbing that decides nothing
+    "deadpool_ext.cluster.comm": "JSON all-gather / broadcast of control messages",
+    "deadpool_ext.cluster.topology": "ranks -> nodes",
+    "deadpool_ext.cluster.netif": "gloo's listening interface",
+    "deadpool_ext.rebuild.context": "the process's state: fields, no control flow",
+    "deadpool_ext.rebuild.progress": "what a heartbeat reports",
     "deadpool_ext.integrations.importhook": "after-import callbacks",
-    "deadpool_ext.persist.regular": "safe file opens",
 }
 """Modules a reader takes at their name, each with why (see the module docstring for the rule)."""
 
@@ -380,9 +403,26 @@ def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
     return procs, t_fault, events
 
 
-def count(procs: Iterable[Proc], role: str) -> RoleCount:
-    """What ran in the windows of ``role``'s processes (a union over them)."""
+JOIN = ("deadpool_ext.rebuild.recover", "Recovery.join_survivors")
+"""Where a spare's solo engine build ends and its joining begins: :func:`count`'s ``since`` for the spare's second
+figure (the build is the framework's attach, the start-up every worker runs; the recovery's own part follows)."""
+
+
+def _since(p: Proc, call: tuple[str, str]) -> tuple[float, float] | None:
+    assert p.window is not None
+    lo = p.window[0]
+    first = [b * BUCKET_S for m, f, _, buckets in p.rec["calls"] if (m, f) == call for b in buckets
+             if b * BUCKET_S >= lo - BUCKET_S]
+    return (min(first), p.window[1]) if first else None
+
+
+def count(procs: Iterable[Proc], role: str, since: tuple[str, str] | None = None) -> RoleCount:
+    """What ran in the windows of ``role``'s processes (a union over them); ``since`` (module, function): each
+    window starts at that function's first call in it instead."""
     mine = [p for p in procs if p.role == role and p.window is not None]
+    if since is not None:
+        mine = [Proc(p.pid, p.role, p.worker_id, p.rec, _since(p, since)) for p in mine]
+        mine = [p for p in mine if p.window is not None]
     rc = RoleCount(role, [p.pid for p in mine], [p.window for p in mine if p.window is not None])
     product: dict[str, set[str]] = defaultdict(set)
     tools: dict[str, set[str]] = defaultdict(set)
@@ -411,14 +451,67 @@ def count(procs: Iterable[Proc], role: str) -> RoleCount:
 ROLES = ("survivor", "spare", "launcher")
 
 
+def _source(mod: str) -> str | None:
+    rel = mod.split(".")
+    if rel[:2] == ["deadpool_ext", "patches"]:
+        rel = rel[1:]
+    base = os.path.join(REPO, *rel)
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def statements(mod: str) -> dict[str, int]:
+    """qualname -> how many statements its body has, docstring left out (every function of ``mod``)."""
+    import ast
+
+    path = _source(mod)
+    if path is None:
+        return {}
+    with open(path) as fh:
+        tree = ast.parse(fh.read())
+    out: dict[str, int] = {}
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = child.body
+                if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                    body = body[1:]
+                out[prefix + child.name] = len(body)
+                walk(child, prefix + child.name + ".<locals>.")
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".")
+    walk(tree, "")
+    return out
+
+
+def pass_throughs(c: RoleCount) -> list[str]:
+    """The modules to read of which every function that ran has at most two statements (accessors, forwarders): a
+    reader opens them only to be sent on. Nested lambdas and comprehensions count with their function."""
+    out = []
+    for mod in c.reader:
+        sizes = statements(mod)
+        ran = {f.split(" [")[0] for f in c.product[mod]}
+        ran = {f for f in ran if not f.rsplit(".", 1)[-1].startswith("<")}
+        if ran and all(sizes.get(f, 99) <= 2 for f in ran):
+            out.append(mod)
+    return out
+
+
 def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
     procs, t_fault, events = load(out)
     counts = {r: count(procs, r) for r in ROLES}
+    joined = count(procs, "spare", since=JOIN)
+    joined.role = "spare, from its join (after its solo engine build)"
+    counts[joined.role] = joined
     missing = [r for r in ROLES if not counts[r].procs]
     if as_json:
         print(json.dumps({r: {"processes": c.procs, "windows_s": [round(b - a, 2) for a, b in c.windows],
                               "reader": c.reader, "leaves": c.leaves, "tools": sorted(c.tools),
                               "imported_only": c.imported_only, "edges": c.edges,
+                              "pass_throughs": pass_throughs(c),
                               "functions": c.product} for r, c in counts.items()}, indent=1))
         return 1 if missing else 0
     print(f"fault at {time.strftime('%H:%M:%S', time.gmtime(t_fault))} UTC; processes: "
@@ -437,6 +530,10 @@ def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
         if c.imported_only:
             print("  imported only (not counted): " + ", ".join(m.removeprefix("deadpool_ext.")
                                                               for m in c.imported_only))
+        thin = pass_throughs(c)
+        if thin:
+            print("  pass-throughs (each function that ran has <= 2 statements): "
+                  + ", ".join(m.removeprefix("deadpool_ext.") for m in thin))
         for a, b in c.flagged_leaves():
             print(f"  ! leaf {a} calls {b} inside the window")
         if functions:
