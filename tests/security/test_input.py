@@ -16,7 +16,6 @@ import math
 import os
 import socket
 import subprocess
-import sys
 import time
 import typing
 
@@ -26,6 +25,7 @@ from hypothesis import strategies as st
 
 from deadpool_ext.config import ConfigError, DeadpoolConfig, split_deepspeed_config
 from deadpool_ext.launcher import cli
+from deadpool_ext.testing.jobs import Job, deadpool_run
 from deadpool_ext.testing.launch import REPO, base_env
 
 # -- the config section --------------------------------------------------------------------------------------
@@ -334,7 +334,7 @@ def job(tmp_path):
 
     def run(*flags: str, script_path: str | None = None, env: dict[str, str] | None = None,
             one_line: bool = True) -> str:
-        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", *flags, script_path or str(script), str(marker)]
+        cmd = deadpool_run(*flags, script_path or str(script), str(marker))  # the flags verbatim, wrong ones too
         full_env = _env(env)
         t0 = time.monotonic()
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env, cwd=str(tmp_path))
@@ -487,10 +487,9 @@ def test_debug_shows_the_traceback_of_a_start_up_error(job):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "1", "--store-port",
-               str(taken.getsockname()[1]), "--debug", str(job.script), str(job.marker)]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                             env=_env())
+        launch = Job(script=str(job.script), args=(str(job.marker),), nnodes=1, port=taken.getsockname()[1],
+                     launcher_flags=("--debug",))
+        res = subprocess.run(launch.argv(), capture_output=True, text=True, timeout=120, env=_env())
     assert res.returncode != 0 and "Traceback" in res.stderr and "StoreError" in res.stderr
     assert not job.marker.exists()
 
@@ -500,9 +499,8 @@ def test_a_valid_launch_still_runs_the_script(tmp_path):
     script.write_text(_WORKER)
     marker = tmp_path / "started"
     timeline = tmp_path / "t.jsonl"
-    res = subprocess.run([sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "1", "--host", "localhost",
-                          "--timeline", str(timeline), str(script), str(marker)], capture_output=True, text=True,
-                         timeout=120, env=_env())
+    launch = Job(script=str(script), args=(str(marker),), nnodes=1, host="localhost", timeline=str(timeline))
+    res = subprocess.run(launch.argv(), capture_output=True, text=True, timeout=120, env=_env())
     assert res.returncode == 0, res.stderr
     assert marker.read_text() == "started" and '"event": "finished"' in timeline.read_text()
 
