@@ -49,9 +49,10 @@ def test_kill_is_a_real_sigkill_installed_by_the_harness_environment(tmp_path):
             "for s in range(1, 6):\n    hooks.fire(hooks.AFTER_STEP, step=s, rank=0)\n    print(s, flush=True)\n")
     env = {**os.environ, **harness_env({ENV: f"kill@step=3,rank=0,marker={marker}"})}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert res.returncode == -9 and res.stdout.split() == ["1", "2"], (res.returncode, res.stdout, res.stderr)
+    assert res.returncode == -9, (res.returncode, res.stdout, res.stderr)
+    assert [int(s) for s in res.stdout.split()] == [1, 2]  # the steps it completed: killed in step 3
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
-    assert again.returncode == 0 and again.stdout.split() == ["1", "2", "3", "4", "5"]
+    assert again.returncode == 0 and [int(s) for s in again.stdout.split()] == [1, 2, 3, 4, 5]
 
 
 def test_without_the_harness_the_variable_alone_does_nothing(tmp_path):
@@ -62,7 +63,8 @@ def test_without_the_harness_the_variable_alone_does_nothing(tmp_path):
             "print(hooks.registered(hooks.AFTER_STEP), flush=True)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, ENV: f"kill@step=2,rank=0,marker={marker}"})
-    assert res.returncode == 0 and res.stdout.split() == ["0"], (res.returncode, res.stdout, res.stderr)
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+    assert int(res.stdout) == 0  # hooks registered on AFTER_STEP
     assert not os.path.exists(marker)
 
 
