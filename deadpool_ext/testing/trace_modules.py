@@ -374,7 +374,7 @@ def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
             continue
         with open(os.path.join(traces, name)) as fh:
             rec = json.load(fh)
-        argv = " ".join(rec.get("argv") or [])
+        argv = " ".join(rec.get("argv") or []).replace(os.sep, ".")  # `-m pkg.mod` reads as pkg/mod.py once run
         pid = int(rec["pid"])
         if "deadpool_ext.launcher.cli" in argv:
             role = "launcher"
@@ -384,7 +384,7 @@ def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
             role = roles[pid]
         elif rec.get("worker_id"):
             role = "worker (no recover event)"
-        elif "memory.agent" in argv or "deadpool_ext.memory.agent" in argv:
+        elif "deadpool_ext.memory.agent" in argv:
             role = "node agent"
         else:
             role = "other"

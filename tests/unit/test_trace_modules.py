@@ -55,10 +55,9 @@ def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
     procs = tmp_path / "procs"
     procs.mkdir()
     recs = [
-        _proc(10, ["-m", "deadpool_ext.launcher.cli"], calls=[("deadpool_ext.launcher.decide", "decide", "MainThread",
-                                                                [101.0]),
-                                                               ("deadpool_ext.launcher.args", "parse", "MainThread",
-                                                                [1.0])]),
+        _proc(10, [os.path.join(tm.REPO, "deadpool_ext", "launcher", "cli.py")],  # `-m` once the module runs
+              calls=[("deadpool_ext.launcher.decide", "decide", "MainThread", [101.0]),
+                     ("deadpool_ext.launcher.args", "parse", "MainThread", [1.0])]),
         _proc(11, ["scripts/pretrain_gpt.py"], worker_id="node0.0", steps=[(5, 0, 99.0), (5, 0, 103.0)],
               calls=[("deadpool_ext.rebuild.recover", "Recovery.handle_failure", "MainThread", [101.0]),
                      ("deadpool_ext.logs", "where", "MainThread", [101.0]),
