@@ -112,7 +112,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_case(stage: int, size: str, k: int, repeats: int, tmp: str, kernel: str = "single") -> dict:
-    from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, run_job
 
     with open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")) as fh:
         cfg = json.load(fh)
@@ -128,8 +129,9 @@ def run_case(stage: int, size: str, k: int, repeats: int, tmp: str, kernel: str 
     with open(path, "w") as fh:
         json.dump(cfg, fh)
     result = os.path.join(tmp, f"diff_{stage}_{kernel}.json")
-    cmd = torchrun_cmd(4, os.path.abspath(__file__), ["--worker", "--config", path, "--model-size", size, "--k", str(k),
-                                                      "--repeats", str(repeats), "--result", result], port=free_port())
+    cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=4, port=free_port(),
+              args=("--worker", "--config", path, "--model-size", size, "--k", str(k), "--repeats", str(repeats),
+                    "--result", result)).argv()
     print(f"[bench_differential] ZeRO-{stage}, GPT {size}, K={k}, 4 ranks, {KERNELS[kernel]} ...", flush=True)
     t0 = time.time()
     res = run_job(cmd, timeout_s=1800)

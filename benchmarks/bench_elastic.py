@@ -44,7 +44,8 @@ sys.path.insert(0, REPO)
 from common import machine_info, md_table, write_json, write_text  # noqa: E402
 
 from deadpool_ext.recovery.timeline import read_events  # noqa: E402
-from deadpool_ext.testing.launch import base_env, read_metrics, run_job, wait_for_step  # noqa: E402
+from deadpool_ext.testing.jobs import Job  # noqa: E402
+from deadpool_ext.testing.launch import read_metrics, run_job, wait_for_step  # noqa: E402
 
 BATCH = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
 
@@ -95,10 +96,9 @@ def _job(wd: str, name: str, *, nnodes: int, policy: str, args: argparse.Namespa
          extra: list[str], kill: bool) -> dict[str, Any]:
     metrics = os.path.join(wd, f"{name}.jsonl")
     timeline = os.path.join(wd, f"{name}.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(nnodes), "--nproc-per-node", "2",
-           "--spare-nodes", "0", "--no-spare-policy", policy, "--shm-root", shm_root, "--timeline", timeline,
-           "scripts/pretrain_gpt.py", "--deepspeed_config", cfg, "--train-iters", str(args.iters),
-           "--metrics-out", metrics, "--dropout", "0", "--model-size", args.size, *extra]
+    job = Job(script="scripts/pretrain_gpt.py", nnodes=nnodes, nproc_per_node=2, spare_nodes=0, no_spare_policy=policy,
+              shm_root=shm_root, timeline=timeline, config=cfg, metrics=metrics,
+              args=("--train-iters", str(args.iters), "--dropout", "0", "--model-size", args.size, *extra))
     out: dict[str, Any] = {}
     peak: dict[int, int] = {}
 
@@ -121,7 +121,7 @@ def _job(wd: str, name: str, *, nnodes: int, policy: str, args: argparse.Namespa
             time.sleep(0.2)
 
     t0 = time.time()
-    res = run_job(cmd, timeout_s=args.timeout_s, while_running=inject, env=base_env())
+    res = run_job(job.argv(), timeout_s=args.timeout_s, while_running=inject, env=job.env())
     out.update(rc=res.returncode, started=t0, ended=time.time(), metrics=read_metrics(metrics), times=_times(metrics),
                events=read_events(timeline) if os.path.exists(timeline) else [], peak_rss=max(peak.values(), default=0))
     with open(os.path.join(wd, f"{name}.log"), "w") as fh:

@@ -187,12 +187,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args)
         return 0
+    from deadpool_ext.testing.jobs import Job
+
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(29500 + os.getpid() % 1000), os.path.abspath(__file__), "--worker",
-               "--sizes", ",".join(map(str, args.sizes)), "--pairs", str(args.pairs), "--warmup", str(args.warmup),
-               "--result-file", result]
+        # torchrun's own monitor interval (0.1 s), as this benchmark has always run it
+        cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=2,
+                  port=29500 + os.getpid() % 1000, launcher_flags=("--monitor-interval=0.1",),
+                  args=("--worker", "--sizes", ",".join(map(str, args.sizes)), "--pairs", str(args.pairs),
+                        "--warmup", str(args.warmup), "--result-file", result)).argv()
         print("[bench] " + shlex.join(cmd), flush=True)
         rc = subprocess.run(cmd, cwd=REPO, timeout=1800).returncode
         if rc != 0 or not os.path.exists(result):

@@ -115,6 +115,7 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
                 logs: str) -> dict[str, Any]:
     """One job with ``swaps`` spares and as many kills of rank 1's current holder, two steps apart."""
     from deadpool_ext.recovery.timeline import read_events
+    from deadpool_ext.testing.jobs import Job
     from deadpool_ext.testing.launch import base_env
 
     d = _mode_settings(size, mode != "rebuild", args.deadpool_overrides)
@@ -130,9 +131,8 @@ def memory_part(size: str, mode: str, swaps: int, args: argparse.Namespace, scra
     cfg = os.path.join(scratch, f"{tag}.ds.json")
     write_config(cfg, size, d, shm_root)
     metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", str(NNODES), "--nproc-per-node",
-           str(NPROC_PER_NODE), "--spare-nodes", str(len(kills)), "--shm-root", shm_root, "--timeline", timeline,
-           SCRIPT, *script_args(size, cfg, n, metrics, args.seed)]
+    cmd = Job(script=SCRIPT, nnodes=NNODES, nproc_per_node=NPROC_PER_NODE, spare_nodes=len(kills), shm_root=shm_root,
+              timeline=timeline, args=tuple(script_args(size, cfg, n, metrics, args.seed))).argv()
     out: dict[str, Any] = {"mode": mode, "kills_after_steps": kills, "marks_after_steps": marks_at, "train_iters": n,
                            "killed": []}
     box: dict[str, Any] = {}

@@ -89,14 +89,15 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def overhead(args: argparse.Namespace) -> dict:
-    from deadpool_ext.testing.launch import free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, run_job
 
     shm = f"/dev/shm/dp-bench-mg-{os.getpid()}"
     os.makedirs(shm, exist_ok=True)
     try:
-        cmd = torchrun_cmd(4, os.path.abspath(__file__), ["--worker", "--tp", "1", "--pp", "2", "--size", args.size,
-                                                         "--blocks", str(args.blocks), "--block", str(args.block),
-                                                         "--warmup", "2", "--shm-root", shm], port=free_port())
+        cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=4, port=free_port(),
+                  args=("--worker", "--tp", "1", "--pp", "2", "--size", args.size, "--blocks", str(args.blocks),
+                        "--block", str(args.block), "--warmup", "2", "--shm-root", shm)).argv()
         t0 = time.time()
         res = run_job(cmd, timeout_s=900)
     finally:
@@ -121,20 +122,21 @@ def overhead(args: argparse.Namespace) -> dict:
 # -- part 2: recovery ------------------------------------------------------------------------------------
 def recovery(args: argparse.Namespace, workdir: str) -> dict:
     from deadpool_ext.recovery.timeline import phases, read_events
-    from deadpool_ext.testing.launch import free_port, read_metrics, run_job, torchrun_cmd, wait_for_step
-    from tests.integration.test_hot_swap import worker_proc
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
+    from tests.integration.helpers import worker_proc
 
     iters = 12
     layout = ["--tensor-model-parallel-size", "2", "--model-size", "tiny", "--train-iters", str(iters)]
     base_m = os.path.join(workdir, "base.jsonl")
-    res = run_job(torchrun_cmd(4, "scripts/pretrain_gpt_megatron.py", [*layout, "--metrics-out", base_m],
-                               port=free_port()), timeout_s=600)
+    res = run_job(Job(launcher="torchrun", script="scripts/pretrain_gpt_megatron.py", nproc_per_node=4,
+                      port=free_port(), args=(*layout, "--metrics-out", base_m)).argv(), timeout_s=600)
     if res.returncode != 0:
         raise SystemExit(f"baseline failed:\n{res.output[-3000:]}")
     m = os.path.join(workdir, "swap.jsonl")
     tl = os.path.join(workdir, "swap.timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "2", "--nproc-per-node", "2",
-           "--spare-nodes", "1", "--timeline", tl, "scripts/pretrain_gpt_megatron.py", *layout, "--metrics-out", m]
+    job = Job(script="scripts/pretrain_gpt_megatron.py", nnodes=2, nproc_per_node=2, spare_nodes=1, timeline=tl,
+              args=tuple(layout), metrics=m)
     fault: dict = {}
 
     def inject(proc):
@@ -145,7 +147,7 @@ def recovery(args: argparse.Namespace, workdir: str) -> dict:
                                  "source": "injector"}) + "\n")
         worker_proc(proc.pid, "node1.1").send_signal(signal.SIGKILL)
 
-    res = run_job(cmd, timeout_s=600, while_running=inject)
+    res = run_job(job.argv(), timeout_s=600, while_running=inject, env=job.env())
     if res.returncode != 0:
         raise SystemExit(f"hot-swap run failed:\n{res.output[-3000:]}")
     rows = phases(read_events(tl))

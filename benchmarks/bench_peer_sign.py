@@ -108,11 +108,12 @@ def worker(blob_mb: int, rounds: int, out_path: str) -> None:
 
 
 def transport_rounds(blob_mb: int, rounds: int, tmp: str) -> dict[str, Any]:
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port, run_job
 
     out = os.path.join(tmp, f"rounds_{blob_mb}.json")
-    res = run_job(torchrun_cmd(2, os.path.abspath(__file__), ["--worker", str(blob_mb), str(rounds), out],
-                               port=free_port()), timeout_s=900, env=base_env())
+    res = run_job(Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=2, port=free_port(),
+                      args=("--worker", str(blob_mb), str(rounds), out)).argv(), timeout_s=900, env=base_env())
     if res.returncode != 0 or not os.path.exists(out):
         raise SystemExit(f"part 2 worker failed (rc={res.returncode}):\n{res.output[-3000:]}")
     with open(out) as fh:
@@ -127,7 +128,8 @@ def transport_rounds(blob_mb: int, rounds: int, tmp: str) -> dict[str, Any]:
 
 # -- part 3 -------------------------------------------------------------------------------------------------------
 def training_pairs(size: str, iters: int, warmup: int, pairs: int, tmp: str) -> dict[str, Any]:
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port, run_job
 
     base = json.load(open(os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")))
     runs: dict[str, list[dict[str, Any]]] = {"unsigned": [], "signed": []}
@@ -145,10 +147,9 @@ def training_pairs(size: str, iters: int, warmup: int, pairs: int, tmp: str) -> 
             env = base_env({KEY_ENV: KEY} if mode == "signed" else {})
             if mode == "unsigned":
                 env.pop(KEY_ENV, None)
-            res = run_job(torchrun_cmd(2, "scripts/pretrain_gpt.py",
-                                       ["--deepspeed_config", cfg_path, "--model-size", size, "--train-iters",
-                                        str(iters), "--metrics-out", metrics], port=free_port()),
-                          timeout_s=1800, env=env)
+            job = Job(launcher="torchrun", script="scripts/pretrain_gpt.py", nproc_per_node=2, port=free_port(),
+                      config=cfg_path, args=("--model-size", size, "--train-iters", str(iters)), metrics=metrics)
+            res = run_job(job.argv(), timeout_s=1800, env=env)
             if res.returncode != 0:
                 raise SystemExit(f"part 3 job {name} failed (rc={res.returncode}):\n{res.output[-3000:]}")
             signed_line = "snapshot blobs between peers are signed" in res.output

@@ -356,7 +356,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def launcher(args: argparse.Namespace) -> int:
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port, run_job
 
     preset = dict(PRESETS["quick" if args.quick else "full"])
     for key in ("size", "nproc", "micro_batch", "intervals", "rounds", "steps", "timeout_s"):
@@ -374,7 +375,8 @@ def launcher(args: argparse.Namespace) -> int:
              "--steps-per-block", str(preset["steps"]), "--warmup-steps", str(preset["warmup_steps"]),
              "--modes", args.modes, "--shm-root", shm_root, "--scratch", scratch, "--result-file", result_file,
              "--job-id", f"peers{tag}", "--seed", str(args.seed), "--decoupled-writer", "auto"]
-    cmd = torchrun_cmd(int(preset["nproc"]), os.path.abspath(__file__), wargs, port=free_port())
+    cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=int(preset["nproc"]),
+              port=free_port(), args=tuple(wargs)).argv()
     env = base_env({"CROSS_SIZE": "1", "CROSS_RANK": "0", "LOCAL_SIZE": str(preset["nproc"])})
     print(f"[peers] {shlex.join(cmd)}", flush=True)
     doc: dict[str, Any] = {"benchmark": "peers", "command": command, "machine": machine_info(), "settings": preset}

@@ -304,7 +304,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
 
 
 def launcher(args: argparse.Namespace) -> int:
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port, run_job
 
     sizes = ["tiny"] if args.quick else [s for s in args.sizes.split(",") if s]
     stem = "persist_quick" if args.quick else "persist"
@@ -327,7 +328,8 @@ def launcher(args: argparse.Namespace) -> int:
                  "--seed", str(args.seed), "--max-mb-s", str(args.max_mb_s), "--pairs", str(args.pairs)]
         if args.no_adaptive:
             wargs.append("--no-adaptive")
-        cmd = torchrun_cmd(args.nproc, os.path.abspath(__file__), wargs, port=free_port())
+        cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=args.nproc, port=free_port(),
+                  args=tuple(wargs)).argv()
         print(f"[bench_persist] {size}: {shlex.join(cmd)}", flush=True)
         t0 = time.time()
 

@@ -587,7 +587,8 @@ def reanalyze(path: str) -> int:
 
 
 def launcher(args: argparse.Namespace) -> int:
-    from deadpool_ext.testing.launch import base_env, free_port, run_job, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port, run_job
 
     sizes = ["tiny"] if args.quick else [s for s in args.sizes.split(",") if s]
     out_dir = os.path.abspath(args.out)
@@ -629,7 +630,8 @@ def launcher(args: argparse.Namespace) -> int:
                  "--zero-overrides", json.dumps(d["zero"]), "--deadpool-overrides", args.deadpool_overrides or "{}"]
         if d["activation_checkpointing"]:
             wargs.append("--activation-checkpointing")
-        cmd = torchrun_cmd(args.nproc, os.path.abspath(__file__), wargs, port=free_port())
+        cmd = Job(launcher="torchrun", script=os.path.abspath(__file__), nproc_per_node=args.nproc, port=free_port(),
+                  args=tuple(wargs)).argv()
         env = base_env({"CROSS_SIZE": "1", "CROSS_RANK": "0", "LOCAL_SIZE": str(args.nproc)})
         print(f"[bench] {size}: {shlex.join(cmd)}", flush=True)
         t0 = time.time()

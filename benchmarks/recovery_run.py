@@ -136,6 +136,7 @@ def _monitor(root_pid: int, label_env: str, args: argparse.Namespace, shm_root: 
 def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argparse.Namespace,
                 logs: str) -> dict[str, Any]:
     from deadpool_ext.recovery.timeline import phases, read_events
+    from deadpool_ext.testing.jobs import DEADPOOL_RUN, Job
     from deadpool_ext.testing.launch import base_env
 
     k, n = d["kill_step"], d["kill_step"] + d["steps_after"]
@@ -145,13 +146,12 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
     section = write_config(cfg_path, size, d, shm_root)["deadpool"]
     metrics, timeline = os.path.join(scratch, f"{tag}.metrics.jsonl"), os.path.join(scratch, f"{tag}.timeline.jsonl")
     _fresh(metrics, timeline)
-    launcher = [sys.executable, "-m", "deadpool_ext.launcher.cli"]
-    flags = ["--nnodes", str(NNODES), "--nproc-per-node", str(NPROC_PER_NODE), "--spare-nodes", str(SPARE_NODES),
-             "--shm-root", shm_root, "--timeline", timeline, *d.get("launcher_flags", ()), SCRIPT]
-    cmd = launcher + flags + script_args(size, cfg_path, n, metrics, args.seed)
+    job = Job(script=SCRIPT, nnodes=NNODES, nproc_per_node=NPROC_PER_NODE, spare_nodes=SPARE_NODES, shm_root=shm_root,
+              timeline=timeline, launcher_flags=tuple(d.get("launcher_flags", ())),
+              args=tuple(script_args(size, cfg_path, n, metrics, args.seed)))
+    cmd = job.argv()
     out: dict[str, Any] = {"kind": "hotswap", "tag": tag,
-                           "cmd": shlex.join(["deadpool-run"] + flags +
-                                             script_args(size, cfg_path, n, metrics, args.seed)),
+                           "cmd": shlex.join(["deadpool-run"] + cmd[len(DEADPOOL_RUN):]),
                            "train_iters": n, "kill_step": k, "settle": settle(args.settle_s, args.settle_busy),
                            "deadpool_config_effective": _effective(section)}
     mon_box: dict[str, Monitor] = {}
@@ -272,7 +272,8 @@ def measure_after_kill(pre_recs: list[dict[str, Any]], post_recs: list[dict[str,
 
 def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: argparse.Namespace,
                  logs: str) -> dict[str, Any]:
-    from deadpool_ext.testing.launch import base_env, free_port, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
 
     k, n = d["kill_step"], d["kill_step"] + d["steps_after"]
     cfg_path = os.path.join(scratch, f"{tag}.ds.json")
@@ -281,8 +282,8 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     m1, m2 = os.path.join(scratch, f"{tag}.metrics1.jsonl"), os.path.join(scratch, f"{tag}.metrics2.jsonl")
     _fresh(ckpt, m1, m2)
     save = ["--save", ckpt, "--save-interval", "1"]
-    cmd1 = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT, script_args(size, cfg_path, n, m1, args.seed) + save,
-                        port=free_port())
+    cmd1 = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=NNODES * NPROC_PER_NODE, port=free_port(),
+               args=tuple(script_args(size, cfg_path, n, m1, args.seed) + save)).argv()
     out: dict[str, Any] = {"kind": "baseline", "tag": tag, "cmd": shlex.join(cmd1), "train_iters": n, "kill_step": k,
                            "settle": settle(args.settle_s, args.settle_busy)}
     env = base_env(d.get("env"))
@@ -311,8 +312,8 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
             out["failed"] = low or f"no fault injected: {job1['error'] or 'job ended early'} (rc {job1['returncode']})"
             return out
         # Relaunch at once: the same command, a fresh port, resuming from the newest checkpoint.
-        cmd2 = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT,
-                            script_args(size, cfg_path, n, m2, args.seed) + save + ["--load", ckpt], port=free_port())
+        cmd2 = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=NNODES * NPROC_PER_NODE, port=free_port(),
+                   args=tuple(script_args(size, cfg_path, n, m2, args.seed) + save + ["--load", ckpt])).argv()
         out["relaunch_cmd"] = shlex.join(cmd2)
 
         def hook2(proc: subprocess.Popen, deadline: float) -> None:
@@ -372,15 +373,16 @@ def busy_between_runs(mons: dict[str, Monitor], t0: float, t1: float) -> float |
 
 def run_reference(size: str, d: dict[str, Any], scratch: str, tag: str, args: argparse.Namespace,
                   logs: str) -> dict[str, Any]:
-    from deadpool_ext.testing.launch import base_env, free_port, torchrun_cmd
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
 
     n = d["kill_step"] + d["steps_after"]
     cfg_path = os.path.join(scratch, f"{tag}.ds.json")
     write_config(cfg_path, size, d, None)
     metrics = os.path.join(scratch, f"{tag}.metrics.jsonl")
     _fresh(metrics)
-    cmd = torchrun_cmd(NNODES * NPROC_PER_NODE, SCRIPT, script_args(size, cfg_path, n, metrics, args.seed),
-                       port=free_port())
+    cmd = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=NNODES * NPROC_PER_NODE, port=free_port(),
+              args=tuple(script_args(size, cfg_path, n, metrics, args.seed))).argv()
     out: dict[str, Any] = {"kind": "reference", "tag": tag, "cmd": shlex.join(cmd), "train_iters": n}
     mons: dict[str, Monitor] = {}
 
