@@ -1,4 +1,5 @@
-"""Launch multi-process jobs with a deadline, and always reap the whole process tree.
+"""Run multi-process jobs with a deadline, and always reap the whole process tree (their command lines:
+``jobs.Job``).
 
 torchrun starts each worker in its own session, so killing torchrun's process group leaves workers running;
 we walk the tree with psutil and kill every descendant. DeepSpeed's CPU communication op leaves 69 MB
@@ -11,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -71,13 +71,6 @@ class RunResult:
     elapsed_s: float
     timed_out: bool = False
     events: list[str] = field(default_factory=list)
-
-
-def torchrun_cmd(nproc: int, script: str, args: Sequence[str], *, port: int, max_restarts: int = 0,
-                 nnodes: int = 1) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}",
-            f"--max-restarts={max_restarts}", "--master-addr=127.0.0.1", f"--master-port={port}",
-            "--monitor-interval=0.2", script, *args]
 
 
 def run_job(cmd: Sequence[str], *, timeout_s: float, env: dict[str, str] | None = None,
