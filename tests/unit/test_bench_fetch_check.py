@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from deadpool_ext.testing.launch import REPO
+from tests.log_interface import assert_refusal
 
 BENCH = os.path.join(REPO, "benchmarks")
 sys.path.insert(0, BENCH)
@@ -39,4 +40,4 @@ def test_analysis_of_known_runs():
 def test_bad_arguments_are_one_line(capsys):
     with pytest.raises(SystemExit) as exc:
         bench.main(["--pairs", "0"])
-    assert exc.value.code == 2 and "--pairs must be positive" in capsys.readouterr().err
+    assert_refusal((exc.value.code, capsys.readouterr().err), rc=2, names="--pairs must be positive")
