@@ -491,7 +491,7 @@ def test_fuzz_round_trip(state):
 
 
 def _forge_newest_and_restore(shm_root, caplog, mutate):
-    from tests.security.memory_job import restore, rewrite_header, run_steps, slot_of, slot_path, world_of_one
+    from deadpool_ext.testing.memory_job import restore, rewrite_header, run_steps, slot_of, slot_path, world_of_one
 
     with world_of_one():
         run_steps(shm_root, 2)

@@ -375,7 +375,7 @@ def test_fuzz_segment_names(tmp_path_factory, name):
 def test_symlinked_slot_is_never_restored_from_nor_written_through(shm_root, tmp_path, caplog):
     """A slot replaced by a link to a (valid) blob elsewhere: the scan refuses it with a log line, and the
     restore stops with one line naming it instead of mapping (and later overwriting) the file it points at."""
-    from tests.security.memory_job import restore, run_steps, slot_of, slot_path, world_of_one
+    from deadpool_ext.testing.memory_job import restore, run_steps, slot_of, slot_path, world_of_one
 
     with world_of_one():
         run_steps(shm_root, 2)

@@ -25,7 +25,7 @@ from deadpool_ext.cluster.topology import NodePlacement
 from deadpool_ext.memory import pinned
 from deadpool_ext.memory.shm import ShmSegment
 from deadpool_ext.snapshot import manager as mgr
-from tests.security.memory_job import Adapter, manager, world_of_one
+from deadpool_ext.testing.memory_job import Adapter, manager, world_of_one
 
 # -- stand-ins ---------------------------------------------------------------------------------------------------
 
@@ -267,7 +267,7 @@ def test_copied_is_reported_only_after_the_side_streams_event(cuda_manager):
     else:
         raise AssertionError("the worker never waited for the side stream's event")
     assert not job.copied.wait(0.3), "copied reported while the copies were still in flight"
-    assert m._side is not None and m._side.stream.waited == [job.event]
+    assert m.writer.side is not None and m.writer.side.stream.waited == [job.event]
     _complete_copy_events()
     assert job.copied.wait(10) and job.done.wait(10)
     m.wait_idle()
@@ -280,7 +280,7 @@ def test_every_pinned_slot_is_unregistered_before_unmap_on_every_path(cuda_manag
     _step(m, a, 1)
     m.wait_idle()
     slots = [s for s in m.store.slots if s is not None]
-    assert len(slots) == 2 and all(m._pinner.is_pinned(s) for s in slots) and len(rt.registered) == 2
+    assert len(slots) == 2 and all(m.store.pinner.is_pinned(s) for s in slots) and len(rt.registered) == 2
     # resize: the state changed size at a restore -> new slots, the old ones unregistered first
     m.store.open_slots(slots[0].nbytes + 4096)
     assert all(s.closed for s in slots) and len(rt.registered) == 2

@@ -15,7 +15,7 @@ from deadpool_ext.memory.shm import ShmSegment, ensure_private_dir, job_shm_dir
 from deadpool_ext.recovery.reshard import PartitionLayout
 from deadpool_ext.snapshot.manager import SnapshotManager
 from deadpool_ext.snapshot.slots import serialize
-from tests.security.memory_job import JOB, NODE, Adapter, world_of_one
+from deadpool_ext.testing.memory_job import JOB, NODE, Adapter, world_of_one
 
 OLD = PartitionLayout(rule="flat", dp=2, dp_rank=0, groups=(((0, 64),),), part=(32,), model="m")
 NEW = PartitionLayout(rule="flat", dp=1, dp_rank=0, groups=(((0, 64),),), part=(64,), model="m")

@@ -13,7 +13,7 @@ import time
 import torch
 
 from deadpool_ext.snapshot import manager as mgr
-from tests.security.memory_job import Adapter, manager, world_of_one
+from deadpool_ext.testing.memory_job import Adapter, manager, world_of_one
 
 
 def test_worker_blocked_in_the_commit_is_abandoned_and_commits_nothing(tmp_path, monkeypatch):

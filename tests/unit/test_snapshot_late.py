@@ -14,7 +14,7 @@ import torch
 
 from deadpool_ext.snapshot import late as late_mod
 from deadpool_ext.snapshot.late import LateDropped, LateState
-from tests.security.memory_job import Adapter, manager, world_of_one
+from deadpool_ext.testing.memory_job import Adapter, manager, world_of_one
 
 
 def _steps(m, a, steps, post=None) -> None:

@@ -1,6 +1,11 @@
 """A one-rank job of the memory tiers, in process (gloo world of 1): the real SnapshotManager writes slots into
-a real shared-memory directory and a fresh manager restores from them, as a restarted worker would. Used by
-the security tests to forge or replace what the first run left and watch the restore refuse it."""
+a real shared-memory directory and a fresh manager restores from them, as a restarted worker would.
+
+The test bed's public helper for tests that need a real manager without processes: the unit tests of the snapshot
+worker, the restore executor and the CUDA paths drive ``manager(root, Adapter())`` step by step; the security tests
+forge or replace what a first run (``run_steps``) left (``slot_path``, ``slot_of``, ``rewrite_header``) and watch
+``restore`` refuse it.
+"""
 from __future__ import annotations
 
 import contextlib
