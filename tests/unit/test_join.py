@@ -15,6 +15,7 @@ from deadpool_ext.launcher.cli import Supervisor, main
 from deadpool_ext.launcher.hangs import not_formed
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
+from tests.log_interface import assert_refusal
 
 pytestmark = pytest.mark.timeout(60)
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "pretrain_gpt.py")
@@ -88,12 +89,11 @@ def test_a_node_joining_a_shrunk_world_is_offered_for_growing(coordinator):
     assert joiner.get_json("repaired/extra0")["joined"] is True
 
 
-def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator, caplog):
+def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator):
     """A repaired node whose processes beat is grown to only once every rank of the shrunk world finished a step
     since the shrink was published: a grow published while the survivors still rebuild would abandon that rebuild
     half done (what a slow host showed: the shrunk world never trained)."""
     import dataclasses
-    import logging
     import time
 
     sup, joiner = coordinator
@@ -111,14 +111,14 @@ def test_a_grow_waits_until_the_shrunk_world_has_formed(coordinator, caplog):
     for wid in ("node1.0", "node1.1"):
         beat(wid, 0.0)   # the repaired node's processes wait as spares
     joiner.set_json("repaired/node1", {"time": time.time()})
-    with caplog.at_level(logging.INFO, logger="deadpool_ext.launcher"):
-        coord.turn()
-        beat("node0.0", time.time() + 1)   # one survivor trains in generation 1
-        coord.turn()
+    coord.turn()
+    first = coord.state.grow_wait_logged, not_formed(shrunk.ranks, coord.state.progress, coord.state.formed_after)
+    beat("node0.0", time.time() + 1)   # one survivor trains in generation 1
+    coord.turn()
     assert coord.state.assignment == shrunk and joiner.get_json("repaired/node1") is not None
-    said = [r.getMessage() for r in caplog.records if "the grow waits" in r.getMessage()]
-    assert said == ["node node1 is ready to join; the grow waits until generation 1 (2 ranks) has finished a step "
-                    "on every rank (not yet: node0.0, node0.1)"]   # said once, not at every turn
+    # node1 waits for generation 1, whose ranks had not stepped; said once (the state gates the line), not per turn
+    assert first == ((1, "node1"), ["node0.0", "node0.1"]) and coord.state.grow_wait_logged == (1, "node1")
+    assert not_formed(shrunk.ranks, coord.state.progress, coord.state.formed_after) == ["node0.1"]
     beat("node0.1", time.time() + 1)
     coord.turn()
     grown = coord.state.assignment
@@ -167,9 +167,9 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
     me.joiner.request(me.values)
     assert me.joiner.tick(me.values) is None          # not answered yet
     sup.coordinator.turn()                            # 3 processes: refused
-    assert me.joiner.tick(me.values) == 2
-    assert ("--join extra0: refused by job joinjob's coordinator: the joining node has 3 process(es), this job's "
-            "nodes have 2: pass --nproc-per-node 2") in capsys.readouterr().err
+    assert_refusal((me.joiner.tick(me.values), capsys.readouterr().err), rc=2,
+                   names="--join extra0: refused by job joinjob's coordinator: the joining node has 3 process(es), "
+                         "this job's nodes have 2: pass --nproc-per-node 2")
     with pytest.raises(SystemExit, match="a machine already asked to join job joinjob under that name"):
         me.joiner.request(me.values)   # a second machine under the same name is refused before it starts anything
 
@@ -183,5 +183,4 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
 def test_join_flags_are_checked_with_one_line(argv, needle, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, SCRIPT])
-    assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    assert_refusal((exc.value.code, capsys.readouterr().err), rc=2, names=needle)

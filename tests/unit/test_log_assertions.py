@@ -35,7 +35,6 @@ UNMARKED: dict[str, int] = {
     "tests/security/test_storage.py": 5,
     "tests/security/test_store.py": 7,
     "tests/security/test_store_flood.py": 1,
-    "tests/unit/test_join.py": 3,
     "tests/unit/test_launcher_args.py": 3,
     "tests/unit/test_simulate.py": 8,
     "tests/unit/test_simulate_shrink.py": 2,
