@@ -16,6 +16,7 @@ from deadpool_ext.sim.failures import FailureKind, sample_trace
 from deadpool_ext.sim.params import LLAMA3_RATE_PER_GPU_HOUR, Params, SimParamError
 from deadpool_ext.sim.policies import make_policy
 from deadpool_ext.sim.sweep import Evaluator, persist_center, sweep_interval
+from tests.log_interface import assert_refusal
 
 
 def toy(**flat) -> Params:
@@ -336,33 +337,44 @@ def test_command_prints_json_recommendation(capsys):
     assert out["params"]["cluster"]["gpus"] == 512 and out["params"]["failure"]["cluster_outage_per_day"] == 0
 
 
-def test_command_rejects_bad_parameters(capsys, tmp_path):
-    assert _cli(["--gpus", "100", "--no-calibrate"]) == 2
-    assert "cluster.gpus: must be a multiple" in capsys.readouterr().err
-    assert _cli(["--set", "costs.nope=1", "--no-calibrate"]) == 2
-    assert "unknown parameter 'costs.nope'" in capsys.readouterr().err
-    assert _cli(["--policies", "deadpool,foo", "--no-calibrate"]) == 2
-    assert "unknown foo" in capsys.readouterr().err
+@pytest.mark.parametrize("argv,names", [
+    (["--gpus", "100"], "cluster.gpus: must be a multiple"),
+    (["--set", "costs.nope=1"], "unknown parameter 'costs.nope'"),
+    (["--policies", "deadpool,foo"], "--policies: unknown foo"),
+    (["--params", "{bad}"], "workload.params_b: must be > 0"),
+    (["--no-spare-policy", "grow"], "cluster.no_spare_policy: must be one of fail, wait, shrink, got 'grow'"),
+])
+def test_command_rejects_bad_parameters(argv, names, capsys, tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text('{"workload": {"params_b": -1}}')
-    assert _cli(["--params", str(bad), "--no-calibrate"]) == 2
-    assert "workload.params_b: must be > 0" in capsys.readouterr().err
+    rc = _cli([*(a.format(bad=bad) for a in argv), "--no-calibrate"])
+    assert_refusal((rc, capsys.readouterr().err), rc=2, names=names)
 
 
-def test_command_prints_where_each_cost_came_from(capsys, tmp_path):
+def test_command_says_where_each_cost_came_from(capsys, tmp_path):
     _current_results(tmp_path)
-    rc = _cli(["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "ckpt_sync,deadpool", "--quiet",
-               "--results-dir", str(tmp_path), "--set", "costs.startup_s=3"])
-    out = capsys.readouterr().out
-    assert rc == 0
-    small = tmp_path / "recovery.json"
-    assert (f"  costs.hotswap_fixed_s = 6.000 (from {small}: sizes.small.analysis.hotswap.phases_median agree_s + "
-            "rebuild_s)\n") in out
-    assert f"  costs.startup_s = 12.000 (from {small}: " in out and "; overridden: 3.000 used" in out
-    assert "not calibrated" not in out
-    rc = _cli(["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "deadpool", "--quiet",
-               "--results-dir", str(tmp_path / "none")])
-    assert rc == 0 and "not calibrated (built-in default kept):" in capsys.readouterr().out
+    argv = ["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "ckpt_sync,deadpool", "--quiet",
+            "--results-dir", str(tmp_path), "--set", "costs.startup_s=3"]
+    assert _cli([*argv, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cal, small = out["calibration"], tmp_path / "recovery.json"
+    hotswap = f"{small}: sizes.small.analysis.hotswap.phases_median agree_s + rebuild_s"
+    assert cal["sources"]["costs.hotswap_fixed_s"] == hotswap and cal["overrides"]["costs.hotswap_fixed_s"] == 6.0
+    assert cal["sources"]["costs.startup_s"].startswith(f"{small}: ") and cal["overrides"]["costs.startup_s"] == 12.0
+    assert out["params"]["costs"]["startup_s"] == 3.0 and cal["missing"] == []  # --set wins; all calibrated
+    # the lines the text report prints under "calibrated from measured results"
+    from deadpool_ext.commands import simulate
+
+    p = argparse.ArgumentParser()
+    simulate.add_arguments(p)
+    params, calibration = simulate.build_params(p.parse_args(argv))
+    lines = calibration.lines(params)
+    assert f"costs.hotswap_fixed_s = 6.000 (from {hotswap})" in lines
+    startup = [ln for ln in lines if ln.startswith("costs.startup_s = 12.000 (from ")]
+    assert len(startup) == 1 and startup[0].endswith("; overridden: 3.000 used")
+    assert _cli(["--gpus", "512", "--trials", "2", "--horizon-days", "1", "--policies", "deadpool", "--quiet",
+                 "--results-dir", str(tmp_path / "none"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"]["missing"]  # not calibrated: built-in defaults kept
 
 
 # -- self-checks and recommendation ----------------------------------------------------------------------
