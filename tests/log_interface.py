@@ -9,7 +9,8 @@ words are what the user reads to fix the input. Those sites are marked and there
 
 - a process's output: ``.output``, ``.stdout`` or ``.stderr`` of any object (a ``subprocess`` result, a job run);
 - captured streams: ``capsys.readouterr()`` / ``capfd.readouterr()`` and their ``.out`` / ``.err``;
-- captured logs: ``caplog.text``, ``caplog.messages``, a record's ``.message`` or ``.getMessage()``;
+- captured logs: ``caplog.text``, ``caplog.messages`` (of any name containing ``log``), a record's ``.message`` or
+  ``.getMessage()``;
 - a file's raw text read back (``.read()`` / ``.read_text()`` / ``.readlines()``) when the file expression names
   a log, an output or a timeline (``log``, ``out``, ``err``, ``timeline`` in its source);
 - any name assigned from one of these through string operations only (methods, slicing, ``join``, f-strings,
@@ -86,8 +87,8 @@ class _Text:
                 return True
             if e.attr in _CAPTURED_ATTRS:
                 return self._is_capture(e.value)
-            if e.attr in ("text", "messages") and isinstance(e.value, ast.Name) and e.value.id == "caplog":
-                return True
+            if e.attr in ("text", "messages") and isinstance(e.value, ast.Name) and "log" in e.value.id:
+                return True  # caplog.text, or a caplog fixture under another name (store_log.text)
             return False
         if isinstance(e, ast.Subscript):
             return self.is_text(e.value)

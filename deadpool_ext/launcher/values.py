@@ -300,6 +300,12 @@ class StoreValues:
         self._logged: dict[str, float] = {}
         self.refused = 0
 
+    @property
+    def warned(self) -> list[str]:
+        """The keys a warning line has named, sorted (a key is named again after :data:`BAD_VALUE_LOG_S`; the table
+        is cleared past 4096 keys)."""
+        return sorted(self._logged)
+
     def bad(self, exc: BadValue) -> None:
         self.refused += 1
         key = exc.key[:200]

@@ -26,6 +26,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,11 +81,14 @@ class _RefusalLog:
         self._suppressed = 0
         self._last: tuple[str, str] = ("", "")
         self.total = 0
+        self.recent: deque[tuple[str, str]] = deque(maxlen=256)
+        """(peer, reason) of the newest refusals, logged or only counted."""
 
     def refused(self, peer: str, reason: str) -> None:
         now = time.monotonic()
         with self._lock:
             self.total += 1
+            self.recent.append((peer, reason))
             if self._last_line is not None and now - self._last_line < self.interval_s:
                 self._suppressed += 1
                 self._last = (peer, reason)
@@ -295,6 +299,13 @@ class EmbeddedStoreServer:
         self._thread.start()
         log.info("coordination store listening on %s", self.url)
         return self
+
+    @property
+    def refusals(self) -> list[tuple[str, str]]:
+        """(peer, reason) of the newest 256 connections this server refused (its log says the same, rate-limited:
+        see ``REFUSAL_LOG_INTERVAL_S``)."""
+        with self._refusals._lock:
+            return list(self._refusals.recent)
 
     @property
     def address(self) -> tuple[str, int]:

@@ -35,8 +35,6 @@ UNMARKED: dict[str, int] = {
     "tests/security/test_storage.py": 5,
     "tests/security/test_store.py": 7,
     "tests/security/test_store_flood.py": 1,
-    "tests/unit/test_store_contract.py": 2,
-    "tests/unit/test_store_values.py": 1,
     "tests/unit/test_trace_modules.py": 1,
 }
 """Unmarked log-text assertions per file still to replace by a decision (issue 31, part 7). Only shrinks."""
