@@ -6,8 +6,8 @@ A baseline is keyed by everything that decides its trajectory, and by nothing el
 - the config's digest, without ``deadpool.local.shm_root`` (where tier-1 memory lives is a per-test path, and no
   loss depends on it);
 - the ranks (the world size the job starts with) and the job's added environment;
-- the digest of the package's source (``deadpool_ext/`` and ``patches/``), and the versions of Python, torch,
-  DeepSpeed, Megatron-Core and transformers.
+- the digest of the package's source (``deadpool_ext/`` and ``patches/``), the versions of Python, torch,
+  DeepSpeed, Megatron-Core and transformers, and the standard library's path (the demo's corpus is its sources).
 
 Which launcher ran it, the metrics path, the timeline, spares and ports are not part of the key: a launcher that
 changed a loss would be the bug those tests exist to catch. The launcher is the caller's: :meth:`BaselineCache.get`
@@ -24,6 +24,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sysconfig
 import tempfile
 from collections.abc import Callable
 from functools import cache
@@ -86,6 +87,7 @@ def key_of(job: Job) -> str:
         "env": dict(sorted(job.env_vars.items())),
         "source_sha256": source_digest(),
         "python": platform.python_version(),
+        "stdlib": sysconfig.get_paths()["stdlib"],
         "machine": platform.machine(),
         "versions": {name: _version(name) for name in _VERSIONED},
     }
