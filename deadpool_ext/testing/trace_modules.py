@@ -253,7 +253,8 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
 
     from ..launcher.contract import WORKER_ID
     from ..recovery.timeline import read_events
-    from .launch import base_env, run_job, wait_for_step
+    from .jobs import Job
+    from .launch import run_job, wait_for_step
     from .wait import wait_until
 
     os.makedirs(out, exist_ok=True)
@@ -275,12 +276,10 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
         json.dump(cfg, fh)
     metrics = os.path.join(out, "metrics.jsonl")
     timeline = os.path.join(out, "timeline.jsonl")
-    cmd = [sys.executable, "-m", "deadpool_ext.launcher.cli", "--nnodes", "3", "--nproc-per-node", "1",
-           "--spare-nodes", "1", "--shm-root", shm_root, "--timeline", timeline,
-           "scripts/pretrain_gpt.py", "--deepspeed_config", config, "--train-iters", str(iters),
-           "--metrics-out", metrics]
     path = [BOOT_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != BOOT_DIR]
-    env = base_env({ENV: traces, "PYTHONPATH": os.pathsep.join(path)})
+    job = Job(script="scripts/pretrain_gpt.py", nnodes=3, nproc_per_node=1, spare_nodes=1, shm_root=shm_root,
+              timeline=timeline, config=config, args=("--train-iters", str(iters)), metrics=metrics,
+              env_vars={ENV: traces, "PYTHONPATH": os.pathsep.join(path)})
 
     def worker(launcher_pid: int, wid: str) -> psutil.Process:
         def find() -> psutil.Process | None:
@@ -305,7 +304,7 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
             json.dump({"time": at, "worker": victim, "pid": target.pid, "step": fault_step}, fh)
 
     try:
-        res = run_job(cmd, timeout_s=timeout_s, while_running=inject, env=env)
+        res = run_job(job.argv(), timeout_s=timeout_s, while_running=inject, env=job.env())
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
     with open(os.path.join(out, "job.log"), "w") as fh:
