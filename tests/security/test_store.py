@@ -112,7 +112,7 @@ def _still_serves(server: EmbeddedStoreServer) -> None:
 
 # -- the handshake deadline ------------------------------------------------------------------------------
 
-def test_slowloris_handshake_is_cut_at_the_deadline(records: _Records) -> None:
+def test_slowloris_handshake_is_cut_at_the_deadline() -> None:
     """A byte every 0.3 s used to hold a pre-auth connection indefinitely (the timeout restarted per recv)."""
     auth_timeout_s = 1.5
     with EmbeddedStoreServer(token=TOKEN, auth_timeout_s=auth_timeout_s) as server:
@@ -133,7 +133,7 @@ def test_slowloris_handshake_is_cut_at_the_deadline(records: _Records) -> None:
         sock.close()
         assert closed_after is not None and closed_after < auth_timeout_s + 1.5, closed_after
         _still_serves(server)
-    assert any("not completed within 1.5s" in m for m in records.lines()), records.lines()
+    assert any("not completed within 1.5s" in why for _, why in server.refusals), server.refusals
 
 
 def test_client_handshake_against_a_trickling_server_has_a_deadline() -> None:
@@ -164,7 +164,7 @@ def test_client_handshake_against_a_trickling_server_has_a_deadline() -> None:
     squatter.close()
 
 
-def test_authenticated_frame_must_arrive_by_its_deadline(records: _Records) -> None:
+def test_authenticated_frame_must_arrive_by_its_deadline() -> None:
     with EmbeddedStoreServer(token=TOKEN, frame_timeout_s=1.0) as server:
         sock = _authenticated(server)
         sock.sendall(_HEADER.pack(1000) + b'{"op":')       # header, part of a body, then nothing
@@ -173,12 +173,12 @@ def test_authenticated_frame_must_arrive_by_its_deadline(records: _Records) -> N
         assert time.monotonic() - start < 1.0 + 1.5
         sock.close()
         _still_serves(server)
-    assert any("did not arrive within 1s" in m for m in records.lines())
+    assert any("did not arrive within 1s" in why for _, why in server.refusals), server.refusals
 
 
 # -- the connection cap ----------------------------------------------------------------------------------
 
-def test_connections_beyond_the_cap_are_refused_with_a_log_line(records: _Records) -> None:
+def test_connections_beyond_the_cap_are_refused_with_a_log_line() -> None:
     with EmbeddedStoreServer(token=TOKEN, max_connections=4, auth_timeout_s=30) as server:
         client = connect(server.url, TOKEN, "job", timeout_s=5.0)          # 1 slot, pooled
         held = [_raw(server) for _ in range(3)]                            # 3 pre-auth slots: the cap is full
@@ -203,7 +203,7 @@ def test_connections_beyond_the_cap_are_refused_with_a_log_line(records: _Record
                     raise
                 time.sleep(0.1)
         client.close()
-    assert any("4 connections already open (max_connections)" in m for m in records.lines()), records.lines()
+    assert any("4 connections already open (max_connections)" in why for _, why in server.refusals), server.refusals
 
 
 def test_bad_limits_are_one_clear_error() -> None:
@@ -231,11 +231,11 @@ def test_refusal_logs_are_rate_limited_with_a_count(records: _Records) -> None:
     after = [m for m in records.lines() if "refused" in m]
     individual = [m for m in after if "refused connection from" in m]
     counted = len(individual) + sum(int(x) for m in after for x in re.findall(r"(\d+) more", m))
-    assert counted == n, after
-    if burst_s < 5.0:                                      # one interval: one line, then the count at stop
-        assert len(during) == 1 and "wrong token" in during[0], during
-        assert len(after) == 2 and f"{n - 1} more connections refused" in after[1], after
-    assert TOKEN not in " ".join(after) and "not-the-token" not in " ".join(after)
+    assert counted == n == len(server.refusals), after
+    # one interval: one line, then the count at stop; and never a token
+    assert (burst_s >= 5.0 or (len(during) == 1 and "wrong token" in during[0] and len(after) == 2  # log-interface:
+            and f"{n - 1} more connections refused" in after[1])) and not any(  # the log's volume is what is tested
+        s in m for m in after for s in (TOKEN, "not-the-token")), after
 
 
 # -- frame sizes and allocation --------------------------------------------------------------------------
@@ -256,14 +256,14 @@ def test_announced_frame_length_is_not_allocated_up_front() -> None:
     assert grown < 32 << 20, f"server RSS grew by {grown >> 20} MiB"
 
 
-def test_oversized_frame_is_refused_and_logged(records: _Records) -> None:
+def test_oversized_frame_is_refused_and_logged() -> None:
     with EmbeddedStoreServer(token=TOKEN, max_frame_bytes=1 << 20) as server:
         sock = _authenticated(server)
         sock.sendall(_HEADER.pack((1 << 20) + 1))
         assert _closed_within(sock, 5.0)
         sock.close()
         _still_serves(server)
-    assert any(f"frame of {(1 << 20) + 1} bytes exceeds the limit of {1 << 20}" in m for m in records.lines())
+    assert any(f"frame of {(1 << 20) + 1} bytes exceeds the limit of {1 << 20}" in why for _, why in server.refusals)
 
 
 def test_client_refuses_a_value_too_large_for_a_frame() -> None:

@@ -33,7 +33,6 @@ UNMARKED: dict[str, int] = {
     "tests/security/test_shm.py": 3,
     "tests/security/test_special_files.py": 1,
     "tests/security/test_storage.py": 5,
-    "tests/security/test_store.py": 7,
     "tests/security/test_store_flood.py": 1,
     "tests/unit/test_trace_modules.py": 1,
 }
