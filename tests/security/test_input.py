@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from deadpool_ext.config import ConfigError, DeadpoolConfig, split_deepspeed_config
 from deadpool_ext.launcher import cli
+from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.jobs import Job, deadpool_run
 from deadpool_ext.testing.launch import REPO, base_env
 
@@ -328,159 +329,118 @@ def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 @pytest.fixture
 def job(tmp_path):
+    """Runs deadpool-run with the flags verbatim (wrong ones too) and the worker script; checks that it refused
+    fast and started no worker, and returns the finished process (its stderr is checked by the caller)."""
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
     marker = tmp_path / "started"
 
-    def run(*flags: str, script_path: str | None = None, env: dict[str, str] | None = None,
-            one_line: bool = True) -> str:
-        cmd = deadpool_run(*flags, script_path or str(script), str(marker))  # the flags verbatim, wrong ones too
-        full_env = _env(env)
+    def run(*flags: str, script_path: str | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        cmd = deadpool_run(*flags, script_path or str(script), str(marker))
         t0 = time.monotonic()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=full_env, cwd=str(tmp_path))
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(env), cwd=str(tmp_path))
         elapsed = time.monotonic() - t0
-        err = res.stderr
-        assert res.returncode != 0, err
-        assert "Traceback" not in err, err
+        assert res.returncode != 0, res.stderr
         assert not marker.exists(), "a worker started"
         assert elapsed < 30, f"took {elapsed:.1f}s to refuse"
-        lines = err.strip().splitlines()
-        if one_line:
-            assert len(lines) == 1, err
-        return lines[-1]
+        return res
 
     run.marker = marker
     run.script = script
     return run
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "::", ""], ids=["ipv4", "ipv6", "empty"])
-def test_wildcard_host_is_refused(job, host):
-    line = job("--nnodes", "1", "--host", host)
-    assert line.startswith(f"deadpool-run: --host {host!r}: a wildcard address") and "interface" in line
+def _refusal(flags: list[str], says: str, *also: str, script: str | None = None, env: dict[str, str] | None = None,
+             one_line: bool = True, id: str) -> typing.Any:  # noqa: A002 - pytest.param's name
+    """A bad launch: its flags and what the last line of stderr says: ``deadpool-run: <says>...``, containing each
+    of ``also``. ``{tmp}``, ``{hostfile}``, ``{fifo}``, ``{bad}``, ``{taken}`` are filled in by the test."""
+    return pytest.param(flags, says, also, script, env, one_line, id=id)
 
 
-def test_host_that_is_not_this_machine_is_refused(job):
-    line = job("--nnodes", "1", "--host", "192.0.2.1")  # TEST-NET-1 (RFC 5737): never a local address
-    assert line.startswith("deadpool-run: --host 192.0.2.1: not an address of this host")
+_DURATION_FLAGS = ("--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s")
+_SLURM = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
+_REFUSALS = [
+    *(_refusal(["--nnodes", "1", "--host", host], f"--host {host!r}: a wildcard address", "interface", id=name)
+      for name, host in (("wildcard-ipv4", "0.0.0.0"), ("wildcard-ipv6", "::"), ("wildcard-empty", ""))),
+    _refusal(["--nnodes", "1", "--host", "192.0.2.1"], "--host 192.0.2.1: not an address of this host",
+             id="host-not-here"),  # TEST-NET-1 (RFC 5737): never a local address
+    _refusal(["--nnodes", "1", "--host", "no-such-host.invalid"], "--host no-such-host.invalid: cannot resolve it",
+             id="host-unresolvable"),
+    *(_refusal(["--nnodes", "1", "--store-url", url], f"--store-url {url!r}: ", id=f"store-url-{name}")
+      for name, url in (("scheme", "http://127.0.0.1:1"), ("no-port", "dp://127.0.0.1"),
+                        ("port-range", "dp://127.0.0.1:99999"), ("no-host", "etcd://:2379"),
+                        ("path", "dp://h:1/path"), ("empty", ""))),
+    _refusal(["--nnodes", "1", "--timeline", "{tmp}/no/such/t.jsonl"],
+             "--timeline {tmp}/no/such/t.jsonl: cannot open it for appending", id="timeline-missing-dir"),
+    _refusal(["--nnodes", "1", "--timeline", "{tmp}"], "--timeline {tmp}: cannot open it for appending",
+             id="timeline-a-directory"),
+    *(_refusal(["--nnodes", "1", "--store-port", port], f"--store-port {port}: must be an integer in 0..65535",
+               id=f"store-port-{port}") for port in ("70000", "-1", "65536")),
+    *(_refusal(flags, "", flag, id=f"count-{flag}") for flags, flag in (
+        (["--nnodes", "0"], "--nnodes 0"),
+        (["--nnodes", "10000000"], "--nnodes 10000000"),
+        (["--nnodes", "1", "--nproc-per-node", "0"], "--nproc-per-node 0"),
+        (["--nnodes", "1", "--nproc-per-node", "5000"], "--nproc-per-node 5000"),
+        (["--nnodes", "1", "--spare-nodes", "-1"], "--spare-nodes -1"),
+        (["--nnodes", "60000", "--nproc-per-node", "1000"], "60000000 workers, at most"),
+        (["--nnodes", "1", "--hosts", "0"], "--hosts 0"),
+        (["--nnodes", "1", "--host-rank", "3"], "--host-rank 3"),
+        (["--nnodes", "abc"], "--nnodes"))),
+    *(_refusal(["--nnodes", "1", "--detect-timeout-s", "5", flag, value], flag, "seconds", id=f"{flag}={value}")
+      for flag in _DURATION_FLAGS for value in ("nan", "inf", "-1", "1e9")),
+    *(_refusal(["--nnodes", "1", *flags], "", needle, id=f"multi-host-{i}") for i, (flags, needle) in enumerate((
+        (["--leader-ttl-s", "1"], "--leader-ttl-s 1: must be an integer in 2..3600"),
+        (["--progress-timeout-s", "-1"], "--progress-timeout-s -1.0: must be a finite number of seconds"),
+        (["--progress-timeout-s", "0.2"], "--progress-timeout-s (0.2) must be longer than --heartbeat-s"),
+        (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: cannot read it"),
+        (["--hostfile", "/dev/null", "--from-slurm"], "--hostfile and --from-slurm: pass one of them"),
+        (["--hostfile", "/dev/null"], "/dev/null: no hosts")))),
+    _refusal(["--nnodes", "1", "--hostfile", "{hostfile}"], "", "no entry names this machine", "127.0.0.1",
+             id="hostfile-without-this-machine"),
+    _refusal(["--nnodes", "1", "--from-slurm"], "",
+             "SLURM's environment lacks SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID", id="from-slurm-outside-slurm"),
+    *(_refusal(["--nnodes", "1", f"--job-id={job_id}"], f"--job-id {job_id!r}: must be", id=f"job-id-{job_id[:8]}")
+      for job_id in ("../x", "-x", "a" * 65, "a.b", "a/b")),
+    _refusal(["--nnodes", "1"], "script scripts/nope.py: no such file", script="scripts/nope.py",
+             id="script-missing"),
+    _refusal(["--nnodes", "1"], "script {tmp}: is a directory, not a Python script", script="{tmp}",
+             id="script-a-directory"),
+    _refusal(["--nnodes", "1"], "script {fifo}: not a regular file", script="{fifo}", id="script-a-fifo"),
+    _refusal(["--nnodes", "1"], "script {bad}: not a runnable Python script", script="{bad}",
+             id="script-not-python"),
+    _refusal(["--nnodes", "1"], "DEADPOOL_LOG_LEVEL='loud': must be one of DEBUG, INFO",
+             env={"DEADPOOL_LOG_LEVEL": "loud"}, id="log-level-variable"),
+    # after the checks: a start-up error (the store's port is taken) is one line too, after the log's lines
+    _refusal(["--nnodes", "1", "--store-port", "{taken}"],
+             "cannot start the job: StoreError: cannot bind the coordination store", "{taken}", "--debug",
+             one_line=False, id="start-up-error"),
+]
 
 
-def test_unresolvable_host_is_refused(job):
-    line = job("--nnodes", "1", "--host", "no-such-host.invalid")
-    assert line.startswith("deadpool-run: --host no-such-host.invalid: cannot resolve it")
-
-
-@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "dp://127.0.0.1", "dp://127.0.0.1:99999", "etcd://:2379",
-                                 "dp://h:1/path", ""], ids=["scheme", "no-port", "port-range", "no-host", "path",
-                                                            "empty"])
-def test_bad_store_url_is_refused(job, url):
-    line = job("--nnodes", "1", "--store-url", url)
-    assert line.startswith(f"deadpool-run: --store-url {url!r}: ")
-
-
-@pytest.mark.parametrize("where", ["missing-dir", "a-directory"])
-def test_unwritable_timeline_is_refused(job, tmp_path, where):
-    path = str(tmp_path / "no" / "such" / "t.jsonl") if where == "missing-dir" else str(tmp_path)
-    line = job("--nnodes", "1", "--timeline", path)
-    assert line.startswith(f"deadpool-run: --timeline {path}: cannot open it for appending")
-
-
-@pytest.mark.parametrize("port", ["70000", "-1", "65536"])
-def test_store_port_out_of_range_is_refused(job, port):
-    line = job("--nnodes", "1", "--store-port", port)
-    assert line == f"deadpool-run: --store-port {port}: must be an integer in 0..65535"
-
-
-@pytest.mark.parametrize("flags,flag", [
-    (["--nnodes", "0"], "--nnodes 0"),
-    (["--nnodes", "10000000"], "--nnodes 10000000"),
-    (["--nnodes", "1", "--nproc-per-node", "0"], "--nproc-per-node 0"),
-    (["--nnodes", "1", "--nproc-per-node", "5000"], "--nproc-per-node 5000"),
-    (["--nnodes", "1", "--spare-nodes", "-1"], "--spare-nodes -1"),
-    (["--nnodes", "60000", "--nproc-per-node", "1000"], "60000000 workers, at most"),
-    (["--nnodes", "1", "--hosts", "0"], "--hosts 0"),
-    (["--nnodes", "1", "--host-rank", "3"], "--host-rank 3"),
-    (["--nnodes", "abc"], "--nnodes"),
-])
-def test_node_and_process_counts_out_of_range_are_refused(job, flags, flag):
-    assert flag in job(*flags)
-
-
-@pytest.mark.parametrize("flag", ["--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s"])
-@pytest.mark.parametrize("value", ["nan", "inf", "-1", "1e9"])
-def test_non_finite_or_out_of_range_durations_are_refused(job, flag, value):
-    line = job("--nnodes", "1", "--detect-timeout-s", "5", flag, value)
-    assert line.startswith(f"deadpool-run: {flag}") and "seconds" in line
-
-
-@pytest.mark.parametrize("flags,needle", [
-    (["--leader-ttl-s", "1"], "--leader-ttl-s 1: must be an integer in 2..3600"),
-    (["--progress-timeout-s", "-1"], "--progress-timeout-s -1.0: must be a finite number of seconds"),
-    (["--progress-timeout-s", "0.2"], "--progress-timeout-s (0.2) must be longer than --heartbeat-s"),
-    (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: cannot read it"),
-    (["--hostfile", "/dev/null", "--from-slurm"], "--hostfile and --from-slurm: pass one of them"),
-    (["--hostfile", "/dev/null"], "/dev/null: no hosts"),
-])
-def test_multi_host_flags_are_checked(job, flags, needle):
-    line = job("--nnodes", "1", *flags)
-    assert line.startswith("deadpool-run: ") and needle in line, line
-
-
-def test_hostfile_without_this_machine_names_it(job, tmp_path):
-    hostfile = tmp_path / "hostfile"
-    hostfile.write_text("192.0.2.10 slots=1\n192.0.2.11 slots=1\n")
-    line = job("--nnodes", "1", "--hostfile", str(hostfile))
-    assert "no entry names this machine" in line and "127.0.0.1" in line, line
-
-
-def test_from_slurm_outside_slurm_names_the_missing_variables(job, monkeypatch):
-    for k in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
-        monkeypatch.delenv(k, raising=False)
-    line = job("--nnodes", "1", "--from-slurm")
-    assert "SLURM's environment lacks SLURM_JOB_ID, SLURM_NNODES, SLURM_NODEID" in line, line
-
-
-@pytest.mark.parametrize("job_id", ["../x", "-x", "a" * 65, "a.b", "a/b"])
-def test_job_id_that_is_not_a_plain_name_is_refused(job, job_id):
-    assert job("--nnodes", "1", f"--job-id={job_id}").startswith(f"deadpool-run: --job-id {job_id!r}: must be")
-
-
-def test_missing_script_is_named_before_any_worker_starts(job):
-    line = job("--nnodes", "1", script_path="scripts/nope.py")
-    assert line == "deadpool-run: script scripts/nope.py: no such file"
-
-
-def test_directory_as_script_is_named(job, tmp_path):
-    assert job("--nnodes", "1", script_path=str(tmp_path)) == \
-        f"deadpool-run: script {tmp_path}: is a directory, not a Python script"
-
-
-def test_fifo_as_script_is_refused_without_blocking(job, tmp_path):
-    fifo = tmp_path / "fifo.py"
-    os.mkfifo(fifo)
-    assert job("--nnodes", "1", script_path=str(fifo)) == f"deadpool-run: script {fifo}: not a regular file"
-
-
-def test_script_that_python_cannot_compile_is_named(job, tmp_path):
-    bad = tmp_path / "bad.py"
-    bad.write_text("def f(:\n")
-    line = job("--nnodes", "1", script_path=str(bad))
-    assert line.startswith(f"deadpool-run: script {bad}: not a runnable Python script")
-
-
-def test_bad_log_level_variable_is_refused(job):
-    line = job("--nnodes", "1", env={"DEADPOOL_LOG_LEVEL": "loud"})
-    assert line.startswith("deadpool-run: DEADPOOL_LOG_LEVEL='loud': must be one of DEBUG, INFO")
-
-
-def test_start_up_error_after_the_checks_is_one_line(job):
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = str(taken.getsockname()[1])
-        line = job("--nnodes", "1", "--store-port", port, one_line=False)
-    assert line.startswith("deadpool-run: cannot start the job: StoreError: cannot bind the coordination store")
-    assert port in line and "--debug" in line
+@pytest.mark.parametrize("flags,says,also,script,env,one_line", _REFUSALS)
+def test_a_bad_launch_is_refused_in_one_line_before_any_worker(job, tmp_path, monkeypatch, flags, says, also,
+                                                              script, env, one_line):
+    """Every refusal of deadpool-run: a nonzero exit, no worker started, no traceback, and one line on stderr
+    that names the flag, variable or file and what is allowed (the start-up error: the last line)."""
+    for name in _SLURM:
+        monkeypatch.delenv(name, raising=False)
+    with contextlib.ExitStack() as stack:
+        fill = {"tmp": str(tmp_path), "hostfile": str(tmp_path / "hostfile"), "fifo": str(tmp_path / "fifo.py"),
+                "bad": str(tmp_path / "bad.py"), "taken": ""}
+        (tmp_path / "hostfile").write_text("192.0.2.10 slots=1\n192.0.2.11 slots=1\n")
+        (tmp_path / "bad.py").write_text("def f(:\n")
+        os.mkfifo(tmp_path / "fifo.py")
+        if "{taken}" in flags:
+            taken = stack.enter_context(socket.socket())
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            fill["taken"] = str(taken.getsockname()[1])
+        res = job(*(f.format(**fill) for f in flags), script_path=script.format(**fill) if script else None, env=env)
+    lines = res.stderr.strip().splitlines()
+    says, also = "deadpool-run: " + says.format(**fill), [a.format(**fill) for a in also]
+    assert "Traceback" not in res.stderr and (len(lines) == 1 or not one_line) and lines[-1].startswith(says) \
+        and all(a in lines[-1] for a in also), res.stderr  # log-interface: the refusal names what to fix
 
 
 def test_debug_shows_the_traceback_of_a_start_up_error(job):
@@ -490,7 +450,7 @@ def test_debug_shows_the_traceback_of_a_start_up_error(job):
         launch = Job(script=str(job.script), args=(str(job.marker),), nnodes=1, port=taken.getsockname()[1],
                      launcher_flags=("--debug",))
         res = subprocess.run(launch.argv(), capture_output=True, text=True, timeout=120, env=_env())
-    assert res.returncode != 0 and "Traceback" in res.stderr and "StoreError" in res.stderr
+    assert res.returncode != 0 and "Traceback" in res.stderr and "StoreError" in res.stderr  # log-interface: --debug
     assert not job.marker.exists()
 
 
@@ -502,7 +462,7 @@ def test_a_valid_launch_still_runs_the_script(tmp_path):
     launch = Job(script=str(script), args=(str(marker),), nnodes=1, host="localhost", timeline=str(timeline))
     res = subprocess.run(launch.argv(), capture_output=True, text=True, timeout=120, env=_env())
     assert res.returncode == 0, res.stderr
-    assert marker.read_text() == "started" and '"event": "finished"' in timeline.read_text()
+    assert marker.read_text() == "started" and [e for e in read_events(str(timeline)) if e["event"] == "finished"]
 
 
 # -- launcher fuzzing -----------------------------------------------------------------------------------------

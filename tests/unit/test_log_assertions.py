@@ -27,7 +27,6 @@ UNMARKED: dict[str, int] = {
     "tests/integration/test_tier3_s3.py": 3,
     "tests/security/test_coordinator_values.py": 3,
     "tests/security/test_format.py": 1,
-    "tests/security/test_input.py": 22,
     "tests/security/test_peer_sign.py": 4,
     "tests/security/test_rendezvous.py": 1,
     "tests/security/test_shm.py": 3,
