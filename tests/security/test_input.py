@@ -411,6 +411,17 @@ _REFUSALS = [
              id="script-not-python"),
     _refusal(["--nnodes", "1"], "DEADPOOL_LOG_LEVEL='loud': must be one of DEBUG, INFO",
              env={"DEADPOOL_LOG_LEVEL": "loud"}, id="log-level-variable"),
+    *(_refusal([*flags, "--nnodes", "2"], "", needle, id=f"timing-{i}") for i, (flags, needle) in enumerate((
+        (["--heartbeat-s", "0"], "--heartbeat-s must be a positive number of seconds"),
+        (["--watch-s", "-1"], "--watch-s must be a positive number of seconds"),
+        (["--detect-timeout-s", "0.4", "--heartbeat-s", "0.5"],
+         "--detect-timeout-s (0.4) must be longer than --heartbeat-s"),
+        (["--malloc-arena-max", "-1"], "--malloc-arena-max -1: must be an integer in 0..1024")))),
+    *(_refusal(flags, "", needle, id=f"join-{i}") for i, (flags, needle) in enumerate((
+        (["--join", "extra0", "--nnodes", "2"], "--join: --nnodes belong to the job's own launchers; drop them"),
+        (["--join", "extra0"], "--join needs the running job's --store-url and --job-id"),
+        (["--join", "x/../y", "--store-url", "dp://h:1", "--job-id", "j"], "--join 'x/../y': a node name of 1-63"),
+        ([], "--nnodes is required (or --join NAME, to add this machine to a running job)")))),
     # after the checks: a start-up error (the store's port is taken) is one line too, after the log's lines
     _refusal(["--nnodes", "1", "--store-port", "{taken}"],
              "cannot start the job: StoreError: cannot bind the coordination store", "{taken}", "--debug",

@@ -11,7 +11,7 @@ import pytest
 
 from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed, shrink_failed
 from deadpool_ext.launcher.args import build_parser, check_args
-from deadpool_ext.launcher.cli import Supervisor, main
+from deadpool_ext.launcher.cli import Supervisor
 from deadpool_ext.launcher.hangs import not_formed
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
@@ -174,13 +174,4 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
         me.joiner.request(me.values)   # a second machine under the same name is refused before it starts anything
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--join", "extra0", "--nnodes", "2"], "--join: --nnodes belong to the job's own launchers; drop them"),
-    (["--join", "extra0"], "--join needs the running job's --store-url and --job-id"),
-    (["--join", "x/../y", "--store-url", "dp://h:1", "--job-id", "j"], "--join 'x/../y': a node name of 1-63"),
-    ([], "--nnodes is required (or --join NAME, to add this machine to a running job)"),
-])
-def test_join_flags_are_checked_with_one_line(argv, needle, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main([*argv, SCRIPT])
-    assert_refusal((exc.value.code, capsys.readouterr().err), rc=2, names=needle)
+# --join's flag refusals: tests/security/test_input.py (every deadpool-run refusal, one check)
