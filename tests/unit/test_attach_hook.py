@@ -103,15 +103,20 @@ def test_check_names_every_bad_key_not_only_the_first():
     assert len(all_problems(None)) == 1  # the section itself is bad: one line, nothing to drop
 
 
-@pytest.mark.parametrize("argv,needle", [
-    ([], "usage: python -m deadpool_ext.run"),
-    (["-m"], "-m needs a module name"),
-    (["/nonexistent/train.py"], "script /nonexistent/train.py: no such file"),
-])
-def test_runner_bad_arguments_are_one_line(argv, needle):
-    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", *argv], capture_output=True, text=True, timeout=60,
-                       env=_no_launcher_env(), cwd=REPO)
-    assert_refusal(r, rc=2, names=needle)
+@pytest.mark.parametrize("argv,rc,needle", [
+    ([], 2, "usage: python -m deadpool_ext.run"),
+    (["-m"], 2, "-m needs a module name"),
+    (["/nonexistent/train.py"], 2, "script /nonexistent/train.py: no such file"),
+    # a config with the section that no engine attached to: the job ran unprotected, exit 3
+    (["{tmp}/noop.py", "--deepspeed", "{tmp}/ds.json"], 3,
+     '{tmp}/ds.json has a "deadpool" section, but no engine of this process attached'),
+], ids=["no-args", "no-module", "no-script", "nothing-attached"])
+def test_runner_bad_arguments_and_an_unattached_section_are_one_line(tmp_path, argv, rc, needle):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
+    (tmp_path / "noop.py").write_text("print('did nothing')\n")
+    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", *(a.format(tmp=tmp_path) for a in argv)],
+                       capture_output=True, text=True, timeout=120, env=_no_launcher_env(), cwd=REPO)
+    assert_refusal(r, rc=rc, names=needle.format(tmp=tmp_path))
 
 
 def test_runner_runs_a_script_as_main_with_its_argv_and_path(tmp_path):
@@ -122,16 +127,6 @@ def test_runner_runs_a_script_as_main_with_its_argv_and_path(tmp_path):
                        text=True, timeout=60, env=_no_launcher_env(), cwd=REPO)
     assert r.returncode == 7, r.stdout + r.stderr
     assert json.loads(r.stdout) == [["a", "--b=c"], True, "__main__"]
-
-
-def test_runner_reports_a_section_that_nothing_attached(tmp_path):
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
-    script = tmp_path / "noop.py"
-    script.write_text("print('did nothing')\n")
-    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), "--deepspeed", str(cfg)],
-                       capture_output=True, text=True, timeout=120, env=_no_launcher_env(), cwd=REPO)
-    assert_refusal(r, rc=3, names=f'{cfg} has a "deadpool" section, but no engine of this process attached')
 
 
 def test_init_process_group_once_returns_when_a_group_exists(monkeypatch):
