@@ -8,11 +8,13 @@ words are what the user reads to fix the input. Those sites are marked and there
 *Log text* is text captured from a stream or a logger, not a value handed back to the caller:
 
 - a process's output: ``.output``, ``.stdout`` or ``.stderr`` of any object (a ``subprocess`` result, a job run);
-- captured streams: ``capsys.readouterr()`` / ``capfd.readouterr()`` and their ``.out`` / ``.err``;
+- captured streams: ``capsys.readouterr()`` / ``capfd.readouterr()`` and their ``.out`` / ``.err``, a
+  ``StringIO``'s ``.getvalue()``;
 - captured logs: ``caplog.text``, ``caplog.messages`` (of any name containing ``log``), a record's ``.message`` or
   ``.getMessage()``;
 - a file's raw text read back (``.read()`` / ``.read_text()`` / ``.readlines()``) when the file expression names
   a log, an output or a timeline (``log``, ``out``, ``err``, ``timeline`` in its source);
+- a call of a function of the same module that returns one of these (a fixture's runner returning a stderr line);
 - any name assigned from one of these through string operations only (methods, slicing, ``join``, f-strings,
   comprehensions, ``or`` / conditional). A call to a free function (``json.loads``, ``summary(res)``,
   ``read_events``) parses the text into typed values and ends it: asserting on those is asserting on a decision.
@@ -20,6 +22,7 @@ words are what the user reads to fix the input. Those sites are marked and there
 A *log-text assertion* is one ``assert`` statement whose test checks such text: ``x in text`` / ``not in``,
 ``text == ...`` / ``!=``, ``text.count(...)``, ``.startswith`` / ``.endswith`` / ``.find`` / ``.index``, or
 ``re.search`` / ``match`` / ``fullmatch`` / ``findall`` over it (anywhere in the test, comprehensions included).
+A call of a function of the module that returns such a check (``assert said("key")``) is one too.
 The assertion's failure message (after the comma) is not part of the test and is never counted. A string that a
 function returns (a message builder such as ``stop_line``) or an exception's message is a value the caller
 receives and is not log text.
@@ -74,8 +77,9 @@ class Site:
 class _Text:
     """Decides whether an expression is log text, given the names a function bound to log text so far."""
 
-    def __init__(self, functions: frozenset[str] = frozenset()) -> None:
+    def __init__(self, functions: frozenset[str] = frozenset(), checkers: frozenset[str] = frozenset()) -> None:
         self.functions = functions  # this module's functions (fixtures included) that return log text
+        self.checkers = checkers    # ... and those that return a check of log text (``said("key")``)
         self.names: set[str] = set()
         self.captures: set[str] = set()  # names bound to a readouterr() result
 
@@ -97,7 +101,7 @@ class _Text:
             if (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "") in self.functions:
                 return True
             if isinstance(f, ast.Attribute):
-                if f.attr == "getMessage":
+                if f.attr in ("getMessage", "getvalue"):  # a record's message; a captured StringIO
                     return True
                 if f.attr in _FILE_READS:
                     return bool(_FILE_HINTS.search(ast.unparse(f.value).lower()))
@@ -174,6 +178,8 @@ class _Text:
                         return True
                     if isinstance(op, (ast.Eq, ast.NotEq)) and (self.is_text(left) or self.is_text(right)):
                         return True
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in self.checkers:
+                return True
             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
                 if n.func.attr in _CHECK_METHODS and self.is_text(n.func.value):
                     return True
@@ -204,35 +210,39 @@ def _ordered(body: list[ast.stmt]) -> list[ast.AST]:
     return out
 
 
-def _text_functions(tree: ast.Module) -> frozenset[str]:
+def _text_functions(tree: ast.Module) -> tuple[frozenset[str], frozenset[str]]:
     """Names of the module's functions that return log text, or return such a function (a fixture handing out a
-    runner that returns a process's stderr line): a call of one is log text too."""
+    runner that returns a process's stderr line): a call of one is log text too. And the names of those that
+    return a check of log text (``def said(key): return key in caplog.text``): ``assert said(k)`` counts."""
     found: frozenset[str] = frozenset()
+    checkers: set[str] = set()
     for _ in range(4):  # to a fixed point: a function returning one that returns text
         now = set(found)
         for fn in _functions(tree):
             text = _Text(found)
             for node in _ordered(fn.body):  # type: ignore[attr-defined]
                 text.bind(node)
-                if isinstance(node, ast.Return) and node.value is not None and (
-                        text.is_text(node.value) or (isinstance(node.value, ast.Name) and node.value.id in found)):
-                    now.add(fn.name)  # type: ignore[attr-defined]
+                if isinstance(node, ast.Return) and node.value is not None:
+                    if text.is_text(node.value) or (isinstance(node.value, ast.Name) and node.value.id in found):
+                        now.add(fn.name)  # type: ignore[attr-defined]
+                    elif text.checks(node.value):
+                        checkers.add(fn.name)  # type: ignore[attr-defined]
         if frozenset(now) == found:
             break
         found = frozenset(now)
-    return found - {HELPER}
+    return found - {HELPER}, frozenset(checkers - {HELPER})
 
 
 def sites_in(path: str, source: str) -> list[Site]:
     """The log-text assertions of one module and the calls of :func:`assert_refusal`."""
     tree = ast.parse(source, filename=path)
     lines = source.splitlines()
-    functions = _text_functions(tree)
+    functions, checkers = _text_functions(tree)
     found: list[Site] = []
     for fn in _functions(tree):
         if fn.name == HELPER:  # type: ignore[attr-defined]
             continue
-        text = _Text(functions)
+        text = _Text(functions, checkers)
         for node in _ordered(fn.body):  # type: ignore[attr-defined]
             text.bind(node)
             if isinstance(node, ast.With):
