@@ -52,6 +52,9 @@ class TierOneStore:
         self.job_id = job_id
         self.rank = rank
         self.pinner = pinner
+        self.unusable: list[tuple[str, int, str]] = []
+        """(kind, index, why) of each segment the last :meth:`scan` refused (``slot`` / ``differential ring
+        entry``): not this user's, a link, a torn or forged header; the restore falls back to the next source."""
         self.reset(ring_size)
 
     def reset(self, ring_size: int) -> None:
@@ -128,6 +131,7 @@ class TierOneStore:
         """This rank's own complete copies (headers only, or with ``verify`` every checksum too) of a world of
         ``world`` ranks: its slots, and with ``ring`` its differential ring."""
         out = OwnCopies()
+        self.unusable = []
         files = [(SLOT_KIND, i) for i in (0, 1)] + [(DIFF_KIND, j) for j in range(len(self.ring) if ring else 0)]
         for kind, i in files:
             name = self._name(kind, i)
@@ -137,6 +141,7 @@ class TierOneStore:
             try:
                 seg = ShmSegment.open(name, root=self.dir)
             except OSError as exc:  # refused (not this user's, a link) or gone: not a copy to restore from
+                self.unusable.append((what, i, str(exc)))
                 log.warning("tier 1: %s %d of rank %d unusable (%s); falling back to the next source", what, i,
                             self.rank, exc)
                 continue
@@ -147,6 +152,7 @@ class TierOneStore:
             if meta is None and why is None:
                 pass  # allocated, never written
             elif meta is None:
+                self.unusable.append((what, i, str(why)))
                 log.warning("tier 1: %s %d of rank %d unusable (%s); falling back to the next source", what, i,
                             self.rank, why)
             elif meta.get("world_size") != world or meta.get("rank") != self.rank:

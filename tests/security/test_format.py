@@ -6,7 +6,6 @@ blob's header is rewritten (its data section and checksums left intact, so the c
 from __future__ import annotations
 
 import json
-import logging
 import struct
 import sys
 import textwrap
@@ -490,19 +489,35 @@ def test_fuzz_round_trip(state):
 # -- the restore path: a malformed copy is a refused copy, and the restore falls back -----------------------
 
 
-def _forge_newest_and_restore(shm_root, caplog, mutate):
-    from deadpool_ext.testing.memory_job import restore, rewrite_header, run_steps, slot_of, slot_path, world_of_one
+def _forge_newest_and_restore(shm_root, mutate):
+    """Forge the newest slot's header, then restore as a restarted worker: (version, adapter, the slots the scan
+    refused as (kind, index), the newest slot's index)."""
+    from deadpool_ext.testing.memory_job import (
+        Adapter,
+        manager,
+        rewrite_header,
+        run_steps,
+        slot_of,
+        slot_path,
+        world_of_one,
+    )
 
     with world_of_one():
         run_steps(shm_root, 2)
-        rewrite_header(slot_path(shm_root, slot_of(shm_root, 2)), mutate)
-        with caplog.at_level(logging.WARNING, logger="deadpool_ext"):
-            version, adapter = restore(shm_root)
-    return version, adapter
+        newest = slot_of(shm_root, 2)
+        rewrite_header(slot_path(shm_root, newest), mutate)
+        adapter = Adapter()
+        m = manager(shm_root, adapter)
+        try:
+            version = m.restore_latest()
+            refused = [(kind, i) for kind, i, _ in m.store.unusable]
+        finally:
+            m.close()
+    return version, adapter, refused, newest
 
 
 @pytest.mark.parametrize("forgery", ["device", "structure", "negative-shape", "enum"])
-def test_forged_newest_slot_is_refused_and_restore_falls_back(shm_root, caplog, forgery):
+def test_forged_newest_slot_is_refused_and_restore_falls_back(shm_root, forgery):
     def mutate(h):
         if forgery == "device":
             h["skeleton"]["state"]["steps"] = {"__device__": "nonsense"}
@@ -513,7 +528,6 @@ def test_forged_newest_slot_is_refused_and_restore_falls_back(shm_root, caplog, 
         else:
             h["skeleton"]["state"]["steps"] = {"__enum__": "deadpool_ext.chaos.catalogue:Fault", "v": "kill"}
 
-    version, adapter = _forge_newest_and_restore(shm_root, caplog, mutate)
+    version, adapter, refused, newest = _forge_newest_and_restore(shm_root, mutate)
     assert version == 1 and adapter.steps == 1 and torch.equal(adapter.w, torch.full((64,), 1.0))
-    assert "tier 1: slot" in caplog.text and "unusable" in caplog.text and "falling back to the next source" in \
-        caplog.text
+    assert refused == [("slot", newest)]  # the forged slot refused by the scan; the restore fell back to step 1

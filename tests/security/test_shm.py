@@ -6,7 +6,7 @@ whose pid a stale pid file happens to name."""
 from __future__ import annotations
 
 import hashlib
-import logging
+import json
 import os
 import stat
 import subprocess
@@ -118,13 +118,11 @@ def test_directory_writable_by_others_is_refused(job_dir, mode, launcher):
     assert os.listdir(job_dir) == [] and _mode(job_dir) == mode
 
 
-def test_stale_directory_of_ours_readable_by_others_is_tightened(job_dir, caplog):
+def test_stale_directory_of_ours_readable_by_others_is_tightened(job_dir):
     os.mkdir(job_dir)
     os.chmod(job_dir, 0o755)  # what earlier versions created
-    with caplog.at_level(logging.WARNING, logger="deadpool_ext"):
-        ensure_private_dir(job_dir)
+    ensure_private_dir(job_dir)
     assert _mode(job_dir) == 0o700
-    assert "readable by group or others (mode 0755): set to 0700" in caplog.text
 
 
 @pytest.mark.parametrize("dangling", [False, True])
@@ -313,10 +311,11 @@ def test_default_job_id_is_stable_across_processes_of_one_user(tmp_path, monkeyp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     environ = {"MASTER_ADDR": "h", "MASTER_PORT": "1"}
     mine = WorkerEnv.from_environ(environ).default_job_id()
-    code = ("from deadpool_ext.launcher.contract import WorkerEnv; "
-            f"print(WorkerEnv.from_environ({environ!r}).default_job_id())")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
-                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}).stdout.strip()
+    code = ("import json; from deadpool_ext.launcher.contract import WorkerEnv; "
+            f"print(json.dumps(WorkerEnv.from_environ({environ!r}).default_job_id()))")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    other = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                      timeout=120, env=env).stdout)
     assert mine == other and mine.startswith("j") and len(mine) == 25
     key = tmp_path / "cache" / "deadpool" / trust.KEY_NAME
     assert _mode(key) == 0o600 and _mode(key.parent) == 0o700
@@ -372,10 +371,10 @@ def test_fuzz_segment_names(tmp_path_factory, name):
 # -- the restore path ----------------------------------------------------------------------------------------
 
 
-def test_symlinked_slot_is_never_restored_from_nor_written_through(shm_root, tmp_path, caplog):
-    """A slot replaced by a link to a (valid) blob elsewhere: the scan refuses it with a log line, and the
+def test_symlinked_slot_is_never_restored_from_nor_written_through(shm_root, tmp_path):
+    """A slot replaced by a link to a (valid) blob elsewhere: the scan refuses it (logged), and the
     restore stops with one line naming it instead of mapping (and later overwriting) the file it points at."""
-    from deadpool_ext.testing.memory_job import restore, run_steps, slot_of, slot_path, world_of_one
+    from deadpool_ext.testing.memory_job import Adapter, manager, run_steps, slot_of, slot_path, world_of_one
 
     with world_of_one():
         run_steps(shm_root, 2)
@@ -385,8 +384,12 @@ def test_symlinked_slot_is_never_restored_from_nor_written_through(shm_root, tmp
         before = outside.read_bytes()
         os.unlink(path)
         os.symlink(outside, path)
-        with caplog.at_level(logging.WARNING, logger="deadpool_ext"), \
-                pytest.raises(UntrustedPathError, match=f"refusing {path}: it is not a regular file"):
-            restore(shm_root)
-    assert "unusable (refusing" in caplog.text and "falling back to the next source" in caplog.text
-    assert outside.read_bytes() == before
+        m = manager(shm_root, Adapter())
+        try:
+            with pytest.raises(UntrustedPathError, match=f"refusing {path}: it is not a regular file"):
+                m.restore_latest()
+            refused = [(kind, i, why) for kind, i, why in m.store.unusable]
+        finally:
+            m.close()
+    assert [(kind, i) for kind, i, _ in refused] == [("slot", slot_of(shm_root, 2))]  # refused by the scan
+    assert refused[0][2].startswith("refusing") and outside.read_bytes() == before
