@@ -27,6 +27,9 @@ The assertion's failure message (after the comma) is not part of the test and is
 function returns (a message builder such as ``stop_line``) or an exception's message is a value the caller
 receives and is not log text.
 
+A helper of a module (a function not named ``test*``) that makes log-text assertions counts once per call
+instead (``assert_one_line(res, "names the file")`` called twelve times is twelve).
+
 A log-text assertion is *marked* when a line of it carries ``# log-interface: <why the message is the
 interface>``; each call of :func:`assert_refusal` counts as one marked assertion. Every log-text assertion must
 be marked, and at most ``LIMIT`` are (tests/unit/test_log_assertions.py enforces both).
@@ -260,6 +263,26 @@ def sites_in(path: str, source: str) -> list[Site]:
             name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
             if name == HELPER:
                 found.append(Site(path, node.lineno, True, lines[node.lineno - 1].strip()))
+    # A module's helper (a function not collected as a test) that asserts on log text counts once per call:
+    # its own sites give way to its call sites, marked where every site inside it is marked or the call is.
+    tests = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+             and n.name.startswith("test")}
+    for fn in tree.body:
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name in tests or fn.name == HELPER:
+            continue
+        end = fn.end_lineno or fn.lineno
+        inside = [s for s in found if fn.lineno <= s.line <= end]
+        if not inside:
+            continue
+        calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                 and node.func.id == fn.name and not fn.lineno <= node.lineno <= end]
+        if not calls:  # a fixture (called by pytest): its own sites stand
+            continue
+        found = [s for s in found if s not in inside]
+        for node in calls:
+            span = lines[node.lineno - 1:(node.end_lineno or node.lineno)]
+            marked = all(s.marked for s in inside) or any(MARK in ln for ln in span)
+            found.append(Site(path, node.lineno, marked, lines[node.lineno - 1].strip()))
     return sorted(set(found), key=lambda s: s.line)
 
 

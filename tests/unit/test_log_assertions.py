@@ -18,7 +18,7 @@ UNMARKED: dict[str, int] = {
     "tests/integration/test_differential.py": 1,
     "tests/integration/test_ds_wrappers.py": 2,
     "tests/integration/test_elastic.py": 8,
-    "tests/integration/test_existing_jobs.py": 33,
+    "tests/integration/test_existing_jobs.py": 35,
     "tests/integration/test_hot_swap.py": 2,
     "tests/integration/test_megatron.py": 9,
     "tests/integration/test_memory_tiers.py": 2,
@@ -28,7 +28,7 @@ UNMARKED: dict[str, int] = {
     "tests/security/test_peer_sign.py": 4,
     "tests/security/test_rendezvous.py": 1,
     "tests/security/test_special_files.py": 1,
-    "tests/security/test_storage.py": 5,
+    "tests/security/test_storage.py": 14,
     "tests/security/test_store_flood.py": 1,
     "tests/unit/test_trace_modules.py": 1,
 }
@@ -114,3 +114,14 @@ def test_helpers_that_check_log_text_and_captured_buffers_count():
             assert said("k")
             assert len(buf.getvalue().splitlines()) == 1
         """) == [(7, False), (8, False)]
+
+
+def test_a_helper_that_asserts_on_output_counts_once_per_call():
+    assert _count("""
+        def one_line(res, needle):
+            assert needle in res.stderr
+
+        def test_e(res):
+            one_line(res, "a")
+            one_line(res, "b")  # log-interface: names the file
+        """) == [(6, False), (7, True)]
