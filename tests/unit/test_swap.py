@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from deadpool_ext.rebuild import swap
+from deadpool_ext.rebuild.context import context
 
 
 def test_solo_collectives_are_those_of_ranks_that_all_contributed_the_same():
@@ -87,7 +88,10 @@ def test_groups_are_swapped_in_place_and_refuse_work_while_detached(one_rank_wor
     dist.all_reduce(t)
     assert t.tolist() == [1.0, 1.0]
     before = world.inner
+    graveyard = context().graveyard
+    graveyard.take_buried()
     assert swap.detach("test") == 3
+    assert len(graveyard.buried) == 3 and graveyard.buried[0] is before  # the context's one graveyard holds them
     with pytest.raises(swap.GroupDetached, match="generation ended"):
         dist.all_reduce(t)
     with pytest.raises(swap.GroupDetached):
@@ -96,6 +100,7 @@ def test_groups_are_swapped_in_place_and_refuse_work_while_detached(one_rank_wor
     store = dist.HashStore()
     assert swap.go_live(store, 1, 0, check=lambda: checked.append(swap.groups()[0].generation)) == 3
     assert checked == [1]  # the check runs once the default group is live, before the others
+    assert graveyard.buried == []  # the dead generation's communicators reaped once the new ones are built
     assert world is dist.distributed_c10d._get_default_group() and world.inner is not before
     assert dist.distributed_c10d._world.pg_map[world][1] is store
     out = torch.zeros(2)
