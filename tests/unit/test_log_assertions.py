@@ -26,7 +26,6 @@ UNMARKED: dict[str, int] = {
     "tests/integration/test_tier3.py": 6,
     "tests/integration/test_tier3_s3.py": 3,
     "tests/security/test_peer_sign.py": 4,
-    "tests/security/test_rendezvous.py": 1,
     "tests/security/test_special_files.py": 1,
     "tests/security/test_storage.py": 14,
     "tests/security/test_store_flood.py": 1,
