@@ -10,6 +10,7 @@ unit-tested without sockets below.
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -95,7 +96,8 @@ send(s, {"op": "auth", "nonce": base64.b64encode(client_nonce).decode(), "mac": 
 assert recv(s)["ok"] is True
 send(s, {"op": "get", "key": "/deadpool/floodjob/assignment"})
 reply = recv(s)
-print("served", round(time.monotonic() - start, 3), reply["ok"] and reply["value"] is not None, flush=True)
+print(json.dumps({"took": round(time.monotonic() - start, 3), "served": reply["ok"] and reply["value"] is not None}),
+      flush=True)
 """
 
 
@@ -152,9 +154,9 @@ def test_a_flood_from_another_uid_leaves_the_jobs_clients_served(capsys):
                 other = subprocess.run([python_for(TOKEN_UID), "-I", "-c", TOKEN_CLIENT, host, str(port), token],
                                        user=TOKEN_UID, group=TOKEN_UID, extra_groups=[], capture_output=True,
                                        text=True, timeout=30)
-                word, took, ok = other.stdout.split()
-                assert word == "served" and ok == "True", other.stdout + other.stderr
-                served["token holder of another uid"] = float(took)
+                said = json.loads(other.stdout)
+                assert said["served"] is True, other.stdout + other.stderr
+                served["token holder of another uid"] = said["took"]
             finally:
                 out, _ = flood.communicate(timeout=30)
             assert flood.returncode == 0
