@@ -53,7 +53,12 @@ _REFUSED = -2  # broadcast in slot 0 instead of versions: rank 0 could not list 
 
 class NoVerifiedBaseError(RuntimeError):
     """Bases exist at the URL but none is complete and verified on every rank (or the chosen one was refused
-    while loading). The message is one line."""
+    while loading). The message is one line; ``refused`` maps each base this rank refused (its tag) to why (one
+    line per problem: a checksum, a missing file, a class outside the allowlist, a special file)."""
+
+    def __init__(self, message: str, refused: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.refused: dict[str, list[str]] = dict(refused or {})
 
 
 def _broadcast_text(text: str, device: Any) -> str:
@@ -165,6 +170,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
         log.info("tier 3: no checkpoint key (%s): the bases at %s are checked for integrity only, not "
                  "authenticity", key_env(), url)
     chosen: VersionInfo | None = None
+    refused: dict[str, list[str]] = {}
     for version in candidates:
         info = read_version(storage, version_tag(version), key=k)
         if info.commit is None:
@@ -174,6 +180,8 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
             errors = _check_share(storage, info, names[rank::world], allowlist)
         for e in errors:
             log.warning("tier 3: refusing base %s: %s", info.tag, e)
+        if errors:
+            refused[info.tag] = errors
         if _all_ok(not errors, device):
             chosen = info
             break
@@ -183,7 +191,7 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
     if chosen is None:
         raise NoVerifiedBaseError(f"--load {url}: none of the bases {candidates} is complete and verified on every "
                                   f"rank (checksum does not match the manifest, files missing or refused: see the "
-                                  f"log)")
+                                  f"log)", refused)
     commit = chosen.commit
     assert commit is not None  # chosen only once its commit record was read and verified
     same_layout = (int(commit.get("dp_world_size", -1)) == int(engine.dp_world_size)
