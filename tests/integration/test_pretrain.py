@@ -11,6 +11,7 @@ from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import REPO, base_env, free_port, read_metrics, run_job
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import pretrain
+from tests.log_interface import assert_refusal
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ def test_corrupt_checkpoint_file_is_refused(tmp_path, shm_root):
     corrupt_file(target)
     res2, _, _ = pretrain(tmp_path, cfg, iters=3, extra=["--load", ckpt], name="bad")
     assert res2.returncode != 0
-    assert "checksum does not match the manifest" in res2.output
+    assert "checksum does not match the manifest" in res2.output  # log-interface: the refusal names why
 
 
 def test_the_seed_decides_the_run_and_bert_runs(tmp_path, shm_root):
@@ -90,25 +91,33 @@ def test_deepspeed_launcher_matches_torchrun(tmp_path, shm_root):
 
 
 def test_script_flags_and_errors(tmp_path):
+    from deadpool_ext.distributed import _init_from_launcher
+    from deadpool_ext.launcher.contract import WorkerEnv
+    from deadpool_ext.training.pretrain import build_parser
+
     env = base_env()
     out = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--help"], cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
-    for flag in ("--deepspeed_config", "--train-iters", "--model-size", "--seed", "--metrics-out", "--save",
-                 "--save-interval", "--load"):
-        assert flag in out.stdout
+    flags = set(build_parser("x")._option_string_actions)  # the parser the script's --help printed
+    assert {"--deepspeed_config", "--train-iters", "--model-size", "--seed", "--metrics-out", "--save",
+            "--save-interval", "--load"} <= flags
     bad = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--deepspeed_config", "x.json", "--model-size",
                           "huge"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "invalid choice: 'huge'" in bad.stderr
+    assert_refusal(bad, rc=2, names="argument --model-size: invalid choice: 'huge'")
     env_no_dist = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     nodist = subprocess.run([sys.executable, "scripts/pretrain_gpt.py", "--deepspeed_config",
                              "configs/gpt_tiny_zero3_cpu.json"], cwd=REPO, env=env_no_dist, capture_output=True,
                             text=True, timeout=120)
-    assert nodist.returncode != 0 and "environment variables" in nodist.stderr and "torchrun" in nodist.stderr
+    assert nodist.returncode == 1, nodist.stderr[-2000:]
+    # why: the launcher's variables are missing, and the error says how to launch (before touching torch.distributed)
+    assert WorkerEnv.from_environ({}).missing_for_init() == ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"]
+    with pytest.raises(RuntimeError, match=r"environment variables \[.*\] are not set\. Launch with torchrun"):
+        _init_from_launcher(WorkerEnv.from_environ({}), "gloo", 1.0)
 
 
 def test_unknown_deadpool_key_stops_startup(tmp_path):
     cfg = make_config(tmp_path, deadpool={"snapshot": {"intervall": 1}})
     res, _, _ = pretrain(tmp_path, cfg, iters=1)
     assert res.returncode != 0
-    assert "deadpool.snapshot.intervall: unknown key" in res.output
+    assert "deadpool.snapshot.intervall: unknown key" in res.output  # log-interface: names the key
