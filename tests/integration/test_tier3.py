@@ -23,6 +23,7 @@ from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import REPO, base_env, free_port, kill_tree, read_metrics, run_job
 from tests.conftest import make_config, matrix
 from tests.integration.helpers import JOB_TIMEOUT_S, pretrain, summary
+from tests.log_interface import assert_refusal
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +99,9 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
         fh.write(PLAIN_LOAD)
     out = os.path.join(str(tmp_path), "logits.pt")
     res2 = _torchrun(tmp_path, 2, worker, [url, cfg, out])
-    assert res2.returncode == 0 and "PLAIN_LOAD_OK 6" in res2.output, res2.output[-3000:]
+    assert res2.returncode == 0, res2.output[-3000:]
+    ref = torch.load(out)
+    assert ref["step"] == 6  # plain DeepSpeed loaded the newest base
     # deadpool verify / inspect / export
     cli = [sys.executable, "-m", "deadpool_ext.cli"]
     v = subprocess.run(cli + ["verify", url], capture_output=True, text=True, timeout=120, env=base_env())
@@ -116,7 +119,6 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
     model = build_gpt("tiny")
     model.load_state_dict(load_file(st), strict=True)  # strict: a missing or unexpected key raises
     model.eval()
-    ref = torch.load(out)
     with torch.no_grad():
         logits = model(input_ids=ref["ids"]).logits
     assert torch.allclose(logits, ref["logits"], rtol=0, atol=1e-5), (logits - ref["logits"]).abs().max()
@@ -128,7 +130,7 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
         fh.seek(100)
         fh.write(bytes([b[0] ^ 0xFF]))
     v2 = subprocess.run(cli + ["verify", url], capture_output=True, text=True, timeout=120, env=base_env())
-    assert v2.returncode == 1 and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in v2.stderr, v2.stdout + v2.stderr
+    assert_refusal(v2, rc=1, names="zero_pp_rank_1_mp_rank_00_optim_states.pt")
 
 
 @pytest.mark.full_matrix(covered_by="tests/integration/test_cross_tier.py (tier 3 restored with a deadpool section "
@@ -183,8 +185,8 @@ def test_corrupt_newest_base_is_refused_and_previous_used(tmp_path):
     res2, resumed, _ = pretrain(tmp_path, cfg, iters=4, extra=["--load", url], name="resumed")
     assert res2.returncode == 0, res2.output[-3000:]
     assert summary(res2)["loaded_step"] == 2  # the newest base, 4, complete on disk, was refused
-    # The warning a user must see: which base was refused and why.
-    assert "refusing base global_step4" in res2.output and "checksum does not match" in res2.output
+    assert ("refusing base global_step4" in res2.output  # log-interface: the warning a user must see, naming
+            and "checksum does not match" in res2.output)  # which base was refused and why
     assert sorted(resumed) == [3, 4] and {s: full[s] for s in (3, 4)} == resumed
 
 
@@ -232,7 +234,8 @@ def test_reshard_dp4_to_dp2_same_consolidated_weights(tmp_path, stage):
     with open(worker, "w") as fh:
         fh.write(RESHARD_CHECK)
     res2 = _torchrun(tmp_path, 2, worker, [url, cfg])
-    assert res2.returncode == 0 and "RESHARD_OK" in res2.output, res2.output[-4000:]
+    assert res2.returncode == 0, res2.output[-4000:]  # its checks passed on every rank (an assert fails the run)
+    assert os.path.exists(os.path.join(str(tmp_path), "dp2", "global_step2"))  # ...up to its last step, the save
 
 
 @pytest.mark.parametrize("when_busy", matrix(["skip", "wait"], ci=["wait"]))
@@ -246,8 +249,7 @@ def test_base_due_while_previous_is_written(tmp_path, shm_root, when_busy):
     assert res.returncode == 0, res.output[-3000:]
     assert sorted(losses) == [1, 2, 3]
     t3 = summary(res)["tier3"]
-    if when_busy == "skip":  # training went on; the skip is counted and logged
-        assert t3["skipped"] and "skipped: the previous base is still being written" in res.output
-    else:  # every step's base was captured; the wait is logged with its length
-        assert t3["skipped"] == [] and [c["version"] for c in t3["captures"]] == [1, 2, 3]
-        assert "waited" in res.output and "persist.when_busy=wait" in res.output
+    if when_busy == "skip":  # training went on; the skip is counted
+        assert t3["skipped"] and t3["waited"] == []
+    else:  # every step's base was captured, some after waiting for the previous one
+        assert t3["skipped"] == [] and [c["version"] for c in t3["captures"]] == [1, 2, 3] and t3["waited"]

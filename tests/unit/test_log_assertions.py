@@ -22,7 +22,6 @@ UNMARKED: dict[str, int] = {
     "tests/integration/test_hot_swap.py": 2,
     "tests/integration/test_megatron.py": 9,
     "tests/integration/test_memory_tiers.py": 2,
-    "tests/integration/test_tier3.py": 6,
     "tests/integration/test_tier3_s3.py": 3,
     "tests/security/test_peer_sign.py": 4,
     "tests/security/test_storage.py": 13,

@@ -67,6 +67,8 @@ class Tier3Persister:
         self._closed = False
         self.captures: list[dict[str, Any]] = []
         self.skipped: list[int] = []
+        self.waited: list[int] = []
+        """Steps whose base waited for the previous one (``persist.when_busy=wait``)."""
         self.enabled_steps = True
         """Benchmarks flip this to take A/B blocks without and with tier 3 in one run."""
         if engine.global_rank == 0:
@@ -99,6 +101,7 @@ class Tier3Persister:
         t0 = time.perf_counter()
         busy = self._busy_anywhere()
         if busy and self.cfg.when_busy == "wait":
+            self.waited.append(step)
             self.writer.wait_idle(self.cfg.timeout_s)
             busy = self._busy_anywhere()
             if self.engine.global_rank == 0:
@@ -173,7 +176,8 @@ class Tier3Persister:
         return drained
 
     def stats(self) -> dict[str, Any]:
-        return {"url": self.url, "captures": self.captures, "skipped": self.skipped, "bases": self.writer.history,
+        return {"url": self.url, "captures": self.captures, "skipped": self.skipped, "waited": self.waited,
+                "bases": self.writer.history,
                 "throttle": self.throttle.stats(), "staging_bytes": self.pool.allocated_bytes}
 
 
