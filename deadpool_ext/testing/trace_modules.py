@@ -7,7 +7,8 @@ How it measures. ``run`` launches the tiny-model hot-swap of ``tests/integration
 3 nodes of 1 rank, 1 spare, ZeRO-3 on CPU) with ``trace_boot/`` on the job's ``PYTHONPATH``: its
 ``sitecustomize`` calls :func:`install` in every Python process of the job (launcher, workers, spare), which sets a
 ``sys.settrace`` / ``threading.settrace`` call hook. The hook returns None (no line tracing) and, for a function of
-the package, records (module, function, thread) in 50 ms buckets of wall time, plus the nearest calling module
+the package, records (module, function, thread) with the first and last call time in each 50 ms of wall time, plus
+the nearest calling module
 of the package (the module-level call graph); an ``after_step`` hook point callback (``hooks.py``) records when each
 step completed. Each process writes ``<pid>.json`` into the folder ``DEADPOOL_TRACE_MODULES`` names, once a second
 and at exit. The product holds no hook for this: without that folder on ``PYTHONPATH`` nothing is installed.
@@ -72,6 +73,8 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.launcher.values": "store value schemas and the bounded decoder",
     "deadpool_ext.launcher.hostlist": "which host am I",
     "deadpool_ext.launcher.args": "the command line",
+    "deadpool_ext": "the public API's imports on first use",
+    "deadpool_ext.integrations.deepspeed.wrappers": "where a DeepSpeed optimizer wrapper keeps its tensors",
     # records
     "deadpool_ext.recovery.timeline": "timeline events written as JSON lines",
     "deadpool_ext.snapshot.stats": "typed counters",
@@ -91,6 +94,7 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.memory.agent": "the node agent's directory claim",
     "deadpool_ext.persist.regular": "safe file opens",
     "deadpool_ext.persist.sign": "the checkpoint key",
+    "deadpool_ext.snapshot.spare_slots": "a spare's pre-made segments renamed to its rank's",
     # the store and its clients (get / set / wait as store/base.py's ABC states them)
     "deadpool_ext.store": "the store package",
     "deadpool_ext.store.base": "the store ABC and its errors",
@@ -106,6 +110,7 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.cluster.netif": "gloo's listening interface",
     "deadpool_ext.rebuild.context": "the process's state: fields, no control flow",
     "deadpool_ext.rebuild.progress": "what a heartbeat reports",
+    "deadpool_ext.snapshot.priority": "the snapshot thread's CPU priority",
     "deadpool_ext.integrations.importhook": "after-import callbacks",
 }
 """Modules a reader takes at their name, each with why (see the module docstring for the rule)."""
@@ -140,8 +145,8 @@ class _Tracer:
         self.start = time.time()
         self.modules: dict[str, str] = {}
         self.threads: dict[int, str] = {}
-        self.calls: dict[tuple[str, str, str], set[int]] = defaultdict(set)
-        self.edges: dict[tuple[str, str], set[int]] = defaultdict(set)
+        self.calls: dict[tuple[str, str, str], dict[int, list[float]]] = defaultdict(dict)
+        self.edges: dict[tuple[str, str, bool], set[int]] = defaultdict(set)
         self.imports: dict[str, int] = {}
         self.steps: list[tuple[int, int, float]] = []
         self.changed = True
@@ -162,7 +167,8 @@ class _Tracer:
             mod = self._module(code.co_filename)
         if not mod:
             return None
-        bucket = int(time.time() / BUCKET_S)
+        now = time.time()
+        bucket = int(now / BUCKET_S)
         body = not code.co_flags & _NEWLOCALS  # a module's or a class's body: it is being imported
         if not body and code.co_name.startswith("<") and frame.f_back is not None:
             body = not frame.f_back.f_code.co_flags & _NEWLOCALS  # a comprehension in such a body
@@ -175,17 +181,20 @@ class _Tracer:
         if thread is None:
             thread = self.threads[ident] = threading.current_thread().name
         seen = self.calls[(mod, code.co_qualname, thread)]
-        if bucket not in seen:
-            seen.add(bucket)
-            self.changed = True
+        span = seen.get(bucket)
+        if span is None:
+            seen[bucket] = [now, now]
+        else:
+            span[1] = now
+        self.changed = True
         caller = frame.f_back
-        for _ in range(64):
+        for depth in range(64):
             if caller is None:
                 break
             cmod = self._module(caller.f_code.co_filename)
             if cmod:
-                if cmod != mod:
-                    self.edges[(cmod, mod)].add(bucket)
+                if cmod != mod:  # direct: called from that module's code, not through a library's (torch, a dataclass)
+                    self.edges[(cmod, mod, depth == 0)].add(bucket)
                 break
             caller = caller.f_back
         return None
@@ -203,8 +212,8 @@ class _Tracer:
         rec = {
             "pid": os.getpid(), "argv": sys.argv, "worker_id": os.environ.get(WORKER_ID),
             "start": self.start, "bucket_s": BUCKET_S, "steps": list(self.steps), "imports": dict(self.imports),
-            "calls": [[m, f, t, sorted(b)] for (m, f, t), b in list(self.calls.items())],
-            "edges": [[a, b, sorted(s)] for (a, b), s in list(self.edges.items())],
+            "calls": [[m, f, t, sorted(b.values())] for (m, f, t), b in list(self.calls.items())],
+            "edges": [[a, b, d, sorted(s)] for (a, b, d), s in list(self.edges.items())],
         }
         path = os.path.join(self.out_dir, f"{os.getpid()}.json")
         tmp = path + ".tmp"
@@ -292,8 +301,14 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
             return None
         return wait_until(find, 120, f"worker {wid} under launcher pid {launcher_pid}", interval_s=0.05)
 
+    failed: list[str] = []
+
     def inject(proc: Any) -> None:
-        wait_for_step(metrics, fault_step, timeout_s=timeout_s, proc=proc)
+        try:
+            wait_for_step(metrics, fault_step, timeout_s=timeout_s, proc=proc)
+        except (RuntimeError, TimeoutError) as exc:  # the job's own output says why: kept in job.log
+            failed.append(str(exc))
+            return
         target = worker(proc.pid, victim)
         at = time.time()
         with open(timeline, "a") as fh:
@@ -309,6 +324,9 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
         shutil.rmtree(shm_root, ignore_errors=True)
     with open(os.path.join(out, "job.log"), "w") as fh:
         fh.write(res.output)
+    if failed:
+        print(f"no fault injected: {failed[0]}; the job's output: {os.path.join(out, 'job.log')}")
+        return 1
     kinds = [e.get("event") for e in read_events(timeline)] if os.path.exists(timeline) else []
     print(f"job: exit {res.returncode} in {res.elapsed_s:.0f}s{' (timed out)' if res.timed_out else ''}; "
           f"timeline: {kinds.count('recover')} recover events; log {os.path.join(out, 'job.log')}")
@@ -339,11 +357,25 @@ class RoleCount:
     product: dict[str, list[str]] = field(default_factory=dict)   # module -> functions (thread-tagged) that ran
     tools: dict[str, list[str]] = field(default_factory=dict)
     imported_only: list[str] = field(default_factory=list)
-    edges: list[tuple[str, str]] = field(default_factory=list)
+    edges: list[tuple[str, str, bool]] = field(default_factory=list)  # (caller, callee, called directly)
 
     @property
     def reader(self) -> list[str]:
-        return sorted(m for m in self.product if m not in LEAVES)
+        """The modules a reader must open: those that ran, less the leaves and the only-constructed."""
+        built = set(self.constructed)
+        return sorted(m for m in self.product if m not in LEAVES and m not in built)
+
+    @property
+    def constructed(self) -> list[str]:
+        """Modules of which only constructors ran (an object built for later, e.g. a differential ring with
+        differentials off): a reader sees the call and need not open the module to follow the recovery."""
+        out = []
+        for m, fns in self.product.items():
+            ran = {f.split(" [")[0] for f in fns}
+            ran = {f for f in ran if not any(part.startswith("<") for part in f.split("."))}
+            if m not in LEAVES and ran and all(f.rsplit(".", 1)[-1] in _CONSTRUCTORS for f in ran):
+                out.append(m)
+        return sorted(out)
 
     @property
     def leaves(self) -> list[str]:
@@ -351,7 +383,11 @@ class RoleCount:
 
     def flagged_leaves(self) -> list[tuple[str, str]]:
         """Leaf -> non-leaf calls inside the window (a leaf should hand control back, not drive)."""
-        return sorted((a, b) for a, b in self.edges if a in LEAVES and b in self.product and b not in LEAVES)
+        return sorted({(a, b) for a, b, direct in self.edges
+                       if direct and a in LEAVES and b in self.product and b not in LEAVES})
+
+
+_CONSTRUCTORS = {"__init__", "__post_init__", "__new__"}
 
 
 def _product(mod: str) -> bool:
@@ -381,10 +417,10 @@ def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
             role = "failed"
         elif pid in roles:
             role = roles[pid]
-        elif rec.get("worker_id"):
-            role = "worker (no recover event)"
         elif "deadpool_ext.memory.agent" in argv:
             role = "node agent"
+        elif rec.get("worker_id"):
+            role = "worker (no recover event)"
         else:
             role = "other"
         procs.append(Proc(pid, role, rec.get("worker_id"), rec))
@@ -410,8 +446,7 @@ figure (the build is the framework's attach, the start-up every worker runs; the
 def _since(p: Proc, call: tuple[str, str]) -> tuple[float, float] | None:
     assert p.window is not None
     lo = p.window[0]
-    first = [b * BUCKET_S for m, f, _, buckets in p.rec["calls"] if (m, f) == call for b in buckets
-             if b * BUCKET_S >= lo - BUCKET_S]
+    first = [t0 for m, f, _, spans in p.rec["calls"] if (m, f) == call for t0, _ in spans if t0 >= lo]
     return (min(first), p.window[1]) if first else None
 
 
@@ -426,20 +461,21 @@ def count(procs: Iterable[Proc], role: str, since: tuple[str, str] | None = None
     product: dict[str, set[str]] = defaultdict(set)
     tools: dict[str, set[str]] = defaultdict(set)
     imported: set[str] = set()
-    edges: set[tuple[str, str]] = set()
+    edges: set[tuple[str, str, bool]] = set()
     for p in mine:
         assert p.window is not None
-        lo, hi = int(p.window[0] / BUCKET_S), int(p.window[1] / BUCKET_S)
-        for mod, fn, thread, buckets in p.rec["calls"]:
-            if any(lo <= b <= hi for b in buckets):
+        lo, hi = p.window
+        blo, bhi = int(lo / BUCKET_S), int(hi / BUCKET_S)
+        for mod, fn, thread, spans in p.rec["calls"]:
+            if any(last >= lo and first <= hi for first, last in spans):
                 where = "" if thread == "MainThread" else f" [{thread}]"
                 (product if _product(mod) else tools)[mod].add(fn + where)
         for mod, b in p.rec["imports"].items():
-            if lo <= b <= hi:
+            if blo <= b <= bhi:
                 imported.add(mod)
-        for a, b, buckets in p.rec["edges"]:
-            if any(lo <= x <= hi for x in buckets):
-                edges.add((a, b))
+        for a, b, direct, buckets in p.rec["edges"]:
+            if any(blo <= x <= bhi for x in buckets):
+                edges.add((a, b, direct))
     rc.product = {m: sorted(f) for m, f in sorted(product.items())}
     rc.tools = {m: sorted(f) for m, f in sorted(tools.items())}
     rc.imported_only = sorted(m for m in imported if m not in product and m not in tools)
@@ -461,8 +497,24 @@ def _source(mod: str) -> str | None:
     return None
 
 
+def _count(stmt: Any) -> int:
+    """Statements in ``stmt``, nested ones included (a loop's body), nested functions and classes left out."""
+    import ast
+
+    if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return 0
+    n = 1
+    for c in ast.iter_child_nodes(stmt):
+        if isinstance(c, ast.stmt):
+            n += _count(c)
+        elif not isinstance(c, ast.expr):  # an except handler, a match case: their bodies
+            n += sum(_count(x) for x in ast.iter_child_nodes(c) if isinstance(x, ast.stmt))
+    return n
+
+
 def statements(mod: str) -> dict[str, int]:
-    """qualname -> how many statements its body has, docstring left out (every function of ``mod``)."""
+    """qualname -> how many statements its body has, nested ones included, docstring left out (every function of
+    ``mod``)."""
     import ast
 
     path = _source(mod)
@@ -478,7 +530,7 @@ def statements(mod: str) -> dict[str, int]:
                 body = child.body
                 if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                     body = body[1:]
-                out[prefix + child.name] = len(body)
+                out[prefix + child.name] = sum(_count(stmt) for stmt in body)
                 walk(child, prefix + child.name + ".<locals>.")
             elif isinstance(child, ast.ClassDef):
                 walk(child, prefix + child.name + ".")
@@ -508,7 +560,8 @@ def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
     missing = [r for r in ROLES if not counts[r].procs]
     if as_json:
         print(json.dumps({r: {"processes": c.procs, "windows_s": [round(b - a, 2) for a, b in c.windows],
-                              "reader": c.reader, "leaves": c.leaves, "tools": sorted(c.tools),
+                              "reader": c.reader, "leaves": c.leaves, "constructed": c.constructed,
+                              "tools": sorted(c.tools),
                               "imported_only": c.imported_only, "edges": c.edges,
                               "pass_throughs": pass_throughs(c),
                               "functions": c.product} for r, c in counts.items()}, indent=1))
@@ -521,9 +574,12 @@ def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
             continue
         span = ", ".join(f"{b - a:.1f}s" for a, b in c.windows)
         print(f"\n== {role} (pids {c.procs}; window {span}): {len(c.reader)} modules to read, "
-              f"{len(c.leaves)} leaves, {len(c.product)} product modules ran")
+              f"{len(c.leaves)} leaves, {len(c.constructed)} only constructed, {len(c.product)} product modules ran")
         print("  read:   " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.reader))
         print("  leaves: " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.leaves))
+        if c.constructed:
+            print("  only constructed (not counted): " + ", ".join(m.removeprefix("deadpool_ext.")
+                                                                  for m in c.constructed))
         if c.tools:
             print("  tools and script (not counted): " + ", ".join(m.removeprefix("deadpool_ext.") for m in c.tools))
         if c.imported_only:
@@ -537,7 +593,7 @@ def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
             print(f"  ! leaf {a} calls {b} inside the window")
         if functions:
             for mod in c.reader:
-                calls = sorted({a for a, b in c.edges if b == mod})
+                calls = sorted({a for a, b, _ in c.edges if b == mod})
                 print(f"  {mod}  <- {', '.join(x.removeprefix('deadpool_ext.') for x in calls) or '(entry)'}")
                 print("      " + ", ".join(c.product[mod]))
     return 1 if missing else 0

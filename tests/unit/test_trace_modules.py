@@ -47,8 +47,10 @@ hooks.fire(hooks.AFTER_STEP, step=3, rank=0)
 def _proc(pid, argv, *, calls, steps=(), worker_id=None):
     return {"pid": pid, "argv": argv, "worker_id": worker_id, "start": 0.0, "bucket_s": tm.BUCKET_S,
             "steps": [list(s) for s in steps], "imports": {},
-            "calls": [[m, f, t, [int(x / tm.BUCKET_S) for x in times]] for m, f, t, times in calls],
-            "edges": [["deadpool_ext.logs", "deadpool_ext.rebuild.recover", [int(100.0 / tm.BUCKET_S)]]]}
+            "calls": [[m, f, t, [[x, x] for x in times]] for m, f, t, times in calls],
+            "edges": [["deadpool_ext.logs", "deadpool_ext.rebuild.recover", True, [int(101.0 / tm.BUCKET_S)]],
+                      ["deadpool_ext.cluster.comm", "deadpool_ext.rebuild.recover", False,
+                       [int(101.0 / tm.BUCKET_S)]]]}
 
 
 def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
@@ -64,8 +66,11 @@ def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
                      ("deadpool_ext.training.pretrain", "run", "MainThread", [101.0]),
                      ("deadpool_ext.snapshot.manager", "SnapshotManager.after_step", "MainThread", [104.0])]),
         _proc(12, ["scripts/pretrain_gpt.py"], worker_id="spare0.0", steps=[(5, 1, 103.5)],
-              calls=[("deadpool_ext.rebuild.recover", "Recovery.join_survivors", "MainThread", [102.0]),
-                     ("deadpool_ext.rebuild.worker", "Membership._heartbeat", "deadpool-heartbeat", [90.0])]),
+              calls=[("deadpool_ext.rebuild.recover", "Recovery.join_survivors", "MainThread", [102.03]),
+                     ("deadpool_ext.integrations.deepspeed.runtime", "DeadpoolRuntime._wrap_step", "MainThread",
+                      [102.01]),
+                     ("deadpool_ext.rebuild.worker", "Membership._heartbeat", "deadpool-heartbeat", [90.0]),
+                     ("deadpool_ext.rebuild.worker", "swap_into", "MainThread", [102.04])]),
         _proc(13, ["scripts/pretrain_gpt.py"], worker_id="node1.0", calls=[]),
     ]
     for r in recs:
@@ -84,9 +89,15 @@ def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
     # after_step at 104 s is past the first step after the recover event; the demo's loop is a tool
     assert survivor.reader == ["deadpool_ext.rebuild.recover"] and survivor.leaves == ["deadpool_ext.logs"]
     assert list(survivor.tools) == ["deadpool_ext.training.pretrain"]
+    # a leaf's direct call into a module to read is flagged; one through a library's frames (torch) is not
     assert survivor.flagged_leaves() == [("deadpool_ext.logs", "deadpool_ext.rebuild.recover")]
     spare = tm.count(loaded, "spare")
-    assert spare.reader == ["deadpool_ext.rebuild.recover"]       # the heartbeat at 90 s ran before the fault
+    assert spare.reader == ["deadpool_ext.integrations.deepspeed.runtime", "deadpool_ext.rebuild.recover",
+                            "deadpool_ext.rebuild.worker"]  # the heartbeat at 90 s ran before the fault
+    # from its join: the engine's build 20 ms before it (in the same 50 ms) is left out
+    joined = tm.count(loaded, "spare", since=tm.JOIN)
+    assert joined.windows == [(102.03, 103.5)]
+    assert joined.reader == ["deadpool_ext.rebuild.recover", "deadpool_ext.rebuild.worker"]
     assert tm.count(loaded, "launcher").reader == ["deadpool_ext.launcher.decide"]
     assert tm.report(str(tmp_path)) == 0
     assert "1 modules to read" in capsys.readouterr().out
@@ -97,5 +108,9 @@ def test_pass_throughs_are_modules_whose_functions_that_ran_are_one_or_two_state
     assert sizes["membership"] == 1 and sizes["init_distributed"] > 2
     c = tm.RoleCount("survivor", [1], [(0.0, 1.0)], product={
         "deadpool_ext.distributed": ["membership", "generation [deadpool-heartbeat]"],
-        "deadpool_ext.rebuild.recover": ["Recovery.handle_failure", "Recovery.join_survivors.<locals>.form"]})
+        "deadpool_ext.rebuild.recover": ["Recovery.handle_failure", "Recovery.join_survivors.<locals>.form"],
+        "deadpool_ext.snapshot.differential": ["DiffRing.__init__", "DiffRing.__init__.<locals>.<listcomp>"]})
     assert tm.pass_throughs(c) == ["deadpool_ext.distributed"]
+    assert c.constructed == ["deadpool_ext.snapshot.differential"]
+    assert c.reader == ["deadpool_ext.distributed", "deadpool_ext.rebuild.recover"]
+    assert tm.statements("deadpool_ext.integrations.loop")["ResilientLoop.__iter__"] > 2  # a loop's body counts
