@@ -24,7 +24,6 @@ REGISTRY: dict[str, str] = {
     "megatron_core_cpu_synchronize": "megatron_core_cpu_synchronize",
     "megatron_lm_hooks": "megatron_lm_hooks",
     "deepspeed_zero3_quiet_init": "deepspeed_zero3_quiet_init",
-    "deepspeed_lazy_compile": "deepspeed_lazy_compile",
     "deepspeed_unsynced_init": "deepspeed_unsynced_init",
     "deepspeed_initialize_hook": "deepspeed_initialize_hook",
     "torch_init_process_group_once": "torch_init_process_group_once",

@@ -1,9 +1,6 @@
 """patches/: explicit, idempotent, revertible, version-guarded."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -207,46 +204,3 @@ def test_unsynced_init_is_scoped_to_its_block():
                               zip((DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather), before))
             raise RuntimeError("boom")
     assert (DeepSpeedEngine._broadcast_model, Init._zero_init_param, Init._all_gather) == before
-
-
-def test_lazy_compile_hands_a_function_to_torch_compile_on_its_first_call_only(monkeypatch):
-    from deepspeed.runtime import compiler
-
-    compiled: list = []
-
-    def fake_compile(fn):  # torch.compile's wrapping, recorded (compiling itself is not what is tested)
-        compiled.append(fn)
-        return lambda *a, **k: ("compiled", fn(*a, **k))
-
-    monkeypatch.setattr(torch, "compile", fake_compile)
-    original = compiler.compile
-    patch = patches.get("deepspeed_lazy_compile")
-    try:
-        patch.apply()
-        patch.apply()  # idempotent
-
-        def double(x):
-            return 2 * x
-
-        decorated = compiler.compile()(double)
-        assert compiled == [] and decorated.__wrapped__ is double  # decorating compiles nothing
-        assert decorated(3) == ("compiled", 6) and compiled == [double]
-        assert decorated(4) == ("compiled", 8) and compiled == [double]  # once
-    finally:
-        patch.revert()
-    assert compiler.compile is original
-
-
-def test_the_startup_patches_keep_torchdynamo_out_of_a_zero_process():
-    """Every ZeRO engine build imports DeepSpeed's Muon module; under the start-up patches that import no
-    longer loads TorchDynamo (a fresh process: what a worker, a spare or a restarted rank pays at start)."""
-    code = ("import json, sys, deepspeed\n"
-            "from deadpool_ext.integrations.deepspeed.warmup import import_lazy_modules, startup_patches\n"
-            "startup_patches(); import_lazy_modules()\n"
-            "from deepspeed.runtime.zero.muon import original_muon as m\n"
-            "print(json.dumps({'dynamo': 'torch._dynamo' in sys.modules, "
-            "'lazy': getattr(m.zeropower_via_newtonschulz5, '__deadpool_lazy_compile__', False)}))\n")
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"dynamo": False, "lazy": True}

@@ -7,11 +7,6 @@ imported modules below already imported, 0.9 s with the import-time objects also
 garbage collector (ZeRO-3's ``defragment`` runs ``gc.collect()``, which otherwise walks every object the
 imports created). Loading the CPU shared-memory comm op (a JIT extension) cost a spare another ~1-2 s.
 
-Before any of it, :func:`startup_patches` (also run by every ``deepspeed.initialize`` through the extension):
-two version-guarded patches that remove start-up work DeepSpeed does for nothing, ``deepspeed_lazy_compile``
-(the Muon module's ``torch.compile`` at import, 2-3 s of CPU per process: TorchDynamo and Inductor) and
-``deepspeed_zero3_quiet_init`` (0.2-0.3 s per ZeRO-3 engine build).
-
 Call order: ``import_lazy_modules()`` once the script has imported DeepSpeed, then ``gc.freeze()`` (the
 script's choice: :func:`deadpool_ext.training.pretrain.run` does it), then ``preload_comm_op()`` while
 waiting for an assignment (:func:`warm_up_spare`, which the DeepSpeed integration registers with
@@ -21,34 +16,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import sys
 import time
 
 # Imported by deepspeed.initialize on first use (DeepSpeed 0.19: ZeRO's optimizer sanity check imports the
-# Muon optimizer; under deepspeed_lazy_compile its import no longer pulls in TorchDynamo). Missing ones (other
+# Muon optimizer, whose module calls torch.compile, which imports inductor: ~2 s). Missing ones (other
 # versions) are skipped.
 LAZY_MODULES = ("deepspeed.runtime.zero.muon.muon_optimizer",)
-STARTUP_PATCHES = ("deepspeed_lazy_compile", "deepspeed_zero3_quiet_init")
-"""Applied before DeepSpeed builds its first engine in the process, each when it supports the installed
-DeepSpeed (otherwise DeepSpeed runs as it is, logged at debug level), and left applied."""
-
-
-def startup_patches() -> None:
-    """Apply :data:`STARTUP_PATCHES` (idempotent; nothing when ``patches/`` is not installed, a checkout run
-    without ``pip install -e``)."""
-    try:
-        from ... import patches  # type: ignore[attr-defined]  # patches/, mapped in at install (package_dir)
-    except ImportError:
-        return
-    for name in STARTUP_PATCHES:
-        patch = patches.get(name)
-        if patch.applied:
-            continue
-        try:
-            patch.apply()
-        except patches.UnsupportedVersionError as exc:
-            logging.getLogger("deadpool_ext").debug("%s", exc)
 
 
 def import_lazy_modules() -> float:
@@ -57,7 +31,6 @@ def import_lazy_modules() -> float:
     if "deepspeed" not in sys.modules:
         return 0.0
     t0 = time.perf_counter()
-    startup_patches()
     for name in LAZY_MODULES:
         if name in sys.modules:
             continue
@@ -91,6 +64,8 @@ def preload_comm_op() -> float | None:
 def warm_up_spare() -> None:
     """A spare's wait for its assignment, put to use (registered with ``distributed.on_spare_wait`` by the
     DeepSpeed integration): lazy imports and the communication op, logged with their cost."""
+    import logging
+
     imports_s, op_s = import_lazy_modules(), preload_comm_op()
     if op_s is not None or imports_s > 0.01:
         logging.getLogger("deadpool_ext").info(
