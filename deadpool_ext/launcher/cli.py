@@ -160,7 +160,7 @@ class Supervisor:
                         store_outage_s=args.store_outage_s, spare_wait_s=args.spare_wait_s,
                         nproc_per_node=args.nproc_per_node, policy_flag=args.no_spare_policy or None,
                         keep_memory_on_failure=bool(args.keep_memory_on_failure), leased=self.election is not None,
-                        master_addr=args.host, host_rank=args.host_rank)
+                        master_addr=args.host, host_rank=args.host_rank, suspect_age_s=args.suspect_age_s)
 
     def coordinate(self, assignment: Assignment) -> Coordinator:
         """This launcher holds the coordinator role from now on, the job at ``assignment``: its first turn."""

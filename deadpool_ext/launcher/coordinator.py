@@ -3,7 +3,8 @@
 The launcher holding the coordinator role calls :meth:`Coordinator.turn` every loop turn (about every 0.1 s):
 
 1. **observe** (:meth:`Coordinator.observe`): one reading of the store and of this host's processes, an
-   :class:`~deadpool_ext.launcher.decide.Observation` (exits, ``done/``, heartbeats, a fatal report, the job's
+   :class:`~deadpool_ext.launcher.decide.Observation` (exits, ``done/``, heartbeats, survivors' reports of a failed
+   collective (``suspect/``), a fatal report, the job's
    no-spare policy, join requests once a second, ``repaired/`` while the world is shrunk; the hosts' leases come
    from the launcher's own turn);
 2. **decide** (``decide.py``, pure): the rules, giving the next state and the actions;
@@ -112,6 +113,7 @@ class Coordinator:
         now = time.time()
         done = frozenset(k[len(keys.DONE):] for k in store.list(keys.DONE))
         beats = reads.items(keys.HEARTBEATS, values.heartbeat, values.WORKER_RE)
+        reports = reads.items(keys.SUSPECTS, values.suspect, values.WORKER_RE)
         joins = None
         if time.monotonic() >= self.join_next:   # the join requests are read once a second at most
             self.join_next = time.monotonic() + JOIN_POLL_S
@@ -120,7 +122,7 @@ class Coordinator:
         return Observation(now=now, exits=exits, done=done, beats=beats, fatal=fatal,
                            hosts_seen=frozenset(hosts_seen), hosts_now=frozenset(hosts_now),
                            job_policy=None if self.settings.policy_flag else job_policy(reads),
-                           joins=joins, repaired=repaired, resumed_grace_until=resumed_grace_until)
+                           joins=joins, repaired=repaired, resumed_grace_until=resumed_grace_until, reports=reports)
 
     def join_requests(self) -> tuple[JoinRequest, ...]:
         """The requests not judged yet, each with the answer given before (a coordinator before this one's)."""

@@ -14,7 +14,9 @@ One turn, in order:
    meanwhile (the failed nodes are fenced already; detection resumes with the next generation);
 3. completion (every active worker exited 0 or wrote ``done/``), a worker's fatal report;
 4. detection: exits, lost hosts (a lapsed lease), heartbeat age (with a grace after a late turn or a stalled
-   store: ``hangs.store_stalled``), hangs by progress (``hangs.stalled``); dead spares;
+   store: ``hangs.store_stalled``), a survivor's report of a failed collective (``suspect/``: a quiet peer is
+   failed after ``Settings.suspect_age_s`` instead of the detection timeout, :meth:`_Turn.by_report`), hangs by
+   progress (``hangs.stalled``); dead spares;
 5. no failure: grow a shrunk world to a repaired or joined node once it has formed (``hangs.not_formed``);
 6. a failure: the failed nodes fenced, and the next generation: spares take the failed nodes' ranks
    (``membership.replace_failed``); with none left, the policy: shrink (``membership.shrink_failed``), await a
@@ -60,6 +62,10 @@ class Settings:
     """Every published generation's rendezvous address (the coordinator's --host; the port is 0: the store)."""
     host_rank: int = 0
     """The coordinating launcher's --host-rank (recorded with each replacement it publishes)."""
+    suspect_age_s: float = 0.0
+    """``--suspect-age-s``: once a live rank of the generation reported a failed collective, a rank the coordinator
+    has not heard a new heartbeat from for this long is failed (a lost host: its sockets closed, so the survivors'
+    collectives fail at once). 0: off, only ``detect_timeout_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,12 @@ class CoordinatorState:
     """Live spare worker -> its last heartbeat's time (what tells a stalled store from hung workers)."""
     progress: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     """Active worker -> its last heartbeat's progress sample (restarts with each generation)."""
+    heard_hb: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    """Active worker -> (its last heartbeat's ``t``, the turn's ``now`` when the coordinator first read it): how
+    long the coordinator has heard nothing new, on its own clock (a report's rule; no worker's clock in it)."""
+    reports_heard: Mapping[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Rank of the current generation -> (generation, ``time``, the turn's ``now`` when first read) of its report of
+    a failed collective (``suspect/``); each is recorded in the timeline once."""
     dead_spares: frozenset[str] = frozenset()
     join_decided: frozenset[str] = frozenset()
     """Join requests already answered by this coordinator (each is judged once)."""
@@ -126,7 +138,8 @@ def taken_over(state: CoordinatorState, assignment: Assignment, dead_spares: Set
     """This launcher (again) holds the coordinator role: the assignment and the dead spares come from the store;
     when the assignment formed is not known (a step on every rank from now on tells), heartbeats restart."""
     return dataclasses.replace(state, assignment=assignment, last_turn=now, formed_after=now, seen_hb={},
-                               dead_spares=state.dead_spares | frozenset(dead_spares), awaiting=None)
+                               heard_hb={}, reports_heard={}, dead_spares=state.dead_spares | frozenset(dead_spares),
+                               awaiting=None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +175,8 @@ class Observation:
     """The names under ``repaired/`` (read while the world is shrunk)."""
     resumed_grace_until: float | None = None
     """This launcher's lease resumed after a pause: no heartbeat could be written meanwhile; detection waits."""
+    reports: Mapping[str, values.Report] = field(default_factory=dict)
+    """Worker -> its newest report of a failed collective (``suspect/``, decoded; a bad one is absent)."""
 
 
 # -- what the coordinator does ----------------------------------------------------------------------------------
@@ -315,7 +330,7 @@ class _Turn:
 
     def run(self) -> None:
         if self.obs.resumed_grace_until is not None:
-            self.update(seen_hb={}, progress={}, grace_until=self.obs.resumed_grace_until)
+            self.update(seen_hb={}, heard_hb={}, progress={}, grace_until=self.obs.resumed_grace_until)
         self.joins()
         if self.state.awaiting is not None:
             self.update(last_turn=self.obs.now)   # turns keep their pace meanwhile: no store stall to make up for
@@ -409,6 +424,7 @@ class _Turn:
             self.actions.append(Log(logging.INFO, f"coordinator: {gap:.1f}s since its last turn (store slow); "
                                                   f"heartbeats get {s.detect_timeout_s:.0f}s of grace"))
         seen_hb, progress = dict(self.state.seen_hb), dict(self.state.progress)
+        heard_hb = dict(self.state.heard_hb)
         for wid in sorted(active - set(failed)):
             if obs.exits.get(wid) is not None or wid in obs.done:
                 continue
@@ -416,15 +432,64 @@ class _Turn:
             if beat is not None:
                 seen_hb[wid] = float(beat["t"])
                 progress[wid] = beat
+                if wid not in heard_hb or heard_hb[wid][0] != seen_hb[wid]:
+                    heard_hb[wid] = (seen_hb[wid], now)
             if wid in seen_hb and now - seen_hb[wid] > s.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
-        self.update(seen_hb=seen_hb, progress=progress)
+        self.update(seen_hb=seen_hb, progress=progress, heard_hb=heard_hb)
+        failed.update(self.by_report(active - set(failed) - {w for w in active if w in obs.done
+                                                               or obs.exits.get(w) is not None}))
         self.store_stall(active, any(v.startswith("hung") for v in failed.values()))
         if now < self.state.grace_until:  # the store was unreachable for everyone: heartbeats restart
             failed = {w: why for w, why in failed.items() if not why.startswith("hung")}
         else:
             failed.update(self.by_progress(active - set(failed)))
         self.dead_spares(active, lost)
+        return failed
+
+    def by_report(self, live: set[str]) -> dict[str, str]:
+        """A survivor's report of a failed collective (``suspect/<worker>``) shortens heartbeat detection: while a
+        rank of the current generation whose own heartbeat is fresh reported one (within the detection timeout), a
+        rank the coordinator has heard no new heartbeat from for ``suspect_age_s`` is failed. A report alone fails
+        nobody whose heartbeat is fresh (a flapping or lying reporter cannot evict a healthy peer); one of another
+        generation, or from a rank not in it (a fenced node, a spare, a name of nobody), is ignored; a reporter is
+        never failed by a report (it wrote one: it is alive). Each new report is recorded (``suspect`` event)."""
+        st, obs, s = self.state, self.obs, self.settings
+        a, now, limit = st.assignment, obs.now, s.suspect_age_s
+        heard = {w: r for w, r in st.reports_heard.items() if r[0] == a.generation and w in a.ranks}
+        for wid, report in sorted(obs.reports.items()):
+            if wid not in a.ranks or report.generation != a.generation:
+                continue
+            old = heard.get(wid)
+            if old is not None and old[:2] == (report.generation, report.time):
+                continue
+            heard[wid] = (report.generation, report.time, now)
+            self.actions.append(Event({"event": "suspect", "generation": a.generation, "reporter": wid,
+                                       "rank": a.ranks[wid], "reported_at": report.time, "heard_at": now,
+                                       "what": report.what}))
+        self.update(reports_heard=heard)
+        if limit <= 0:
+            return {}
+
+        def quiet(w: str) -> float | None:   # since the coordinator first read w's newest heartbeat
+            h = st.heard_hb.get(w)
+            return None if h is None else now - h[1]
+
+        def fresh(w: str) -> bool:
+            q = quiet(w)
+            return q is not None and q <= limit
+
+        reporters = sorted((at, w) for w, (_, _, at) in heard.items()
+                           if w in live and now - at <= s.detect_timeout_s and fresh(w))
+        if not reporters:
+            return {}
+        by = reporters[0][1]
+        failed = {}
+        for wid in sorted(live - set(heard)):
+            q = quiet(wid)
+            if q is not None and q > limit:
+                failed[wid] = (f"hung: no heartbeat for {q:.1f}s after rank {a.ranks[by]} ({by}) reported a failed "
+                               "collective (SIGKILLed to fence it)")
         return failed
 
     def store_stall(self, active: set[str], any_hung: bool) -> None:
@@ -535,6 +600,7 @@ class _Turn:
                                               for w, why in failed.items()}}))
         self.actions += [Fence(n, drop_memory=not self.settings.keep_memory_on_failure) for n in sorted(failed_nodes)]
         self.update(seen_hb={w: t for w, t in st.seen_hb.items() if a.nodes.get(w) not in failed_nodes},
+                    heard_hb={w: h for w, h in st.heard_hb.items() if a.nodes.get(w) not in failed_nodes},
                     progress={},   # every rank's counters restart with the next generation's first step
                     all_in_collective_logged=False)
         policy = policy_of(self.settings, self.obs)
@@ -589,7 +655,8 @@ class _Turn:
 
     def publish(self, new: Assignment, event: Mapping[str, Any]) -> None:
         # grace for every rank of the new generation: a spare's first heartbeat after taking over
-        self.update(assignment=new, formed_after=self.obs.now,
-                    seen_hb={w: t for w, t in self.state.seen_hb.items() if w not in new.ranks})
+        self.update(assignment=new, formed_after=self.obs.now, reports_heard={},
+                    seen_hb={w: t for w, t in self.state.seen_hb.items() if w not in new.ranks},
+                    heard_hb={w: h for w, h in self.state.heard_hb.items() if w not in new.ranks})
         self.actions.append(Publish(new, event))
 

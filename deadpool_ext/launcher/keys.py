@@ -11,7 +11,8 @@ One generation, as the keys see it::
 
     coordinator  ASSIGNMENT (ranks, nodes, spares)  ->  GENERATION(g) "g-1 is dead"
     workers      HEARTBEAT(w) every --heartbeat-s; SLOT_SIZE(r) at the first snapshot; DONE(w) at the end;
-                 FAILED(g, w) when a recovery fails; FATAL when the state cannot be recovered
+                 FAILED(g, w) when a recovery fails; FATAL when the state cannot be recovered;
+                 SUSPECT(w) the moment a step's collective fails in generation g (before any verdict)
     launchers    EXIT(w) for every exit they see; FENCED(n) once FENCE(n) is carried out
     coordinator  FENCE(n) for a failed node; DEAD_SPARES; FINISHED; a stopped job's ASSIGNMENT carries ``stop``
 
@@ -74,6 +75,9 @@ REPAIRED = "repaired/"
 JOIN_REQUESTS = "joined/"
 JOIN_ANSWERS = "join_ack/"
 SLOT_SIZES = "slots/"
+SUSPECTS = "suspect/"
+"""``suspect/<worker>``: a survivor's report that a collective of its generation failed (the coordinator then fails
+a peer whose heartbeat went quiet after a short age instead of the full detection timeout: ``decide.py``)."""
 
 SPECS: tuple[KeySpec, ...] = (
     KeySpec(ASSIGNMENT, "coordinator (launcher/cli.py publish, join.py, resize.py stop)",
@@ -90,6 +94,9 @@ SPECS: tuple[KeySpec, ...] = (
             "marker"),
     KeySpec(FAILURES, "a worker whose recovery failed in generation g", "people (deadpool inspect / a store dump)",
             "{'time', 'error'}: the key is failed/<generation>/<worker>"),
+    KeySpec(SUSPECTS, "a worker whose step's collective failed, before it waits for the verdict (rebuild/recover.py)",
+            "coordinator (a quiet peer failed early: decide.py by_report)",
+            "{'generation', 'time', 'what'}: one per worker, the newest report", values.suspect),
     KeySpec(FATAL, "a worker with unrecoverable state (first writer wins)", "coordinator (stops the job)",
             f"UTF-8 text of at most {values.MAX_TEXT} bytes", values.fatal_text),
     KeySpec(FINISHED, "coordinator, once every active worker is done", "every launcher (exits 0)", "marker"),
@@ -185,9 +192,13 @@ def slot_size(rank: int) -> str:
     return _key(SLOT_SIZES, int(rank))
 
 
+def suspect(worker: str) -> str:
+    return _key(SUSPECTS, worker)
+
+
 def worker_keys(worker: str) -> tuple[str, ...]:
     """What a worker leaves behind (cleared before its node is started again)."""
-    return exit_of(worker), done(worker), heartbeat(worker)
+    return exit_of(worker), done(worker), heartbeat(worker), suspect(worker)
 
 
 def node_keys(node: str) -> tuple[str, ...]:
@@ -207,6 +218,11 @@ def exit_value(rc: int) -> dict[str, Any]:
 
 def failure_value(what: str) -> dict[str, Any]:
     return {"time": time.time(), "error": what[:500]}
+
+
+def suspect_value(generation: int, what: str) -> dict[str, Any]:
+    """``SUSPECTS``: the generation whose collective failed, when (the worker's clock), and the error, shortened."""
+    return {"generation": int(generation), "time": time.time(), "what": what[:values.MAX_REPORT]}
 
 
 def fatal_value(what: str) -> bytes:
@@ -259,9 +275,9 @@ def resolve_no_spare_policy(flag: str | None, job_config: str | None) -> NoSpare
 __all__ = [
     "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
     "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS", "KeySpec",
-    "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "done", "dropped",
-    "dropped_value", "exit_of", "exit_value", "failure", "failure_value", "fatal_value", "fence", "fenced",
+    "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS", "done",
+    "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value", "fatal_value", "fence", "fenced",
     "generation", "heartbeat", "heartbeat_value", "host", "join_answer", "join_answer_value", "join_request",
     "join_request_value", "node_keys", "repaired", "repaired_value", "resolve_no_spare_policy", "slot_size",
-    "stopped_assignment", "worker_keys",
+    "stopped_assignment", "suspect", "suspect_value", "worker_keys",
 ]

@@ -42,6 +42,8 @@ MAX_NAMES = 65536
 MAX_TEXT = 4000
 """Longest free text (a stop message, a refusal reason): what a worker may write as fatal."""
 POLICIES = ("fail", "wait", "shrink")
+MAX_REPORT = 300
+"""Longest error text a survivor's report of a failed collective carries (``suspect/<worker>``)."""
 _ECHO = 60
 
 
@@ -189,6 +191,28 @@ def join_ack(key: str, raw: bytes) -> JoinAck:
     if role not in ("", "grow", "spare"):
         raise _fail(key, "'as' must be 'grow' or 'spare'", role)
     return JoinAck(ok, why, role)
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """``suspect/<worker>``: a survivor's report that a collective of ``generation`` failed (``time``: its clock)."""
+
+    generation: int
+    time: float
+    what: str
+
+
+def suspect(key: str, raw: bytes) -> Report:
+    """``suspect/<worker>``: ``{"generation": int, "time": t, "what": text of at most MAX_REPORT characters}``;
+    nothing else."""
+    d = _obj(key, decode_json(key, raw))
+    extra = sorted(set(d) - {"generation", "time", "what"})
+    if extra:
+        raise _fail(key, "unknown field(s) (allowed: generation, time, what)", extra)
+    what = d.get("what", "")
+    if not isinstance(what, str) or len(what) > MAX_REPORT:
+        raise _fail(key, f"'what' must be a string of at most {MAX_REPORT} characters", what)
+    return Report(_int(key, "generation", d.get("generation"), 0, 1 << 31), _num(key, "time", d.get("time")), what)
 
 
 def policy(key: str, raw: bytes) -> str:

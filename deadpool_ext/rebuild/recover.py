@@ -5,6 +5,8 @@ A training loop that catches a failure calls its runtime's ``handle_failure(exc)
 whether to recover from the failure's *cause* (``rebuild/cause.py``: did the launcher end the generation the
 step ran in?), picks the mode once (:class:`~deadpool_ext.rebuild.cause.Mode`), and runs it:
 
+0. a step that failed before the launcher ended its generation is reported at once (``suspect/<worker>``:
+   :func:`report_collective_failure`), then the driver waits for the launcher's verdict;
 1. begin: log, arm the last-resort deadline, tell the launcher (``failed/<g>/<worker>``);
 2. leave the dead generation (in place: cut it and park its communicators; rebuild: tear its groups down) and
    drop the framework state the mode drops (hooks: ``stop_snapshots``, ``abandon_step`` or ``release``);
@@ -201,6 +203,7 @@ class Recovery:
         gen = m.assignment.generation
         published, stop = m.verdict(gen, 0.0)
         if stop is None and (published is None or published <= gen):
+            report_collective_failure(m, gen, exc)
             log.warning("generation %d: step %d failed (%s: %s); waiting up to %.0f s for the launcher's verdict "
                         "(hot_swap.assignment_timeout_s): recovered if it ends this generation", gen,
                         hooks.step_counter(), type(exc).__name__, _short(exc), hc.assignment_timeout_s)
@@ -390,6 +393,21 @@ class Recovery:
                                    fatal=(swap.SwapError,))
         went_live()
         return joined
+
+
+def report_collective_failure(m: Any, generation: int, exc: BaseException) -> None:
+    """Tell the coordinator at once that a step of ``generation`` failed here (``suspect/<worker>``, through the
+    membership's authenticated store client), before this rank waits for its verdict: a peer whose host was lost
+    closed its sockets, so this collective failed long before that peer's heartbeat times out, and the coordinator
+    fails a peer gone quiet after ``--suspect-age-s`` instead (``launcher/decide.py``). A report fails nobody whose
+    heartbeat is fresh. Best effort: a store that refuses it leaves the plain heartbeat timeout."""
+    from ..launcher import keys
+
+    try:
+        m.store.set_json(keys.suspect(m.worker_id),
+                         keys.suspect_value(generation, f"{type(exc).__name__}: {_short(exc)}"))
+    except Exception as err:  # the store unreachable: the verdict's wait below says what happens next
+        log.debug("report of the failed collective: %s", err)
 
 
 def driver() -> Recovery:

@@ -2,7 +2,8 @@
 
 Phases of one hot-swap (generation g -> g+1), all wall-clock seconds:
 
-- detect:    failure (fault injector's ``fault`` event, else the launcher's detection) -> launcher detection
+- detect:    failure (fault injector's ``fault`` event, else the launcher's detection) -> launcher detection;
+             ``reported_s``: -> the first survivor's report of a failed collective (``suspect``), when there was one
 - agree:     detection -> the last rank has the new assignment and its process group (``pg_ready_at``)
 - rebuild:   process group -> engine rebuilt on the new world (``engine_ready_at``), slowest rank
 - restore:   engine -> state restored from tier 1 / tier 2 (``restored_at``), slowest rank
@@ -55,6 +56,8 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
             by_gen[e["generation"]]["assignment"] = e
         elif kind == "recover":
             by_gen[e["generation"]]["recover"].append(e)
+        elif kind == "suspect":
+            by_gen[e["generation"] + 1].setdefault("suspect", e)
         elif kind == "caught_up":
             by_gen[e.get("generation", max(by_gen) if by_gen else 1)]["caught_up"].append(e)
     out = []
@@ -71,6 +74,7 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         rec = {"generation": gen, "failed": g["failure"]["failed"],
                "replaced": g.get("assignment", {}).get("replaced"),
                "detect_s": detected - start,
+               "reported_s": g["suspect"]["reported_at"] - start if "suspect" in g else None,
                "agree_s": (pg_ready - detected) if pg_ready else None,
                "rebuild_s": (engine_ready - pg_ready) if engine_ready and pg_ready else None,
                "restore_s": (restored - engine_ready) if restored and engine_ready else None,

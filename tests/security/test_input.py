@@ -358,7 +358,7 @@ def _refusal(flags: list[str], says: str, *also: str, script: str | None = None,
     return pytest.param(flags, says, also, script, env, one_line, id=id)
 
 
-_DURATION_FLAGS = ("--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s")
+_DURATION_FLAGS = ("--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s", "--suspect-age-s")
 _SLURM = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 _REFUSALS = [
     *(_refusal(["--nnodes", "1", "--host", host], f"--host {host!r}: a wildcard address", "interface", id=name)
@@ -393,6 +393,7 @@ _REFUSALS = [
         (["--leader-ttl-s", "1"], "--leader-ttl-s 1: must be an integer in 2..3600"),
         (["--progress-timeout-s", "-1"], "--progress-timeout-s -1.0: must be a finite number of seconds"),
         (["--progress-timeout-s", "0.2"], "--progress-timeout-s (0.2) must be longer than --heartbeat-s"),
+        (["--suspect-age-s", "0.3"], "--suspect-age-s 0.3: must be a number of seconds longer than --heartbeat-s"),
         (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: cannot read it"),
         (["--hostfile", "/dev/null", "--from-slurm"], "--hostfile and --from-slurm: pass one of them"),
         (["--hostfile", "/dev/null"], "/dev/null: no hosts")))),

@@ -13,6 +13,7 @@ import pytest
 
 from deadpool_ext.cluster.membership import Worker, initial_assignment, shrink_failed
 from deadpool_ext.launcher import decide as d
+from deadpool_ext.launcher import values
 from deadpool_ext.launcher.decide import (
     AnswerJoin,
     AwaitSpare,
@@ -243,6 +244,168 @@ def test_a_dead_spare_is_fenced_once_and_never_chosen():
     assert dec.actions == ()   # said once
     dec = decide(dec.state, Observation(now=T0 + 0.3, exits={"spare0.0": 1, "node0.0": -9}), settings())
     assert of(dec.actions, Publish)[0].assignment.replaced == {"node0": "spare1"}
+
+
+# -- a survivor's report of a failed collective (suspect/) ------------------------------------------------------------
+SUSPECT = 1.0
+
+
+def report(t: float, gen: int = 0) -> values.Report:
+    return values.Report(gen, t, "RuntimeError: [gloo] Connection closed by peer [10.200.0.3]:40123")
+
+
+def three_nodes_beating(now: float, **kw) -> CoordinatorState:
+    """Three nodes and a spare, every worker heard at ``now`` (and the coordinator's turn then)."""
+    st = job(nnodes=3, spares=1)
+    return decide(dataclasses.replace(st, last_turn=now - 0.1), Observation(now=now, beats=beats_of(st, now)),
+                  settings(**kw)).state
+
+
+LIVE = ("node0.0", "node1.0", "spare0.0")
+
+
+def test_a_report_then_silence_fails_the_quiet_peer_after_the_suspect_age_not_the_detection_timeout():
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start, suspect_age_s=SUSPECT)
+    # node2's host is lost just after: node0 and node1 fail their collective and report; they and the spare beat on
+    reports = {"node0.0": report(start + 0.05), "node1.0": report(start + 0.07)}
+    suspects, failure, now = [], None, start
+    for i in range(1, 8):   # turns 0.3 s apart
+        now = start + 0.3 * i
+        dec = decide(st, Observation(now=now, beats={**{w: beat(now) for w in LIVE}, "node2.0": beat(start)},
+                                     reports=reports), s)
+        st = dec.state
+        suspects += events(dec.actions, "suspect")
+        if events(dec.actions, "failure"):
+            [failure] = events(dec.actions, "failure")
+            break
+    # each report is recorded once, when first read
+    assert [(e["reporter"], e["rank"], e["reported_at"], e["heard_at"]) for e in suspects] == [
+        ("node0.0", 0, start + 0.05, start + 0.3), ("node1.0", 1, start + 0.07, start + 0.3)]
+    # node2 is failed on the first turn its heartbeat has been unheard for more than the suspect age (1.2 s, not 6 s)
+    assert failure is not None and now == start + 1.2 and failure["detected_at"] == now
+    assert failure["failed"] == {"node2.0": {"rank": 2, "node": "node2", "why": (
+        "hung: no heartbeat for 1.2s after rank 0 (node0.0) reported a failed collective (SIGKILLed to fence it)")}}
+    # the fence as for any failure, before the next generation: the spare takes rank 2
+    kinds = [type(a).__name__ for a in dec.actions]
+    assert of(dec.actions, Fence) == [Fence("node2", drop_memory=True)]
+    assert kinds.index("Fence") < kinds.index("Publish")
+    [pub] = of(dec.actions, Publish)
+    assert pub.assignment.replaced == {"node2": "spare0"} and pub.assignment.ranks["spare0.0"] == 2
+    assert dec.state.reports_heard == {}   # the next generation starts without reports
+
+    # node2 was alive after all (a starved host): it beats again, and reports too. It holds no rank of generation
+    # 1, its report is of a generation that is over, and nothing gives rank 2 back: the spare keeps it
+    for j in range(1, 4):
+        t = now + 0.3 * j
+        dec = decide(st, Observation(now=t, beats={w: beat(t) for w in (*LIVE, "node2.0")},
+                                     reports={**reports, "node2.0": report(t)}), s)
+        assert not of(dec.actions, Publish) and not events(dec.actions, "failure") and not of(dec.actions, Fence)
+        assert not events(dec.actions, "suspect")
+        st = dec.state
+    assert "node2.0" not in st.assignment.ranks and st.assignment.ranks["spare0.0"] == 2
+    assert sorted(st.assignment.ranks.values()) == [0, 1, 2]   # no two workers hold one rank
+
+
+@pytest.mark.parametrize("suspect_age_s", [SUSPECT, 0.0])
+def test_a_report_never_fails_a_peer_whose_heartbeat_is_fresh(suspect_age_s):
+    """A flapping or lying reporter cannot evict a healthy peer: every worker beats on, nothing is failed."""
+    s = settings(suspect_age_s=suspect_age_s)
+    start = T0 + 0.1
+    st = three_nodes_beating(start, suspect_age_s=suspect_age_s)
+    said = 0
+    for i in range(1, 40):   # 12 s of turns, twice the detection timeout, with a new report on every turn
+        now = start + 0.3 * i
+        dec = decide(st, Observation(now=now, beats=beats_of(st, now - 0.4),
+                                     reports={"node0.0": report(now)}), s)
+        assert not events(dec.actions, "failure") and not of(dec.actions, Fence), dec.actions
+        said += len(events(dec.actions, "suspect"))
+        st = dec.state
+    assert said == 39   # each new report recorded, nobody failed
+
+
+def test_without_reports_or_with_the_rule_off_a_quiet_peer_waits_for_the_detection_timeout():
+    start = T0 + 0.1
+    for s, reports in ((settings(suspect_age_s=SUSPECT), {}),
+                       (settings(suspect_age_s=0.0), {"node0.0": report(start + 0.05)})):
+        st = three_nodes_beating(start)
+        for i in range(1, 30):
+            now = start + 0.3 * i
+            dec = decide(st, Observation(now=now, beats={**{w: beat(now) for w in LIVE}, "node2.0": beat(start)},
+                                         reports=reports), s)
+            st = dec.state
+            if events(dec.actions, "failure"):
+                break
+        assert now - start > DETECT and events(dec.actions, "failure")[0]["failed"]["node2.0"]["why"].startswith(
+            "hung: no heartbeat for 6.3s (SIGKILLed")
+
+
+@pytest.mark.parametrize("case", ["older generation", "a spare", "a fenced node", "nobody", "quiet reporter",
+                                  "reporter exited", "report too old"])
+def test_reports_the_rule_ignores(case):
+    """Only a live rank of the current generation, heard from within the suspect age, shortens detection, and only
+    for a detection timeout after its report was read."""
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start)
+    if case == "a fenced node":   # generation 1: node1 failed and replaced by the spare, node1 (alive) reports
+        st = decide(st, Observation(now=start + 0.1, exits={"node1.0": -9}), s).state
+        st = decide(st, Observation(now=start + 0.2, beats=beats_of(st, start + 0.2)), s).state
+        start += 0.2
+    gen = st.assignment.generation
+    reporter = {"older generation": "node0.0", "a spare": "spare0.0", "a fenced node": "node1.0",
+                "nobody": "ghost0.0", "quiet reporter": "node0.0", "reporter exited": "node0.0",
+                "report too old": "node0.0"}[case]
+    rep = report(start, gen=gen - 1 if case == "older generation" else gen)
+    if case == "older generation":
+        st = dataclasses.replace(st, assignment=dataclasses.replace(st.assignment, generation=gen + 1))
+        rep = report(start, gen=gen)
+    live = [w for w in st.assignment.ranks if w != "node2.0"] + ["spare0.0" if case != "a fenced node" else "node1.0"]
+    if case == "quiet reporter":
+        live.remove("node0.0")
+    exits = {"node0.0": 0} if case == "reporter exited" else {}
+    now, seen = start, []
+    for i in range(1, 12):   # 3.3 s
+        now = start + 0.3 * i
+        dec = decide(st, Observation(now=now, beats={**{w: beat(now) for w in live}, "node2.0": beat(start),
+                                                     **({"node0.0": beat(start)} if case == "quiet reporter" else {})},
+                                     reports={reporter: rep}, exits=exits), s)
+        seen += events(dec.actions, "suspect")
+        assert not events(dec.actions, "failure"), (case, now - start, dec.actions)
+        st = dec.state
+        if case == "report too old" and i == 1:   # read 6 s ago: past the detection timeout, it counts no more
+            st = dataclasses.replace(st, reports_heard={reporter: (gen, start, now - DETECT - 0.5)})
+    # a report of the generation by one of its ranks is recorded (once) even where it decides nothing
+    assert len(seen) == (1 if case in ("quiet reporter", "reporter exited", "report too old") else 0)
+
+
+def test_a_store_grace_holds_report_based_detection_too():
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start)
+    late = start + 2.0   # this turn came 2 s late: a stalled store; every heartbeat gets DETECT s of grace
+    st = decide(st, Observation(now=late, beats={w: beat(late) for w in LIVE}), s).state
+    assert st.grace_until == late + DETECT
+    for i in range(1, 10):
+        now = late + 0.3 * i
+        dec = decide(st, Observation(now=now, beats={**{w: beat(now) for w in LIVE}, "node2.0": beat(start)},
+                                     reports={"node0.0": report(now)}), s)
+        assert not events(dec.actions, "failure")
+        st = dec.state
+
+
+def test_quiet_is_measured_on_the_coordinators_clock_not_the_workers():
+    """A worker whose clock runs 5 s behind beats on: its ``t`` changes every beat, so it is heard, not quiet."""
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start)
+    for i in range(1, 10):
+        now = start + 0.3 * i
+        dec = decide(st, Observation(now=now, beats={**{w: beat(now) for w in LIVE}, "node2.0": beat(now - 5.0)},
+                                     reports={"node0.0": report(now)}), s)
+        assert not events(dec.actions, "failure")
+        st = dec.state
 
 
 # -- no spare left -------------------------------------------------------------------------------------------------

@@ -83,7 +83,7 @@ def test_every_key_is_defined_once_with_its_writer_and_readers():
 
 
 @pytest.mark.parametrize("build", [keys.heartbeat, keys.done, keys.exit_of, keys.fence, keys.fenced, keys.dropped,
-                                   keys.repaired, keys.join_request])
+                                   keys.repaired, keys.join_request, keys.suspect])
 def test_key_parts_are_names_never_paths(build):
     assert build("node0.1").endswith("/node0.1")
     for bad in ("../x", "a/b", "", "x" * 81, "sp ace"):
@@ -116,6 +116,28 @@ def test_what_each_writer_builds_its_readers_decode():
     with pytest.raises(values.BadValue, match="slots/1"):
         values.slot_size(keys.slot_size(1), _raw(0))
     assert keys.BY_NAME[keys.HEARTBEATS].schema is values.heartbeat
+    rep = values.suspect(keys.suspect("node0.0"), _raw(keys.suspect_value(3, "RuntimeError: " + "x" * 900)))
+    assert rep.generation == 3 and rep.time > 0 and len(rep.what) == values.MAX_REPORT
+    assert keys.BY_NAME[keys.SUSPECTS].schema is values.suspect
+    assert keys.suspect("node0.0") in keys.worker_keys("node0.0")   # cleared before the node starts again
+
+
+@pytest.mark.parametrize("raw,why", [
+    (b'{"generation": 1, "time": 5.0, "what": "x", "rank": 2}', "unknown field(s)"),
+    (b'{"generation": -1, "time": 5.0}', "'generation' must be an int"),
+    (b'{"generation": true, "time": 5.0}', "'generation' must be an int"),
+    (b'{"generation": 1, "time": NaN}', "not JSON"),
+    (b'{"generation": 1}', "'time' must be a number"),
+    (b'{"generation": 1, "time": 5.0, "what": 7}', "'what' must be a string of at most 300"),
+    (b'[1, 5.0]', "must be a JSON object"),
+    (b'{"generation": 1, "time": 5.0, "what": "' + b"y" * 5000 + b'"}', "at most 4096 allowed"),
+    (b"\x80\x04pickle", "not JSON"),
+])
+def test_a_malformed_report_is_refused_in_one_line_naming_the_key(raw, why):
+    with pytest.raises(values.BadValue) as err:
+        values.suspect(keys.suspect("node1.0"), raw)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("store key 'suspect/node1.0': ") and why in line, line
 
 
 def _raw(v: object) -> bytes:
