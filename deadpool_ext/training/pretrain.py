@@ -22,7 +22,16 @@ from ..config import ConfigError, split_deepspeed_config
 from ..distributed import init_distributed
 from ..integrations.loop import ResilientLoop
 from .data import ByteLMData, seed_everything
-from .models import MODEL_SIZES, build_bert, build_gpt, count_parameters, seq_len_for
+from .models import (
+    GPT_IMPL_ENV,
+    GPT_IMPLS,
+    MODEL_SIZES,
+    build_bert,
+    build_gpt,
+    count_parameters,
+    default_gpt_impl,
+    seq_len_for,
+)
 
 log = logging.getLogger("deadpool_ext")
 
@@ -34,6 +43,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--train-iters", type=int, default=20, help="optimizer steps to train (total, across restarts)")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny",
                    help="tiny for tests, small (~25M) and medium (~125M) for benchmarks")
+    p.add_argument("--gpt-impl", choices=GPT_IMPLS, default=None,
+                   help=f"GPT only: hf (Hugging Face's GPT2LMHeadModel) or torch (the same architecture in plain "
+                        f"PyTorch, no transformers import: seconds less start-up per process); default "
+                        f"${GPT_IMPL_ENV} or hf")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dropout", type=float, default=None, metavar="P",
                    help="GPT only: dropout probability (default: the model's own, 0.1); 0 makes a run at another "
@@ -86,10 +99,20 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if args.save_interval is not None and args.save_interval < 0:
         raise SystemExit("--save-interval must be >= 0")
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    if args.gpt_impl is not None and objective != "gpt":
+        raise SystemExit("--gpt-impl applies to the GPT script only")
+    if args.gpt_impl is None:
+        try:
+            args.gpt_impl = default_gpt_impl() if objective == "gpt" else "hf"
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
     # Imports before init_distributed(): a spare under deadpool-run waits inside it, so DeepSpeed and
-    # transformers are already loaded when it is assigned (seconds off the hot-swap critical path).
+    # transformers (when the model is Hugging Face's) are already loaded when it is assigned (seconds off the
+    # hot-swap critical path).
     import deepspeed  # noqa: F401
-    import transformers  # noqa: F401
+
+    if objective != "gpt" or args.gpt_impl == "hf":
+        import transformers  # noqa: F401
 
     from .. import deepspeed as dpx
     from ..integrations.deepspeed.warmup import import_lazy_modules
@@ -109,7 +132,7 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
 
     def build_model(size: str, init: bool = True) -> Any:
         if objective == "gpt":
-            return build_gpt(size, init=init, dropout=args.dropout)
+            return build_gpt(size, init=init, dropout=args.dropout, impl=args.gpt_impl)
         return build_bert(size, init=init)
 
     prebuilt = [build_model(args.model_size)]

@@ -83,8 +83,8 @@ def test_open_format_plain_deepspeed_zero_to_fp32_and_export(tmp_path):
     losses: dict = {}
     for iters in (2, 4, 6):
         load = ["--load", url] if iters > 2 else []
-        res, part, _ = pretrain(tmp_path, cfg, iters=iters, extra=load + ["--save", url, "--save-interval", "2"],
-                                name=f"to{iters}")
+        res, part, _ = pretrain(tmp_path, cfg, iters=iters, name=f"to{iters}",  # HF's GPT-2: export's format
+                                extra=load + ["--save", url, "--save-interval", "2", "--gpt-impl", "hf"])
         assert res.returncode == 0, res.output[-3000:]
         assert not summary(res)["tier3"]["skipped"]
         losses.update(part)
