@@ -114,3 +114,26 @@ def test_pass_throughs_are_modules_whose_functions_that_ran_are_one_or_two_state
     assert c.constructed == ["deadpool_ext.snapshot.differential"]
     assert c.reader == ["deadpool_ext.distributed", "deadpool_ext.rebuild.recover"]
     assert tm.statements("deadpool_ext.integrations.loop")["ResilientLoop.__iter__"] > 2  # a loop's body counts
+
+
+def test_a_frame_entered_before_the_window_counts_by_its_direct_calls():
+    # The loop's generator catches the failure in a frame it entered long before: only its call out shows it ran.
+    def rec(edge_at):
+        return {"calls": [["deadpool_ext.integrations.base", "ResilientRuntime.handle_failure", "MainThread",
+                           [[101.0, 101.0]]]], "imports": {},
+                "edges": [["deadpool_ext.integrations.loop", "deadpool_ext.integrations.base", True,
+                           [int(edge_at / tm.BUCKET_S)]]]}
+    inside = tm.count([tm.Proc(1, "survivor", "node0.0", rec(101.0), (100.0, 103.0))], "survivor")
+    assert inside.reader == ["deadpool_ext.integrations.base", "deadpool_ext.integrations.loop"]
+    assert inside.product["deadpool_ext.integrations.loop"] == [tm.ENTERED_BEFORE]
+    edge = tm.count([tm.Proc(1, "survivor", "node0.0", rec(100.01), (100.0, 103.0))], "survivor")
+    assert edge.reader == ["deadpool_ext.integrations.base"]  # only in the window's first 50 ms: not enough
+
+
+def test_an_incomplete_trace_is_left_out_with_a_line(tmp_path, capsys):
+    (tmp_path / "procs").mkdir()
+    (tmp_path / "procs" / "7.json").write_text('{"pid": 7, "calls": [')
+    (tmp_path / "fault.json").write_text(json.dumps({"time": 1.0, "worker": "node1.0", "pid": 8, "step": 4}))
+    (tmp_path / "timeline.jsonl").write_text("")
+    procs, _, _ = tm.load(str(tmp_path))
+    assert procs == [] and "7.json: not a complete trace" in capsys.readouterr().out
