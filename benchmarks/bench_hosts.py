@@ -87,7 +87,9 @@ def one_run(mode: str, workdir: str, args: argparse.Namespace, *, fault: bool, t
         run = run_on_hosts(bed, workdir, script, metrics, nnodes=3, spares=2, name=tag,
                            fault=kill if fault else None, fault_step=args.kill_step, timeout_s=args.timeout_s,
                            hosts=1 if mode == "same_host" else 3, leader_ttl_s=args.leader_ttl_s,
-                           extra=["--detect-timeout-s", str(args.detect_timeout_s)])
+                           extra=["--detect-timeout-s", str(args.detect_timeout_s),
+                                  *(["--suspect-age-s", str(args.suspect_age_s)] if args.suspect_age_s is not None
+                                    else [])])
         return run
     finally:
         bed.close()
@@ -121,20 +123,29 @@ def _machine_line(m: Any) -> str:
     return "; ".join(parts)
 
 
+def _suspect(doc: dict[str, Any]) -> str:
+    """The run's --suspect-age-s: the launcher's default (2 x --heartbeat-s), a value, or absent (before it existed)."""
+    if "suspect_age_s" not in doc:
+        return "- (before survivors reported)"
+    v = doc["suspect_age_s"]
+    return "default (2 x --heartbeat-s)" if v is None else ("0, off" if v == 0 else str(v))
+
+
 def render(doc: dict[str, Any]) -> str:
     lines = [f"# Recovery across hosts: namespace bed vs one host ({doc['size']})", "",
              f"Command: `{doc['command']}`  ",
              f"Machine: {_machine_line(doc['machine'])}; total wall {doc['wall_s']:.0f} s.", "",
              "Setup: 3 hosts as Linux network namespaces (own address, own tmpfs /dev/shm), a 3-member etcd cluster "
              "on their bridge, one `deadpool-run` per host (`--leader-ttl-s "
-             f"{doc['leader_ttl_s']}`, `--detect-timeout-s {doc['detect_timeout_s']}`); GPT {doc['size']}, ZeRO-3, "
+             f"{doc['leader_ttl_s']}`, `--detect-timeout-s {doc['detect_timeout_s']}`, `--suspect-age-s "
+             f"{_suspect(doc)}`); GPT {doc['size']}, ZeRO-3, "
              "3 nodes x 1 process + 2 spares, snapshots every step, one peer replica. Kill after step "
              f"{doc['kill_step']} of {doc['kill_step'] + doc['steps_after']}. Every phase in seconds from the "
              "SIGKILL (`recovery.timeline.phases`); medians over repeats, each repeat listed. "
              "Losses compared bit for bit with the same mode's fault-free run.", "",
-             "| mode | what is lost | detect | agree | rebuild | restore | recompute | total | coordinator "
-             "taken over | next generation published | losses identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | what is lost | first survivor's report | detect | agree | rebuild | restore | recompute | total "
+             "| coordinator taken over | next generation published | losses identical |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lost = {"same_host": "worker node1.0 (one process)", "follower_host": "host 2: node2, its launcher, its memory",
             "coordinator_host": "host 0: node0, spare0, the coordinator's launcher, its memory"}
     for mode in doc["modes"]:
@@ -149,13 +160,15 @@ def render(doc: dict[str, Any]) -> str:
             return f"{statistics.median(vals):.2f} ({each})" if len(vals) > 1 else f"{vals[0]:.2f}"
         took = med("took_over_s", runs) if mode == "coordinator_host" else "-"
         ident = "yes" if runs and all(r["losses_identical"] for r in runs) else "NO"
-        lines.append(f"| {mode} | {lost[mode]} | " + " | ".join(med(k) for k in PHASES)
+        lines.append(f"| {mode} | {lost[mode]} | {med('reported_s')} | " + " | ".join(med(k) for k in PHASES)
                      + f" | {took} | {med('assignment_s', runs)} | {ident} ({len(runs)}/{len(runs)}) |")
     lines += ["", "What the numbers say: see `docs/multi-host.md` (Bounds). Detection of a whole host lost is the "
-              "heartbeat timeout (`--detect-timeout-s`; the dead launcher reports no exit) or the host's lease, "
-              "whichever comes first; detection of the coordinator's host is the lease TTL (nobody is watching "
-              "until another launcher holds the role). Everything after detection is the same protocol as on one "
-              "host.", ""]
+              "suspect age after a survivor's report of its failed collective (`--suspect-age-s`; the host's sockets "
+              "closed), else the heartbeat timeout (`--detect-timeout-s`; the dead launcher reports no exit) or the "
+              "host's lease, whichever comes first; the next generation is published once the lost host's lease "
+              "lapsed (the fence waits for it); detection of the coordinator's host is the lease TTL (nobody is "
+              "watching until another launcher holds the role). Everything after detection is the same protocol "
+              "as on one host.", ""]
     return "\n".join(lines)
 
 
@@ -169,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps-after", type=int, default=3)
     p.add_argument("--leader-ttl-s", type=int, default=4)
     p.add_argument("--detect-timeout-s", type=float, default=3.0)
+    p.add_argument("--suspect-age-s", type=float, default=None,
+                   help="deadpool-run --suspect-age-s (default: the launcher's, 2 x --heartbeat-s; 0: off, detection "
+                        "by the heartbeat timeout or the lease only, as before survivors reported)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--name", default="recovery_hosts")
@@ -196,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(),
         "size": args.size, "kill_step": args.kill_step, "steps_after": args.steps_after,
         "leader_ttl_s": args.leader_ttl_s, "detect_timeout_s": args.detect_timeout_s,
+        "suspect_age_s": args.suspect_age_s,
         "modes": modes, "runs": {m: [] for m in modes}, "references": {}}
     with tempfile.TemporaryDirectory(prefix="bench-hosts-") as scratch:
         for mode in modes:
@@ -210,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                 doc["runs"][mode].append(rec)
                 ph = rec["phases"] or {}
                 print(f"[bench_hosts] {mode} r{r}: total {ph.get('total_s')}, detect {ph.get('detect_s')}, "
+                      f"reported {ph.get('reported_s')}, published {rec.get('assignment_s')}, "
                       f"took over {rec.get('took_over_s')}, identical {rec['losses_identical']}, rcs {run.rcs}",
                       flush=True)
     doc["wall_s"] = time.time() - t0

@@ -11,11 +11,11 @@ import pytest
 
 from deadpool_ext.cluster.membership import Assignment
 from deadpool_ext.config import HotSwapConfig
-from deadpool_ext.launcher import keys
+from deadpool_ext.launcher import keys, values
 from deadpool_ext.rebuild import interrupt
 from deadpool_ext.rebuild.cause import Cause, FailureView, Mode, decide_failure, failure_cause, recovery_mode
 from deadpool_ext.rebuild.context import context
-from deadpool_ext.rebuild.recover import Recovery
+from deadpool_ext.rebuild.recover import Recovery, report_collective_failure
 from deadpool_ext.rebuild.worker import Membership, MembershipError, join_until_formed
 from deadpool_ext.snapshot.manager import SnapshotWorkerError
 from deadpool_ext.store import connect
@@ -177,6 +177,45 @@ def test_a_snapshot_worker_error_before_the_step_is_not_a_lost_peer(job, monkeyp
     t0 = time.monotonic()
     assert driver.handle_failure(exc, Untouchable(), HotSwapConfig(), Mode.RESTART_RESTORE) is None
     assert time.monotonic() - t0 < 0.2
+
+
+def test_a_failed_step_is_reported_to_the_coordinator_at_once_before_the_verdict(job, monkeypatch):
+    """A survivor whose collective failed writes ``suspect/<worker>`` (through its membership's authenticated store
+    client) the moment the driver sees the failure, long before the wait for the launcher's verdict ends: the
+    coordinator reads it through the key's schema."""
+    launcher, m = job
+    launcher.set_json(keys.ASSIGNMENT, _assignment(0).to_json())
+    assert m.join(0, timeout_s=5.0).generation == 0
+    monkeypatch.setattr(context(), "membership", m)
+    found: list[float] = []
+
+    def watch() -> None:
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and launcher.get(keys.suspect("node0.0")) is None:
+            time.sleep(0.01)
+        found.append(time.monotonic())
+
+    t0 = time.monotonic()
+    threading.Thread(target=watch, daemon=True).start()
+    exc = RuntimeError("[gloo] Connection closed by peer [10.200.0.3]:40123")
+    assert Recovery().handle_failure(exc, Untouchable(), HotSwapConfig(assignment_timeout_s=1.0), Mode.IN_PLACE) is None
+    waited = time.monotonic() - t0
+    assert waited >= 1.0 and found and found[0] - t0 < 0.5, (waited, found)
+    reports = values.StoreValues(launcher).items(keys.SUSPECTS, values.suspect, values.WORKER_RE)
+    assert list(reports) == ["node0.0"] and reports["node0.0"].generation == 0
+    assert reports["node0.0"].what == "RuntimeError: [gloo] Connection closed by peer [10.200.0.3]:40123"
+
+
+def test_a_store_that_refuses_the_report_leaves_the_heartbeat_timeout():
+    class Refusing:
+        worker_id = "node0.0"
+
+        class store:   # noqa: N801 - the client's attribute name
+            @staticmethod
+            def set_json(key, value):
+                raise ConnectionError("store unreachable")
+
+    report_collective_failure(Refusing(), 2, RuntimeError("x"))   # no exception: best effort
 
 
 def test_the_notice_that_stopped_a_step_is_its_cause(monkeypatch):
