@@ -114,6 +114,9 @@ def test_shrink_reshards_from_memory_element_exact(tmp_path, shm_root, stage, sh
     assert "resharded from memory" in res.output and "no storage read" in res.output
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_reshard.py::test_global_batch_kept_or_refused (the rule and its "
+                                   "line) and test_shrink_reshards_from_memory_element_exact (the shrink path that "
+                                   "applies it at runtime)")
 def test_shrink_refused_when_the_global_batch_cannot_be_kept(tmp_path, shm_root):
     # 3 ranks x micro 2 x accumulation 1 = 6 cannot be made by 2 ranks x micro 2: refused, with the reason.
     res, _, _, _ = elastic_run(tmp_path, shm_root, stage=1, nnodes=3, nproc=1, name="refused", kill_node="node1",

@@ -233,6 +233,9 @@ def test_data_parallel_shrink_and_grow_restore_every_shard_from_memory(tmp_path,
         assert metrics[step] == base[step]
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_megatron_layout.py::test_shrink_that_breaks_a_tensor_or_pipeline_"
+                                   "group_is_refused_naming_the_rank (the rule and its line) and test_data_parallel_"
+                                   "shrink_and_grow_restore_every_shard_from_memory (the shrink path at runtime)")
 def test_shrink_that_breaks_a_pipeline_group_is_refused_with_one_line(tmp_path, shm_root):
     # PP2 x DP2 on 2 nodes: node1 holds pipeline stage 1 of both replicas; the survivors cannot form a
     # data-parallel shrink, so the job stops with the reason (not a hang, not a traceback loop).
