@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,9 +115,10 @@ class CoordinatorState:
     """Live spare worker -> its last heartbeat's time (what tells a stalled store from hung workers)."""
     progress: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     """Active worker -> its last heartbeat's progress sample (restarts with each generation)."""
-    heard_hb: Mapping[str, tuple[float, float]] = field(default_factory=dict)
-    """Active worker -> (its last heartbeat's ``t``, the turn's ``now`` when the coordinator first read it): how
-    long the coordinator has heard nothing new, on its own clock (a report's rule; no worker's clock in it)."""
+    heard_hb: Mapping[str, tuple[float, float, float]] = field(default_factory=dict)
+    """Active worker -> (its last heartbeat's ``t``, the turn's ``now`` when the coordinator first read it, the same
+    for the heartbeat before; -inf when none was read): how long the coordinator has heard nothing new, on its own
+    clock (a report's rule; no worker's clock in it)."""
     reports_heard: Mapping[str, tuple[int, float, float]] = field(default_factory=dict)
     """Rank of the current generation -> (generation, ``time``, the turn's ``now`` when first read) of its report of
     a failed collective (``suspect/``); each is recorded in the timeline once."""
@@ -433,12 +435,13 @@ class _Turn:
                 seen_hb[wid] = float(beat["t"])
                 progress[wid] = beat
                 if wid not in heard_hb or heard_hb[wid][0] != seen_hb[wid]:
-                    heard_hb[wid] = (seen_hb[wid], now)
+                    heard_hb[wid] = (seen_hb[wid], now, heard_hb[wid][1] if wid in heard_hb else -math.inf)
             if wid in seen_hb and now - seen_hb[wid] > s.detect_timeout_s:
                 failed[wid] = f"hung: no heartbeat for {now - seen_hb[wid]:.1f}s (SIGKILLed to fence it)"
         self.update(seen_hb=seen_hb, progress=progress, heard_hb=heard_hb)
         failed.update(self.by_report(active - set(failed) - {w for w in active if w in obs.done
-                                                               or obs.exits.get(w) is not None}))
+                                                               or obs.exits.get(w) is not None},
+                                     explained=bool(failed)))
         self.store_stall(active, any(v.startswith("hung") for v in failed.values()))
         if now < self.state.grace_until:  # the store was unreachable for everyone: heartbeats restart
             failed = {w: why for w, why in failed.items() if not why.startswith("hung")}
@@ -447,13 +450,15 @@ class _Turn:
         self.dead_spares(active, lost)
         return failed
 
-    def by_report(self, live: set[str]) -> dict[str, str]:
+    def by_report(self, live: set[str], explained: bool) -> dict[str, str]:
         """A survivor's report of a failed collective (``suspect/<worker>``) shortens heartbeat detection: while a
         rank of the current generation whose own heartbeat is fresh reported one (within the detection timeout), a
-        rank the coordinator has heard no new heartbeat from for ``suspect_age_s`` is failed. A report alone fails
-        nobody whose heartbeat is fresh (a flapping or lying reporter cannot evict a healthy peer); one of another
-        generation, or from a rank not in it (a fenced node, a spare, a name of nobody), is ignored; a reporter is
-        never failed by a report (it wrote one: it is alive). Each new report is recorded (``suspect`` event)."""
+        rank the coordinator has heard no new heartbeat from for ``suspect_age_s``, while it heard two from the
+        reporter, is failed. A report alone fails nobody whose heartbeat is fresh (a flapping or lying reporter
+        cannot evict a healthy peer), nor anyone on a turn that found a failure otherwise (``explained``: an exit,
+        a lapsed lease; the reports are that failure's); one of another generation, or from a rank not in it (a
+        fenced node, a spare, a name of nobody), is ignored; a reporter is never failed by a report (it wrote one:
+        it is alive). Each new report is recorded (``suspect`` event)."""
         st, obs, s = self.state, self.obs, self.settings
         a, now, limit = st.assignment, obs.now, s.suspect_age_s
         heard = {w: r for w, r in st.reports_heard.items() if r[0] == a.generation and w in a.ranks}
@@ -468,7 +473,7 @@ class _Turn:
                                        "rank": a.ranks[wid], "reported_at": report.time, "heard_at": now,
                                        "what": report.what}))
         self.update(reports_heard=heard)
-        if limit <= 0:
+        if limit <= 0 or explained:
             return {}
 
         def quiet(w: str) -> float | None:   # since the coordinator first read w's newest heartbeat
@@ -487,7 +492,8 @@ class _Turn:
         failed = {}
         for wid in sorted(live - set(heard)):
             q = quiet(wid)
-            if q is not None and q > limit:
+            # ... and some reporter beat twice since: the host is not merely as starved as everyone (its beat late)
+            if q is not None and q > limit and any(st.heard_hb[r][2] > st.heard_hb[wid][1] for _, r in reporters):
                 failed[wid] = (f"hung: no heartbeat for {q:.1f}s after rank {a.ranks[by]} ({by}) reported a failed "
                                "collective (SIGKILLed to fence it)")
         return failed

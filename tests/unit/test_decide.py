@@ -380,6 +380,41 @@ def test_reports_the_rule_ignores(case):
     assert len(seen) == (1 if case in ("quiet reporter", "reporter exited", "report too old") else 0)
 
 
+def test_a_turn_that_found_a_failure_otherwise_fails_nobody_by_report():
+    """node1 crashed (its exit seen): the survivors' reports are that failure's. node2, starved (quiet 1.5 s) but
+    alive, is not failed with it."""
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start)
+    now = start
+    for i in range(1, 5):
+        now = start + 0.3 * i
+        st = decide(st, Observation(now=now, beats={"node0.0": beat(now), "node1.0": beat(now), "spare0.0": beat(now),
+                                                    "node2.0": beat(start)}), s).state
+    now += 0.3   # node2 unheard for 1.5 s
+    dec = decide(st, Observation(now=now, beats={"node0.0": beat(now), "spare0.0": beat(now), "node2.0": beat(start)},
+                                 exits={"node1.0": -9}, reports={"node0.0": report(now - 0.1)}), s)
+    [failure] = events(dec.actions, "failure")
+    assert list(failure["failed"]) == ["node1.0"] and of(dec.actions, Fence) == [Fence("node1", drop_memory=True)]
+
+
+def test_a_report_fails_nobody_while_the_reporter_is_as_quiet_as_the_peer():
+    """Every heartbeat comes late (a starved machine): the reporter has not beaten twice since the quiet peer's last
+    beat, so that peer's silence says nothing yet; once the reporter beats on and the peer does not, it is failed."""
+    s = settings(suspect_age_s=SUSPECT)
+    start = T0 + 0.1
+    st = three_nodes_beating(start)
+    once = {**{w: beat(start + 0.5) for w in LIVE}, "node2.0": beat(start)}   # one beat each since, none from node2
+    rep = {"node0.0": report(start + 0.55)}
+    for now in (start + 0.6, start + 1.2, start + 1.5):   # node2 unheard for up to 1.5 s
+        dec = decide(st, Observation(now=now, beats=once, reports=rep), s)
+        assert not events(dec.actions, "failure"), dec.actions
+        st = dec.state
+    now = start + 1.8   # the others' second beat since node2's last: node2 is failed
+    dec = decide(st, Observation(now=now, beats={**once, **{w: beat(now) for w in LIVE}}, reports=rep), s)
+    assert list(events(dec.actions, "failure")[0]["failed"]) == ["node2.0"]
+
+
 def test_a_store_grace_holds_report_based_detection_too():
     s = settings(suspect_age_s=SUSPECT)
     start = T0 + 0.1
