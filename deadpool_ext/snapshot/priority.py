@@ -30,7 +30,7 @@ log = logging.getLogger("deadpool_ext")
 
 LEVELS = ("auto", "idle", "low", "normal")
 
-_can_boost: tuple[bool, str] | None = None
+_can_boost: tuple[bool, str] | None = None  # process-wide: a probe of what this process may do, run once
 
 
 def _set(tid: int, policy: int | None, nice: int) -> None:
