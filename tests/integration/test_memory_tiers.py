@@ -4,6 +4,7 @@ bit for bit to an uninterrupted run, for ZeRO-1, 2 and 3."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 
@@ -84,9 +85,10 @@ def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive
     res = run_job(job.argv(), timeout_s=300, env=job.env())
     errors = [line for line in res.output.splitlines() if "Error" in line or "assert" in line]
     assert res.returncode == 0, "\n".join(errors[:40]) + res.output[-2000:]
-    assert res.output.count("tensors equal") == 2
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in res.output.splitlines() if "RESULT {" in line]
+    assert sorted(r["rank"] for r in results) == [0, 1] and all(r["tensors_equal"] for r in results), results
     if bf16:
-        assert "torch.bfloat16" in res.output
+        assert all("torch.bfloat16" in r["dtypes"] for r in results), results
 
 
 def test_bf16_zero3_lost_node_identical(tmp_path, shm_root):

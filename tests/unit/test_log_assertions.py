@@ -15,13 +15,11 @@ from deadpool_ext.testing.launch import REPO
 from tests.log_interface import LIMIT, all_sites, sites_in
 
 UNMARKED: dict[str, int] = {
-    "tests/integration/test_differential.py": 1,
     "tests/integration/test_ds_wrappers.py": 2,
     "tests/integration/test_elastic.py": 8,
     "tests/integration/test_existing_jobs.py": 35,
     "tests/integration/test_hot_swap.py": 2,
     "tests/integration/test_megatron.py": 9,
-    "tests/integration/test_memory_tiers.py": 2,
     "tests/integration/test_tier3_s3.py": 3,
     "tests/security/test_peer_sign.py": 4,
     "tests/security/test_storage.py": 13,

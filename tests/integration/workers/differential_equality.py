@@ -5,6 +5,7 @@ the differentials after it, replayed) and check the result equals the live state
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -68,9 +69,10 @@ def main(argv: list[str]) -> int:
     assert probe_loss() == want_loss, "forward pass differs after replay (stale gathered parameters?)"
     if adapter.zero_stage < 3:  # ZeRO-3 module parameters are gathered on use; the partitions were compared
         assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(engine.module.parameters(), want_params))
-    print(f"rank {engine.global_rank}: {len(want)} tensors equal after replaying {stats['replayed']} "
-          f"differentials on base {steps - steps % 4}; diff {stats['diff_nbytes']} B vs base {stats['base_nbytes']} B",
-          flush=True)
+    # what the test reads: one JSON record per rank, after every check above passed
+    print("RESULT", json.dumps({"rank": engine.global_rank, "tensors_equal": len(want), "replayed": stats["replayed"],
+                                "base": steps - steps % 4, "diff_nbytes": stats["diff_nbytes"],
+                                "base_nbytes": stats["base_nbytes"]}), flush=True)
     engine.deadpool.close()
     dist.barrier()
     return 0

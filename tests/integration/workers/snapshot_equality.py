@@ -6,6 +6,7 @@ recorded checksums). Exits non-zero on any difference.
 """
 from __future__ import annotations
 
+import json
 import sys
 
 import torch
@@ -81,8 +82,9 @@ def main(argv: list[str]) -> int:
     assert header["version"] == steps and header["rank"] == engine.global_rank
     assert mgr.committed_version == steps
     dtypes = sorted({str(t.dtype) for t in [*live.values(), *derived.values()]})
-    print(f"rank {engine.global_rank}: {len(live)} tensors equal, {len(derived)} derived verified, dtypes {dtypes}",
-          flush=True)
+    # what the test reads: one JSON record per rank, after every check above passed
+    print("RESULT", json.dumps({"rank": engine.global_rank, "tensors_equal": len(live),
+                                "derived_verified": len(derived), "dtypes": dtypes}), flush=True)
     engine.deadpool.close()
     dist.barrier()
     return 0
