@@ -40,6 +40,10 @@ TURN_GAP_S = 1.0
 """A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
 JOINED_HOST = -1
 """The host index of a joined node (it is none of the job's --hosts: never among the hosts whose lease lapsed)."""
+REPORT_AGES = 2.0
+"""A survivor's report of a failed collective counts for this many ``suspect_age_s`` after the coordinator read it:
+a lost host's ranks were last heard before the report, so they are failed within that; a report that explained
+nothing by then (a rank's own exception, not a lost peer) no longer shortens anyone's detection."""
 JOIN_RE = values.NODE_RE
 """A joining node's name: it becomes part of store keys, worker ids and a shared-memory directory name."""
 
@@ -452,7 +456,8 @@ class _Turn:
 
     def by_report(self, live: set[str], explained: bool) -> dict[str, str]:
         """A survivor's report of a failed collective (``suspect/<worker>``) shortens heartbeat detection: while a
-        rank of the current generation whose own heartbeat is fresh reported one (within the detection timeout), a
+        rank of the current generation whose own heartbeat is fresh reported one (read within
+        :data:`REPORT_AGES` x ``suspect_age_s``: a lost host's ranks are unheard by then), a
         rank the coordinator has heard no new heartbeat from for ``suspect_age_s``, while it heard two from the
         reporter, is failed. A report alone fails nobody whose heartbeat is fresh (a flapping or lying reporter
         cannot evict a healthy peer), nor anyone on a turn that found a failure otherwise (``explained``: an exit,
@@ -485,7 +490,7 @@ class _Turn:
             return q is not None and q <= limit
 
         reporters = sorted((at, w) for w, (_, _, at) in heard.items()
-                           if w in live and now - at <= s.detect_timeout_s and fresh(w))
+                           if w in live and now - at <= REPORT_AGES * limit and fresh(w))
         if not reporters:
             return {}
         by = reporters[0][1]
