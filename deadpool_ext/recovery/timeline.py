@@ -87,14 +87,15 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'gen':>3} {'detect':>7} {'agree':>7} {'rebuild':>8} {'restore':>8} {'recompute':>9} {'total':>7}"
-            "  replaced")
+    head = (f"{'gen':>3} {'report':>7} {'detect':>7} {'agree':>7} {'rebuild':>8} {'restore':>8} {'recompute':>9} "
+            f"{'total':>7}  replaced")
     lines = [head, "-" * len(head)]
 
     def fmt(v: Any) -> str:
         return f"{v:7.2f}" if isinstance(v, (int, float)) else f"{'-':>7}"
 
     for r in rows:
-        lines.append(f"{r['generation']:>3} {fmt(r['detect_s'])} {fmt(r['agree_s'])} {fmt(r['rebuild_s']):>8} "
+        lines.append(f"{r['generation']:>3} {fmt(r.get('reported_s'))} {fmt(r['detect_s'])} {fmt(r['agree_s'])} "
+                     f"{fmt(r['rebuild_s']):>8} "
                      f"{fmt(r['restore_s']):>8} {fmt(r['recompute_s']):>9} {fmt(r['total_s'])}  {r['replaced']}")
     return "\n".join(lines)

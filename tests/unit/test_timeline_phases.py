@@ -2,7 +2,7 @@
 (the coordinator's ``suspect`` event), when that report was made."""
 from __future__ import annotations
 
-from deadpool_ext.recovery.timeline import phases
+from deadpool_ext.recovery.timeline import format_table, phases
 
 
 def _events(suspect: bool) -> list[dict]:
@@ -27,3 +27,9 @@ def test_the_first_report_read_is_the_reported_phase():
 def test_without_a_report_reported_is_none():
     [row] = phases(_events(suspect=False))
     assert row["reported_s"] is None and abs(row["detect_s"] - 0.9) < 1e-9
+
+
+def test_deadpool_timeline_shows_the_report_beside_detection():
+    table = format_table(phases(_events(suspect=True)) + phases(_events(suspect=False))).splitlines()
+    assert table[0].split()[:3] == ["gen", "report", "detect"]
+    assert table[2].split()[:3] == ["1", "0.05", "0.90"] and table[3].split()[:3] == ["1", "-", "0.90"]
