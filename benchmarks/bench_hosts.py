@@ -124,11 +124,11 @@ def _machine_line(m: Any) -> str:
 
 
 def _suspect(doc: dict[str, Any]) -> str:
-    """The run's --suspect-age-s: the launcher's default (2 x --heartbeat-s), a value, or absent (before it existed)."""
+    """The run's --suspect-age-s: the launcher's default (1.5 x --heartbeat-s), a value, or absent (before it)."""
     if "suspect_age_s" not in doc:
         return "- (before survivors reported)"
     v = doc["suspect_age_s"]
-    return "default (2 x --heartbeat-s)" if v is None else ("0, off" if v == 0 else str(v))
+    return "default (1.5 x --heartbeat-s)" if v is None else ("0, off" if v == 0 else str(v))
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--leader-ttl-s", type=int, default=4)
     p.add_argument("--detect-timeout-s", type=float, default=3.0)
     p.add_argument("--suspect-age-s", type=float, default=None,
-                   help="deadpool-run --suspect-age-s (default: the launcher's, 2 x --heartbeat-s; 0: off, detection "
+                   help="deadpool-run --suspect-age-s (default: the launcher's, 1.5 x --heartbeat-s; 0: off, detection "
                         "by the heartbeat timeout or the lease only, as before survivors reported)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout-s", type=float, default=600)

@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once a live worker reported that a collective of its generation failed (a peer's sockets "
                         "closed: a lost host), a worker whose heartbeat has not been heard for this long is failed at "
                         "once instead of after --detect-timeout-s; a report alone never fails a worker whose "
-                        "heartbeat is fresh. Default: 2 x --heartbeat-s (at most --detect-timeout-s); 0: off")
+                        "heartbeat is fresh. Default: 1.5 x --heartbeat-s (at most --detect-timeout-s); 0: off")
     p.add_argument("--store-outage-s", type=float, default=120.0,
                    help="etcd store: a host that cannot renew its lease pauses its workers (SIGSTOP) and resumes them "
                         "when the store answers again with the lease intact; past this many seconds unreachable it "
@@ -324,7 +324,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")
     if args.suspect_age_s is None:
-        args.suspect_age_s = min(2 * args.heartbeat_s, args.detect_timeout_s)
+        args.suspect_age_s = min(1.5 * args.heartbeat_s, args.detect_timeout_s)
     elif not (math.isfinite(args.suspect_age_s)
               and (args.suspect_age_s == 0 or args.heartbeat_s < args.suspect_age_s <= args.detect_timeout_s)):
         parser.error(f"--suspect-age-s {args.suspect_age_s}: must be a number of seconds longer than --heartbeat-s "

@@ -63,7 +63,7 @@ def test_follower_host_lost(host_bed, tmp_path):
     assigned = [e for e in res.events if e.get("event") == "assignment"]
     assert len(assigned) == 1 and set(assigned[0]["replaced"]) == {"node2"}, assigned
     # the survivors' collectives failed when host 2's sockets closed: they reported it, and node2 was failed by
-    # those reports (--suspect-age-s, 1 s), not by its heartbeat's timeout (8 s here) nor its lease (4 s)
+    # those reports (--suspect-age-s, 0.75 s), not by its heartbeat's timeout (8 s here) nor its lease (4 s)
     [failure] = [e for e in res.events if e.get("event") == "failure"]
     assert "reported a failed collective" in failure["failed"]["node2.0"]["why"], failure
     suspects = [e for e in res.events if e.get("event") == "suspect"]
