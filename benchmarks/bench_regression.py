@@ -78,6 +78,17 @@ def _load(path: str) -> dict[str, Any] | None:
         return None
 
 
+def _reused(runs: str, stem: str, sha: str, reuse: bool) -> dict[str, Any] | None:
+    """A run of this stem already in ``runs`` (``--reuse``), if it was made from the same commit."""
+    if not reuse:
+        return None
+    got = _load(os.path.join(runs, f"{stem}.json"))
+    if got is None or sha[:10] not in json.dumps(got.get("machine") or got):
+        return None
+    print(f"[regression] {stem}: reusing the run already in {runs} (same commit)", flush=True)
+    return got
+
+
 def recovery_figures(doc: dict[str, Any], size: str) -> dict[str, float] | None:
     s = doc.get("sizes", {}).get(size, {})
     a = s.get("analysis") or {}
@@ -134,7 +145,8 @@ def render(doc: dict[str, Any]) -> str:
            f"Command: `{doc['command']}`. Machine: {doc['machine'].get('cpu_count')} CPUs, "
            f"load at start {doc['machine'].get('loadavg')}; {doc['time_utc']}; total wall {doc['wall_s']:.0f} s.",
            "", "Each commit runs its own benchmark code and package, alternated on this machine in one run "
-           "(the order swapped every round), so both sides see the same host.", ""]
+           "(the order swapped every round), so both sides see the same host. A run's `git.dirty` is the link "
+           "`deadpool_ext/patches` -> `patches/` this script adds to each worktree, nothing else.", ""]
     rec = doc.get("recovery", {})
     if rec:
         out += [f"## Recovery (GPT {doc['size']}, 3 ranks + 1 spare, in-place hot-swap, SIGKILL of rank 1)", "",
@@ -173,6 +185,8 @@ def main() -> int:
     p.add_argument("--overhead-repeats", type=int, default=1, help="overhead jobs per commit")
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round, short overhead job")
     p.add_argument("--skip", default="", help="comma list of parts to skip: recovery, overhead")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse runs of the same commit already under --out (after an interrupted or partial run)")
     p.add_argument("--worktrees", default="/tmp/deadpool_regression", help="where the two worktrees go")
     p.add_argument("--name", default=None, help="results stem (default regression[_quick])")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
@@ -204,8 +218,12 @@ def main() -> int:
                 stem = f"recovery_{label}_{r}"
                 argv = ["benchmarks/bench_recovery.py", "--sizes", size, "--repeats", "1", "--no-rebuild",
                         "--reference-sizes", "", "--name", stem, "--out", runs]
-                rc = _run(sides[label]["tree"], argv, os.path.join(runs, f"{stem}.log"), 1800)
-                got = _load(os.path.join(runs, f"{stem}.json"))
+                got = _reused(runs, stem, sides[label]["sha"], args.reuse)
+                if got is None:
+                    rc = _run(sides[label]["tree"], argv, os.path.join(runs, f"{stem}.log"), 1800)
+                    got = _load(os.path.join(runs, f"{stem}.json"))
+                else:
+                    rc = 0
                 figs = recovery_figures(got, size) if got else None
                 if rc != 0 or figs is None:
                     doc["failures"].append(f"{stem} (rc {rc})")
@@ -219,13 +237,17 @@ def main() -> int:
     if "overhead" not in skip:
         for r in range(args.overhead_repeats):
             for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
-                stem = f"overhead_{label}_{r}"
+                stem = f"snapshot_overhead_regress_{label}_{r}"  # the benchmark requires its prefix
                 argv = ["benchmarks/bench_snapshot_overhead.py", "--sizes", size, "--nproc", "2",
                         "--modes", "none,deadpool", "--name", stem, "--out", runs]
                 if args.quick:
                     argv += ["--rounds", "3"]
-                rc = _run(sides[label]["tree"], argv, os.path.join(runs, f"{stem}.log"), 3600)
-                got = _load(os.path.join(runs, f"{stem}.json"))
+                got = _reused(runs, stem, sides[label]["sha"], args.reuse)
+                if got is None:
+                    rc = _run(sides[label]["tree"], argv, os.path.join(runs, f"{stem}.log"), 3600)
+                    got = _load(os.path.join(runs, f"{stem}.json"))
+                else:
+                    rc = 0
                 figs = overhead_figures(got, size) if got else None
                 if rc != 0 or figs is None:
                     doc["failures"].append(f"{stem} (rc {rc})")
