@@ -179,7 +179,8 @@ def render(doc: dict[str, Any]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--before", required=True, help="the commit before the work (any git revision)")
+    p.add_argument("--before", default="HEAD~1",
+                   help="the commit before the work (any git revision; default HEAD~1, the last commit's parent)")
     p.add_argument("--after", default="HEAD", help="the commit with the work (default HEAD)")
     p.add_argument("--rounds", type=int, default=2, help="recovery rounds per commit (the order swaps each round)")
     p.add_argument("--overhead-repeats", type=int, default=1, help="overhead jobs per commit")

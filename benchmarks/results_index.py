@@ -97,6 +97,12 @@ CURRENT: tuple[Current, ...] = (
             "against the relaunched run and an uninterrupted one.",
             companions=("recovery_logs",),
             note="Run from a clean worktree with `--out /tmp/results` and copied here."),
+    Current("regression_issue31", "regression", "no regression from issue 31's redesign (recovery, overhead)",
+            "Issue 'one recovery path': the recovery (GPT small, 3 ranks + 1 spare, in-place hot-swap, SIGKILL; 2 "
+            "rounds per commit, order swapped) and overhead (GPT small, 2 ranks, none/deadpool, 10 interleaved "
+            "rounds of 8-step windows) benchmarks of the commit before the work (d4c3917) and of the work's "
+            "parts 1, 3-6 (c8ee75b), each commit with its own code, alternated in one run on one machine.",
+            note="The later commits of the issue (part 2's state moves, part 7's typed fields) were not in this run."),
     Current("recovery_hosts", "hosts", "recovery across hosts (namespace bed): host and coordinator lost",
             "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
             "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "
