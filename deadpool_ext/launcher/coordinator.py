@@ -25,28 +25,30 @@ from typing import Any
 from ..cluster.membership import Assignment
 from ..store.base import rendezvous_prefix
 from . import keys, values
-from .decide import (
-    JOIN_RE,
-    JOINED_HOST,
+from .actions import (
     Action,
     AnswerJoin,
     BadKey,
     ClearRepaired,
-    CoordinatorState,
     Event,
     Fence,
     Finish,
-    JoinRequest,
     Log,
     MarkRepaired,
     NoteDropped,
-    Observation,
     Publish,
     Say,
     SetSpares,
-    Settings,
     Stop,
     WriteDeadSpares,
+)
+from .decide import (
+    JOIN_RE,
+    JOINED_HOST,
+    CoordinatorState,
+    JoinRequest,
+    Observation,
+    Settings,
     decide,
 )
 from .join import JOIN_POLL_S

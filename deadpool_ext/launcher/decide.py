@@ -3,7 +3,8 @@
 Every rule the coordinating launcher applies lives here, over plain dataclasses: no store, no processes, no
 clock, no sleep. ``launcher/coordinator.py`` observes (reads the store and this host's processes once per turn
 into an :class:`Observation`), calls :func:`decide`, and carries out the :class:`Decision`'s actions in order;
-the state it hands to the next turn is the decision's. Unit-tested turn by turn in ``tests/unit/test_decide.py``.
+the state it hands to the next turn is the decision's. The actions a decision lists are ``actions.py``'s.
+Unit-tested turn by turn in ``tests/unit/test_decide.py``.
 
 One turn, in order:
 
@@ -33,6 +34,24 @@ from typing import Any
 
 from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
 from . import keys, values
+from .actions import (
+    Action,
+    AnswerJoin,
+    BadKey,
+    ClearRepaired,
+    Decision,
+    Event,
+    Fence,
+    Finish,
+    Log,
+    MarkRepaired,
+    NoteDropped,
+    Publish,
+    Say,
+    SetSpares,
+    Stop,
+    WriteDeadSpares,
+)
 from .final import stop_line
 from .hangs import not_formed, stalled, store_stalled
 
@@ -183,114 +202,6 @@ class Observation:
     """This launcher's lease resumed after a pause: no heartbeat could be written meanwhile; detection waits."""
     reports: Mapping[str, values.Report] = field(default_factory=dict)
     """Worker -> its newest report of a failed collective (``suspect/``, decoded; a bad one is absent)."""
-
-
-# -- what the coordinator does ----------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Event:  # a timeline record (--timeline)
-    fields: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Log:
-    level: int
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Say:  # a line on the launcher's stderr, prefixed "deadpool-run: "
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class BadKey:  # a store value no schema takes: logged (once a minute per key) and, if delete, removed
-    key: str
-    what: str
-    delete: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Fence:  # kill every process of the node (through its host's launcher if it runs elsewhere), drop its memory
-    node: str
-    drop_memory: bool
-
-
-@dataclass(frozen=True, slots=True)
-class WriteDeadSpares:
-    nodes: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerJoin:
-    name: str
-    ok: bool
-    why: str = ""
-    role: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class MarkRepaired:  # a joined machine offered to a shrunk world: grown to like a repaired node
-    node: str
-
-
-@dataclass(frozen=True, slots=True)
-class ClearRepaired:
-    node: str
-
-
-@dataclass(frozen=True, slots=True)
-class NoteDropped:  # nodes a shrink left out (dropped/): their launchers may start them again (--repair-after-s)
-    nodes: tuple[str, ...]
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class SetSpares:  # the same generation with another spare pool (a machine joined): written, nobody is notified
-    assignment: Assignment
-
-
-@dataclass(frozen=True, slots=True)
-class Publish:
-    """The next generation: written, then ``gen/<g>`` tells the survivors of ``g-1`` to leave it; ``event`` is
-    recorded once it is out (with ``published_at``)."""
-
-    assignment: Assignment
-    event: Mapping[str, Any]
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    generation: int
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    """The job stops (exit 1): ``reason`` recorded, ``said`` printed; ``assignment`` (if any) written with the
-    message, so that every process shows it."""
-
-    reason: str
-    said: str
-    assignment: Assignment | None = None
-
-
-Action = (Event | Log | Say | BadKey | Fence | WriteDeadSpares | AnswerJoin | MarkRepaired | ClearRepaired | NoteDropped
-          | SetSpares | Publish | Finish | Stop)
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    state: CoordinatorState
-    actions: tuple[Action, ...]
-
-    @property
-    def exit_code(self) -> int | None:
-        """The launcher's exit code when this turn ends the job, else None."""
-        for act in self.actions:
-            if isinstance(act, Finish):
-                return 0
-            if isinstance(act, Stop):
-                return 1
-        return None
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ from deadpool_ext.store.auth import (
     server_handshake,
     unb64,
 )
-from deadpool_ext.store.base import CoordinationStore, StoreError, check_timeout, parse_counter
+from deadpool_ext.store.base import CoordinationStore, StoreError, check_timeout
+from deadpool_ext.store.table import Table
 
 __all__ = ["EmbeddedStoreServer", "EmbeddedStore"]
 
@@ -61,7 +62,6 @@ log = logging.getLogger("deadpool_ext")
 _MAX_IDLE_CONNECTIONS = 8
 DEFAULT_MAX_CONNECTIONS = 512   # a worker holds 2 clients of 1-2 connections each; ~128 workers fit
 REFUSAL_LOG_INTERVAL_S = 5.0    # at most one refusal line per interval; the rest are counted
-_COUNTER_MIN, _COUNTER_MAX = -(1 << 63), (1 << 63) - 1   # add() counters stay 64-bit, as on etcd/c10d
 
 
 def _check_count(value: int, what: str) -> int:
@@ -113,77 +113,6 @@ def _is_wildcard(host: str) -> bool:
         return ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return False
-
-
-class _KV:
-    """The server's data: a dict guarded by one condition variable (waiters sleep on it, never spin)."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-        self.data: dict[str, bytes] = {}
-        self.cond = threading.Condition()
-        self.stopping = False
-
-    def apply(self, req: dict[str, Any]) -> dict[str, Any]:
-        op = req.get("op")
-        if op == "list":
-            prefix = req.get("prefix")
-            if not isinstance(prefix, str):
-                raise ValueError("list needs a str 'prefix'")
-            with self.cond:
-                return {"items": {k: b64(v) for k, v in self.data.items() if k.startswith(prefix)}}
-        if op == "wait":
-            return self._wait(req)
-        key = req.get("key")
-        if not isinstance(key, str) or not key:
-            raise ValueError(f"{str(op)[:20]!r} needs a non-empty str 'key'")
-        with self.cond:
-            if op == "get":
-                v = self.data.get(key)
-                return {"value": None if v is None else b64(v)}
-            if op == "set":
-                self.data[key] = unb64(req.get("value"), "value")
-                self.cond.notify_all()
-                return {}
-            if op == "add":
-                delta = req.get("delta")
-                if isinstance(delta, bool) or not isinstance(delta, int):
-                    raise ValueError("add needs an int 'delta'")
-                old = self.data.get(key)
-                n = (0 if old is None else parse_counter(old, key, self.where)) + delta
-                if not _COUNTER_MIN <= n <= _COUNTER_MAX:
-                    raise ValueError(f"add on {key[:200]!r}: the counter would leave the signed 64-bit range")
-                self.data[key] = str(n).encode()
-                self.cond.notify_all()
-                return {"value": n}
-            if op == "cas":
-                new = unb64(req.get("new"), "new")
-                expected = None if req.get("expected") is None else unb64(req.get("expected"), "expected")
-                if self.data.get(key) != expected:
-                    return {"swapped": False}
-                self.data[key] = new
-                self.cond.notify_all()
-                return {"swapped": True}
-            if op == "delete":
-                return {"deleted": self.data.pop(key, None) is not None}
-        raise ValueError(f"unknown op {str(op)[:20]!r}")
-
-    def _wait(self, req: dict[str, Any]) -> dict[str, Any]:
-        keys, timeout = req.get("keys"), req.get("timeout")
-        if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("wait needs a non-empty list of str 'keys'")
-        try:
-            seconds = float(timeout) if not isinstance(timeout, bool) and isinstance(timeout, (int, float)) else -1.0
-        except OverflowError:   # an int too large for a float
-            seconds = math.inf
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise ValueError("wait needs a positive finite 'timeout'")
-        seconds = min(seconds, threading.TIMEOUT_MAX)
-        with self.cond:
-            self.cond.wait_for(lambda: self.stopping or all(k in self.data for k in keys), seconds)
-            if self.stopping:
-                raise ConnectionAbortedError("server stopping")
-            return {"items": {k: b64(self.data[k]) for k in keys if k in self.data}}
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
@@ -277,7 +206,7 @@ class EmbeddedStoreServer:
         self._refusals = _RefusalLog(f"{host}:{port}")
         self._server: _TCPServer | None = None
         self._thread: threading.Thread | None = None
-        self._kv: _KV | None = None
+        self._kv: Table | None = None
         self._stopped = False
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -292,7 +221,7 @@ class EmbeddedStoreServer:
             raise StoreError(f"cannot bind the coordination store to {self.host}:{self.port}: {exc}") from exc
         server.owner = self
         self._server = server
-        self._kv = _KV(self.url)
+        self._kv = Table(self.url)
         self._refusals.where = self.url
         self._thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"deadpool-store {self.url}", daemon=True)

@@ -198,10 +198,10 @@ RESHARD_CHECK = textwrap.dedent('''
     import deadpool_ext.deepspeed as dpx
     from deadpool_ext.distributed import init_distributed
     from deadpool_ext.integrations.deepspeed.resume import resume_from_tier3
-    from deadpool_ext.training.models import build_gpt
+    from deadpool_ext.training.models import build_gpt, default_gpt_impl
     url, cfg_path = sys.argv[1:3]
     init_distributed()
-    model = build_gpt("tiny")
+    model = build_gpt("tiny", impl=default_gpt_impl())  # the implementation pretrain.py saved (its names)
     engine, *_ = dpx.initialize(model=model, config=cfg_path, model_parameters=model.parameters())
     version, client = resume_from_tier3(engine, url)
     assert engine.dp_world_size == 2 and version == 2, (engine.dp_world_size, version)

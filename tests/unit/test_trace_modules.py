@@ -7,16 +7,17 @@ import os
 import subprocess
 import sys
 
+from deadpool_ext.testing import trace_hook as th
 from deadpool_ext.testing import trace_modules as tm
 
 
 def test_module_of_names_package_patches_and_scripts():
     pkg = os.path.join(tm.REPO, "deadpool_ext")
-    assert tm.module_of(os.path.join(pkg, "rebuild", "recover.py")) == "deadpool_ext.rebuild.recover"
-    assert tm.module_of(os.path.join(pkg, "launcher", "__init__.py")) == "deadpool_ext.launcher"
-    assert tm.module_of(os.path.join(tm.REPO, "patches", "x.py")) == "deadpool_ext.patches.x"
-    assert tm.module_of(os.path.join(tm.REPO, "scripts", "pretrain_gpt.py")) == "script:scripts/pretrain_gpt.py"
-    assert tm.module_of("/usr/lib/python3/threading.py") == ""
+    assert th.module_of(os.path.join(pkg, "rebuild", "recover.py")) == "deadpool_ext.rebuild.recover"
+    assert th.module_of(os.path.join(pkg, "launcher", "__init__.py")) == "deadpool_ext.launcher"
+    assert th.module_of(os.path.join(tm.REPO, "patches", "x.py")) == "deadpool_ext.patches.x"
+    assert th.module_of(os.path.join(tm.REPO, "scripts", "pretrain_gpt.py")) == "script:scripts/pretrain_gpt.py"
+    assert th.module_of("/usr/lib/python3/threading.py") == ""
 
 
 def test_tracer_records_calls_threads_callers_and_steps_in_a_child(tmp_path):
@@ -31,7 +32,7 @@ initial_assignment([Worker("a.0", "a", 0)], ["a"], [])
 t = threading.Thread(target=lambda: keys.heartbeat("a.0"), name="beat"); t.start(); t.join()
 hooks.fire(hooks.AFTER_STEP, step=3, rank=0)
 """
-    env = {**os.environ, tm.ENV: str(tmp_path), "PYTHONPATH": os.pathsep.join([tm.BOOT_DIR, tm.REPO])}
+    env = {**os.environ, th.ENV: str(tmp_path), "PYTHONPATH": os.pathsep.join([th.BOOT_DIR, tm.REPO])}
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60, cwd=tm.REPO)
     (dump,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
     rec = json.loads((tmp_path / dump).read_text())
@@ -39,7 +40,7 @@ hooks.fire(hooks.AFTER_STEP, step=3, rank=0)
     assert ("deadpool_ext.cluster.membership", "initial_assignment", "MainThread") in calls
     assert ("deadpool_ext.launcher.keys", "heartbeat", "beat") in calls
     assert ("deadpool_ext.hooks", "fire", "MainThread") in calls
-    assert not any(m == "deadpool_ext.testing.trace_modules" for m, _, _ in calls)  # the tracer leaves itself out
+    assert not any(m == "deadpool_ext.testing.trace_hook" for m, _, _ in calls)  # the tracer leaves itself out
     assert "deadpool_ext.launcher.keys" in rec["imports"]                          # import-time runs apart
     assert [s for s, _, _ in rec["steps"]] == [3]
 

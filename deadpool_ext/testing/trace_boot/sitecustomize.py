@@ -11,7 +11,7 @@ import sys
 
 def _install() -> None:
     if os.environ.get("DEADPOOL_TRACE_MODULES"):
-        from deadpool_ext.testing.trace_modules import install
+        from deadpool_ext.testing.trace_hook import install
 
         install(os.environ["DEADPOOL_TRACE_MODULES"])
 
