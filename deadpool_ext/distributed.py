@@ -5,6 +5,9 @@ rendezvous TCPStore, which is kept across restart attempts without a per-attempt
 (pytorch/pytorch#135712). A relaunched gloo group can read the dead attempt's addresses and hang while
 connecting. We build the group on the same store, prefixed by ``TORCHELASTIC_RESTART_COUNT``, so each attempt
 has its own key space. Users run plain torchrun and need not set any variable.
+
+Under deadpool-run the start-up also makes the process's membership client; it, and with it the generation and
+the role, is the process's context's (``rebuild/context.py``), where every module reads it.
 """
 from __future__ import annotations
 
@@ -25,37 +28,12 @@ from .store.c10d import serve_c10d_store
 
 if TYPE_CHECKING:
     from .cluster.membership import Assignment
-    from .rebuild.worker import Membership
 
 log = logging.getLogger("deadpool_ext")
 
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def membership() -> Membership | None:
-    """The hot-swap membership client when launched by deadpool-run, else None (``rebuild/context.py``)."""
-    return context().membership
-
-
-def generation() -> int:
-    """The hot-swap generation this process is in (0 outside deadpool-run and before the first failure): the
-    context's, the one source of it."""
-    return context().generation
-
-
-def in_hot_swap() -> bool:
-    """True in a generation after the first under deadpool-run: this process's engine was built for a world
-    rebuilt after a failure, and its state must come from the memory tiers (whatever
-    ``recovery.restore_on_start`` says, which is about starting a job)."""
-    return generation() > 0
-
-
-def is_spare() -> bool:
-    """This process was started by deadpool-run as a spare (it keeps that role after taking a node's place)."""
-    m = context().membership
-    return m is not None and m.role == "spare"
 
 
 def on_spare_wait(fn: Callable[[], None]) -> None:

@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
         # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
         # take for a hang and fence a process that finished).
-        from .distributed import membership
+        from .rebuild.context import context
 
-        current = membership()
+        current = context().membership
         if current is not None:
             current.mark_done()
     if code == 0 and configs:

@@ -43,7 +43,6 @@ from typing import Any, ClassVar
 
 from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
-from ..distributed import in_hot_swap, membership
 from ..launcher import keys
 from ..launcher.contract import WorkerEnv, worker_env
 from ..memory.heap import release_free_heap
@@ -51,6 +50,7 @@ from ..persist.sign import use_key_env
 from ..rebuild import interrupt, progress
 from ..rebuild import recover as protocol
 from ..rebuild.cause import Mode, recovery_mode
+from ..rebuild.context import context
 from ..rebuild.recover import driver
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
@@ -155,13 +155,13 @@ class ResilientRuntime(ABC):
         self._spare_logged = False
         self._resume_called = False
         self._first_snapshot_seen = False
-        self._hot_swap = membership() is not None and config.hot_swap.enabled
+        self._hot_swap = context().membership is not None and config.hot_swap.enabled
         from ..rebuild import swap
 
         self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
         self.snapshots: SnapshotManager | None = (
             SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
-        m = membership()
+        m = context().membership
         if m is not None and rank == 0 and config.elastic.no_spare_policy is not None:
             with contextlib.suppress(Exception):  # the launcher's flag, if given, wins anyway
                 m.store.set_json(keys.JOB_POLICY, config.elastic.no_spare_policy)
@@ -286,7 +286,7 @@ class ResilientRuntime(ABC):
         (logged) instead of failing the job."""
         self._resume_called = True
         self.join_survivors()  # a spare built solo: its own step first (a no-op otherwise)
-        if self.snapshots is None or not (self.config.recovery.restore_on_start or in_hot_swap()):
+        if self.snapshots is None or not (self.config.recovery.restore_on_start or context().in_hot_swap):
             return self.step_counter()
         t0 = time.perf_counter()
         extra = self._timeline_fields()
@@ -296,9 +296,9 @@ class ResilientRuntime(ABC):
         if version is None:
             return self.step_counter()
         from .. import hooks
-        from ..distributed import generation
 
-        hooks.fire(hooks.AFTER_RESTORE, generation=generation(), rank=self.rank, version=version, state=self.adapter)
+        hooks.fire(hooks.AFTER_RESTORE, generation=context().generation, rank=self.rank, version=version,
+                   state=self.adapter)
         log.info("resumed from in-memory snapshot of %s %d in %.2f s%s", self.step_name, version,
                  time.perf_counter() - t0, "".join(f", {k} {v}" for k, v in extra.items()))
         return version

@@ -5,7 +5,8 @@ here, so that one object answers "which generation am I in" (:attr:`WorkerContex
 membership's assignment) and a reader finds the whole state in one place:
 
 - ``membership``: the client of the launcher's coordination store (deadpool-run; None otherwise), and with it
-  the assignment, hence the generation;
+  the assignment, hence the generation (:attr:`WorkerContext.generation`, ``in_hot_swap``) and the role
+  (``is_spare``): every module reads them here;
 - ``fence``: the sockets of the generation whose communicators are live (``rebuild/fence.py``: what a cut shuts
   down; None before a generation's group is built);
 - ``progress``: the steps and main-thread samples the heartbeat reports (``rebuild/progress.py``);
@@ -109,6 +110,18 @@ class WorkerContext:
         """THE generation this process is in: its membership's assignment (0 outside deadpool-run and before the
         first assignment)."""
         return self.membership.generation if self.membership is not None else 0
+
+    @property
+    def in_hot_swap(self) -> bool:
+        """True in a generation after the first under deadpool-run: this process's engine was built for a world
+        rebuilt after a failure, and its state must come from the memory tiers (whatever
+        ``recovery.restore_on_start`` says, which is about starting a job)."""
+        return self.generation > 0
+
+    @property
+    def is_spare(self) -> bool:
+        """This process was started by deadpool-run as a spare (it keeps that role after taking a node's place)."""
+        return self.membership is not None and self.membership.role == "spare"
 
     @property
     def recovery(self) -> Recovery:

@@ -38,7 +38,6 @@ from typing import Any, Protocol, TypeVar
 from .. import hooks
 from ..cluster.membership import Assignment
 from ..config import HotSwapConfig
-from ..distributed import generation, in_hot_swap, is_spare, membership
 from ..recovery.agree import NoCommonVersionError, RecoveryError
 from ..recovery.timeline import write_event
 from .cause import Cause, FailureView, Mode, decide_failure
@@ -70,9 +69,10 @@ def every_rank_restores() -> bool:
     import torch
     import torch.distributed as dist
 
-    if not in_hot_swap() or not dist.is_initialized():
+    ctx = context()
+    if not ctx.in_hot_swap or not dist.is_initialized():
         return False
-    mine = context().restore_follows or is_spare()
+    mine = ctx.restore_follows or ctx.is_spare
     flag = torch.tensor([1 if mine else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
@@ -197,7 +197,7 @@ class Recovery:
         from . import interrupt
 
         noticed_at = time.time()
-        m = membership()
+        m = context().membership
         if m is None or m.assignment is None:
             return None
         gen = m.assignment.generation
@@ -229,7 +229,7 @@ class Recovery:
         """Log, arm the last-resort deadline, tell the launcher."""
         from . import interrupt
 
-        hooks, hc, m = self._hooks, self._hc, membership()
+        hooks, hc, m = self._hooks, self._hc, context().membership
         assert hooks is not None and hc is not None and m is not None
         interrupt.forget(a.generation)
         step = hooks.step_counter()
@@ -252,7 +252,7 @@ class Recovery:
         from . import swap
         from .worker import detach_generation, join_until_formed
 
-        hooks, hc, m = self._hooks, self._hc, membership()
+        hooks, hc, m = self._hooks, self._hc, context().membership
         assert hooks is not None and hc is not None and m is not None
         _drop_frames(exc)
         detach_generation("recovery")
@@ -283,7 +283,7 @@ class Recovery:
         from . import swap
         from .worker import join_until_formed
 
-        hooks, hc, m = self._hooks, self._hc, membership()
+        hooks, hc, m = self._hooks, self._hc, context().membership
         assert hooks is not None and hc is not None and m is not None
         hooks.release()
         self._tear_down()
@@ -303,7 +303,7 @@ class Recovery:
     def _swap_in(self, a: Assignment) -> Rejoined | _Resize:
         from .worker import swap_into
 
-        hooks, hc, m, f = self._hooks, self._hc, membership(), self._failure
+        hooks, hc, m, f = self._hooks, self._hc, context().membership, self._failure
         assert hooks is not None and hc is not None and m is not None and f is not None
         t_assigned = time.time()
         if a.world_size != f.assignment.world_size:
@@ -320,7 +320,7 @@ class Recovery:
         from ..distributed import default_backend
         from .worker import init_process_group
 
-        hooks, hc, m, f = self._hooks, self._hc, membership(), self._failure
+        hooks, hc, m, f = self._hooks, self._hc, context().membership, self._failure
         assert hooks is not None and hc is not None and m is not None and f is not None
         t_assigned = time.time()
         if a.world_size != f.assignment.world_size:
@@ -355,7 +355,7 @@ class Recovery:
         gc.collect()
 
     def _finish(self, f: Failure, r: Rejoined, **extra: Any) -> None:
-        m = membership()
+        m = context().membership
         assert m is not None
         faulthandler.cancel_dump_traceback_later()
         write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=f.old_rank,
@@ -374,7 +374,7 @@ class Recovery:
         from .worker import detach_generation, join_until_formed, pending_live, went_live
 
         pending = pending_live()
-        m = membership()
+        m = context().membership
         assert pending is not None and m is not None, "join_survivors() outside a spare built solo"
         a, _, collective_s = pending
 
@@ -441,7 +441,8 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
     point; a RecoveryError is reported to the launcher as fatal, unless a tier-3 base was already loaded
     (``newer_than``), which then stands; a spare that just joined writes its ``recover`` timeline event (once).
     Returns (version, spare_logged)."""
-    gen = generation()
+    ctx = context()
+    gen = ctx.generation
     hooks.fire(hooks.BEFORE_RESTORE, generation=gen, rank=rank)
     t0 = time.perf_counter()
     try:
@@ -450,11 +451,11 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
         if newer_than is not None and isinstance(exc, NoCommonVersionError):
             log.warning("memory tiers: %s; continuing from the tier-3 base of step %d", exc, newer_than)
             return None, spare_logged
-        m = membership()
+        m = ctx.membership
         if m is not None:
             m.report_fatal(str(exc))
         raise
-    if gen > 0 and is_spare() and not spare_logged:
+    if gen > 0 and ctx.is_spare and not spare_logged:
         spare_logged = True
         write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
                     restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
@@ -466,6 +467,6 @@ def caught_up(catch: tuple[int, float] | None, step: int, rank: int, restored_ve
     """Write the ``caught_up`` event once ``step`` reaches the step that was in flight at the failure."""
     if catch is None or step < catch[0]:
         return False
-    write_event(event="caught_up", generation=generation(), rank=rank, step=step,
+    write_event(event="caught_up", generation=context().generation, rank=rank, step=step,
                 recompute_s=time.time() - catch[1], recomputed_steps=catch[0] - restored_version)
     return True

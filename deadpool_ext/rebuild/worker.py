@@ -306,10 +306,9 @@ def _generation_store(a: Assignment, timeout: timedelta) -> Any:
     # Rendezvous may wait longer than a collective: a survivor still blocked in the previous generation is
     # only released by that generation's collective timeout, and must still find the others waiting.
     if a.master_port == 0:
-        from ..distributed import membership
         from ..store.rendezvous import TokenStore, generation_prefix
 
-        m = membership()
+        m = context().membership
         if m is None:
             raise RuntimeError(f"generation {a.generation}: its rendezvous is in the job's store, but this process "
                                "has no membership client (not started by deadpool-run?)")

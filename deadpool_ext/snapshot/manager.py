@@ -33,11 +33,11 @@ import torch.distributed as dist
 
 from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
-from ..distributed import membership
 from ..memory.agent import claim_directory, ensure_agent
 from ..memory.pinned import HostPinner, SideStream, cuda_runtime
 from ..memory.shm import ensure_private_dir, job_shm_dir
 from ..persist.sign import checkpoint_key
+from ..rebuild.context import context
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing, GradTap
@@ -225,7 +225,7 @@ class SnapshotManager:
         self.store.header_reserved = header_reserve(snap, self.late.room() if self.late is not None else 0)
         nbytes = slot_nbytes(self.store.header_reserved, snap.data_nbytes)
         self.store.open_slots(nbytes)
-        m = membership()
+        m = context().membership
         if m is not None:  # for spares, which make their slots while they wait (snapshot/spare_slots.py)
             from .spare_slots import publish_slot_size
 

@@ -303,9 +303,9 @@ def _run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     if rank == 0:
         print(f"[pretrain_{objective}] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
-    from ..distributed import membership
+    from ..rebuild.context import context
 
-    current = membership()
+    current = context().membership
     if current is not None:
         current.mark_done()
     return summary

@@ -106,9 +106,9 @@ def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
 
 def test_pass_throughs_are_modules_whose_functions_that_ran_are_one_or_two_statements():
     sizes = tm.statements("deadpool_ext.distributed")
-    assert sizes["membership"] == 1 and sizes["init_distributed"] > 2
+    assert sizes["default_backend"] == 1 and sizes["init_distributed"] > 2
     c = tm.RoleCount("survivor", [1], [(0.0, 1.0)], product={
-        "deadpool_ext.distributed": ["membership", "generation [deadpool-heartbeat]"],
+        "deadpool_ext.distributed": ["default_backend", "default_backend [deadpool-heartbeat]"],
         "deadpool_ext.rebuild.recover": ["Recovery.handle_failure", "Recovery.join_survivors.<locals>.form"],
         "deadpool_ext.snapshot.differential": ["DiffRing.__init__", "DiffRing.__init__.<locals>.<listcomp>"]})
     assert tm.pass_throughs(c) == ["deadpool_ext.distributed"]

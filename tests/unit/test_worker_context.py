@@ -6,7 +6,6 @@ import signal
 
 import pytest
 
-from deadpool_ext import distributed
 from deadpool_ext.cluster.membership import Assignment
 from deadpool_ext.launcher import keys
 from deadpool_ext.rebuild import interrupt, progress, recover, worker
@@ -43,11 +42,11 @@ def test_the_generation_comes_from_the_membership_alone(monkeypatch):
                               heartbeat_s=0.2, watch_s=0.2)
         try:
             monkeypatch.setattr(context(), "membership", m)
-            assert distributed.generation() == context().generation == 0 and not distributed.in_hot_swap()
+            assert context().generation == 0 and not context().in_hot_swap and not context().is_spare
             a = Assignment(generation=2, world_size=1, ranks={"node0.0": 0}, nodes={"node0.0": "node0"})
             launcher.set_json(keys.ASSIGNMENT, a.to_json())
             assert m.join(1, timeout_s=5.0) == a
-            assert distributed.generation() == context().generation == 2 and distributed.in_hot_swap()
+            assert context().generation == 2 and context().in_hot_swap and not context().is_spare
         finally:
             m.close()
 

@@ -23,12 +23,13 @@ import numpy as np
 import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
-from ...distributed import init_distributed, membership
+from ...distributed import init_distributed
 from ...integrations.loop import ResilientLoop
 from ...integrations.megatron import parallel
 from ...integrations.megatron.layout import Layout, LayoutError, coordinates, keep_global_batch
 from ...integrations.megatron.runtime import MegatronRuntime
 from ...logs import configure_logging
+from ...rebuild.context import context
 from ..data import ByteLMData, seed_everything
 from ..models import MODEL_SIZES
 from .model import ModelSpec, build, count_parameters
@@ -205,7 +206,7 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
     if rank == 0:
         print(f"[pretrain_gpt_megatron] summary {json.dumps(summary)}", flush=True)
     dist.barrier()
-    current = membership()
+    current = context().membership
     if current is not None:
         current.mark_done()
     return summary
