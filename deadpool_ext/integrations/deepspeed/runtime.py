@@ -14,8 +14,10 @@ Call order (every rank) is the :class:`~deadpool_ext.integrations.base.Resilient
 5. ``runtime.close()`` at the end (or at interpreter exit): drains the background worker and tier 3.
 
 What is DeepSpeed's own here: the state adapter (``state.py``), the wrapped ``engine.step`` (and
-``forward``/``backward``, stoppable by the launcher's notice), the checkpoint engine and tier 3, and the
-rebuild (drop the engine; the script's factory calls ``deepspeed.initialize`` again).
+``forward``/``backward``, stoppable by the launcher's notice), the checkpoint engine and tier 3, an in-place
+hot-swap's abandoned step (:func:`abandon_step`: the interrupted step's half-done state dropped, through DeepSpeed's
+private attributes, version-guarded by :data:`SUPPORTED`), and the rebuild (drop the engine; the script's factory
+calls ``deepspeed.initialize`` again; DeepSpeed's process-wide caches are reset by ``rebuild.py``).
 """
 from __future__ import annotations
 
@@ -23,12 +25,18 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from packaging.version import Version
+
 from ...config import DeadpoolConfig
 from ..base import ResilientRuntime
 from .checkpoint_engine import DeadpoolCheckpointEngine
 from .state import DeepSpeedStateAdapter
 
 log = logging.getLogger("deadpool_ext")
+
+SUPPORTED = (Version("0.16"), Version("0.20"))
+"""The DeepSpeed versions whose private attributes the hot-swap touches (:func:`abandon_step` here, the caches
+``rebuild.py`` resets), checked where they are touched: other versions are refused in one line, never half-done."""
 
 
 class DeadpoolRuntime(ResilientRuntime):
@@ -133,8 +141,6 @@ class DeadpoolRuntime(ResilientRuntime):
         return self.engine
 
     def _abandon_step(self) -> None:
-        from .rebuild import abandon_step
-
         abandon_step(self.engine)
 
     def _release(self) -> None:
@@ -153,3 +159,95 @@ class DeadpoolRuntime(ResilientRuntime):
     def _close(self) -> None:
         if self.persist is not None:
             self.persist.close()  # tier 3: publish the base in flight (bounded)
+
+
+# -- an in-place hot-swap: the interrupted step abandoned --------------------------------------------------------------
+
+_COORD = "_PartitionedParameterCoordinator__"   # name-mangled attributes of DeepSpeed's ZeRO-3 coordinator
+
+
+def abandon_step(engine: Any) -> None:
+    """In-place hot-swap, survivor: drop what the interrupted step left half done, so that the engine (whose
+    tensors the restore then overwrites) is in the state of a freshly built one at a step boundary, the state
+    the spare's engine is in. No collective (the communicators are dead). Version-guarded (:data:`SUPPORTED`).
+
+    ZeRO-3: in-flight parameter all-gathers are forgotten (never waited: their peer is gone), parameters still
+    gathered or half gathered are marked for release (the restore's prologue partitions all of them), the
+    coordinator's trace is invalidated like a new one's (its next step records it again, as the spare's does:
+    the trace agreement of DeepSpeed's reset_step is then the same collective on every rank). Every stage:
+    gradient buckets emptied, accumulated gradients and "already reduced" flags cleared, micro-step counters
+    reset, as after DeepSpeed's own ``step``."""
+    import deepspeed
+
+    version = Version(deepspeed.__version__.split("+")[0])
+    if not (SUPPORTED[0] <= version < SUPPORTED[1]):
+        raise RuntimeError(f"deadpool_ext in-place hot-swap supports DeepSpeed {SUPPORTED[0]} to <{SUPPORTED[1]}, "
+                           f"found {version}; set deadpool.hot_swap.in_place: false")
+    opt: Any = getattr(engine, "optimizer", None)
+    stage = int(engine.zero_optimization_stage())
+    if stage == 3:
+        _abandon_zero3(engine, opt)
+    elif stage in (1, 2):
+        for bucket in getattr(opt, "ipg_buckets", {}).values():
+            bucket.clear()
+        flags = getattr(opt, "params_already_reduced", None)
+        if isinstance(flags, list):
+            flags[:] = [False] * len(flags)
+        if hasattr(opt, "reset_partition_gradient_structures"):
+            opt.reset_partition_gradient_structures()
+        if hasattr(opt, "averaged_gradients"):
+            opt.averaged_gradients = {}
+        if hasattr(opt, "previous_reduced_grads") and isinstance(opt.previous_reduced_grads, dict):
+            opt.previous_reduced_grads.clear()
+        large = getattr(opt, "extra_large_param_to_reduce", None)
+        if isinstance(large, dict):
+            large.clear()
+        elif large is not None:
+            opt.extra_large_param_to_reduce = None
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID
+    # Gradients dropped directly (ZeRO-3's zero_grad calls record_stream, which host tensors refuse).
+    for p in engine.module.parameters():
+        p.grad = None
+        if hasattr(p, "grad_accum"):
+            p.grad_accum = None
+    if stage == 3:
+        opt.micro_step_id = 0
+        if hasattr(opt, "_epilogue_ran_this_backward"):
+            opt._epilogue_ran_this_backward = False
+    for name in ("_running_engine_backward",):
+        if hasattr(engine, name):
+            setattr(engine, name, False)
+    if hasattr(engine, "_running_engine_backward_count"):
+        engine._running_engine_backward_count = 0
+
+
+def _abandon_zero3(engine: Any, opt: Any) -> None:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
+
+    coord = opt.parameter_offload.get_param_coordinator()
+    getattr(coord, _COORD + "inflight_param_registry").clear()
+    for p in engine.module.parameters():
+        p.ds_active_sub_modules.clear()
+        if p.ds_status == ZeroParamStatus.INFLIGHT:
+            p.ds_status = ZeroParamStatus.AVAILABLE  # its buffer is whole in size; partitioned by the restore
+    coord._clear_trace_structures()
+    setattr(coord, _COORD + "trace_mode", ZeRoTraceMode.INVALID)
+    setattr(coord, _COORD + "step_id", 0)
+    setattr(coord, _COORD + "n_available_params", 0)
+    for name in ("ongoing_fetch_events", "active_backward_submodules", "ongoing_fetch_leaf_module_events"):
+        held = getattr(coord, _COORD + name, None)
+        if held is not None:
+            held.clear()
+    for bucket in getattr(opt, "ipg_buckets", {}).values():
+        bucket.clear_params()
+    flags = getattr(opt, "params_already_reduced", None)
+    if isinstance(flags, dict):
+        for k in flags:
+            flags[k] = False
+    if hasattr(opt, "previous_reduced_grads"):
+        opt.previous_reduced_grads = None
+    if hasattr(opt, "averaged_gradients") and isinstance(opt.averaged_gradients, dict):
+        opt.averaged_gradients.clear()
