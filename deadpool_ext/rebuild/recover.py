@@ -38,8 +38,8 @@ from typing import Any, Protocol, TypeVar
 from .. import hooks
 from ..cluster.membership import Assignment
 from ..config import HotSwapConfig
-from ..recovery.agree import NoCommonVersionError, RecoveryError
 from ..recovery.timeline import write_event
+from ..snapshot.plan import NoCommonVersionError, RecoveryError
 from .cause import Cause, FailureView, Mode, decide_failure
 from .context import context
 

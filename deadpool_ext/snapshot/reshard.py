@@ -33,11 +33,10 @@ from typing import Any
 import torch
 
 from ..memory.shm import ShmSegment
-from ..recovery.agree import RecoveryError
 from ..recovery.reshard import PartitionLayout, ReshardError, covered, layout_from_json, overlaps
 from ..replicate.transport import FETCH_CHUNK_BYTES, BlobReceive, BlobSend, Transport
 from .format import StreamVerifier
-from .plan import ElasticPlan
+from .plan import ElasticPlan, RecoveryError
 from .slots import probe_received, restore_from
 
 

@@ -23,13 +23,24 @@ from typing import Any
 
 from ..cluster.comm import allgather_json
 from ..config import DeadpoolConfig
-from ..recovery.agree import NoCommonVersionError, RankReport, RecoveryError, RestorePlan
 from ..recovery.reshard import REPLICATED, ReplicatedLayout
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing
 from .format import StreamVerifier, header_len_of, tensor_checksum
 from .late import LateState
-from .plan import MAX_ELASTIC_ROUNDS, Copy, ElasticPlan, Fresh, KeepBase, RestorePlanner, SameSizePlan
+from .plan import (
+    MAX_ELASTIC_ROUNDS,
+    Copy,
+    ElasticPlan,
+    Fresh,
+    KeepBase,
+    NoCommonVersionError,
+    RankReport,
+    RecoveryError,
+    RestorePlan,
+    RestorePlanner,
+    SameSizePlan,
+)
 from .reshard import assemble, assemble_whole
 from .slots import probe_received, restore_from
 from .state import RankStateAdapter

@@ -1,6 +1,8 @@
+"""The restore planner's same-size rule (snapshot/plan.py choose_version): the newest version every rank can obtain,
+and who fetches what."""
 import pytest
 
-from deadpool_ext.recovery.agree import RankReport, RecoveryError, choose_version
+from deadpool_ext.snapshot.plan import RankReport, RecoveryError, choose_version
 
 
 def rep(rank, local=(), replicas=None):

@@ -2,8 +2,8 @@
 that never frees the newest recoverable version."""
 import pytest
 
-from deadpool_ext.recovery.agree import RankReport, RecoveryError, choose_version, reachable
 from deadpool_ext.snapshot.differential import DiffRing, GCError
+from deadpool_ext.snapshot.plan import RankReport, RecoveryError, choose_version, reachable
 
 
 def test_reachable_follows_unbroken_chains_from_the_newest_base():

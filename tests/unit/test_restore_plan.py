@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from deadpool_ext.recovery.agree import NoCommonVersionError, RankReport, RecoveryError
 from deadpool_ext.recovery.reshard import PartitionLayout, ReplicatedLayout
 from deadpool_ext.snapshot.plan import (
     ElasticPlan,
     Fresh,
     KeepBase,
+    NoCommonVersionError,
+    RankReport,
+    RecoveryError,
     RestorePlanner,
     SameSizePlan,
     choose_copies,

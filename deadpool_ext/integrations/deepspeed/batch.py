@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...rebuild.context import context
-from ...recovery.agree import RecoveryError
+from ...snapshot.plan import RecoveryError
 
 log = logging.getLogger("deadpool_ext")
 

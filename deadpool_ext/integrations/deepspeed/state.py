@@ -121,7 +121,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
     def restore_resharded(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """New partitions of masters and moments copied in, parameters derived from the masters (what
         DeepSpeed's step does at its end), then the small state of ``meta``."""
-        from ...recovery.agree import RecoveryError
+        from ...snapshot.plan import RecoveryError
 
         opt = self.engine.optimizer
         was, now = meta.get("train_batch_size"), int(self.engine.train_batch_size())

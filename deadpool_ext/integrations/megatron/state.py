@@ -160,7 +160,7 @@ class MegatronStateAdapter(RankStateAdapter):
 
     def restore_resharded(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
         """One old rank's whole state of this rank's shard (another data-parallel size, the same tp and pp)."""
-        from ...recovery.agree import RecoveryError
+        from ...snapshot.plan import RecoveryError
 
         got = {k: meta["parallel"][k] for k in ("tp", "pp")}, {k: meta["coords"][k] for k in ("tp", "pp")}
         want = {"tp": self.layout.tp, "pp": self.layout.pp}, {"tp": self.coords.tp, "pp": self.coords.pp}

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 import deadpool_ext.deepspeed as dpx
 from deadpool_ext.distributed import init_distributed
-from deadpool_ext.recovery.agree import RecoveryError
 from deadpool_ext.snapshot.format import tensor_checksum
+from deadpool_ext.snapshot.plan import RecoveryError
 from deadpool_ext.snapshot.restore import verify_derived
 from deadpool_ext.snapshot.slots import restore_from
 from deadpool_ext.training.data import ByteLMData
