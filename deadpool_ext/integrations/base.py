@@ -47,7 +47,7 @@ from ..launcher import keys
 from ..launcher.contract import WorkerEnv, worker_env
 from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
-from ..rebuild import interrupt, progress
+from ..rebuild import notice, progress
 from ..rebuild import recover as protocol
 from ..rebuild.cause import Mode, recovery_mode
 from ..rebuild.context import context
@@ -225,9 +225,9 @@ class ResilientRuntime(ABC):
     # -- the step -------------------------------------------------------------------------------------
     def stoppable(self) -> contextlib.AbstractContextManager[None]:
         """Context for the framework's own forward/backward and optimizer step: under deadpool-run, the
-        launcher's notice of a new generation stops them (``rebuild.interrupt``); the hot-swap throws that
+        launcher's notice of a new generation stops them (``rebuild.notice``); the hot-swap throws that
         step away. Outside deadpool-run (or with hot-swap off) it does nothing."""
-        return interrupt.stoppable(True) if self._hot_swap else contextlib.nullcontext()
+        return notice.stoppable(True) if self._hot_swap else contextlib.nullcontext()
 
     def wait_for_copy(self) -> None:
         """Block until the in-flight snapshot copy is done (before anything writes the state in place)."""

@@ -41,7 +41,7 @@ class Cause(enum.Enum):
     """Why the generation a step ran in ended (the ``recover`` timeline event's ``cause``)."""
 
     LAUNCHER_NOTICE = "launcher_notice"
-    """The launcher's notice of the next generation stopped the step (``rebuild/interrupt.py``)."""
+    """The launcher's notice of the next generation stopped the step (``rebuild/notice.py``)."""
     COLLECTIVE_FAILED = "collective_failed"
     """The step failed on its own (a collective with a lost peer raised) and the launcher then published the
     next generation."""
@@ -83,7 +83,7 @@ class FailureView:
     stopped: str | None = None
     """The launcher stopped the job (its message), else None."""
     stopped_by_notice: bool = False
-    """The launcher's notice of the end of ``generation`` stopped the step (``rebuild/interrupt.py``)."""
+    """The launcher's notice of the end of ``generation`` stopped the step (``rebuild/notice.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,14 +7,14 @@ membership's assignment) and a reader finds the whole state in one place:
 - ``membership``: the client of the launcher's coordination store (deadpool-run; None otherwise), and with it
   the assignment, hence the generation (:attr:`WorkerContext.generation`, ``in_hot_swap``) and the role
   (``is_spare``): every module reads them here;
-- ``fence``: the sockets of the generation whose communicators are live (``rebuild/fence.py``: what a cut shuts
-  down; None before a generation's group is built);
+- ``fence``: the sockets of the generation whose communicators are live (``rebuild/notice.py``: what the
+  notice's cut shuts down; None before a generation's group is built);
 - ``progress``: the steps and main-thread samples the heartbeat reports (``rebuild/progress.py``);
 - ``pending_live``: a spare whose groups were built solo and have not joined the survivors yet;
 - ``swap_mode``, ``swappable_groups``: whether new swappable groups are built solo or live, and every one built
   (``rebuild/swap.py``);
 - ``interrupts``: the launcher's notice to the main thread, by generation: the one requested, the one armed, the
-  one stopped (``rebuild/interrupt.py``);
+  one stopped (``rebuild/notice.py``);
 - ``teardown_hooks``: the framework caches reset at a teardown (``rebuild/worker.py``);
 - ``graveyard``: the one place dead generations' process groups and communicators go (:class:`Graveyard`: a
   rebuild's torn-down groups, ``rebuild/worker.py``; an in-place swap's inner communicators, ``rebuild/swap.py``);
@@ -25,7 +25,7 @@ membership's assignment) and a reader finds the whole state in one place:
 
 No generation state is anywhere else. What stays in module globals is process-wide by nature, each with its reason
 on the line (``tests/unit/test_module_state.py`` holds the list and fails on any other): the installed signal
-handler (``rebuild/interrupt.py``: ``signal.signal`` is per process), the backends registered with torch
+handler (``rebuild/notice.py``: ``signal.signal`` is per process), the backends registered with torch
 (``rebuild/swap.py``), caches of the environment and of probes, and the harness's hook registry.
 """
 from __future__ import annotations
@@ -36,8 +36,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .fence import GenerationFence
-from .interrupt import Interrupts
+from .notice import GenerationFence, Interrupts
 from .progress import Progress
 
 if TYPE_CHECKING:

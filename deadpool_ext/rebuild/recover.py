@@ -194,7 +194,7 @@ class Recovery:
         generation, or None: the caller raises ``exc`` unchanged. ``mode``: :func:`recovery_mode` of the runtime."""
         if mode is Mode.RESTART_RESTORE:
             return None
-        from . import interrupt
+        from . import notice
 
         noticed_at = time.time()
         m = context().membership
@@ -209,7 +209,7 @@ class Recovery:
                         hooks.step_counter(), type(exc).__name__, _short(exc), hc.assignment_timeout_s)
             published, stop = m.verdict(gen, hc.assignment_timeout_s)
         decision = decide_failure(FailureView(mode=mode, generation=gen, published=published, stopped=stop,
-                                              stopped_by_notice=interrupt.stopped(gen)))
+                                              stopped_by_notice=notice.stopped(gen)))
         if not decision.recover:
             log.warning("generation %d: the failure at step %d is not recovered in-process: %s", gen,
                         hooks.step_counter(), decision.why)
@@ -227,11 +227,11 @@ class Recovery:
     # -- the steps ----------------------------------------------------------------------------------------
     def _begin(self, exc: BaseException, cause: Cause, a: Assignment, rank: int, noticed_at: float) -> Failure:
         """Log, arm the last-resort deadline, tell the launcher."""
-        from . import interrupt
+        from . import notice
 
         hooks, hc, m = self._hooks, self._hc, context().membership
         assert hooks is not None and hc is not None and m is not None
-        interrupt.forget(a.generation)
+        notice.forget(a.generation)
         step = hooks.step_counter()
         what_failed = "step stopped by the launcher's notice" if cause is Cause.LAUNCHER_NOTICE else "collective failed"
         what = ("swapping the communicators beneath the engine" if self.mode is Mode.IN_PLACE

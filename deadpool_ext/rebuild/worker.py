@@ -11,7 +11,7 @@ Call order (every worker started by deadpool-run; its variables are parsed once 
    harnesses that serve one).
 3. On a failure that ended the generation (the launcher published the next one: :meth:`Membership.verdict`,
    ``rebuild/cause.py``), the recovery driver (``rebuild/recover.py``) leaves it: ``teardown()`` cuts the
-   generation's connections (``rebuild.fence``: peers still blocked in it get an error at once), destroys every
+   generation's connections (``rebuild.notice``'s cut: peers still blocked in it get an error at once), destroys every
    process group and runs the teardown hooks the integrations registered (:func:`on_teardown`; DeepSpeed: its
    cached communicator state), or, in place, :func:`detach_generation`; then :func:`join_until_formed`, the one
    loop that joins the next generation until one forms. The heartbeat thread also watches ``assignment``: when the
@@ -39,7 +39,7 @@ from ..launcher import keys, values
 from ..launcher.contract import HotSwapEnv
 from ..store.base import parse_store_endpoints
 from .context import context
-from .fence import fence
+from .notice import fence
 
 log = logging.getLogger("deadpool_ext")
 T = TypeVar("T")
@@ -77,9 +77,9 @@ class Membership:
     @classmethod
     def start(cls, env: HotSwapEnv) -> Membership:
         """The membership client of a worker started by deadpool-run (installs the notice handler first)."""
-        from . import interrupt
+        from . import notice
 
-        interrupt.install()
+        notice.install()
         return cls(store_url=env.store_url, token=env.token, job_id=env.job_id, worker_id=env.worker_id,
                    node=env.node, heartbeat_s=env.heartbeat_s, watch_s=env.watch_s, role=env.role,
                    launcher_pid=env.launcher_pid)
@@ -93,11 +93,11 @@ class Membership:
         """One thread, one store client: a heartbeat every ``heartbeat_s``; in between, a blocking wait (at most
         ``watch_s`` at a time) for the launcher's notification that the current generation is dead (store key
         ``gen/<g+1>``, written when generation g+1 is published). On it, this thread cuts the old generation's
-        connections (``rebuild.fence``) and stops the main thread's training step (``rebuild.interrupt``), so
+        connections and stops the main thread's training step (both ``rebuild/notice.py``), so
         a survivor leaves a dead generation within a store round trip of the publication, whether it is
         blocked in a collective or computing."""
         from ..store.base import StoreError, StoreTimeout
-        from . import interrupt, progress
+        from . import notice, progress
 
         launcher = self._launcher_pid
         next_hb = 0.0
@@ -132,7 +132,7 @@ class Membership:
                 why = f"the launcher published generation {gen + 1}"
                 f.cut(gen, why)
                 _abort_nccl_groups(why)
-                interrupt.request(gen, why)
+                notice.request(gen, why)
             except StoreError as exc:
                 # The store unreachable for a while (an etcd election, a partition, quorum lost): keep trying. The
                 # launcher decides what an outage means (it pauses or stops this process); a heartbeat thread

@@ -326,7 +326,7 @@ class SnapshotManager:
 
     def wait_idle(self) -> None:
         """Wait (``replication.timeout_s`` at most) for the snapshot in flight, in short slices so that the
-        launcher's notice (``rebuild.interrupt``, inside an armed region) can stop the wait; raise its error."""
+        launcher's notice (``rebuild.notice``, inside an armed region) can stop the wait; raise its error."""
         self.writer.wait_idle()
 
     def close(self) -> None:

@@ -267,7 +267,7 @@ class SnapshotWriter:
 
     def wait_idle(self) -> None:
         """Wait (``timeout_s`` at most) for the snapshot in flight, in short slices so that the launcher's notice
-        (``rebuild.interrupt``, inside an armed region) can stop the wait; raise its error."""
+        (``rebuild.notice``, inside an armed region) can stop the wait; raise its error."""
         job = self.inflight
         if job is not None:
             if not job.done.is_set():

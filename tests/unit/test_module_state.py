@@ -32,8 +32,8 @@ MUTATORS = {"append", "extend", "insert", "add", "update", "setdefault", "pop", 
 
 ALLOWED: dict[tuple[str, str], str] = {
     ("rebuild/context.py", "_CONTEXT"): "the one per-process WorkerContext: all of a worker's state hangs off it",
-    ("rebuild/interrupt.py", "_installed"): "signal.signal installs a handler per process, not per generation",
-    ("rebuild/interrupt.py", "_previous"): "the process's handler before ours, that a real SIGUSR2 is passed to",
+    ("rebuild/notice.py", "_installed"): "signal.signal installs a handler per process, not per generation",
+    ("rebuild/notice.py", "_previous"): "the process's handler before ours, that a real SIGUSR2 is passed to",
     ("rebuild/swap.py", "_registered"): "torch's backend registry (dist.Backend.register_backend) is per process",
     ("hooks.py", "_registry"): "a harness registers its callbacks once per process, for every generation",
     ("persist/sign.py", "_key_env"): "which environment variable holds the key: per process, like os.environ",

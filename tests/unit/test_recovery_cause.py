@@ -12,7 +12,7 @@ import pytest
 from deadpool_ext.cluster.membership import Assignment
 from deadpool_ext.config import HotSwapConfig
 from deadpool_ext.launcher import keys, values
-from deadpool_ext.rebuild import interrupt
+from deadpool_ext.rebuild import notice
 from deadpool_ext.rebuild.cause import Cause, FailureView, Mode, decide_failure, failure_cause, recovery_mode
 from deadpool_ext.rebuild.context import context
 from deadpool_ext.rebuild.recover import Recovery, report_collective_failure
@@ -219,10 +219,10 @@ def test_a_store_that_refuses_the_report_leaves_the_heartbeat_timeout():
 
 
 def test_the_notice_that_stopped_a_step_is_its_cause(monkeypatch):
-    notice = interrupt.Interrupts()
-    monkeypatch.setattr(context(), "interrupts", notice)
-    assert not interrupt.stopped(4)
-    notice.requested = (4, "the launcher published generation 5")
-    with pytest.raises(interrupt.GenerationLost):
-        interrupt._raise_if_requested(notice, 4)
-    assert interrupt.stopped(4) and not interrupt.stopped(5)
+    state = notice.Interrupts()
+    monkeypatch.setattr(context(), "interrupts", state)
+    assert not notice.stopped(4)
+    state.requested = (4, "the launcher published generation 5")
+    with pytest.raises(notice.GenerationLost):
+        notice._raise_if_requested(state, 4)
+    assert notice.stopped(4) and not notice.stopped(5)

@@ -8,9 +8,8 @@ import pytest
 
 from deadpool_ext.cluster.membership import Assignment
 from deadpool_ext.launcher import keys
-from deadpool_ext.rebuild import interrupt, progress, recover, worker
+from deadpool_ext.rebuild import notice, progress, recover, worker
 from deadpool_ext.rebuild.context import WorkerContext, context
-from deadpool_ext.rebuild.fence import fence
 from deadpool_ext.store import connect
 from deadpool_ext.store.embedded import EmbeddedStoreServer
 
@@ -22,7 +21,7 @@ def test_a_process_starts_in_generation_zero_with_one_driver():
     assert ctx.generation == 0 and ctx.membership is None and ctx.pending_live is None
     assert ctx.recovery is ctx.recovery
     assert recover.driver() is context().recovery
-    assert fence() is context().fence
+    assert notice.fence() is context().fence
 
 
 def test_progress_is_the_contexts():
@@ -55,20 +54,20 @@ def test_a_step_is_armed_in_the_contexts_generation(monkeypatch):
     class Assigned:
         generation, role = 5, "active"
 
-    before = signal.getsignal(interrupt.SIGNAL)
+    before = signal.getsignal(notice.SIGNAL)
     monkeypatch.setattr(context(), "membership", Assigned())
-    monkeypatch.setattr(context(), "interrupts", interrupt.Interrupts())
-    assert interrupt.install()
+    monkeypatch.setattr(context(), "interrupts", notice.Interrupts())
+    assert notice.install()
     try:
-        interrupt.request(5, "the launcher published generation 6")
+        notice.request(5, "the launcher published generation 6")
         assert context().interrupts.requested == (5, "the launcher published generation 6")
-        with pytest.raises(interrupt.GenerationLost, match="generation 5 was abandoned"):
-            with interrupt.stoppable(True):
+        with pytest.raises(notice.GenerationLost, match="generation 5 was abandoned"):
+            with notice.stoppable(True):
                 pass
-        assert interrupt.stopped(5) and context().interrupts.stopped == 5
+        assert notice.stopped(5) and context().interrupts.stopped == 5
     finally:
-        signal.signal(interrupt.SIGNAL, before)
-        interrupt._installed = False
+        signal.signal(notice.SIGNAL, before)
+        notice._installed = False
 
 
 def test_one_graveyard_holds_every_dead_generations_groups():

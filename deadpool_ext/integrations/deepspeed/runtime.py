@@ -67,7 +67,7 @@ class DeadpoolRuntime(ResilientRuntime):
     def _wrap_step(self) -> None:
         """``engine.step`` runs the snapshot hooks around DeepSpeed's step. Under deadpool-run, DeepSpeed's own
         forward, backward and step (never the hooks) may be stopped by the launcher's notice of a new
-        generation (``rebuild.interrupt``): that step is thrown away by the hot-swap anyway."""
+        generation (``rebuild.notice``): that step is thrown away by the hot-swap anyway."""
         engine = self.engine
         runtime = self
         if getattr(engine, "pipeline_parallelism", False):

@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from deadpool_ext.rebuild.fence import GenerationFence
+from deadpool_ext.rebuild.notice import GenerationFence
 
 BLOCK_S = 0.5
 """How long rank 0 has been inside recv (at least) when rank 1 cuts."""
