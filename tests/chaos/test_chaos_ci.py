@@ -34,6 +34,10 @@ def test_seeded_chaos_subset(tmp_path):
     # rank had not completed it) is never read, so a count of refusals is not asserted here.
 
 
+@pytest.mark.full_matrix(covered_by="tests/integration/test_hot_swap.py::test_rank_alive_but_not_progressing_is_"
+                                    "detected_by_progress (the stuck fault: a main thread blocked for good, found by "
+                                    "progress, losses identical), tests/multihost/test_host_faults.py (the host faults "
+                                    "on the bed) and tests/unit/test_host_chaos_plan.py (the campaign's plan)")
 def test_seeded_bed_subset(tmp_path):
     """The seeded CI subset of the host-level campaign (``deadpool chaos --bed``): one ``stuck`` trial on ZeRO-3 on
     the namespace bed (the other host-level faults are deterministic tests in tests/multihost)."""

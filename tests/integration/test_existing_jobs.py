@@ -265,7 +265,7 @@ def _hot_swapped_in_place(res, events, pids, *, reuse_line: bool = True, lost: i
 
 @pytest.mark.parametrize("fault", matrix(["after_optimizer_step-rank1", "after_optimizer_step-rank0",
                                           "sigkill_anywhere-rank1"],
-                                         ci=["after_optimizer_step-rank1", "after_optimizer_step-rank0"]))
+                                         ci=["after_optimizer_step-rank0"]))  # rank 1 lost: the loops below
 def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault, hf_reference):
     """An unmodified Trainer script (ZeRO-3, gradient accumulation 2) under deadpool-run: rank 1 or rank 0 dies
     (right after its optimizer step 4, or rank 1 SIGKILLed from outside wherever it is after rank 0 logged step 3);

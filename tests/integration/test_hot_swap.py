@@ -133,9 +133,6 @@ def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
     assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
 
 
-@pytest.mark.full_matrix(covered_by="tests/chaos/test_chaos_ci.py::test_seeded_bed_subset (its stuck trial: a rank's "
-                                    "main thread blocked for good, which its oracle requires be found by progress, "
-                                    "losses identical) and tests/unit/test_hangs.py (the rule)")
 def test_rank_alive_but_not_progressing_is_detected_by_progress(tmp_path, shm_root):
     """Rank 1's main thread blocks for good after step 4 (in-process fault) while its heartbeat thread runs on:
     the heartbeat alone would never catch it. The others wait for it in their next collective; after

@@ -91,6 +91,10 @@ def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive
         assert all("torch.bfloat16" in r["dtypes"] for r in results), results
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_ds_wrappers.py::test_real_engine_wrappers_snapshot_and_restore_"
+                                    "bit_identical[bf16-zero3] (bf16 ZeRO-3 state through a snapshot and back, real "
+                                    "engines), test_snapshot_equals_live_state (bf16 captured as the live state), "
+                                    "test_lost_node_memory_restores_from_tier2 (a lost node's state from its peer)")
 def test_bf16_zero3_lost_node_identical(tmp_path, shm_root):
     cfg = make_config(tmp_path, stage=3, bf16={"enabled": True}, deadpool={
         "local": {"shm_root": shm_root, "simulate_nodes": 2}})

@@ -33,7 +33,7 @@ from deadpool_ext.persist.layout import COMMIT, LATEST, list_versions, load_cand
 from deadpool_ext.persist.storage import FsspecStorage, open_storage
 from deadpool_ext.testing.launch import base_env, free_port
 from tests.conftest import make_config
-from tests.integration.helpers import pretrain
+from tests.integration.helpers import baseline, pretrain
 from tests.unit.test_persist_tier3 import _job, _writer
 from tests.unit.test_persist_tier3 import test_storage_contract as storage_contract
 
@@ -276,9 +276,7 @@ def test_save_to_s3_relaunch_with_load_identical_losses_inspect_verify(tmp_path,
     url = f"s3://{bucket}/run"
     cfg = make_config(tmp_path, stage=3, deadpool=None)  # standalone tier 3 (no deadpool section)
     # Uninterrupted reference (WarmupLR does not depend on --train-iters, so 4 + resume to 8 == 8).
-    res, ref, _ = pretrain(tmp_path, cfg, iters=8, name="ref")
-    assert res.returncode == 0, res.output[-3000:]
-    assert sorted(ref) == list(range(1, 9))
+    ref = baseline(tmp_path, cfg, iters=8)  # every step logged (testing/baselines.py: shared with test_peer_sign)
     # First job: one base, at its last step (one base is in flight at a time; a base due while the previous one
     # is still being written is skipped by design, so a single base per job keeps this deterministic), written
     # to S3 in the background; close() drains the writer before the job exits.

@@ -14,18 +14,29 @@ WORKER = "tests/integration/workers/transport_pair.py"
 IMPLEMENTATIONS = ["gloo"]
 
 
-def _run(tmp_path, impl: str, case: str, ranks: tuple[int, ...]) -> dict[int, dict]:
-    d = tmp_path / f"{impl}-{case}"
+SHARED = ("both_ways", "signed", "forged", "unsigned", "pieces", "pieces_corrupt")
+"""Cases that leave the pair whole: one job runs them in turn, each on a new group (one start-up, not six)."""
+
+
+def _run(tmp_path, impl: str, cases: tuple[str, ...]) -> dict[str, dict[int, dict]]:
+    """case -> rank -> what the worker recorded (a rank that left before writing is absent)."""
+    d = tmp_path / f"{impl}-{cases[0]}"
     d.mkdir()
-    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(), args=(impl, case, str(d)))
+    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(),
+              args=(impl, ",".join(cases), str(d)))
     res = run_job(job.argv(), timeout_s=120, env=job.env())
     assert not res.timed_out, res.output[-3000:]
-    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in ranks}
+    return {c: {r: json.loads((d / f"{c}.rank{r}.json").read_text())
+                for r in (0, 1) if (d / f"{c}.rank{r}.json").exists()} for c in cases}
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_blobs_cross_both_ways_intact(tmp_path, impl):
-    out = _run(tmp_path, impl, "both_ways", (0, 1))
+@pytest.fixture(scope="module", params=IMPLEMENTATIONS)
+def shared(request, tmp_path_factory) -> dict[str, dict[int, dict]]:
+    return _run(tmp_path_factory.mktemp("transport"), request.param, SHARED)
+
+
+def test_blobs_cross_both_ways_intact(shared):
+    out = shared["both_ways"]
     for r in (0, 1):
         assert out[r]["old_valid"]  # the buffer held a valid (older) blob before the round
         assert out[r]["intact"] and out[r]["why"] is None, out[r]
@@ -34,23 +45,21 @@ def test_blobs_cross_both_ways_intact(tmp_path, impl):
 
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_an_interrupted_transfer_leaves_a_torn_buffer(tmp_path, impl):
-    out = _run(tmp_path, impl, "torn", (1,))[1]
+    out = _run(tmp_path, impl, ("torn",))["torn"][1]
     assert out["old_valid"]
     assert out["raised"] == "RuntimeError", out
     assert out["magic_zero"] and out["meta"] is None and "torn" in out["why"], out
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_signed_blobs_cross_intact_and_are_accepted(tmp_path, impl):
-    out = _run(tmp_path, impl, "signed", (0, 1))
+def test_signed_blobs_cross_intact_and_are_accepted(shared):
+    out = shared["signed"]
     for r in (0, 1):
         assert out[r]["refused"] == [] and out[r]["intact"] and out[r]["why"] is None, out[r]
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 @pytest.mark.parametrize("case", ["forged", "unsigned"])
-def test_a_blob_the_key_did_not_sign_is_refused_and_left_torn(tmp_path, impl, case):
-    out = _run(tmp_path, impl, case, (0, 1))
+def test_a_blob_the_key_did_not_sign_is_refused_and_left_torn(shared, case):
+    out = shared[case]
     victim = out[1]  # holds the key; rank 0 signed with another key (forged) or none (unsigned)
     assert victim["old_valid"] and victim["body_arrived"], victim  # the bytes came, checksums and all ...
     assert victim["refused"] == [0] and victim["magic_zero"] and victim["meta"] is None and "torn" in victim["why"]
@@ -63,18 +72,17 @@ def test_a_blob_the_key_did_not_sign_is_refused_and_left_torn(tmp_path, impl, ca
 def test_a_closed_transport_sends_no_next_message_and_leaves_the_buffer_torn(tmp_path, impl):
     """What a snapshot worker abandoned at an in-place hot-swap relies on: once its transport is closed, a round in
     flight stops after the message it is in (nothing goes out on the group's new communicator)."""
-    out = _run(tmp_path, impl, "closed", (0, 1))
+    out = _run(tmp_path, impl, ("closed",))["closed"]
     assert out[1]["raised"] == "TransportClosed" and out[1]["body_arrived"], out[1]
     assert out[1]["magic_zero"] and out[1]["meta"] is None, out[1]  # torn: never complete-looking
     # The sender's trailer is never awaited: its round completes, or fails once rank 1 has exited (never hangs).
     assert out[0]["raised"] in (None, "RuntimeError"), out[0]
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_a_blob_in_pieces_is_checked_while_it_arrives(tmp_path, impl):
+def test_a_blob_in_pieces_is_checked_while_it_arrives(shared):
     """A fetch at a restore: the body travels in pieces, the receiver learns each one as it lands and checks the
     checksums of what has arrived meanwhile; what it checked is the blob, intact."""
-    out = _run(tmp_path, impl, "pieces", (0, 1))
+    out = shared["pieces"]
     for r in (0, 1):
         seen, n = out[r]["seen"], out[r]["nbytes"]
         assert len(seen) == -(-(n - 8) // 512) > 1 and seen == sorted(seen) and seen[-1] == n, out[r]
@@ -82,8 +90,7 @@ def test_a_blob_in_pieces_is_checked_while_it_arrives(tmp_path, impl):
         assert 0 < out[r]["hashed_early"] < n, out[r]  # most of it checked before the last piece
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_a_blob_damaged_before_it_was_sent_is_refused_by_the_check_on_arrival(tmp_path, impl):
-    out = _run(tmp_path, impl, "pieces_corrupt", (0, 1))
+def test_a_blob_damaged_before_it_was_sent_is_refused_by_the_check_on_arrival(shared):
+    out = shared["pieces_corrupt"]
     assert "checksum mismatch for tensor" in (out[1]["problem"] or ""), out[1]
     assert out[0]["problem"] is None, out[0]  # rank 1's blob was not damaged

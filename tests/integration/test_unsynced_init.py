@@ -12,23 +12,27 @@ from deadpool_ext.testing.launch import free_port, run_job
 WORKER = "tests/integration/workers/unsynced_init.py"
 
 
-def _ranks(tmp_path, mode: str) -> dict[int, dict]:
-    d = tmp_path / mode
-    d.mkdir()
-    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(), args=(mode, str(d)))
-    res = run_job(job.argv(), timeout_s=180, env=job.env())
+MODES = ("agree_yes", "agree_no", "synced", "unsynced")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict[str, dict[int, dict]]:
+    """mode -> rank -> what the worker recorded: every mode in one 2-rank job (one process start-up, not four)."""
+    d = tmp_path_factory.mktemp("unsynced")
+    job = Job(launcher="torchrun", script=WORKER, nproc_per_node=2, port=free_port(), args=(",".join(MODES), str(d)))
+    res = run_job(job.argv(), timeout_s=240, env=job.env())
     assert not res.timed_out and res.returncode == 0, res.output[-3000:]
-    return {r: json.loads((d / f"rank{r}.json").read_text()) for r in (0, 1)}
+    return {m: {r: json.loads((d / f"{m}.rank{r}.json").read_text()) for r in (0, 1)} for m in MODES}
 
 
 @pytest.mark.parametrize("mode, expected", [("agree_yes", True), ("agree_no", False)])
-def test_every_rank_must_say_it_restores(tmp_path, mode, expected):
-    out = _ranks(tmp_path, mode)
+def test_every_rank_must_say_it_restores(ranks, mode, expected):
+    out = ranks[mode]
     assert [out[r]["every_rank_restores"] for r in (0, 1)] == [expected, expected]
 
 
-def test_unsynced_engine_keeps_each_ranks_own_values_and_trains(tmp_path):
-    synced, unsynced = _ranks(tmp_path, "synced"), _ranks(tmp_path, "unsynced")
+def test_unsynced_engine_keeps_each_ranks_own_values_and_trains(ranks):
+    synced, unsynced = ranks["synced"], ranks["unsynced"]
     for r in (0, 1):
         assert synced[r]["partition_is_rank0_slice"], synced[r]  # DeepSpeed broadcast rank 0's weights
         assert unsynced[r]["partition_is_own_slice"], unsynced[r]  # no broadcast: this rank's own values

@@ -24,7 +24,7 @@ from deadpool_ext.snapshot.slots import serialize
 from deadpool_ext.testing.faults import drop_node_memory
 from deadpool_ext.testing.launch import REPO
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import kill_at, memory_tier_config, pretrain, restore_of
+from tests.integration.helpers import baseline, kill_at, memory_tier_config, pretrain, restore_of
 
 KEY = "peer-channel-test-key-0123456789"
 NODE1 = f"{socket.gethostname()}-sim1"
@@ -122,8 +122,7 @@ def test_the_default_variable_unset_means_no_key(monkeypatch) -> None:
 @pytest.mark.parametrize("differential", matrix([False, True], ci=[False]),  # differential peers: test_differential
                          ids=lambda d: "differential" if d else "full")
 def test_lost_node_restores_from_signed_replicas_bit_for_bit(tmp_path, shm_root, differential) -> None:
-    ref_res, ref, _ = pretrain(tmp_path, make_config(tmp_path, stage=3, deadpool=None), iters=8, name="ref")
-    assert ref_res.returncode == 0, ref_res.output[-3000:]
+    ref = baseline(tmp_path, make_config(tmp_path, stage=3, deadpool=None), iters=8)  # shared (testing/baselines.py)
     extra = {"differential": {"enabled": True, "base_interval": 3}} if differential else {}
     cfg = memory_tier_config(tmp_path, 3, shm_root, **extra)
     res, metrics, _ = pretrain(tmp_path, cfg, iters=8, max_restarts=1, env={DEFAULT_KEY_ENV: KEY}, name="signed",

@@ -86,6 +86,23 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
         raise SystemExit(str(exc)) from None
 
 
+def batch_flags(global_batch_size: int | None, num_microbatches: int | None, micro_batch_size: int,
+                layout: Layout) -> tuple[int, int]:
+    """(global batch, micro-batches per rank) from the batch flags at this layout; a ConfigError naming the flags
+    when they cannot both hold (pure: unit-tested in tests/unit/test_megatron_layout.py)."""
+    if global_batch_size is not None and num_microbatches is not None:
+        raise ConfigError("--global-batch-size and --num-microbatches: give one of them (the micro-batches per "
+                          "rank follow from the global batch)")
+    num_micro = num_microbatches or layout.pp
+    global_batch = global_batch_size or micro_batch_size * num_micro * layout.dp
+    try:
+        num_micro, _ = keep_global_batch(global_batch, micro_batch_size, num_micro, layout.dp, False)
+    except LayoutError:
+        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
+                          f"{micro_batch_size} x data-parallel size {layout.dp}") from None
+    return global_batch, num_micro
+
+
 def _run(argv: Sequence[str] | None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.save_interval and not args.save:
@@ -96,16 +113,8 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
     init_distributed(timeout_s=config.hot_swap.collective_timeout_s)
     layout = Layout(world_size=dist.get_world_size(), tp=args.tensor_model_parallel_size,
                     pp=args.pipeline_model_parallel_size)
-    num_micro = args.num_microbatches or layout.pp
-    global_batch = args.global_batch_size or args.micro_batch_size * num_micro * layout.dp
-    if args.global_batch_size is not None and args.num_microbatches is not None:
-        raise ConfigError("--global-batch-size and --num-microbatches: give one of them (the micro-batches per "
-                          "rank follow from the global batch)")
-    try:
-        num_micro, _ = keep_global_batch(global_batch, args.micro_batch_size, num_micro, layout.dp, False)
-    except LayoutError:
-        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
-                          f"{args.micro_batch_size} x data-parallel size {layout.dp}") from None
+    global_batch, num_micro = batch_flags(args.global_batch_size, args.num_microbatches, args.micro_batch_size,
+                                          layout)
     spec = ModelSpec(size=args.model_size, lr=args.lr, train_iters=args.train_iters, dropout=args.dropout,
                      micro_batch=args.micro_batch_size, num_microbatches=num_micro,
                      distributed_optimizer=args.use_distributed_optimizer, bf16=args.bf16)

@@ -1,4 +1,6 @@
-"""Two ranks, one Transport implementation (argv[1]), the contract every one must meet (argv[2]: the case):
+"""Two ranks, one Transport implementation (argv[1]), the contract every one must meet (argv[2]: the cases,
+comma-separated, run in that order, each on a new group with a new transport; ``torn`` ends the run, as rank 0
+leaves):
 
 - ``both_ways``: one round, each rank sends its blob to the other and receives the other's (blobs of different
   sizes, the receiving buffer larger than the blob and prefilled with an older valid blob); both arrive intact.
@@ -13,7 +15,7 @@
   blob: ``exchange`` names rank 0 and the buffer is left torn although it held a valid blob before; rank 0
   (the receiver of rank 1's blob, with its own key or none) refuses or accepts as its key says.
 
-Writes ``rank<r>.json`` into argv[3].
+Writes ``<case>.rank<r>.json`` into argv[3].
 """
 from __future__ import annotations
 
@@ -50,8 +52,14 @@ def blob(rank: int, n: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(serialize(obj, {"rank": rank, "version": 7})), dtype=torch.uint8)
 
 
-def main(impl: str, case: str, out_dir: str) -> None:
+def main(impl: str, cases: str, out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=20))
+    for case in cases.split(","):
+        run(impl, case, out_dir)
+    os._exit(0)  # skip destroying a group whose peer is gone
+
+
+def run(impl: str, case: str, out_dir: str) -> None:
     rank = dist.get_rank()
     transport = IMPLEMENTATIONS[impl](dist.new_group(backend="gloo", timeout=timedelta(seconds=20)),
                                       signer_for(case, dist.get_rank()))
@@ -107,9 +115,8 @@ def main(impl: str, case: str, out_dir: str) -> None:
             out["raised"] = type(exc).__name__
         meta, why = probe(into)
         out.update(magic_zero=not any(bytes(into[fmt.MAGIC_SLICE])), meta=meta, why=why)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"{case}.rank{rank}.json"), "w") as fh:
         json.dump(out, fh)
-    os._exit(0)  # skip destroying a group whose peer is gone
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What a hot-swap rebuild's engine build does with the initial weights, on a real 2-rank gloo world (torchrun).
 
-argv: mode, output directory (each rank writes rank<r>.json there). Modes:
+argv: modes (comma-separated, run in this order in one process group), output directory (each rank writes
+<mode>.rank<r>.json there). Modes:
   agree_yes   both ranks are spares that joined generation 1: every_rank_restores() is True on both
   agree_no    rank 0 a joined spare, rank 1 a survivor without a committed snapshot: False on both
   synced      ZeRO-3 engine built the usual way from rank-dependent weights: rank 0's values everywhere
@@ -16,19 +17,24 @@ import torch.distributed as dist
 
 
 def main() -> None:
-    mode, out_dir = sys.argv[1], sys.argv[2]
+    modes, out_dir = sys.argv[1].split(","), sys.argv[2]
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed  # noqa: F401
-
-    from deadpool_ext import patches
-    from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
-    from deadpool_ext.rebuild import recover
-
     dist.init_process_group("gloo")
     # Leave the group while the interpreter is whole: a process exiting while gloo's threads still release a
     # collective's tensors aborts ("terminate called without an active exception", pytorch/pytorch#179291).
     from deadpool_ext.distributed import destroy_groups_at_exit
     destroy_groups_at_exit()
+    for mode in modes:
+        run(mode, out_dir)
+
+
+def run(mode: str, out_dir: str) -> None:
+    import deepspeed
+
+    from deadpool_ext import patches
+    from deadpool_ext.patches.deepspeed_unsynced_init import unsynced_weights
+    from deadpool_ext.rebuild import recover
+
     rank = dist.get_rank()
     out: dict = {"rank": rank, "mode": mode}
     if mode.startswith("agree"):
@@ -39,18 +45,24 @@ def main() -> None:
         from deadpool_ext.rebuild.context import context
 
         role = "spare" if (rank == 0 or mode == "agree_yes") else "active"
-        context().membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
-        out["every_rank_restores"] = recover.every_rank_restores()
+        ctx = context()
+        before = ctx.membership
+        ctx.membership = SimpleNamespace(generation=1, role=role)  # type: ignore[assignment]
+        try:
+            out["every_rank_restores"] = recover.every_rank_restores()
+        finally:
+            ctx.membership = before
         _write(out_dir, out)
         return
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from deadpool_ext.training.models import build_gpt
+    from deadpool_ext.training.models import build_gpt, default_gpt_impl
 
     original = DeepSpeedEngine._broadcast_model
     torch.manual_seed(100 + rank)  # rank-dependent weights: a broadcast would make them rank 0's
-    model = build_gpt("tiny")
-    wte = model.transformer.wte.weight.detach().clone().reshape(-1)
+    model = build_gpt("tiny", impl=default_gpt_impl())
+    wte_param = next(p for n, p in model.named_parameters() if n.endswith("wte.weight"))
+    wte = wte_param.detach().clone().reshape(-1)
     cfg = {"train_micro_batch_size_per_gpu": 1,
            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": 3}}
@@ -60,7 +72,7 @@ def main() -> None:
     out["patch_reverted"] = (DeepSpeedEngine._broadcast_model is original
                              and not patches.get("deepspeed_unsynced_init").applied)
     out["skipped"] = skipped
-    p = engine.module.transformer.wte.weight
+    p = next(q for n, q in engine.module.named_parameters() if n.endswith("wte.weight"))
     part = p.ds_tensor.detach().reshape(-1)
     n = part.numel()
     own = wte[rank * n: rank * n + n]
@@ -82,7 +94,7 @@ def main() -> None:
 
 
 def _write(out_dir: str, out: dict) -> None:
-    with open(os.path.join(out_dir, f"rank{out['rank']}.json"), "w") as fh:
+    with open(os.path.join(out_dir, f"{out['mode']}.rank{out['rank']}.json"), "w") as fh:
         json.dump(out, fh)
 
 
