@@ -10,7 +10,7 @@ import pytest
 from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import REPO, base_env, free_port, read_metrics, run_job
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import pretrain
+from tests.integration.helpers import baseline, pretrain
 from tests.log_interface import assert_refusal
 
 pytestmark = pytest.mark.slow
@@ -60,13 +60,13 @@ def test_the_seed_decides_the_run_and_bert_runs(tmp_path, shm_root):
     """Another --seed, other losses; the metrics file's fields; the BERT script trains. That two runs of one seed
     are identical is what every bit-for-bit test checks against its uninterrupted baseline (test_hot_swap,
     test_memory_tiers, test_existing_jobs, ...), so it is not run a second time here."""
-    cfg = _no_snapshot_cfg(tmp_path, 3, shm_root)
-    a = pretrain(tmp_path, cfg, iters=5, name="a")
-    c = pretrain(tmp_path, cfg, iters=5, name="c", extra=["--seed", "7"])
-    assert a[0].returncode == c[0].returncode == 0
-    assert len(a[1]) == 5 and len(c[1]) == 5
-    assert a[1] != c[1]
-    with open(a[2]) as fh:
+    cfg = make_config(tmp_path, stage=3, deadpool=None)
+    a = baseline(tmp_path, cfg, iters=8)  # the default seed's run, cached (testing/baselines.py: shared)
+    c = pretrain(tmp_path, cfg, iters=8, name="c", extra=["--seed", "7"])
+    assert c[0].returncode == 0, c[0].output[-3000:]
+    assert len(a) == 8 and len(c[1]) == 8
+    assert a != c[1]
+    with open(c[2]) as fh:
         import json
         rec = json.loads(fh.readline())
     assert {"step", "loss", "step_time_s"} <= set(rec)
