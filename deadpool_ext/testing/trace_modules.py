@@ -255,8 +255,10 @@ def _product(mod: str) -> bool:
     return mod.startswith("deadpool_ext") and not mod.startswith(TOOLS)
 
 
-def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
-    """The traced processes with their roles, the fault time and the timeline."""
+def load(out: str, left_out: list[tuple[str, str]] | None = None) -> tuple[list[Proc], float, list[dict[str, Any]]]:
+    """The traced processes with their roles, the fault time and the timeline. A trace that is not complete JSON
+    (its process was killed while writing it) is left out with a line, and ``(path, why)`` is appended to
+    ``left_out`` when given."""
     from ..recovery.timeline import read_events
 
     with open(os.path.join(out, "fault.json")) as fh:
@@ -273,6 +275,8 @@ def load(out: str) -> tuple[list[Proc], float, list[dict[str, Any]]]:
                 rec = json.load(fh)
         except ValueError as exc:
             print(f"{os.path.join(traces, name)}: not a complete trace ({exc}); that process is left out")
+            if left_out is not None:
+                left_out.append((os.path.join(traces, name), f"not a complete trace ({exc})"))
             continue
         argv = " ".join(rec.get("argv") or []).replace(os.sep, ".")  # `-m pkg.mod` reads as pkg/mod.py once run
         pid = int(rec["pid"])
@@ -422,7 +426,8 @@ def pass_throughs(c: RoleCount) -> list[str]:
 
 
 def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
-    procs, t_fault, events = load(out)
+    left_out: list[tuple[str, str]] = []
+    procs, t_fault, events = load(out, left_out)
     counts = {r: count(procs, r) for r in ROLES}
     joined = count(procs, "spare", since=JOIN)
     joined.role = "spare, from its join (after its solo engine build)"
@@ -434,7 +439,8 @@ def report(out: str, *, as_json: bool = False, functions: bool = False) -> int:
                               "tools": sorted(c.tools),
                               "imported_only": c.imported_only, "edges": c.edges,
                               "pass_throughs": pass_throughs(c),
-                              "functions": c.product} for r, c in counts.items()}, indent=1))
+                              "functions": c.product} for r, c in counts.items()}
+                          | {"left_out": [{"trace": path, "why": why} for path, why in left_out]}, indent=1))
         return 1 if missing else 0
     print(f"fault at {time.strftime('%H:%M:%S', time.gmtime(t_fault))} UTC; processes: "
           + ", ".join(f"{p.pid} {p.role}{' ' + p.worker_id if p.worker_id else ''}" for p in procs))

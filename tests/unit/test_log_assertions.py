@@ -22,7 +22,6 @@ UNMARKED: dict[str, int] = {
     "tests/integration/test_tier3_s3.py": 3,
     "tests/security/test_peer_sign.py": 4,
     "tests/security/test_storage.py": 13,
-    "tests/unit/test_trace_modules.py": 2,
 }
 """Unmarked log-text assertions per file still to replace by a decision (issue 31, part 7). Only shrinks."""
 

@@ -100,8 +100,12 @@ def test_report_counts_each_role_inside_its_window(tmp_path, capsys):
     assert joined.windows == [(102.03, 103.5)]
     assert joined.reader == ["deadpool_ext.rebuild.recover", "deadpool_ext.rebuild.worker"]
     assert tm.count(loaded, "launcher").reader == ["deadpool_ext.launcher.decide"]
-    assert tm.report(str(tmp_path)) == 0
-    assert "1 modules to read" in capsys.readouterr().out
+    assert tm.report(str(tmp_path)) == 0  # the human report runs through; its figures, from --json:
+    capsys.readouterr()
+    assert tm.report(str(tmp_path), as_json=True) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["survivor"]["reader"] == ["deadpool_ext.rebuild.recover"] and rep["left_out"] == []
+    assert rep["launcher"]["reader"] == ["deadpool_ext.launcher.decide"]
 
 
 def test_pass_throughs_are_modules_whose_functions_that_ran_are_one_or_two_statements():
@@ -131,10 +135,12 @@ def test_a_frame_entered_before_the_window_counts_by_its_direct_calls():
     assert edge.reader == ["deadpool_ext.integrations.base"]  # only in the window's first 50 ms: not enough
 
 
-def test_an_incomplete_trace_is_left_out_with_a_line(tmp_path, capsys):
+def test_an_incomplete_trace_is_left_out_and_named(tmp_path):
     (tmp_path / "procs").mkdir()
     (tmp_path / "procs" / "7.json").write_text('{"pid": 7, "calls": [')
     (tmp_path / "fault.json").write_text(json.dumps({"time": 1.0, "worker": "node1.0", "pid": 8, "step": 4}))
     (tmp_path / "timeline.jsonl").write_text("")
-    procs, _, _ = tm.load(str(tmp_path))
-    assert procs == [] and "7.json: not a complete trace" in capsys.readouterr().out
+    left_out: list[tuple[str, str]] = []
+    procs, _, _ = tm.load(str(tmp_path), left_out)
+    assert procs == [] and [path for path, _ in left_out] == [str(tmp_path / "procs" / "7.json")]
+    assert left_out[0][1].startswith("not a complete trace")
