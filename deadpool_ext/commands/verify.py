@@ -8,6 +8,18 @@ Incomplete bases (no commit record) are listed but are not errors: they are neve
 Authenticity: with ``DEADPOOL_CHECKPOINT_KEY`` set, every commit record must carry a signature by that key
 (``deadpool_ext.persist.sign``); without it, verify checks integrity only (checksums prove a file matches its
 record, not who wrote the record) and says so.
+
+``--json`` prints the same decisions as one JSON object on stdout (stderr and the exit status are unchanged)::
+
+    {"url": URL, "authenticity": true | false,        # records checked against the key, or integrity only
+     "latest": TAG | null, "problems": [LINE, ...],   # every line printed as "BAD LINE" on stderr
+     "bases": [{"tag": TAG, "verdict": "ok" | "bad" | "refused" | "incomplete",
+                "errors": [LINE, ...],                # each names the file (or record) and what is wrong
+                "complete": bool, "ok": bool | null, "authenticated": bool, "files": N, "bytes": N}, ...]}
+
+``refused``: the commit record (or its signature) is not accepted, so the base is never used; ``bad``: a file
+does not match its record; ``incomplete``: no commit record yet (ignored, not an error). A key that cannot be
+used (exit 2) prints no JSON, only its one line.
 """
 from __future__ import annotations
 
@@ -19,10 +31,20 @@ from typing import Any
 HELP = "verify sizes and xxh3 checksums of tier-3 bases; non-zero exit naming any bad file"
 
 
+def authenticity_note(checked: bool) -> str:
+    """The first line of the human output: what was checked (with a key: who wrote the records too)."""
+    from ..persist.sign import key_env
+
+    return ("checking authenticity (records signed with the checkpoint key) and integrity" if checked
+            else f"note: no checkpoint key ({key_env()}): integrity only (checksums match the records; who wrote "
+                 "the records is not checked)")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", help="tier-3 location (the --save URL)")
     p.add_argument("--version", type=int, default=None, help="only this base")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout: authenticity, latest, problems "
+                   "and each base's verdict (ok, bad, refused, incomplete) with its errors")
     p.add_argument("--progress", action="store_true", help="progress line on stderr even when not a terminal")
 
 
@@ -40,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     from ..persist.layout import list_versions, read_latest, verify_version
     from ..persist.progress import Progress
     from ..persist.records import BadRecordError
-    from ..persist.sign import checkpoint_key, key_env
+    from ..persist.sign import checkpoint_key
     from ..persist.storage import open_existing
 
     key = checkpoint_key()
@@ -48,35 +70,36 @@ def _run(args: argparse.Namespace) -> int:
     versions = [v for v in list_versions(storage, key=key) if args.version is None or v.version == args.version]
     report: list[dict[str, Any]] = []
     problems: list[str] = []
+    latest = None
     try:
-        read_latest(storage)
+        latest = read_latest(storage)
     except BadRecordError as exc:
         problems.append(str(exc))
     for info in versions:
         if info.problem is not None:  # a commit record is there but refused: not "incomplete", an error
             problems.append(info.problem)
-            report.append({"tag": info.tag, "complete": False, "ok": False, "errors": [info.problem],
-                           "authenticated": False})
+            report.append({"tag": info.tag, "verdict": "refused", "complete": False, "ok": False,
+                           "errors": [info.problem], "authenticated": False})
             continue
         if info.commit is None:  # not complete
-            report.append({"tag": info.tag, "complete": False, "ok": None, "errors": []})
+            report.append({"tag": info.tag, "verdict": "incomplete", "complete": False, "ok": None, "errors": []})
             continue
         errors = verify_version(storage, info, progress=Progress(f"verify {info.tag}",
                                                                   enabled=True if args.progress else None))
-        report.append({"tag": info.tag, "complete": True, "ok": not errors, "errors": errors,
-                       "files": len(info.commit["files"]), "bytes": info.nbytes, "authenticated": key is not None})
+        report.append({"tag": info.tag, "verdict": "bad" if errors else "ok", "complete": True, "ok": not errors,
+                       "errors": errors, "files": len(info.commit["files"]), "bytes": info.nbytes,
+                       "authenticated": key is not None})
         problems.extend(errors)
     for e in problems:
         print(f"BAD {e}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps({"url": args.url, "authenticity": key is not None, "latest": latest, "problems": problems,
+                          "bases": report}, indent=1))
     else:
-        print("checking authenticity (records signed with the checkpoint key) and integrity" if key is not None
-              else f"note: no checkpoint key ({key_env()}): integrity only (checksums match the records; who wrote "
-                   "the records is not checked)")
+        print(authenticity_note(key is not None))
         for r in report:
-            state = ("incomplete (ignored)" if r["ok"] is None else "REFUSED (bad commit record)") \
-                if not r["complete"] else ("OK" if r["ok"] else "BAD")
+            state = {"incomplete": "incomplete (ignored)", "refused": "REFUSED (bad commit record)", "ok": "OK",
+                     "bad": "BAD"}[r["verdict"]]
             extra = f"  {r['files']} files, {r['bytes'] / 1e6:,.1f} MB" if r["complete"] else ""
             print(f"{r['tag']:<20} {state}{extra}")
     if problems:

@@ -25,6 +25,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
+from deadpool_ext.commands.verify import authenticity_note
 from deadpool_ext.persist import sign
 from deadpool_ext.persist.atomic import IncompleteCheckpointError, parse_manifest, write_manifest
 from deadpool_ext.persist.download import CacheDirError, cache_dir_for, download, ensure_private_dir
@@ -44,6 +45,7 @@ from deadpool_ext.persist.sign import KEY_ENV, KeyConfigError, SignatureError
 from deadpool_ext.persist.storage import open_storage
 from deadpool_ext.testing.launch import REPO, base_env
 from tests.conftest import one_rank_gloo_world
+from tests.log_interface import assert_refusal
 
 KEY = "k" * 32
 TAG = "global_step2"
@@ -126,14 +128,10 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: int = 300) -> su
                           timeout=timeout, cwd=REPO, env=base_env({"PYTHONPATH": REPO, **(env or {})}))
 
 
-def assert_one_line(res: subprocess.CompletedProcess, *needles: str) -> str:
-    assert res.returncode != 0, res.stdout + res.stderr
-    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout, res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1, res.stderr
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
+def verify_json(url: str, env: dict[str, str] | None = None) -> tuple[int, dict]:
+    """``deadpool verify URL --json``: its exit status and its decisions (authenticity, each base's verdict)."""
+    res = cli("verify", url, "--json", env=env)
+    return res.returncode, json.loads(res.stdout)
 
 
 # -- a real DeepSpeed engine in a 1-rank gloo world (module scope) ---------------------------------------------
@@ -281,15 +279,6 @@ def test_unlisted_pickle_globbed_by_zero_to_fp32_never_runs_on_export(engine, tm
     assert out["tensors"] > 0 and out["authenticated"] is False
 
 
-def test_export_cli_forged_pickle_one_line(engine, tmp_path):
-    url, marker = str(tmp_path / "t3"), str(tmp_path / "PWNED")
-    real_base(engine, url)
-    forge_file(url, TAG, model_file(url), evil_pt(marker))
-    res = cli("export", url, "--out", str(tmp_path / "m.safetensors"), "--cache", str(tmp_path / "cache"))
-    assert_one_line(res, "posix.system", model_file(url))
-    assert not os.path.exists(marker)
-
-
 def test_forged_pickle_never_runs_in_reshard_conversion(engine, tmp_path):
     """ds_to_universal (dp change) calls torch.load(weights_only=False) on every optim file it globs."""
     from deadpool_ext.integrations.deepspeed.reshard import convert_to_universal
@@ -360,17 +349,6 @@ def test_megatron_metadata_naming_a_path_outside_is_refused(tmp_path):
 
 
 # == 2. names that escape ===================================================================================
-def test_commit_record_naming_parent_path_is_refused_by_verify(tmp_path):
-    url = str(tmp_path / "t3")
-    rec = small_base(url)
-    outside = tmp_path / "outside.txt"
-    outside.write_bytes(b"secret")
-    rec["files"]["../../outside.txt"] = {**_entry(b"secret"), "rank": 0}
-    rec["total_bytes"] += 6
-    write_record(url, TAG, rec)
-    assert_one_line(cli("verify", url), COMMIT, "'../../outside.txt'", "not a plain file name")
-
-
 def test_commit_record_naming_absolute_path_is_refused(tmp_path):
     url = str(tmp_path / "t3")
     rec = small_base(url)
@@ -379,23 +357,6 @@ def test_commit_record_naming_absolute_path_is_refused(tmp_path):
     write_record(url, TAG, rec)
     with pytest.raises(UnsafeNameError, match="/etc/hostname"):
         read_commit(open_storage(url, create=False), TAG)
-
-
-def test_commit_record_naming_a_file_the_layout_never_writes_is_refused(tmp_path):
-    url = str(tmp_path / "t3")
-    rec = small_base(url)
-    rec["files"]["notes.txt"] = {"nbytes": 1, "xxh3_64": "0" * 16, "rank": 0}
-    rec["total_bytes"] += 1
-    write_record(url, TAG, rec)
-    assert_one_line(cli("verify", url), "'notes.txt'", "not one the writer writes")
-
-
-def test_commit_record_with_no_files_is_refused(tmp_path):
-    url = str(tmp_path / "t3")
-    rec = small_base(url)
-    rec["files"], rec["total_bytes"] = {}, 0
-    write_record(url, TAG, rec)
-    assert_one_line(cli("verify", url), COMMIT, "'files' is empty")
 
 
 def test_download_never_writes_outside_its_cache(tmp_path):
@@ -410,8 +371,8 @@ def test_download_never_writes_outside_its_cache(tmp_path):
     assert not [p for p in tmp_path.rglob("escaped.txt*")]
 
 
-def test_symlink_planted_in_base_is_not_followed(tmp_path):
-    url = str(tmp_path / "t3")
+def plant_symlink(tmp_path, url: str) -> None:
+    """A base whose record lists an optimizer file that is a symbolic link to a file outside."""
     small_base(url)
     outside = tmp_path / "outside.pt"
     outside.write_bytes(b"secret bytes")
@@ -422,7 +383,13 @@ def test_symlink_planted_in_base_is_not_followed(tmp_path):
     rec["files"]["zero_pp_rank_0_mp_rank_00_optim_states.pt"] = {**_entry(b"secret bytes"), "rank": 0}
     rec["total_bytes"] = sum(e["nbytes"] for e in rec["files"].values())
     write_record(url, TAG, rec)
-    assert_one_line(cli("verify", url), "symbolic link")
+
+
+def test_symlink_planted_in_base_is_not_followed(tmp_path):
+    url = str(tmp_path / "t3")
+    plant_symlink(tmp_path, url)
+    code, out = verify_json(url)  # the CLI's line: the refusal table (section 6)
+    assert code == 1 and [b["verdict"] for b in out["bases"]] == ["bad"] and len(out["problems"]) == 1
     with pytest.raises(UnsafePathError):
         open_storage(url, create=False).open_read(f"{TAG}/zero_pp_rank_0_mp_rank_00_optim_states.pt")
 
@@ -440,7 +407,8 @@ def test_latest_naming_a_path_outside_is_refused(tmp_path):
     (tmp_path / "t3" / LATEST).write_text("../../etc")
     with pytest.raises(BadRecordError, match="expected global_step"):
         read_latest(open_storage(url, create=False))
-    assert_one_line(cli("inspect", url, "--shm-root", str(tmp_path / "noshm")), LATEST, "'../../etc'")
+    code, out = verify_json(url)  # inspect's line: the refusal table (section 6)
+    assert code == 1 and out["latest"] is None and [b["verdict"] for b in out["bases"]] == ["ok"]
 
 
 def test_megatron_latest_naming_a_path_outside_is_refused(tmp_path):
@@ -509,25 +477,6 @@ def _malformed(case: str, good: dict) -> bytes:
     return json.dumps(rec).encode()
 
 
-@pytest.mark.parametrize("case", sorted(MALFORMED))
-@pytest.mark.parametrize("command", ["verify", "inspect"])
-def test_malformed_commit_record_cli_one_line(tmp_path, case, command):
-    url = str(tmp_path / "t3")
-    good = small_base(url)
-    write_record(url, TAG, None, raw=_malformed(case, good))
-    args = [command, url] + (["--shm-root", str(tmp_path / "noshm")] if command == "inspect" else [])
-    assert_one_line(cli(*args), f"{TAG}/{COMMIT}")
-
-
-@pytest.mark.parametrize("case", ["json_list", "size_as_string", "bad_utf8", "huge_number"])
-def test_malformed_commit_record_export_one_line(tmp_path, case):
-    url = str(tmp_path / "t3")
-    good = small_base(url)
-    write_record(url, TAG, None, raw=_malformed(case, good))
-    assert_one_line(cli("export", url, "--out", str(tmp_path / "m.safetensors"), "--cache", str(tmp_path / "c")),
-                    f"{TAG}/{COMMIT}")
-
-
 def test_malformed_commit_record_is_refused_not_silently_incomplete(tmp_path):
     from deadpool_ext.persist.layout import list_versions, load_candidates
 
@@ -547,15 +496,17 @@ def test_signed_base_verifies_with_key(engine, tmp_path):
     real_base(engine, url, key=KEY)
     rec = json.load(open(os.path.join(url, TAG, COMMIT)))
     assert rec["signature"]["alg"] == "hmac-sha256"
-    res = cli("verify", url, env={KEY_ENV: KEY})
-    assert res.returncode == 0 and "checking authenticity" in res.stdout, res.stdout + res.stderr
+    code, out = verify_json(url, env={KEY_ENV: KEY})
+    assert code == 0 and out["authenticity"] is True and out["problems"] == [], out
+    assert [(b["tag"], b["verdict"], b["authenticated"]) for b in out["bases"]] == [(TAG, "ok", True)]
     from deadpool_ext.integrations.deepspeed.resume import resume_from_tier3
 
     assert resume_from_tier3(engine, url, key=KEY)[0] == 2
 
 
-def test_tampered_signed_record_is_refused(engine, tmp_path):
-    url, marker = str(tmp_path / "t3"), str(tmp_path / "PWNED")
+def tamper_signed(engine, url: str, marker: str) -> None:
+    """A signed base whose model file is replaced by a code-running pickle, the record updated, the old signature
+    kept (what an attacker without the key can do)."""
     real_base(engine, url, key=KEY)
     rec = json.load(open(os.path.join(url, TAG, COMMIT)))
     name = model_file(url)
@@ -565,7 +516,13 @@ def test_tampered_signed_record_is_refused(engine, tmp_path):
     rec["files"][name].update(_entry(data))
     rec["total_bytes"] = sum(e["nbytes"] for e in rec["files"].values())
     json.dump(rec, open(os.path.join(url, TAG, COMMIT), "w"))  # the old signature kept
-    assert_one_line(cli("verify", url, env={KEY_ENV: KEY}), "signature does not match")
+
+
+def test_tampered_signed_record_is_refused(engine, tmp_path):
+    url, marker = str(tmp_path / "t3"), str(tmp_path / "PWNED")
+    tamper_signed(engine, url, marker)
+    code, out = verify_json(url, env={KEY_ENV: KEY})  # the CLI's line: the refusal table (section 6)
+    assert code == 1 and [(b["tag"], b["verdict"]) for b in out["bases"]] == [(TAG, "refused")], out
     from deadpool_ext.integrations.deepspeed.resume import NoVerifiedBaseError, resume_from_tier3
 
     with pytest.raises(NoVerifiedBaseError):
@@ -579,13 +536,15 @@ def test_unsigned_record_is_refused_with_a_key(engine, tmp_path):
 
     url = str(tmp_path / "t3")
     real_base(engine, url)  # no key: unsigned
-    assert_one_line(cli("verify", url, env={KEY_ENV: KEY}), "not signed")
+    code, out = verify_json(url, env={KEY_ENV: KEY})  # the CLI's line: the refusal table (section 6)
+    assert code == 1 and [(b["tag"], b["verdict"]) for b in out["bases"]] == [(TAG, "refused")], out
     with pytest.raises(NoVerifiedBaseError):
         resume_from_tier3(engine, url, key=KEY)
     with pytest.raises(ExportError, match="not signed"):
         export_safetensors(url, str(tmp_path / "m.safetensors"), cache_root=str(tmp_path / "c"), key=KEY)
-    res = cli("verify", url)  # without a key: intact, and it says what it did not check
-    assert res.returncode == 0 and "integrity only" in res.stdout, res.stdout + res.stderr
+    code, out = verify_json(url)  # without a key: intact, and it says what it did not check
+    assert code == 0 and out["authenticity"] is False and [b["verdict"] for b in out["bases"]] == ["ok"], out
+    assert "integrity only" in authenticity_note(False) and "checking authenticity" in authenticity_note(True)
 
 
 def test_record_signed_with_another_key_is_refused(tmp_path):
@@ -624,9 +583,7 @@ def test_forged_rank_manifest_is_not_published_with_a_key(tmp_path):
 def test_short_key_is_a_one_line_error(tmp_path):
     with pytest.raises(KeyConfigError, match="at least 16"):
         sign.checkpoint_key("short")
-    url = str(tmp_path / "t3")
-    small_base(url)
-    assert_one_line(cli("verify", url, env={KEY_ENV: "short"}), KEY_ENV, "at least 16")
+    # the CLI's line (exit 2, naming the variable): the refusal table (section 6)
 
 
 def test_plain_checkpoint_without_manifest_is_refused_with_a_key(tmp_path):
@@ -701,6 +658,87 @@ def test_download_of_changed_remote_file_is_refused(tmp_path):
         fh.write(b"more")
     with pytest.raises(IncompleteCheckpointError, match="does not match its commit record"):
         download(storage, info, cache_dir_for(url, str(tmp_path / "cache")))
+
+
+# == 6. the CLI's refusals: one line naming the file or key, never a traceback ======================================
+def _bad_entry(rec: dict, name: str, entry: dict) -> dict:
+    rec["files"][name] = entry
+    rec["total_bytes"] = sum(e["nbytes"] for e in rec["files"].values())
+    return rec
+
+
+def _parent_path(tmp_path, url, engine):
+    (tmp_path / "outside.txt").write_bytes(b"secret")
+    write_record(url, TAG, _bad_entry(small_base(url), "../../outside.txt", {**_entry(b"secret"), "rank": 0}))
+
+
+def _never_written(tmp_path, url, engine):
+    write_record(url, TAG, _bad_entry(small_base(url), "notes.txt", {"nbytes": 1, "xxh3_64": "0" * 16, "rank": 0}))
+
+
+def _no_files(tmp_path, url, engine):
+    write_record(url, TAG, {**small_base(url), "files": {}, "total_bytes": 0})
+
+
+def _latest_outside(tmp_path, url, engine):
+    small_base(url)
+    (tmp_path / "t3" / LATEST).write_text("../../etc")
+
+
+def _forged_pickle(tmp_path, url, engine):
+    real_base(engine(), url)
+    forge_file(url, TAG, model_file(url), evil_pt(str(tmp_path / "PWNED")))
+
+
+def _malformed_record(case):
+    def setup(tmp_path, url, engine):
+        write_record(url, TAG, None, raw=_malformed(case, small_base(url)))
+    return setup
+
+
+_VERIFY, _INSPECT, _EXPORT = ("verify",), ("inspect", "--shm-root", "{tmp}/noshm"), \
+    ("export", "--out", "{tmp}/m.safetensors", "--cache", "{tmp}/c")
+_WITH_KEY, _SHORT_KEY = {KEY_ENV: KEY}, {KEY_ENV: "short"}
+REFUSALS = [
+    pytest.param(_forged_pickle, _EXPORT, None, 1, ("posix.system", "mp_rank_00_model_states.pt"),
+                 id="export-forged_pickle"),
+    pytest.param(_parent_path, _VERIFY, None, 1, (COMMIT, "'../../outside.txt'", "not a plain file name"),
+                 id="verify-parent_path"),
+    pytest.param(_never_written, _VERIFY, None, 1, ("'notes.txt'", "not one the writer writes"),
+                 id="verify-name_never_written"),
+    pytest.param(_no_files, _VERIFY, None, 1, (COMMIT, "'files' is empty"), id="verify-no_files"),
+    pytest.param(lambda tmp_path, url, engine: plant_symlink(tmp_path, url), _VERIFY, None, 1, ("symbolic link",),
+                 id="verify-symlink"),
+    pytest.param(_latest_outside, _INSPECT, None, 1, (LATEST, "'../../etc'"), id="inspect-latest_outside"),
+    pytest.param(lambda tmp_path, url, engine: tamper_signed(engine(), url, str(tmp_path / "PWNED")), _VERIFY,
+                 _WITH_KEY, 1, ("signature does not match",), id="verify-tampered_signed"),
+    pytest.param(lambda tmp_path, url, engine: real_base(engine(), url), _VERIFY, _WITH_KEY, 1, ("not signed",),
+                 id="verify-unsigned_with_key"),
+    pytest.param(lambda tmp_path, url, engine: small_base(url), _VERIFY, _SHORT_KEY, 2, (KEY_ENV, "at least 16"),
+                 id="verify-short_key"),
+    *[pytest.param(_malformed_record(case), command, None, 1, (f"{TAG}/{COMMIT}",), id=f"{command[0]}-{case}")
+      for command in (_VERIFY, _INSPECT) for case in sorted(MALFORMED)],
+    *[pytest.param(_malformed_record(case), _EXPORT, None, 1, (f"{TAG}/{COMMIT}",), id=f"export-{case}")
+      for case in ("json_list", "size_as_string", "bad_utf8", "huge_number")],
+]
+"""Each hostile or malformed storage the ``deadpool`` CLI refuses: (setup, command, environment, exit status, what
+its one line names). The refusal's words are the interface: the one line tells the user which file or key to fix."""
+
+
+def refused_in_one_line(res: subprocess.CompletedProcess, rc: int, names: tuple[str, ...]) -> None:
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stdout, res.stdout + res.stderr  # log-interface: one line
+    for name in names:
+        assert_refusal(res, rc=rc, names=name)
+
+
+@pytest.mark.parametrize("setup,command,env,rc,names", REFUSALS)
+def test_cli_refuses_hostile_or_malformed_storage_in_one_line(request, tmp_path, setup, command, env, rc, names):
+    url = str(tmp_path / "t3")
+    setup(tmp_path, url, lambda: request.getfixturevalue("engine"))  # the engine only for the cases that write
+    args = [command[0], url, *(a.format(tmp=tmp_path) for a in command[1:])]
+    refused_in_one_line(cli(*args, env=env), rc, names)
+    assert not (tmp_path / "PWNED").exists(), "a forged pickle ran"
 
 
 # == fuzz: the record parsers ========================================================================================
