@@ -34,6 +34,7 @@ from deadpool_ext.persist.storage import FsspecStorage, open_storage
 from deadpool_ext.testing.launch import base_env, free_port
 from tests.conftest import make_config
 from tests.integration.helpers import baseline, pretrain
+from tests.log_interface import assert_refusal
 from tests.unit.test_persist_tier3 import _job, _writer
 from tests.unit.test_persist_tier3 import test_storage_contract as storage_contract
 
@@ -300,9 +301,9 @@ def test_save_to_s3_relaunch_with_load_identical_losses_inspect_verify(tmp_path,
             for r in rep["versions"]] == [(4, True, 2, 2, 3)]
     commit = json.loads(client.get_object(Bucket=bucket, Key=f"run/global_step4/{COMMIT}")["Body"].read())
     assert rep["versions"][0]["bytes"] == commit["total_bytes"] and rep["versions"][0]["files"] == len(commit["files"])
-    v = _cli("verify", url)
+    v = _cli("verify", url, "--json")
     assert v.returncode == 0, v.stdout + v.stderr
-    assert "global_step4" in v.stdout and "OK" in v.stdout
+    assert [(b["tag"], b["verdict"]) for b in json.loads(v.stdout)["bases"]] == [("global_step4", "ok")]
     # Relaunch: every process is new; --load resumes from global_step4 on S3 and keeps saving there.
     res2, resumed, _ = pretrain(tmp_path, cfg, iters=8, extra=["--load", url, "--save", url, "--save-interval", "4"],
                                 name="relaunched")
@@ -317,9 +318,12 @@ def test_save_to_s3_relaunch_with_load_identical_losses_inspect_verify(tmp_path,
     body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
     body[100] ^= 0xFF
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
-    v2 = _cli("verify", url)
-    assert v2.returncode == 1 and "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt" in v2.stderr, \
-        v2.stdout + v2.stderr
+    v2 = _cli("verify", url, "--json")
+    assert v2.returncode == 1, v2.stdout + v2.stderr
+    out = json.loads(v2.stdout)
+    assert [(b["tag"], b["verdict"]) for b in out["bases"]] == [("global_step4", "ok"), ("global_step8", "bad")]
+    (bad,) = out["bases"][1]["errors"]  # one error, naming the corrupted object
+    assert "global_step8/zero_pp_rank_1_mp_rank_00_optim_states.pt" in bad and out["problems"] == [bad], out
 
 
 def test_readers_do_not_create_a_missing_bucket(moto_s3, s3_bucket, tmp_path):
@@ -328,6 +332,5 @@ def test_readers_do_not_create_a_missing_bucket(moto_s3, s3_bucket, tmp_path):
     _, client = s3_bucket
     missing = f"typo-{uuid.uuid4().hex[:8]}"
     for cmd in (["inspect", f"s3://{missing}/run", "--shm-root", str(tmp_path / "noshm")], ["verify", f"s3://{missing}/run"]):
-        r = _cli(*cmd)
-        assert r.returncode == 2 and "no such tier-3 location" in r.stderr and missing in r.stderr, r.stdout + r.stderr
+        assert_refusal(_cli(*cmd), rc=2, names=f"s3://{missing}/run: no such tier-3 location")
     assert missing not in [b["Name"] for b in client.list_buckets()["Buckets"]]
