@@ -57,7 +57,9 @@ def write_config(path: str, micro_batch: int) -> None:
         json.dump(cfg, fh, indent=2)
 
 
-def one_run(mode: str, workdir: str, args: argparse.Namespace, *, fault: bool, tag: str) -> HostsRun:
+def one_run(mode: str, workdir: str, args: argparse.Namespace, *, fault: bool, tag: str,
+            suspect_age_s: float | None = None) -> HostsRun:
+    """One job on a fresh bed; ``suspect_age_s``: deadpool-run's --suspect-age-s (None: the launcher's default)."""
     bed = HostBed(3, workdir=workdir, shm_size="6g")
     bed.start()
     try:
@@ -88,7 +90,7 @@ def one_run(mode: str, workdir: str, args: argparse.Namespace, *, fault: bool, t
                            fault=kill if fault else None, fault_step=args.kill_step, timeout_s=args.timeout_s,
                            hosts=1 if mode == "same_host" else 3, leader_ttl_s=args.leader_ttl_s,
                            extra=["--detect-timeout-s", str(args.detect_timeout_s),
-                                  *(["--suspect-age-s", str(args.suspect_age_s)] if args.suspect_age_s is not None
+                                  *(["--suspect-age-s", str(suspect_age_s)] if suspect_age_s is not None
                                     else [])])
         return run
     finally:
@@ -123,12 +125,39 @@ def _machine_line(m: Any) -> str:
     return "; ".join(parts)
 
 
+def _suspect_value(v: float | None) -> str:
+    return "default (1.5 x --heartbeat-s)" if v is None else ("0, off" if v == 0 else str(v))
+
+
 def _suspect(doc: dict[str, Any]) -> str:
-    """The run's --suspect-age-s: the launcher's default (1.5 x --heartbeat-s), a value, or absent (before it)."""
+    """The run's --suspect-age-s: the launcher's default (1.5 x --heartbeat-s), a value, the values compared
+    (``variants``), or absent (before it)."""
+    if "variants" in doc:
+        return "compared: " + " / ".join(_suspect_value(v) for v in doc["variants"])
     if "suspect_age_s" not in doc:
         return "- (before survivors reported)"
-    v = doc["suspect_age_s"]
-    return "default (1.5 x --heartbeat-s)" if v is None else ("0, off" if v == 0 else str(v))
+    return _suspect_value(doc["suspect_age_s"])
+
+
+def parse_variants(text: str) -> list[float | None]:
+    """``--compare-suspect-age-s``: comma-separated seconds or ``default``; at least two, no repeats."""
+    out: list[float | None] = []
+    for item in (t.strip() for t in text.split(",")):
+        try:
+            v = None if item == "default" else float(item)
+        except ValueError:
+            raise ValueError(f"--compare-suspect-age-s: {item!r} is not a number of seconds or 'default'") from None
+        if v is not None and v < 0:
+            raise ValueError(f"--compare-suspect-age-s: {item!r} is negative")
+        out.append(v)
+    if len(out) < 2 or len(set(out)) != len(out):
+        raise ValueError(f"--compare-suspect-age-s: give two or more different values, got {text!r}")
+    return out
+
+
+def run_key(mode: str, variant: float | None) -> str:
+    """Where a compared run is kept in ``doc["runs"]``: ``follower_host@0``, ``follower_host@default``."""
+    return f"{mode}@default" if variant is None else f"{mode}@{variant:g}"
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -148,8 +177,10 @@ def render(doc: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lost = {"same_host": "worker node1.0 (one process)", "follower_host": "host 2: node2, its launcher, its memory",
             "coordinator_host": "host 0: node0, spare0, the coordinator's launcher, its memory"}
-    for mode in doc["modes"]:
-        runs = doc["runs"][mode]
+    rows = ([(m, f"{m}, --suspect-age-s {_suspect_value(v)}", doc["runs"][run_key(m, v)])
+             for m in doc["modes"] for v in doc["variants"]] if "variants" in doc
+            else [(m, m, doc["runs"][m]) for m in doc["modes"]])
+    for mode, label, runs in rows:
         ph = [r["phases"] for r in runs if r.get("phases")]
 
         def med(key: str, rows: list[dict[str, Any]] = ph) -> str:
@@ -160,8 +191,11 @@ def render(doc: dict[str, Any]) -> str:
             return f"{statistics.median(vals):.2f} ({each})" if len(vals) > 1 else f"{vals[0]:.2f}"
         took = med("took_over_s", runs) if mode == "coordinator_host" else "-"
         ident = "yes" if runs and all(r["losses_identical"] for r in runs) else "NO"
-        lines.append(f"| {mode} | {lost[mode]} | {med('reported_s')} | " + " | ".join(med(k) for k in PHASES)
+        lines.append(f"| {label} | {lost[mode]} | {med('reported_s')} | " + " | ".join(med(k) for k in PHASES)
                      + f" | {took} | {med('assignment_s', runs)} | {ident} ({len(runs)}/{len(runs)}) |")
+    if "variants" in doc:
+        lines += ["", "The values of `--suspect-age-s` were alternated repeat by repeat in this one run (each repeat "
+                  "runs every value in turn, on a fresh bed each), so they saw the same host."]
     lines += ["", "What the numbers say: see `docs/multi-host.md` (Bounds). Detection of a whole host lost is the "
               "suspect age after a survivor's report of its failed collective (`--suspect-age-s`; the host's sockets "
               "closed), else the heartbeat timeout (`--detect-timeout-s`; the dead launcher reports no exit) or the "
@@ -185,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suspect-age-s", type=float, default=None,
                    help="deadpool-run --suspect-age-s (default: the launcher's, 1.5 x --heartbeat-s; 0: off, detection "
                         "by the heartbeat timeout or the lease only, as before survivors reported)")
+    p.add_argument("--compare-suspect-age-s", default=None, metavar="LIST",
+                   help="comma-separated --suspect-age-s values (seconds or 'default') run side by side, alternated "
+                        "repeat by repeat, e.g. '0,default': survivors' reports off and on")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout-s", type=float, default=600)
     p.add_argument("--name", default="recovery_hosts")
@@ -206,6 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"bench_hosts: --modes: unknown {bad}; allowed: {', '.join(MODES)}", file=sys.stderr)
         return 2
+    try:
+        variants = parse_variants(args.compare_suspect_age_s) if args.compare_suspect_age_s else None
+    except ValueError as exc:
+        print(f"bench_hosts: {exc}", file=sys.stderr)
+        return 2
+    if variants is not None and args.suspect_age_s is not None:
+        print("bench_hosts: --suspect-age-s and --compare-suspect-age-s: give one", file=sys.stderr)
+        return 2
     t0 = time.time()
     doc: dict[str, Any] = {
         "command": "python benchmarks/bench_hosts.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -213,23 +258,30 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size, "kill_step": args.kill_step, "steps_after": args.steps_after,
         "leader_ttl_s": args.leader_ttl_s, "detect_timeout_s": args.detect_timeout_s,
         "suspect_age_s": args.suspect_age_s,
-        "modes": modes, "runs": {m: [] for m in modes}, "references": {}}
+        "modes": modes, "references": {}}
+    if variants is not None:
+        doc["variants"] = variants
+    keys = ([(m, v, run_key(m, v)) for m in modes for v in variants] if variants is not None
+            else [(m, args.suspect_age_s, m) for m in modes])
+    doc["runs"] = {k: [] for _, _, k in keys}
     with tempfile.TemporaryDirectory(prefix="bench-hosts-") as scratch:
         for mode in modes:
             ref = one_run(mode, scratch, args, fault=False, tag=f"{mode}_ref")
             doc["references"][mode] = {"rcs": ref.rcs, "steps": len(ref.metrics)}
             print(f"[bench_hosts] {mode} reference: rcs {ref.rcs}, {len(ref.metrics)} steps", flush=True)
             for r in range(args.repeats):
-                run = one_run(mode, scratch, args, fault=True, tag=f"{mode}_r{r}")
-                rec = summarize(run, ref.metrics)
-                if rec["phases"] is None or not rec["losses_identical"]:
-                    rec["log_tail"] = run.tails(1500)
-                doc["runs"][mode].append(rec)
-                ph = rec["phases"] or {}
-                print(f"[bench_hosts] {mode} r{r}: total {ph.get('total_s')}, detect {ph.get('detect_s')}, "
-                      f"reported {ph.get('reported_s')}, published {rec.get('assignment_s')}, "
-                      f"took over {rec.get('took_over_s')}, identical {rec['losses_identical']}, rcs {run.rcs}",
-                      flush=True)
+                for key, suspect in [(k, v) for m, v, k in keys if m == mode]:
+                    run = one_run(mode, scratch, args, fault=True, tag=f"{key.replace('@', '_')}_r{r}",
+                                  suspect_age_s=suspect)
+                    rec = summarize(run, ref.metrics)
+                    if rec["phases"] is None or not rec["losses_identical"]:
+                        rec["log_tail"] = run.tails(1500)
+                    doc["runs"][key].append(rec)
+                    ph = rec["phases"] or {}
+                    print(f"[bench_hosts] {key} r{r}: total {ph.get('total_s')}, detect {ph.get('detect_s')}, "
+                          f"reported {ph.get('reported_s')}, published {rec.get('assignment_s')}, "
+                          f"took over {rec.get('took_over_s')}, identical {rec['losses_identical']}, rcs {run.rcs}",
+                          flush=True)
     doc["wall_s"] = time.time() - t0
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
