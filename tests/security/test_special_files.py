@@ -24,7 +24,7 @@ from deadpool_ext.persist.layout import COMMIT, LATEST, read_latest, read_versio
 from deadpool_ext.persist.records import BadRecordError, CheckpointTrustError
 from deadpool_ext.persist.regular import NotRegularFileError, open_regular_file
 from deadpool_ext.persist.storage import open_storage
-from tests.security.test_storage import TAG, assert_one_line, cli, small_base
+from tests.security.test_storage import TAG, cli, refused_in_one_line, small_base
 
 pytestmark = pytest.mark.timeout(60)
 NAME = "mp_rank_00_model_states.pt"
@@ -187,4 +187,4 @@ def test_cli_refuses_a_fifo_in_one_line(tmp_path, command):
     plant(url, "fifo", empty_in_record=command == "verify")
     args = ["export", url, "--out", str(tmp_path / "m.safetensors"), "--cache", str(tmp_path / "c")] \
         if command == "export" else ["verify", url]
-    assert_one_line(cli(*args, timeout=60), f"{TAG}/{NAME}")
+    refused_in_one_line(cli(*args, timeout=60), 1, (f"{TAG}/{NAME}",))  # test_storage's one refusal check
