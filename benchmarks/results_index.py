@@ -110,6 +110,14 @@ CURRENT: tuple[Current, ...] = (
             "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
             "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "
             "the same job on one host losing one worker; phases, takeover time, losses bit for bit; 2 repeats."),
+    Current("recovery_hosts_reports", "hosts", "a follower host lost: detection with the survivors' reports off and on",
+            "Issue 'the spare ready', part 2: a follower host SIGKILLed whole on the namespace bed (3 hosts, 3-member "
+            "etcd, GPT tiny, ZeRO-3, 3 nodes + 2 spares), --suspect-age-s 0 (reports off: the heartbeat timeout) "
+            "and the default (1.5 x --heartbeat-s) alternated repeat by repeat in one run, 3 repeats each; phases "
+            "from the timeline, losses bit for bit.",
+            note="Run with `--out /tmp/hosts_cmp` and copied here. Detection is what changed; the next generation "
+                 "is still published when the dead host's lease lapses (--leader-ttl-s 4), so the total is not "
+                 "shorter."),
     Current("chaos_bed", "chaos", "host-level chaos on the namespace bed, 24 trials",
             "`deadpool chaos --bed`: host loss, coordinator loss, partition with heal, etcd member loss, etcd quorum "
             "loss and a stuck rank, each on a fresh 3-host bed with a 3-member etcd, over ZeRO-1/2/3 and Megatron "
