@@ -78,6 +78,7 @@ from recovery_run import (  # noqa: E402
     NNODES,
     NPROC_PER_NODE,
     SPARE_NODES,
+    UNREADY_WORKER,
     params_from_logs,
     rss_end,
     run_baseline,
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each job, wait at most this long for the shared machine to be quiet")
     p.add_argument("--settle-busy", type=float, default=0.35, help="'quiet' = CPU busy fraction below this")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--unready", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the default path killing a node the spare did not build its engine for (node2: "
+                        "the spare starts again from the script's first line)")
     p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the hot-swap with hot_swap.in_place false (every rank rebuilds its engine)")
     p.add_argument("--force-hotswap", action="store_true",
@@ -182,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "recovery", "command": command, "machine": machine_info(),
         "targets": {"end_to_end_s": TARGET_E2E_S, "speedup": TARGET_SPEEDUP},
         "settings": {"nnodes": NNODES, "nproc_per_node": NPROC_PER_NODE, "spare_nodes": SPARE_NODES,
-                     "killed": {"hotswap": KILL_WORKER, "baseline": f"RANK={KILL_RANK}"},
+                     "killed": {"hotswap": KILL_WORKER, "unready": UNREADY_WORKER,
+                                "baseline": f"RANK={KILL_RANK}"},
                      "kill_delay_frac": args.kill_delay_frac, "seed": args.seed,
                      "settle_s": args.settle_s, "settle_busy": args.settle_busy},
         "definitions": {
@@ -212,12 +217,14 @@ def main(argv: list[str] | None = None) -> int:
             layers, hidden, heads, seq = MODEL_SIZES[size]
             entry: dict[str, Any] = {"settings": d, "seq_len": seq, "model": {"layers": layers, "hidden": hidden,
                                                                               "heads": heads},
-                                     "runs": {"hotswap": [], "rebuild": [], "baseline": [], "reference": None}}
+                                     "runs": {"hotswap": [], "unready": [], "rebuild": [], "baseline": [],
+                                              "reference": None}}
             doc["sizes"][size] = entry
             size_scratch = os.path.join(scratch, size)  # metrics files are appended to: never share them across sizes
             os.makedirs(size_scratch, exist_ok=True)
             try:
-                kinds = ["hotswap", *(["rebuild"] if args.rebuild else []), "baseline"]
+                kinds = ["hotswap", *(["unready"] if args.unready else []), *(["rebuild"] if args.rebuild else []),
+                         "baseline"]
                 for i in range(d["repeats"]):
                     # Rotate the order so slow drift of the shared machine does not favour one side.
                     order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
@@ -229,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                         if kind == "baseline":
                             res = run_baseline(size, d, size_scratch, f"{kind}_r{i}", args, logs)
                         else:
-                            # hotswap: today's default (hot_swap.in_place true); rebuild: every rank rebuilds
-                            mode = {"hot_swap": {"in_place": kind == "hotswap"}}
-                            dk = {**d, "deadpool": {**d.get("deadpool", {}), **mode}}
+                            # hotswap: today's default (hot_swap.in_place true; the spare built ahead for the killed
+                            # node); unready: the same, another node killed; rebuild: every rank rebuilds
+                            mode = {"hot_swap": {"in_place": kind != "rebuild"}}
+                            dk = {**d, "deadpool": {**d.get("deadpool", {}), **mode},
+                                  **({"kill_worker": UNREADY_WORKER} if kind == "unready" else {})}
                             res = run_hotswap(size, dk, size_scratch, f"{kind}_r{i}", args, logs)
                             res["kind"] = kind
                         entry["runs"][kind].append(slim(res))
@@ -269,9 +278,10 @@ def _save(doc: dict[str, Any], entry: dict[str, Any], size: str, json_path: str,
     entry["params"] = params_from_logs(entry)
     try:
         entry["analysis"] = analyze_size(size, entry)
-        if entry["runs"].get("rebuild"):  # the same analysis over the rebuild runs (against the same baseline)
-            entry["analysis"]["rebuild"] = analyze_size(
-                size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"]["rebuild"]}})
+        for other in ("rebuild", "unready"):  # the same analysis over those runs (against the same baseline)
+            if entry["runs"].get(other):
+                entry["analysis"][other] = analyze_size(
+                    size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][other]}})
     except Exception as exc:  # noqa: BLE001 - a partial result still gets written
         entry["analysis"] = None
         entry["analysis_error"] = f"{type(exc).__name__}: {exc}"
@@ -288,10 +298,11 @@ def _print_run(size: str, r: dict[str, Any]) -> None:
     if r.get("raw_s") is None:
         return
     extra = ""
-    if r["kind"] in ("hotswap", "rebuild") and r.get("phases"):
+    if r["kind"] in ("hotswap", "unready", "rebuild") and r.get("phases"):
         ph = r["phases"]
         extra = " phases " + " ".join(f"{k[:-2]} {_f(ph.get(k))}" for k in
-                                      ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s"))
+                                      ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s", "restore_s",
+                                       "recompute_s", "total_s"))
     elif r["kind"] == "baseline":
         extra = " " + " ".join(f"{k[:-2]} {_f(v)}" for k, v in r["breakdown"].items())
     print(f"[bench] {size} {r['tag']}: raw {r['raw_s']:.2f} s, minus step {_f(r.get('minus_step_s'))} s "

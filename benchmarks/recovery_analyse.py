@@ -17,6 +17,10 @@ from common import median, ratio, summarize  # noqa: E402
 
 TARGET_E2E_S = {"small": 10.0}
 TARGET_SPEEDUP = 5.0
+TARGET_RESTORED_S = 1.0
+"""Issue 32: kill -> every rank restored on the default path, at most this; and at least TARGET_RESTORED_SPEEDUP times
+faster than relaunch + load to restored; kill -> the next completed step at most one normal step + this."""
+TARGET_RESTORED_SPEEDUP = 10.0
 
 
 def losses(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -76,7 +80,8 @@ def analyze_size(size: str, entry: dict[str, Any]) -> dict[str, Any]:
     def med(rs: list[dict[str, Any]], key: str) -> float | None:
         return median([r[key] for r in rs if r.get(key) is not None])
 
-    phase_keys = ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s", "total_s")
+    phase_keys = ("detect_s", "agree_s", "assign_s", "spare_s", "communicators_s", "rebuild_s", "restore_s",
+                  "recompute_s", "total_s")
     phases = {p: median([r["phases"][p] for r in hs_ok if r.get("phases") and r["phases"].get(p) is not None])
               for p in phase_keys}
     bkeys = ("detect_s", "relaunch_s", "startup_and_load_s", "first_step_s", "total_s")
@@ -126,7 +131,13 @@ def analyze_size(size: str, entry: dict[str, Any]) -> dict[str, Any]:
                                      "met": an["speedup_minus_step"] is not None
                                      and an["speedup_minus_step"] >= TARGET_SPEEDUP}
     an["raw_speedup_ceiling"] = raw_speedup_ceiling(an)
-    an["ready"] = ready_to_redo(hs_ok, bl_ok)
+    an["ready"] = rd = ready_to_redo(hs_ok, bl_ok)
+    targets["restored"] = {"target_s": TARGET_RESTORED_S, "value_s": rd["hotswap_s"],
+                           "met": rd["hotswap_s"] is not None and rd["hotswap_s"] <= TARGET_RESTORED_S}
+    targets["restored_speedup"] = {"target": TARGET_RESTORED_SPEEDUP, "value": rd["speedup"],
+                                   "met": rd["speedup"] is not None and rd["speedup"] >= TARGET_RESTORED_SPEEDUP}
+    targets["next_step_minus_step"] = {"target_s": TARGET_RESTORED_S, "value_s": hs_minus,
+                                       "met": hs_minus is not None and hs_minus <= TARGET_RESTORED_S}
     an["targets"] = targets
     return an
 

@@ -97,27 +97,34 @@ def render_markdown(doc: dict[str, Any]) -> str:
         ]
         L.append(md_table(["", "hot-swap", "baseline (relaunch + load)", "speedup"], rows))
         L.append("")
-        rb = an.get("rebuild")
-        if rb:
-            L.append("Hot-swap on the default path (`hot_swap.in_place: true`: survivors keep their engines, the "
-                     "spare builds its own) beside `hot_swap.in_place: false` (every rank rebuilds its engine) and "
-                     "relaunch + load, same job settings, phases from each job's timeline (medians):")
+        others = [(name, an[key]) for key, name in (("unready", "in place, spare built for another node"),
+                                                    ("rebuild", "rebuild")) if an.get(key)]
+        if others:
+            L.append("Hot-swap on the default path (`hot_swap.in_place: true`: survivors keep their engines; the "
+                     "spare built its engine ahead for the killed node's ranks, `hot_swap.spare_build_ahead`)"
+                     + (", the same path killing a node the spare did not build for (it starts again from the "
+                        "script's first line)" if an.get("unready") else "")
+                     + (", `hot_swap.in_place: false` (every rank rebuilds its engine)" if an.get("rebuild") else "")
+                     + " and relaunch + load, same job settings, phases from each job's timeline (medians; agree "
+                     "= assign + spare + communicators):")
             L.append("")
-            rrd = rb.get("ready") or {}
             prow = []
-            for key in ("detect_s", "agree_s", "rebuild_s", "restore_s", "recompute_s"):
-                prow.append([f"phase {key[:-2]}", fmt_s(hs["phases_median"].get(key)),
-                             fmt_s(rb["hotswap"]["phases_median"].get(key)), None])
-            prow += [["kill -> every rank restored", fmt_s(rd.get("hotswap_s")), fmt_s(rrd.get("hotswap_s")),
-                      fmt_s(rd.get("baseline_s"))],
-                     ["kill -> next completed step", fmt_s(hs["raw_s"]["median"]),
-                      fmt_s(rb["hotswap"]["raw_s"]["median"]), fmt_s(bl["raw_s"]["median"])],
+            for key in ("detect_s", "assign_s", "spare_s", "communicators_s", "agree_s", "rebuild_s", "restore_s",
+                        "recompute_s"):
+                prow.append([f"phase {key[:-2]}", fmt_s(hs["phases_median"].get(key))]
+                            + [fmt_s(o["hotswap"]["phases_median"].get(key)) for _, o in others] + [None])
+            prow += [["kill -> every rank restored", fmt_s(rd.get("hotswap_s"))]
+                     + [fmt_s((o.get("ready") or {}).get("hotswap_s")) for _, o in others]
+                     + [fmt_s(rd.get("baseline_s"))],
+                     ["kill -> next completed step", fmt_s(hs["raw_s"]["median"])]
+                     + [fmt_s(o["hotswap"]["raw_s"]["median"]) for _, o in others] + [fmt_s(bl["raw_s"]["median"])],
                      ["speedup against relaunch + load (restored / next step)",
-                      f"{_f(rd.get('speedup'), 1)}x / {_f(an['speedup_raw'], 1)}x",
-                      f"{_f(rrd.get('speedup'), 1)}x / {_f(rb['speedup_raw'], 1)}x", None],
-                     ["losses bit-identical", str(an.get("losses_identical")), str(rb.get("losses_identical")),
-                      None]]
-            L.append(md_table(["", "in place (default)", "rebuild", "relaunch + load"], prow))
+                      f"{_f(rd.get('speedup'), 1)}x / {_f(an['speedup_raw'], 1)}x"]
+                     + [f"{_f((o.get('ready') or {}).get('speedup'), 1)}x / {_f(o['speedup_raw'], 1)}x"
+                        for _, o in others] + [None],
+                     ["losses bit-identical", str(an.get("losses_identical"))]
+                     + [str(o.get("losses_identical")) for _, o in others] + [None]]
+            L.append(md_table(["", "in place (default)", *(n for n, _ in others), "relaunch + load"], prow))
             L.append("")
         if entry["runs"]["hotswap"]:
             L.append("Hot-swap phases (timeline `phases()`, medians; detect = kill -> launcher detection, agree -> "

@@ -44,6 +44,9 @@ BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
 NNODES, NPROC_PER_NODE, SPARE_NODES = 3, 1, 1
 KILL_WORKER, KILL_RANK = "node1.0", 1
+UNREADY_WORKER = "node2.0"
+"""The ``unready`` runs kill this one instead: the spare built its engine ahead for node1's ranks (the node after
+the first, ``cluster/membership.py`` ``shadowed_node``), so here it starts again for node2's (the fallback)."""
 
 # Per size: micro-batch per rank, kill after step K, steps trained after K (N = K + steps_after), repeats, deadline
 # of one job. ``zero``: overrides of the ZeRO section (medium: smaller buckets, as bench_snapshot_overhead.py, so
@@ -158,11 +161,12 @@ def run_hotswap(size: str, d: dict[str, Any], scratch: str, tag: str, args: argp
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:
         mon = mon_box["m"] = _monitor(proc.pid, "DEADPOOL_WORKER_ID", args, shm_root)
-        kill = wait_and_kill(proc, deadline, mon, metrics, k, args.kill_delay_frac, KILL_WORKER)
+        victim = d.get("kill_worker", KILL_WORKER)
+        kill = wait_and_kill(proc, deadline, mon, metrics, k, args.kill_delay_frac, victim)
         append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": 0, "source": "injector",
-                                "pid": kill["killed_pid"], "worker": KILL_WORKER})
+                                "pid": kill["killed_pid"], "worker": victim})
         out["fault"] = kill
-        print(f"[bench]   hotswap: SIGKILLed {KILL_WORKER} (pid {kill['killed_pid']}) "
+        print(f"[bench]   hotswap: SIGKILLed {victim} (pid {kill['killed_pid']}) "
               f"{kill['kill_delay_s']:.2f} s after step {k}", flush=True)
         out["hung"] = watch_recovery(proc, deadline, mon, metrics, kill["t_kill"], args.recovery_timeout_s)
 

@@ -188,6 +188,12 @@ class HotSwapConfig:
     beneath their process groups are replaced (``rebuild/swap.py``) and the state is restored in place, and the
     spare builds its engine locally before joining. ``false``: every rank rebuilds its engine through the
     script's ``set_rebuild`` factory (the older path). Megatron-Core jobs always rebuild."""
+    spare_build_ahead: bool = True
+    """With ``in_place``: a deadpool-run spare runs the script up to its engine (``deepspeed.initialize``, built alone
+    for the ranks of the node it shadows) *before* any failure, then waits; assigned those ranks, it only joins the
+    survivors' communicators and restores. Assigned other ranks, it starts again from the script's first line
+    (logged). ``false`` (memory-tight spare hosts): the spare waits before its script and builds after the
+    assignment (``rebuild/spare.py``, docs/hot-swap.md)."""
     release_memory: bool = True
     """After an in-place recovery, give the C heap's free memory back to the OS (glibc ``malloc_trim``), twice: right
     after the recovery (what the dead communicators' threads and the interrupted step's frames left) and once the

@@ -44,7 +44,8 @@ def on_spare_wait(fn: Callable[[], None]) -> None:
         warmups.append(fn)
 
 
-def init_distributed(backend: str | None = None, timeout_s: float | None = None, *, in_place: bool = False) -> None:
+def init_distributed(backend: str | None = None, timeout_s: float | None = None, *, in_place: bool = False,
+                     build_ahead: bool = False) -> None:
     """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
     deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
     to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node.
@@ -52,7 +53,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     ``timeout_s``: the collective timeout; pass the config's ``hot_swap.collective_timeout_s`` (under
     deadpool-run it is only the backstop: the launcher's next generation cuts a dead one). Default: that key's
     default under deadpool-run, 300 s otherwise. ``in_place``: the config's ``hot_swap.in_place`` where the
-    integration supports it (DeepSpeed): under deadpool-run the groups are swappable (``rebuild/swap.py``)."""
+    integration supports it (DeepSpeed): under deadpool-run the groups are swappable (``rebuild/swap.py``).
+    ``build_ahead``: the config's ``hot_swap.spare_build_ahead``; with ``in_place`` a spare builds its groups solo
+    for the ranks it shadows and returns at once, so that the script builds its engine before any failure
+    (``rebuild/spare.py``); it waits for its assignment at the end of the engine's build."""
     if dist.is_initialized():
         return
     # `kill -USR1 <pid>` prints every thread's stack: the first tool to reach for when a rank seems stuck.
@@ -66,14 +70,21 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         from .rebuild.worker import Membership, init_process_group, join_until_formed, teardown
 
         m = context().membership = Membership.start(env.hot_swap)
-        if env.hot_swap.role == "spare":
-            _warm_up_spare()
-            log.info("spare %s on %s: ready, waiting for an assignment", m.worker_id, m.node)
         timeout = HotSwapConfig().collective_timeout_s if timeout_s is None else timeout_s
         prepare = (_spare_slots(env) if env.hot_swap.role == "spare" and env.hot_swap.spare_slots == "prepare"
                    else None)
+        if env.hot_swap.role == "spare":
+            from .rebuild.spare import build_ahead as ahead
+
+            if ahead(m, m.worker_id, m.node, timeout, enabled=in_place and build_ahead, while_waiting=prepare):
+                destroy_groups_at_exit()
+                return
+            _warm_up_spare()
+            log.info("spare %s on %s: ready, waiting for an assignment", m.worker_id, m.node)
 
         def form(assignment: Assignment) -> None:
+            if env.hot_swap is not None and env.hot_swap.role == "spare":
+                context().spare_times.setdefault("assigned_at", time.time())
             init_process_group(assignment, m.worker_id, backend or default_backend(), timeout, in_place=in_place)
             destroy_groups_at_exit()
 

@@ -55,6 +55,11 @@ def _section_configs(argv: Sequence[str]) -> tuple[list[str], list[str], dict[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    import time
+
+    from .rebuild.context import context
+
+    context().spare_times.setdefault("started_at", time.time())  # a spare's prologue starts here (its timeline)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[0], file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0
@@ -110,7 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         in_place = bool(ds_configs) and cfg is not None and cfg.enabled and cfg.hot_swap.in_place
         init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None,
                          # swappable groups for DeepSpeed jobs only (Megatron-Core rebuilds: docs/megatron.md)
-                         in_place=in_place)
+                         in_place=in_place, build_ahead=cfg is not None and cfg.hot_swap.spare_build_ahead)
         from . import patches  # type: ignore[attr-defined]
 
         patches.get("torch_init_process_group_once").apply()

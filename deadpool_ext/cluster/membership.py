@@ -5,6 +5,7 @@ calls :func:`initial_assignment` once and :func:`replace_failed` on every failur
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,9 +86,47 @@ def initial_assignment(workers: list[Worker], active_nodes: list[str], spare_nod
     return Assignment(generation=0, world_size=rank, ranks=ranks, nodes=nodes, spares=tuple(spare_nodes))
 
 
+def shadowed_node(a: Assignment, spare_node: str) -> str | None:
+    """The active node of ``a`` whose ranks the spare node ``spare_node`` builds its engine for before any
+    failure (``hot_swap.spare_build_ahead``), None when it is not one of ``a``'s spares.
+
+    The i-th spare (in ``a.spares`` order) takes the active node at position i + 1 (modulo their number) in
+    rank order: spares cover the nodes after the first one first, because the first node's host serves the job's
+    embedded store by default, and the job does not outlive that host (docs/multi-host.md)."""
+    if spare_node not in a.spares:
+        return None
+    lowest: dict[str, int] = {}
+    for w, r in a.ranks.items():
+        lowest[a.nodes[w]] = min(r, lowest.get(a.nodes[w], r))
+    active = sorted(lowest, key=lambda n: lowest[n])
+    return active[(a.spares.index(spare_node) + 1) % len(active)] if active else None
+
+
+def prepared_rank(a: Assignment, spare_node: str, local_index: int) -> int | None:
+    """The rank the spare process ``local_index`` of ``spare_node`` builds its engine for ahead of a failure: the
+    rank of the same local index on :func:`shadowed_node` (None: no such node or process)."""
+    node = shadowed_node(a, spare_node)
+    ranks = a.node_ranks(node) if node is not None else []
+    return ranks[local_index] if 0 <= local_index < len(ranks) else None
+
+
+def fits(current: Assignment, node: str, spare_workers: list[Worker],
+         prepared: Mapping[str, tuple[int, int]]) -> bool:
+    """Whether the spare node whose processes are ``spare_workers`` (in local-index order) built its engines for
+    exactly ``node``'s ranks of a world of ``current``'s size (``prepared``: worker id -> (rank, world size), as
+    its heartbeats say)."""
+    old = current.node_ranks(node)
+    if len(spare_workers) < len(old) or not old:
+        return False
+    return all(prepared.get(w.worker_id) == (r, current.world_size) for r, w in zip(old, spare_workers))
+
+
 def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: AbstractSet[str],
-                   dead_spares: AbstractSet[str] = frozenset()) -> Assignment:
-    """Next generation: each failed node's ranks go, in local-index order, to the next live spare node.
+                   dead_spares: AbstractSet[str] = frozenset(),
+                   prepared: Mapping[str, tuple[int, int]] | None = None) -> Assignment:
+    """Next generation: each failed node's ranks go, in local-index order, to a live spare node: the one that
+    built its engines ahead for exactly those ranks (``prepared``: worker id -> (rank, world size)) if there is
+    one, else the next in order (which then builds its engine after the assignment).
 
     Survivors keep their ranks, so their local snapshots stay theirs. Raises :class:`NoSpareError` when
     there are fewer live spares than failed nodes; dead spares are dropped from the pool first.
@@ -100,8 +139,17 @@ def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: Abs
     ranks = dict(current.ranks)
     nodes = dict(current.nodes)
     replaced: dict[str, str] = {}
-    for node in failed:
-        spare = spares.pop(0)
+
+    def members(spare: str) -> list[Worker]:
+        return sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index)
+
+    # the failed nodes some spare built ahead for take that spare first; the others take the next in order
+    matched = {n: next((s for s in spares if fits(current, n, members(s), prepared or {})), None) for n in failed}
+    order = sorted(failed, key=lambda n: matched[n] is None)
+    for node in order:
+        spare = matched[node] if matched[node] in spares else spares[0]
+        assert spare is not None
+        spares.remove(spare)
         old = sorted(((r, w) for w, r in current.ranks.items() if current.nodes[w] == node))
         new = sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index)
         if len(new) < len(old):

@@ -32,7 +32,7 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.membership import Assignment, NoSpareError, Worker, grow_into, replace_failed, shrink_failed
+from ..cluster.membership import Assignment, NoSpareError, Worker, fits, grow_into, replace_failed, shrink_failed
 from . import keys, values
 from .actions import (
     Action,
@@ -210,6 +210,24 @@ def decide(state: CoordinatorState, obs: Observation, settings: Settings) -> Dec
     turn = _Turn(state, obs, settings)
     turn.run()
     return Decision(turn.state, tuple(turn.actions))
+
+
+def prepared_spares(beats: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Worker -> (rank, world size) its engine was built ahead for, as its heartbeat says (a waiting spare's)."""
+    out: dict[str, tuple[int, int]] = {}
+    for w, beat in beats.items():
+        p = beat.get("prepared")
+        if isinstance(p, (list, tuple)) and len(p) == 2:
+            out[w] = (int(p[0]), int(p[1]))
+    return out
+
+
+def spares_ready(old: Assignment, new: Assignment, workers: list[Worker],
+                 prepared: Mapping[str, tuple[int, int]]) -> dict[str, bool]:
+    """Failed node -> whether the spare that took its ranks in ``new`` had built its engines ahead for them."""
+    return {failed: fits(old, failed, sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index),
+                         prepared)
+            for failed, spare in new.replaced.items()}
 
 
 def policy_of(settings: Settings, obs: Observation) -> str:
@@ -535,7 +553,8 @@ class _Turn:
         st = self.state
         a = st.assignment
         try:
-            new = replace_failed(a, list(st.roster.workers), waiting.failed_nodes, st.dead_spares)
+            new = replace_failed(a, list(st.roster.workers), waiting.failed_nodes, st.dead_spares,
+                                 prepared=prepared_spares(self.obs.beats))
         except NoSpareError as no_spare:
             exc: NoSpareError = no_spare
             if waiting.policy == "shrink":
@@ -568,8 +587,15 @@ class _Turn:
     def publish_replacement(self, new: Assignment) -> None:
         new = self.normalized(new)
         self.update(awaiting=None)
+        ready = spares_ready(self.state.assignment, new, list(self.state.roster.workers),
+                             prepared_spares(self.obs.beats))
+        for failed, spare in sorted(new.replaced.items()):
+            self.actions.append(Say(f"node {failed} is replaced by spare {spare}, " + (
+                "whose engine was built ahead for its ranks" if ready.get(failed) else
+                "which built ahead for other ranks (or not at all): it builds its engine for these ranks now")))
         self.publish(new, {"event": "assignment", "generation": new.generation, "replaced": new.replaced,
-                           "spares_left": list(new.spares), "host_rank": self.settings.host_rank})
+                           "built_ahead": ready, "spares_left": list(new.spares),
+                           "host_rank": self.settings.host_rank})
 
     def normalized(self, a: Assignment) -> Assignment:
         # master_port 0: the generation's rendezvous is in the job's store, under its token (store/rendezvous.py)

@@ -39,6 +39,8 @@ MAX_ASSIGNMENT_BYTES = 32 << 20
 """An assignment of the largest world `deadpool-run` takes (262,144 workers, ~60 bytes each in ranks + nodes)."""
 MAX_NAMES = 65536
 """Most node names in one list (dead spares, an assignment's spares), as many as --nnodes takes."""
+MAX_RANKS = 262144
+"""The largest world ``deadpool-run`` takes (a spare's heartbeat names a rank and a world size within it)."""
 MAX_TEXT = 4000
 """Longest free text (a stop message, a refusal reason): what a worker may write as fatal."""
 POLICIES = ("fail", "wait", "shrink")
@@ -154,6 +156,12 @@ def heartbeat(key: str, raw: bytes) -> dict[str, Any]:
         out[field] = _num(key, field, beat.get(field))
     if not isinstance(beat.get("coll"), bool):
         raise _fail(key, "'coll' must be true or false", beat.get("coll"))
+    if "prepared" in beat:  # a waiting spare's engine, built ahead for [rank, world size]
+        p = beat["prepared"]
+        if not isinstance(p, list) or len(p) != 2:
+            raise _fail(key, "'prepared' must be [rank, world size]", p)
+        out["prepared"] = [_int(key, "prepared rank", p[0], 0, MAX_RANKS - 1),
+                           _int(key, "prepared world size", p[1], 1, MAX_RANKS)]
     return out
 
 

@@ -11,6 +11,8 @@ membership's assignment) and a reader finds the whole state in one place:
   notice's cut shuts down; None before a generation's group is built);
 - ``progress``: the steps and main-thread samples the heartbeat reports (``rebuild/progress.py``);
 - ``pending_live``: a spare whose groups were built solo and have not joined the survivors yet;
+- ``built_ahead``, ``spare_times``: a spare that built its engine before any failure, for which ranks, and its
+  phases' times for the timeline (``rebuild/spare.py``);
 - ``swap_mode``, ``swappable_groups``: whether new swappable groups are built solo or live, and every one built
   (``rebuild/swap.py``);
 - ``interrupts``: the launcher's notice to the main thread, by generation: the one requested, the one armed, the
@@ -42,6 +44,7 @@ from .progress import Progress
 if TYPE_CHECKING:
     from ..cluster.membership import Assignment
     from .recover import Recovery
+    from .spare import BuiltAhead
     from .swap import SwappableGroup
     from .worker import Membership
 
@@ -90,6 +93,11 @@ class WorkerContext:
     progress: Progress = field(default_factory=Progress)
     pending_live: tuple[Assignment, str, float] | None = None
     """(assignment, worker id, collective timeout) of a spare built solo, until it joins the survivors."""
+    built_ahead: BuiltAhead | None = None
+    """A spare whose engine is built ahead of any failure, until its assignment (``rebuild/spare.py``)."""
+    spare_times: dict[str, float] = field(default_factory=dict)
+    """A spare's phases, for its ``recover`` timeline event: process start, engine build start and length, the
+    assignment, ready to join, communicators joined."""
     swap_mode: str = "live"
     swappable_groups: list[weakref.ReferenceType[SwappableGroup]] = field(default_factory=list)
     interrupts: Interrupts = field(default_factory=Interrupts)

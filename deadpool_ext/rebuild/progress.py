@@ -35,6 +35,8 @@ class Progress:
     def __init__(self) -> None:
         self.step = -1
         self.step_at = 0.0
+        self.prepared: tuple[int, int] | None = None
+        """A spare built ahead: the (rank, world size) of its engine, in every heartbeat (``rebuild/spare.py``)."""
         self._signature: tuple[tuple[int, int], ...] | None = None
         self._still_since = 0.0
         self._lock = threading.Lock()
@@ -64,7 +66,12 @@ class Progress:
             if signature != self._signature:
                 self._signature, self._still_since = signature, now
             still = now - self._still_since
-        return {"step": self.step, "step_at": self.step_at, "coll": in_collective, "still_s": round(still, 3)}
+        out: dict[str, Any] = {"step": self.step, "step_at": self.step_at, "coll": in_collective,
+                               "still_s": round(still, 3)}
+        prepared = self.prepared
+        if prepared is not None:
+            out["prepared"] = list(prepared)
+        return out
 
 
 def _progress() -> Progress:

@@ -378,10 +378,14 @@ class Recovery:
         assert pending is not None and m is not None, "join_survivors() outside a spare built solo"
         a, _, collective_s = pending
 
+        times = context().spare_times
+
         def form(a: Assignment) -> Assignment:
             from .worker import swap_into
 
+            times.setdefault("join_at", time.time())
             swap_into(a, m.worker_id, collective_s)
+            times["pg_ready_at"] = time.time()
             rewire_snapshots()
             return a
 
@@ -457,9 +461,14 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
         raise
     if gen > 0 and ctx.is_spare and not spare_logged:
         spare_logged = True
+        times = {k: v for k, v in ctx.spare_times.items() if k not in extra}
+        if not times.setdefault("built_ahead", False) and {"assigned_at", "engine_started_at", "join_at"} <= set(times):
+            # built after its assignment: the script up to its engine, then the engine, both after the failure
+            times.update(prologue_s=round(times["engine_started_at"] - times["assigned_at"], 3),
+                         engine_s=round(times["join_at"] - times["engine_started_at"], 3))
         write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
                     restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
-                    restored_at=time.time(), **extra)
+                    restored_at=time.time(), **times, **extra)
     return version, spare_logged
 
 

@@ -4,7 +4,13 @@ Phases of one hot-swap (generation g -> g+1), all wall-clock seconds:
 
 - detect:    failure (fault injector's ``fault`` event, else the launcher's detection) -> launcher detection;
              ``reported_s``: -> the first survivor's report of a failed collective (``suspect``), when there was one
-- agree:     detection -> the last rank has the new assignment and its process group (``pg_ready_at``)
+- agree:     detection -> the last rank has the new assignment and its process group (``pg_ready_at``), split in
+  - assign:        detection -> the launcher published the next generation (its ``assignment`` event);
+  - spare:         the assignment -> the spare is ready to join the survivors (``join_at``): its prologue (the
+                   script up to its engine) and its engine build when it did not build ahead, else nearly nothing;
+  - communicators: the later of the two -> every rank's groups joined the new generation (``pg_ready_at``)
+  and, for the spare, ``spare_built_ahead`` with the prologue and engine build it did before the failure
+  (``spare_ready``) or after the assignment (``spare_prologue_s``, ``spare_engine_s``)
 - rebuild:   process group -> engine rebuilt on the new world (``engine_ready_at``), slowest rank
 - restore:   engine -> state restored from tier 1 / tier 2 (``restored_at``), slowest rank
 - recompute: restored -> the step that failed is completed again (``caught_up``)
@@ -71,11 +77,25 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         engine_ready = max([r["engine_ready_at"] for r in surv], default=None)
         restored = max([r["restored_at"] for r in surv + spares], default=None)
         caught = max([c["time"] for c in g["caught_up"]], default=None)
+        assigned = g.get("assignment", {}).get("time")
+        spare = spares[0] if spares else {}
+        join_at = spare.get("join_at")
+        prologue, engine = spare.get("prologue_s"), spare.get("engine_s")
+        if not spare.get("built_ahead") and assigned and join_at and spare.get("engine_started_at"):
+            # built after the assignment: from the launcher's publication (a process started again included)
+            prologue, engine = spare["engine_started_at"] - assigned, join_at - spare["engine_started_at"]
+        live = max([r["pg_ready_at"] for r in surv] + [s["pg_ready_at"] for s in spares if "pg_ready_at" in s],
+                   default=None)
         rec = {"generation": gen, "failed": g["failure"]["failed"],
                "replaced": g.get("assignment", {}).get("replaced"),
                "detect_s": detected - start,
                "reported_s": g["suspect"]["reported_at"] - start if "suspect" in g else None,
                "agree_s": (pg_ready - detected) if pg_ready else None,
+               "assign_s": (assigned - detected) if assigned else None,
+               "spare_s": (join_at - assigned) if join_at and assigned else None,
+               "communicators_s": (live - max(assigned, join_at)) if live and assigned and join_at else None,
+               "spare_built_ahead": spare.get("built_ahead"),
+               "spare_prologue_s": prologue, "spare_engine_s": engine,
                "rebuild_s": (engine_ready - pg_ready) if engine_ready and pg_ready else None,
                "restore_s": (restored - engine_ready) if restored and engine_ready else None,
                "recompute_s": (caught - restored) if caught and restored else None,
@@ -87,15 +107,22 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'gen':>3} {'report':>7} {'detect':>7} {'agree':>7} {'rebuild':>8} {'restore':>8} {'recompute':>9} "
-            f"{'total':>7}  replaced")
+    """The phases, one generation per line; ``agree`` is shown as its parts (assign, spare, comms), and the spare's
+    prologue and engine build, with whether they happened before the failure (``ahead``) or after it."""
+    head = (f"{'gen':>3} {'report':>7} {'detect':>7} {'assign':>7} {'spare':>7} {'comms':>7} {'rebuild':>8} "
+            f"{'restore':>8} {'recompute':>9} {'total':>7}  spare's prologue + engine     replaced")
     lines = [head, "-" * len(head)]
 
     def fmt(v: Any) -> str:
         return f"{v:7.2f}" if isinstance(v, (int, float)) else f"{'-':>7}"
 
     for r in rows:
-        lines.append(f"{r['generation']:>3} {fmt(r.get('reported_s'))} {fmt(r['detect_s'])} {fmt(r['agree_s'])} "
-                     f"{fmt(r['rebuild_s']):>8} "
-                     f"{fmt(r['restore_s']):>8} {fmt(r['recompute_s']):>9} {fmt(r['total_s'])}  {r['replaced']}")
+        ahead = r.get("spare_built_ahead")
+        build = ("" if r.get("spare_prologue_s") is None else
+                 f"{r['spare_prologue_s']:.2f} + {r.get('spare_engine_s') or 0:.2f} s "
+                 f"{'ahead' if ahead else 'after'}")
+        lines.append(f"{r['generation']:>3} {fmt(r.get('reported_s'))} {fmt(r['detect_s'])} {fmt(r.get('assign_s'))} "
+                     f"{fmt(r.get('spare_s'))} {fmt(r.get('communicators_s'))} {fmt(r['rebuild_s']):>8} "
+                     f"{fmt(r['restore_s']):>8} {fmt(r['recompute_s']):>9} {fmt(r['total_s'])}  {build:<28} "
+                     f"{r['replaced']}")
     return "\n".join(lines)

@@ -33,3 +33,33 @@ def test_deadpool_timeline_shows_the_report_beside_detection():
     table = format_table(phases(_events(suspect=True)) + phases(_events(suspect=False))).splitlines()
     assert table[0].split()[:3] == ["gen", "report", "detect"]
     assert table[2].split()[:3] == ["1", "0.05", "0.90"] and table[3].split()[:3] == ["1", "-", "0.90"]
+
+
+def _swap(built_ahead: bool) -> list[dict]:
+    """A swap whose spare built its engine before the failure, or after its assignment."""
+    spare = {"event": "recover", "role": "spare", "generation": 1, "rank": 2, "pid": 9, "restored_version": 4,
+             "restored_at": 105.2, "built_ahead": built_ahead, "join_at": 104.05 if built_ahead else 108.0,
+             "pg_ready_at": 104.3 if built_ahead else 108.3, "prologue_s": 3.1, "engine_s": 1.4}
+    surv = [{"event": "recover", "role": "survivor", "generation": 1, "pid": p, "restored_version": 4,
+             "pg_ready_at": spare["pg_ready_at"], "engine_ready_at": spare["pg_ready_at"],
+             "restored_at": spare["pg_ready_at"] + 0.5} for p in (7, 8)]
+    ev = _events(suspect=False)
+    ev[2]["time"] = 104.0
+    return ev + surv + [spare]
+
+
+def test_agree_is_split_into_the_assignment_the_spare_and_the_communicators():
+    [ahead] = phases(_swap(built_ahead=True))
+    assert abs(ahead["assign_s"] - 3.1) < 1e-9 and abs(ahead["spare_s"] - 0.05) < 1e-9
+    assert abs(ahead["communicators_s"] - 0.25) < 1e-9 and ahead["spare_built_ahead"] is True
+    [after] = phases(_swap(built_ahead=False))
+    assert abs(after["spare_s"] - 4.0) < 1e-9 and after["spare_built_ahead"] is False
+    assert abs(after["communicators_s"] - 0.3) < 1e-9
+    for row in (ahead, after):  # the parts add up to what agree used to hold alone
+        assert abs(row["assign_s"] + row["spare_s"] + row["communicators_s"] - row["agree_s"]) < 1e-9
+
+
+def test_deadpool_timeline_names_the_spares_phases():
+    table = format_table(phases(_swap(True)) + phases(_swap(False))).splitlines()
+    assert table[0].split()[:7] == ["gen", "report", "detect", "assign", "spare", "comms", "rebuild"]
+    assert "3.10 + 1.40 s ahead" in table[2] and "3.10 + 1.40 s after" in table[3]

@@ -14,6 +14,8 @@ from ...config import DeadpoolConfig, split_deepspeed_config
 from ...distributed import on_spare_wait
 from ...logs import configure_logging
 from ...persist.layout import use_file_names
+from ...rebuild.context import context
+from ...rebuild.spare import await_assignment
 from ...rebuild.worker import on_teardown
 from .names import deepspeed_file_names
 from .rebuild import reset_deepspeed_comm_state
@@ -46,6 +48,8 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     record(engine)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
+    # a spare that built this engine ahead of any failure waits here for its assignment (rebuild/spare.py)
+    await_assignment()
     return runtime
 
 
@@ -82,6 +86,9 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     if dp_config is not None and dp_config.enabled and isinstance(ds_config, dict):
         ds_config = _keep_global_batch(ds_config, dp_config, kwargs)
     _quiet_zero3_init()
+    import time
+
+    context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
         out = _ds_initialize(*args, config=ds_config, **kwargs)
     engine = out[0]

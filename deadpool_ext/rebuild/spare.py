@@ -1,0 +1,160 @@
+"""A spare's side of a hot-swap before its assignment: its engine built ahead of any failure, then the wait.
+
+Why: a spare that waits for its assignment before it builds anything makes the survivors wait, after the failure,
+for everything its script does before the first step (imports, tokenizer, dataset, model, the DeepSpeed engine):
+seconds on a tiny model, minutes on a real job. A spare built ahead has done all of it before the failure, so an
+assignment costs only joining the survivors' communicators and the restore.
+
+Call order (a deadpool-run spare whose config has ``hot_swap.in_place`` and ``hot_swap.spare_build_ahead``, the
+defaults):
+
+1. :func:`build_ahead` (``distributed.init_distributed``, before the script's first line under ``deadpool_ext.run``):
+   the published assignment says the world; the spare takes the ranks of the node it shadows
+   (``cluster/membership.py`` :func:`prepared_rank`: the i-th spare the (i+1)-th node), builds its default group
+   *solo* for that rank (``rebuild/swap.py``) and says so in its heartbeats (``prepared``: the coordinator prefers
+   it for that node's ranks, ``launcher/decide.py``);
+2. the script runs up to its engine: ``deepspeed.initialize`` builds it alone, as a spare after an assignment
+   always did (``integrations/deepspeed``);
+3. :func:`await_assignment` (at the end of ``register``, i.e. of ``deepspeed.initialize``): the ``spare_ready``
+   timeline event (prologue and engine build, each timed), then the wait. Assigned the ranks it built for: the
+   join is pending (``pending_live``) and the script's ``resume()`` joins the survivors and restores
+   (``Recovery.join_survivors``). Assigned other ranks (it shadowed another node, or the world changed size): the
+   process starts again from its first line (:func:`start_again`, one log line), which is the path of a spare
+   that never built ahead.
+
+A spare that cannot build ahead (the key off on a memory-tight host, the in-place swap off or unsupported, no node
+to shadow) waits before its script, as before, and says why in one line.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..cluster.membership import Assignment, prepared_rank, shadowed_node
+from ..launcher import keys, values
+from ..recovery.timeline import write_event
+from .context import context
+
+log = logging.getLogger("deadpool_ext")
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltAhead:
+    """What a spare built its engine for before any failure (held by the context until its assignment)."""
+
+    rank: int
+    world_size: int
+    generation: int
+    """The generation whose assignment it read (it waits for a later one that includes it)."""
+    node: str
+    """The active node whose ranks it took."""
+    timeout_s: float
+    """The collective timeout its groups will have once they join."""
+    while_waiting: Callable[[], None] | None = None
+    """What the wait does on each turn (``--spare-slots prepare``: the snapshot slots)."""
+
+
+def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, enabled: bool,
+                while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0) -> bool:
+    """Step 1 of the module's call order. True: the default group is built solo for the shadowed node's rank;
+    False: this spare waits for its assignment before its script (the reason logged)."""
+    from . import swap
+    from .worker import MembershipError
+
+    why = None if enabled else "hot_swap.spare_build_ahead is false"
+    why = why or swap.unsupported()
+    published = None if why else _published(m, published_wait_s)
+    if why is None and published is None:
+        why = f"no assignment was published within {published_wait_s:.0f} s (store key {keys.ASSIGNMENT!r})"
+    if why is not None or published is None:
+        log.info("spare %s: not built ahead (%s); it builds its engine after an assignment", worker_id, why)
+        return False
+    if published.stop:
+        raise MembershipError(f"launcher stopped the job: {published.stop}")
+    a = published.assignment
+    if worker_id in a.ranks:  # started again after an assignment (start_again): the plain path
+        return False
+    local = int(worker_id.rsplit(".", 1)[1])
+    rank, shadow = prepared_rank(a, node, local), shadowed_node(a, node)
+    if rank is None or shadow is None:
+        log.info("spare %s: not built ahead (no process %d on the node it would shadow, %s); it builds its engine "
+                 "after an assignment", worker_id, local, shadow)
+        return False
+    ctx = context()
+    ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
+                                 timeout_s=timeout_s, while_waiting=while_waiting)
+    ctx.progress.prepared = (rank, a.world_size)
+    lowest = sorted({min(a.node_ranks(n)) for n in set(a.nodes.values())})
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr,
+                      MASTER_PORT=str(a.master_port), GROUP_RANK=str(lowest.index(min(a.node_ranks(shadow)))))
+    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+    swap.use()
+    swap.set_mode("solo")
+    init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size,
+         timeout=timedelta(seconds=timeout_s))
+    log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
+             "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
+    return True
+
+
+def _published(m: object, wait_s: float) -> values.Published | None:
+    read = m._values  # type: ignore[attr-defined]  # the membership's bounded reader of the store contract
+    deadline = time.monotonic() + wait_s
+    while True:
+        published: values.Published | None = read.get(keys.ASSIGNMENT, values.assignment)
+        if published is not None or time.monotonic() >= deadline:
+            return published
+        time.sleep(0.05)
+
+
+def await_assignment() -> None:
+    """Step 3 of the module's call order; a no-op in any process but a spare built ahead."""
+    ctx = context()
+    built, m = ctx.built_ahead, ctx.membership
+    if built is None or m is None:
+        return
+    now = time.time()
+    times = ctx.spare_times
+    engine_at = times.get("engine_started_at", now)
+    times.update(built_ahead=True, prologue_s=round(engine_at - times.get("started_at", engine_at), 3),
+                 engine_s=round(now - engine_at, 3), ready_at=now)
+    write_event(event="spare_ready", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
+                node=built.node, pid=os.getpid(), prologue_s=times["prologue_s"], engine_s=times["engine_s"])
+    log.info("spare %s: engine built ahead for rank %d of %d (script up to its engine %.1f s, engine %.1f s); "
+             "waiting for an assignment", m.worker_id, built.rank, built.world_size, times["prologue_s"],
+             times["engine_s"])
+    a = m.join(built.generation + 1, timeout_s=None, while_waiting=built.while_waiting)
+    ctx.built_ahead = None
+    ctx.progress.prepared = None
+    times["assigned_at"] = time.time()
+    if matches(a, m.worker_id, built):
+        ctx.pending_live = (a, m.worker_id, built.timeout_s)
+        log.info("generation %d: rank %d of %d, the rank this spare built its engine for: it joins the survivors now",
+                 a.generation, built.rank, built.world_size)
+        return
+    log.warning("spare %s: assigned rank %d of %d in generation %d, but its engine was built for rank %d of %d: it "
+                "starts again from the script's first line for its assignment", m.worker_id,
+                a.ranks[m.worker_id], a.world_size, a.generation, built.rank, built.world_size)
+    start_again()
+
+
+def matches(a: Assignment, worker_id: str, built: BuiltAhead) -> bool:
+    """Whether assignment ``a`` gives this spare the rank and world it built its engine for (pure)."""
+    return a.ranks.get(worker_id) == built.rank and a.world_size == built.world_size and not a.resized
+
+
+def start_again() -> None:
+    """This process again, from its first line, with the same command line and environment (its pid, its place in
+    the launcher's records and its shared memory stay): the membership then finds it assigned and it builds for its
+    assignment."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])

@@ -1,0 +1,92 @@
+"""A spare built ahead of any failure (``rebuild/spare.py``): which ranks it builds for, how the coordinator prefers
+it, what its heartbeat may say, and when its assignment lets it join (pure parts; the end-to-end swap is
+tests/integration/test_hot_swap.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deadpool_ext.cluster.membership import (
+    Worker,
+    fits,
+    initial_assignment,
+    prepared_rank,
+    replace_failed,
+    shadowed_node,
+)
+from deadpool_ext.launcher import values
+from deadpool_ext.launcher.decide import prepared_spares, spares_ready
+from deadpool_ext.rebuild.spare import BuiltAhead, matches
+
+
+def _job(nodes=3, spares=2, nproc=1):
+    workers = [Worker(f"{n}.{i}", n, i) for n in [f"node{k}" for k in range(nodes)] + [f"spare{k}" for k in
+                                                                                        range(spares)]
+               for i in range(nproc)]
+    a = initial_assignment(workers, [f"node{k}" for k in range(nodes)], [f"spare{k}" for k in range(spares)])
+    return workers, a
+
+
+def test_the_ith_spare_shadows_the_node_after_the_ith():
+    _, a = _job(nodes=3, spares=4)
+    assert [shadowed_node(a, f"spare{i}") for i in range(4)] == ["node1", "node2", "node0", "node1"]
+    assert shadowed_node(a, "node0") is None
+
+
+def test_each_process_of_a_spare_takes_the_rank_of_its_local_index():
+    _, a = _job(nodes=2, spares=1, nproc=2)
+    assert [prepared_rank(a, "spare0", i) for i in range(3)] == [2, 3, None]
+
+
+def test_the_spare_built_for_the_failed_nodes_ranks_is_preferred():
+    workers, a = _job(nodes=3, spares=2)
+    prepared = {"spare0.0": (1, 3), "spare1.0": (2, 3)}
+    new = replace_failed(a, workers, {"node2"}, prepared=prepared)
+    assert new.replaced == {"node2": "spare1"} and new.spares == ("spare0",)
+    assert new.ranks["spare1.0"] == 2
+    # none built for it: the next in order, as before
+    assert replace_failed(a, workers, {"node0"}, prepared=prepared).replaced == {"node0": "spare0"}
+    assert replace_failed(a, workers, {"node2"}).replaced == {"node2": "spare0"}
+
+
+def test_two_failed_nodes_each_get_the_spare_built_for_them():
+    workers, a = _job(nodes=3, spares=2)
+    new = replace_failed(a, workers, {"node1", "node2"}, prepared={"spare0.0": (2, 3), "spare1.0": (1, 3)})
+    assert new.replaced == {"node1": "spare1", "node2": "spare0"}
+
+
+def test_a_spare_built_for_another_world_size_does_not_fit():
+    workers, a = _job(nodes=3, spares=1)
+    spare = [w for w in workers if w.node == "spare0"]
+    assert fits(a, "node1", spare, {"spare0.0": (1, 3)})
+    assert not fits(a, "node1", spare, {"spare0.0": (1, 4)})
+    assert not fits(a, "node1", spare, {})
+
+
+def test_the_coordinator_reads_prepared_from_heartbeats_and_says_which_spare_was_ready():
+    workers, a = _job(nodes=3, spares=2)
+    beats = {"spare0.0": {"t": 1.0, "prepared": [1, 3]}, "node0.0": {"t": 1.0}}
+    prepared = prepared_spares(beats)
+    assert prepared == {"spare0.0": (1, 3)}
+    new = replace_failed(a, workers, {"node1", "node2"}, prepared=prepared)
+    assert spares_ready(a, new, workers, prepared) == {"node1": True, "node2": False}
+
+
+def _beat(**extra):
+    return json.dumps({"t": 1.0, "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0, **extra}).encode()
+
+
+def test_a_heartbeat_names_at_most_a_rank_and_a_world_size():
+    assert values.heartbeat("hb/spare0.0", _beat(prepared=[1, 3]))["prepared"] == [1, 3]
+    assert "prepared" not in values.heartbeat("hb/node0.0", _beat())
+    for bad in ([1], [1, 0], [-1, 3], ["1", 3], [1, 3, 5], {"rank": 1}, [1, 1 << 40]):
+        with pytest.raises(values.BadValue, match="prepared"):
+            values.heartbeat("hb/spare0.0", _beat(prepared=bad))
+
+
+def test_only_the_ranks_and_world_it_built_for_let_a_spare_join_as_it_is():
+    workers, a = _job(nodes=3, spares=1)
+    built = BuiltAhead(rank=1, world_size=3, generation=0, node="node1", timeout_s=60.0)
+    assert matches(replace_failed(a, workers, {"node1"}), "spare0.0", built)
+    assert not matches(replace_failed(a, workers, {"node2"}), "spare0.0", built)
