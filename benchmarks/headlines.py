@@ -105,19 +105,24 @@ def _recovery_lines(doc: dict[str, Any]) -> list[str]:
         an = e.get("analysis") or {}
         if not an.get("hotswap", {}).get("n"):
             continue
-        rd, rb = an.get("ready") or {}, an.get("rebuild") or {}
+        rd, rb, un = an.get("ready") or {}, an.get("rebuild") or {}, an.get("unready") or {}
         ph = an["hotswap"]["phases_median"]
+        un_text = (f"; a node no spare built for (the spare starts its script again) "
+                   f"{_s((un.get('ready') or {}).get('hotswap_s'))} and {_s(un['hotswap']['raw_s']['median'])}"
+                   if un.get("hotswap", {}).get("n") else "")
         rb_text = (f"; the rebuild path (`hot_swap.in_place: false`) {_s((rb.get('ready') or {}).get('hotswap_s'))} "
                    f"and {_s(rb['hotswap']['raw_s']['median'])}" if rb.get("hotswap", {}).get("n") else "")
         lines.append(
-            f"- **Recovery, GPT {size}, default path (in-place hot-swap), SIGKILL of one of 3 ranks** "
+            f"- **Recovery, GPT {size}, default path (in-place hot-swap, the spare built ahead for the killed node), "
+            f"SIGKILL of one of 3 ranks** "
             f"(`{RECOVERY}.md`, {an['hotswap']['n']} run(s)): kill to every rank restored "
             f"{_s(rd.get('hotswap_s'))}, to the next "
             f"completed step {_s(an['hotswap']['raw_s']['median'])} (one normal step "
             f"{_s(an['hotswap']['normal_step_s'])}); relaunch + load {_s(rd.get('baseline_s'))} and "
             f"{_s(an['baseline']['raw_s']['median'])}: "
-            f"{rd.get('speedup') or 0:.1f}x to restored{rb_text}. Phases: "
-            + ", ".join(f"{k[:-2]} {_s(ph.get(k))}" for k in ("detect_s", "agree_s", "rebuild_s", "restore_s"))
+            f"{rd.get('speedup') or 0:.1f}x to restored{un_text}{rb_text}. Phases: "
+            + ", ".join(f"{k[:-2]} {_s(ph.get(k))}" for k in ("detect_s", "assign_s", "spare_s", "communicators_s",
+                                                              "rebuild_s", "restore_s"))
             + f". Losses bit-identical to the relaunched run: {an.get('losses_identical')}.")
     return lines
 

@@ -17,7 +17,9 @@ What is taken, and why it transfers to a GPU cluster only roughly:
   PCIe and host memory bandwidth only, so this is pessimistic for a GPU cluster.
 * ``costs.persist_overhead_ratio`` - the same for ``dcp_async`` (a background persistent checkpoint).
 * ``costs.hotswap_fixed_s`` = agree + rebuild, ``costs.restore_fixed_s`` = restore, medians of the hot-swap
-  timeline's phases; ``costs.startup_s`` = the relaunched baseline's start-up and ``load_checkpoint``. The model
+  timeline's phases (a failed node the spare built its engine for); ``costs.hotswap_unready_s`` the same over the
+  ``unready`` runs (a node no spare built for); ``costs.startup_s`` = the relaunched baseline's start-up and
+  ``load_checkpoint``. The model
   charges detection (``costs.detect_s``, an at-scale assumption) and the recomputed iteration separately, so the
   measured end-to-end figures (which contain both) are not used as costs. Software fixed costs (imports, process
   groups, ``deepspeed.initialize``); on a real cluster NCCL initialisation grows with the job, so treat them as
@@ -179,6 +181,12 @@ def calibrate(results_dir: str) -> Calibration:
         agree, rebuild = hs.get("agree_s"), hs.get("rebuild_s")
         fixed = agree + rebuild if _number(agree) and _number(rebuild) else None
         _take(cal, "costs.hotswap_fixed_s", fixed, file, f"{base}.hotswap.phases_median agree_s + rebuild_s", 0.0)
+        un: dict[str, Any] = _get(doc, f"{base}.unready.hotswap.phases_median") or {}
+        ua: Any = un.get("agree_s")
+        ur: Any = un.get("rebuild_s")
+        unready = ua + ur if _number(ua) and _number(ur) else None
+        _take(cal, "costs.hotswap_unready_s", unready, file,
+              f"{base}.unready.hotswap.phases_median agree_s + rebuild_s", 0.0)
         _take(cal, "costs.restore_fixed_s", hs.get("restore_s"), file, f"{base}.hotswap.phases_median.restore_s",
               0.0)
         _take(cal, "costs.startup_s", _get(doc, f"{base}.baseline.phases_median.startup_and_load_s"), file,

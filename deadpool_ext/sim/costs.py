@@ -40,6 +40,9 @@ class Derived:
     """Process start-up alone (no scheduler): what the survivors pay to restart at a new world size (shrink and
     grow, :mod:`deadpool_ext.sim.elastic`)."""
     hotswap_fixed_s: float
+    """A swap whose spare built its engine for the failed node's ranks before the failure."""
+    hotswap_unready_s: float
+    """A swap whose spare built for another node's ranks, or none (it builds after the assignment)."""
     restore_fixed_s: float
     replay_s_per_diff: float
     diff_fraction: float
@@ -59,6 +62,18 @@ class Derived:
     def snapshot_background_s(self) -> float:
         """Time a full snapshot spends off the critical path: device-to-host copy, then the peer replica."""
         return self.d2h_s + self.replicate_s
+
+    @property
+    def built_ahead_fraction(self) -> float:
+        """The share of nodes some spare built its engine for: each spare shadows one distinct node
+        (``cluster/membership.py`` ``shadowed_node``), so a failure hits one of them with this probability."""
+        return min(self.spares, self.nodes) / self.nodes if self.nodes > 0 else 0.0
+
+    @property
+    def hotswap_s(self) -> float:
+        """A swap's agree + rebuild in expectation over which node fails (built ahead for or not)."""
+        f = self.built_ahead_fraction
+        return f * self.hotswap_fixed_s + (1.0 - f) * self.hotswap_unready_s
 
     @property
     def mtbf_s(self) -> float:
@@ -81,6 +96,7 @@ def derive(p: Params) -> Derived:
         interference_s=(k.snapshot_overhead_ratio - 1.0) * w.iteration_s,
         persist_interference_s=(k.persist_overhead_ratio - 1.0) * w.iteration_s, detect_s=k.detect_s,
         restart_s=k.scheduler_s + k.startup_s, startup_s=k.startup_s, hotswap_fixed_s=k.hotswap_fixed_s,
+        hotswap_unready_s=k.hotswap_unready_s,
         restore_fixed_s=k.restore_fixed_s, replay_s_per_diff=k.replay_s_per_diff, diff_fraction=w.diff_fraction,
         failure_rate_per_s=f.rate_per_gpu_hour * c.gpus / 3600.0, node_lost_fraction=f.node_lost_fraction,
         outage_rate_per_s=f.cluster_outage_per_day / 86_400.0, node_repair_s=c.node_repair_h * 3600.0,

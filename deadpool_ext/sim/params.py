@@ -201,9 +201,13 @@ class Costs:
     """Process start-up to first step, loading state included (measured: recovery.json, GPT small, baseline
     startup_and_load_s)."""
     hotswap_fixed_s: float = 3.47
-    """Hot-swap agree + communicator and engine rebuild on the default path, the in-place swap (measured:
-    recovery.json, GPT small, hot-swap agree_s + rebuild_s; agree holds the spare's engine build). Detection and
-    the recomputed iteration are charged separately."""
+    """Hot-swap agree + communicator and engine rebuild on the default path, the in-place swap, when the failed node
+    is one a spare built its engine ahead for (measured: recovery.json, GPT small, hot-swap agree_s + rebuild_s).
+    Detection and the recomputed iteration are charged separately."""
+    hotswap_unready_s: float = 3.47
+    """The same when no spare built for the failed node (the spare starts its script again after the assignment:
+    recovery.json, the ``unready`` runs). A spare shadows one node, so a swap costs, in expectation,
+    ``min(spares, nodes) / nodes`` of the first and the rest of this (``Derived.hotswap_s``)."""
     restore_fixed_s: float = 0.62
     """Fixed part of restoring from memory (measured: recovery.json, GPT small, restore_s); bytes / bandwidth come
     on top."""

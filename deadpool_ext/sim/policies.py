@@ -198,7 +198,7 @@ class HotSwap(Policy):
     def restore(self, d: Derived, kind: FailureKind, versions: dict[str, int], memory_ok: bool) -> Restore:
         if not memory_ok:
             return self._from_storage(d, versions)
-        return Restore(versions["memory"], "peer", {"detect": d.detect_s, "restart": d.hotswap_fixed_s,
+        return Restore(versions["memory"], "peer", {"detect": d.detect_s, "restart": d.hotswap_s,
                                                     "load": d.restore_fixed_s + d.peer_fetch_s})
 
     def intervals(self) -> dict[str, int]:

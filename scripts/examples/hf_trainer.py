@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sysconfig
+import time
 
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -49,15 +50,30 @@ class ByteChunks(torch.utils.data.Dataset):
 
 
 class Losses(TrainerCallback):
-    """Rank 0 writes {"step", "loss", other metrics of the entry, "total_flos" so far} per logged step (JSON lines)."""
+    """Rank 0 writes {"step", "loss", other metrics of the entry, "total_flos" so far, "time", "step_time_s"} per
+    logged step (JSON lines), and {"step": -1, "event": "train_begin", "time", "global_step"} when training begins
+    (after a resumed checkpoint was loaded)."""
 
     def __init__(self, path: str | None) -> None:
         self.path = path
+        self.last = 0.0
+
+    def _write(self, rec: dict) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001 - the Trainer's signature
+        self.last = time.time()
+        if self.path and state.is_world_process_zero:
+            self._write({"step": -1, "event": "train_begin", "time": self.last, "global_step": state.global_step,
+                         "step_time_s": 0.0})
 
     def on_log(self, args, state, control, logs=None, **kwargs):  # noqa: ANN001 - the Trainer's signature
         if self.path and state.is_world_process_zero and logs and "loss" in logs:
-            with open(self.path, "a") as fh:
-                fh.write(json.dumps({"step": state.global_step, **logs, "total_flos": state.total_flos}) + "\n")
+            now = time.time()
+            self._write({"step": state.global_step, **logs, "total_flos": state.total_flos, "time": now,
+                         "step_time_s": now - self.last})
+            self.last = now
 
 
 def main() -> None:
@@ -68,13 +84,17 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--output-dir", default="/tmp/hf_trainer_out")
     p.add_argument("--metrics-out", default=None)
+    p.add_argument("--save-steps", type=int, default=0,
+                   help="the Trainer's own checkpoint every N steps (0: none), what --resume continues from")
+    p.add_argument("--resume", action="store_true", help="resume_from_checkpoint: the newest under --output-dir")
     p.add_argument("--zero-init", action="store_true",
                    help="build the model with from_config, as standard Trainer scripts do: under ZeRO-3 inside "
                         "deepspeed.zero.Init (partitioned as it is built)")
     args = p.parse_args()
     targs = TrainingArguments(output_dir=args.output_dir, deepspeed=args.deepspeed, max_steps=args.max_steps,
                               per_device_train_batch_size=BATCH, gradient_accumulation_steps=args.grad_accum,
-                              learning_rate=3e-4, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
+                              learning_rate=3e-4, logging_steps=1, report_to=[], seed=args.seed,
+                              save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
                               data_seed=args.seed, use_cpu=not torch.cuda.is_available(), disable_tqdm=True,
                               dataloader_num_workers=0)
     torch.manual_seed(args.seed)
@@ -82,7 +102,7 @@ def main() -> None:
     # (TrainingArguments first: with a ZeRO-3 config, from_config then builds the model inside zero.Init)
     model = AutoModelForCausalLM.from_config(config) if args.zero_init else GPT2LMHeadModel(config)
     trainer = Trainer(model=model, args=targs, train_dataset=ByteChunks(), callbacks=[Losses(args.metrics_out)])
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=True if args.resume else None)
     trainer.save_metrics("train", result.metrics)  # train_results.json (train_loss, total_flos, train_runtime)
     trainer.save_state()  # trainer_state.json (log_history, global_step, epoch)
     engine = trainer.model_wrapped

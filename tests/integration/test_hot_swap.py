@@ -100,6 +100,17 @@ def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
     # The spare restored node1's state from the replica a survivor held (tier 2), verified before use.
     spare = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
     assert [(e["rank"], e["restored_from"]) for e in spare] == [(1, "peer")], spare
+    # The spare shadows node1 (the node after the first): its engine existed before the kill, for rank 1 of 3, and
+    # the coordinator gave it node1's ranks for that reason; after its assignment it only joined and restored.
+    [ready] = [e for e in events if e.get("event") == "spare_ready"]
+    assert (ready["rank"], ready["world_size"], ready["node"]) == (1, 3, "node1") and ready["time"] < row_fault(events)
+    [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == 1]
+    assert assigned["built_ahead"] == {"node1": True}
+    assert row["spare_built_ahead"] is True and row["spare_s"] is not None and row["communicators_s"] is not None
+
+
+def row_fault(events: list[dict]) -> float:
+    return next(e["time"] for e in events if e.get("event") == "fault")
 
 
 def test_survivors_busy_computing_are_stopped_by_the_launchers_notice(tmp_path, shm_root):
@@ -130,7 +141,16 @@ def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
     failure = [e for e in events if e.get("event") == "failure"][0]
     assert "hung: no heartbeat" in failure["failed"]["node2.0"]["why"]
     assert metrics == base
-    assert phases(events)[0]["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
+    row = phases(events)[0]
+    assert row["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
+    # The spare had built its engine for node1's rank 1: assigned rank 2, it started again from the script's first
+    # line in the same process (pid kept), built for rank 2 after the assignment, and the losses are still exact.
+    [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == 1]
+    assert assigned["built_ahead"] == {"node2": False}
+    assert row["spare_built_ahead"] is False and row["spare_prologue_s"] is not None
+    [spare] = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    [ready] = [e for e in events if e.get("event") == "spare_ready"]
+    assert ready["rank"] == 1 and spare["rank"] == 2 and spare["pid"] == ready["pid"] == row["spare_pids"][0]
 
 
 def test_rank_alive_but_not_progressing_is_detected_by_progress(tmp_path, shm_root):

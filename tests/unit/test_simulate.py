@@ -222,8 +222,11 @@ def _snap_size(params, deadpool, dcp=None, rule="window"):
     return {"result": {"params": params}, "analysis": {"rule": rule, "modes": modes}}
 
 
-def _rec_size(agree, rebuild, restore, startup):
+def _rec_size(agree, rebuild, restore, startup, unready=None):
+    """``unready``: (agree, rebuild) of the runs killing a node no spare built for (default: 4x the default path's)."""
+    ua, ur = unready if unready is not None else (4 * agree, 4 * rebuild)
     return {"analysis": {"hotswap": {"phases_median": {"agree_s": agree, "rebuild_s": rebuild, "restore_s": restore}},
+                         "unready": {"hotswap": {"phases_median": {"agree_s": ua, "rebuild_s": ur}}},
                          "baseline": {"phases_median": {"startup_and_load_s": startup}}}}
 
 
@@ -249,11 +252,15 @@ def test_calibration_reads_the_current_result_files_and_names_them(tmp_path):
     cal = calibrate(str(tmp_path))
     assert cal.overrides == {"costs.snapshot_overhead_ratio": 0.98,  # as measured: no clamp
                              "costs.persist_overhead_ratio": 1.3,   # largest model (the n4 run has no dcp_async)
-                             "costs.hotswap_fixed_s": 6.0, "costs.restore_fixed_s": 0.5, "costs.startup_s": 12.0}
+                             "costs.hotswap_fixed_s": 6.0, "costs.hotswap_unready_s": 24.0,
+                             "costs.restore_fixed_s": 0.5, "costs.startup_s": 12.0}
     n4, n2, rec = (str(tmp_path / n) for n in ("snapshot_overhead_medium_n4.json", "snapshot_overhead_medium_n2.json",
                                                 "recovery.json"))
     assert cal.files == {"costs.snapshot_overhead_ratio": n4, "costs.persist_overhead_ratio": n2,
-                         "costs.hotswap_fixed_s": rec, "costs.restore_fixed_s": rec, "costs.startup_s": rec}
+                         "costs.hotswap_fixed_s": rec, "costs.hotswap_unready_s": rec, "costs.restore_fixed_s": rec,
+                         "costs.startup_s": rec}
+    assert cal.sources["costs.hotswap_unready_s"] == (
+        f"{rec}: sizes.small.analysis.unready.hotswap.phases_median agree_s + rebuild_s")
     assert cal.sources["costs.snapshot_overhead_ratio"] == (
         f"{n4}: sizes.medium.analysis.modes.deadpool.window_ratio (90% CI 0.950-1.010)")
     assert cal.sources["costs.hotswap_fixed_s"] == (
@@ -300,7 +307,8 @@ def test_calibration_of_this_checkout_reads_the_files_index_md_names():
     small = "benchmarks/results/snapshot_overhead_small_n4.json"
     rec = "benchmarks/results/recovery.json"
     assert cal.files == {"costs.snapshot_overhead_ratio": medium, "costs.persist_overhead_ratio": small,
-                         "costs.hotswap_fixed_s": rec, "costs.restore_fixed_s": rec, "costs.startup_s": rec}
+                         "costs.hotswap_fixed_s": rec, "costs.hotswap_unready_s": rec, "costs.restore_fixed_s": rec,
+                         "costs.startup_s": rec}
     # recovery.json (2026-12-03, the default in-place path, GPT small, 2 repeats): agree 3.44 + rebuild 0.04,
     # restore 0.62, relaunch start-up and load 15.0 s; the largest model measured under the window rule for each
     # mode (10 rounds of 8-step windows, counted whole): deadpool 1.080 (medium_n2), dcp_async 1.109 (small_n4: DCP

@@ -43,6 +43,7 @@ def test_segment_maps_wall_time_to_iterations_and_versions():
 def _params(**flat):
     base = {"cluster.gpus": 64, "cluster.spare_nodes": 2, "workload.iteration_s": 10.0, "workload.params_b": 1.0,
             "costs.detect_s": 5.0, "costs.scheduler_s": 20.0, "costs.startup_s": 10.0, "costs.hotswap_fixed_s": 3.0,
+            "costs.hotswap_unready_s": 3.0,
             "costs.restore_fixed_s": 1.0, "costs.snapshot_overhead_ratio": 1.0, "costs.persist_overhead_ratio": 1.0,
             "failure.cluster_outage_per_day": 0.0}
     return Params().with_overrides({**base, **flat})
@@ -116,3 +117,15 @@ def test_tiercheck_replays_differentials_since_the_base():
     # ~35 iterations done, base at 20: 15 differentials replayed.
     assert res.breakdown["replay"] == pytest.approx(15 * 0.5, abs=0.5)
     assert res.restores["peer"] == 1
+
+
+def test_a_swap_costs_the_built_ahead_share_of_nodes_at_the_ready_price():
+    """Each spare builds its engine for one node's ranks: a failure of one of those nodes costs the ready swap, any
+    other the unready one, so the model charges the expectation over which node fails."""
+    from dataclasses import replace
+
+    d = replace(derive(_params()), hotswap_fixed_s=0.5, hotswap_unready_s=4.5)
+    for spares, nodes, share in ((1, 4, 0.25), (2, 4, 0.5), (8, 4, 1.0), (0, 4, 0.0)):
+        dd = replace(d, spares=spares, nodes=nodes)
+        assert dd.built_ahead_fraction == share
+        assert dd.hotswap_s == pytest.approx(share * 0.5 + (1 - share) * 4.5)

@@ -24,7 +24,8 @@ def _params(**flat):
     """8 nodes of 8 GPUs, 10 s iterations, no snapshot interference: wall time = iterations x 10 s."""
     base = {"cluster.gpus": 64, "cluster.spare_nodes": 0, "cluster.node_repair_h": 1.0, "workload.iteration_s": IT,
             "workload.params_b": 1.0, "costs.detect_s": 5.0, "costs.scheduler_s": 20.0, "costs.startup_s": 10.0,
-            "costs.hotswap_fixed_s": 3.0, "costs.restore_fixed_s": 1.0, "costs.snapshot_overhead_ratio": 1.0,
+            "costs.hotswap_fixed_s": 3.0, "costs.hotswap_unready_s": 3.0,
+            "costs.restore_fixed_s": 1.0, "costs.snapshot_overhead_ratio": 1.0,
             "costs.persist_overhead_ratio": 1.0, "failure.cluster_outage_per_day": 0.0}
     return Params().with_overrides({**base, **flat})
 
