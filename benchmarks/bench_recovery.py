@@ -101,7 +101,7 @@ def rerender(path: str) -> int:
             series = (r.get("memory") or {}).get("rss_series")
             if series and not r.get("rss_end"):  # runs before rss_end skipped samples taken while workers exited
                 r["rss_end"] = {k: v * 2**20 for k, v in rss_end(series).items()}
-        entry["analysis"] = analyze_size(size, entry)
+        entry["analysis"] = analyse_entry(size, entry)
     write_json(path, doc)
     md_path = os.path.splitext(path)[0] + ".md"
     write_text(md_path, render_markdown(doc))
@@ -274,14 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     return rc
 
 
+def analyse_entry(size: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """The default path's analysis, with the same analysis over the rebuild and unready runs (against the same
+    baseline) beside it."""
+    an = analyze_size(size, entry)
+    for other in ("rebuild", "unready"):
+        if entry["runs"].get(other):
+            an[other] = analyze_size(size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][other]}})
+    return an
+
+
 def _save(doc: dict[str, Any], entry: dict[str, Any], size: str, json_path: str, md_path: str, t_start: float) -> None:
     entry["params"] = params_from_logs(entry)
     try:
-        entry["analysis"] = analyze_size(size, entry)
-        for other in ("rebuild", "unready"):  # the same analysis over those runs (against the same baseline)
-            if entry["runs"].get(other):
-                entry["analysis"][other] = analyze_size(
-                    size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][other]}})
+        entry["analysis"] = analyse_entry(size, entry)
     except Exception as exc:  # noqa: BLE001 - a partial result still gets written
         entry["analysis"] = None
         entry["analysis_error"] = f"{type(exc).__name__}: {exc}"

@@ -225,7 +225,12 @@ def render(doc: dict[str, Any]) -> str:
     head = "| | hot-swap, spare built for the node | hot-swap, another node | Trainer's own relaunch |"
     lines = [f"# {doc['title']}", "", f"Measured {doc['date']} with `{doc['command']}` ({doc['wall_s']:.0f} s), "
              f"{doc['repeats']} repeat(s) per kind, on {doc['machine'].get('cpu_count', '?')} CPUs. "
-             + (__doc__ or "").split("\n\n")[1].replace("\n", " "), "", head, "|---|---|---|---|"]
+             + (__doc__ or "").split("\n\n")[1].replace("\n", " ").replace(
+                 "Per repeat, three jobs:", "Per repeat, three jobs: the node the spare built its engine for killed "
+                 "(`ready`), another node killed (`unready`: the spare starts its script again), and torchrun with the "
+                 "Trainer's own checkpoint every step, relaunched with `resume_from_checkpoint` (`relaunch`). "
+                 "Restored, for the relaunch: the relaunched Trainer's `on_train_begin`, after the checkpoint loaded."),
+             "", head, "|---|---|---|---|"]
     for label, key in rows:
         lines.append(f"| {label} | " + " | ".join(f(an[k][key]) for k in ("ready", "unready", "relaunch")) + " |")
     lines.append("| speedup against the relaunch (restored / next step) | " + " | ".join(
@@ -249,7 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=300.0)
     p.add_argument("--name", default="recovery_trainer")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
     a = p.parse_args(argv)
+    if a.render_only:
+        with open(a.render_only) as fh:
+            doc = json.load(fh)
+        write_text(os.path.splitext(a.render_only)[0] + ".md", render(doc))
+        return 0
     if a.kill_step < 3 or a.kill_step >= a.steps:
         p.error("--kill-step must be >= 3 and < --steps")
     t0 = time.time()

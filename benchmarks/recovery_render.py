@@ -38,7 +38,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
     L.append("Setup: GPT-2 (HF architecture), DeepSpeed ZeRO-3 fp32, torch Adam, 3 ranks, one per simulated node, on "
              "one 2-core host (`OMP_NUM_THREADS=1`). Hot-swap: `deadpool-run --nnodes 3 --nproc-per-node 1 "
              "--spare-nodes 1`, snapshots every step, replication factor 1; the worker `node1.0` (rank 1) is SIGKILLed "
-             "and its node's memory is dropped by the launcher, so rank 1's state comes from a peer replica. Baseline: "
+             "and its node's memory is dropped by the launcher, so rank 1's state comes from a peer replica; the "
+             "spare shadows node1 (it built its engine for rank 1 before the kill). The `unready` runs kill "
+             "`node2.0` instead (the spare starts its script again for rank 2). Baseline: "
              "`torchrun` with a DeepSpeed checkpoint to local disk every step, rank 1 SIGKILLed once checkpoint K is "
              "committed, relaunched at once (no scheduler delay) with `--load`. Kill point in both: "
              f"{doc['settings']['kill_delay_frac']} of a normal step after rank 0 logged step K (mid step K+1).")
@@ -271,27 +273,23 @@ def _where_time_goes(entry: dict[str, Any], an: dict[str, Any]) -> list[str]:
     hs = [r for r in entry["runs"]["hotswap"] if not r.get("failed")]
     if hs:
         ev = lambda k: med_of(hs, lambda r: r["events"][k])  # noqa: E731
-        ops = lambda f: med_of(hs, lambda r: f(sorted(r["log_milestones"]["comm_op_loaded"])))  # noqa: E731
-        op_first, op_last = ops(lambda v: v[0]), ops(lambda v: v[-1])
-        built = med_of(hs, lambda r: max(r["log_milestones"]["engine_built"]))
-        pub = ev("assignment_published")
+        ph = an["hotswap"]["phases_median"]
+        un = (an.get("unready") or {}).get("hotswap", {}).get("phases_median") or {}
         out.append(
             "Where the hot-swap time goes (medians, seconds after the kill): the launcher sees the exit at "
-            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(pub)}; the survivors leave "
-            f"generation 0 at {_f(ev('survivor_noticed_first'))}-{_f(ev('survivor_noticed_last'))} (their step stopped "
-            "by the launcher's notice, or a collective with the dead peer failing, whichever comes first), tear down "
-            f"and have the new process group at {_f(ev('survivor_pg_ready_last'))}. They build a new model and call "
-            "`deepspeed.initialize` again (without DeepSpeed's initial weight broadcast when every rank restores next; "
-            f"the first DeepSpeed comm backend is up at {_f(op_first)}), then wait in its collectives for the last "
-            f"process, whose backend is up at {_f(op_last)} "
-            f"({_f(None if op_last is None or pub is None else op_last - pub)} s after the assignment; the spare "
-            "imported DeepSpeed and transformers, built its first model and loaded the comm op while it waited, so "
-            f"after its assignment it only forms the process group). All engines are built at {_f(built)} "
-            "(`deepspeed.initialize` on the new world, "
-            f"{_f(None if built is None or op_last is None else built - op_last)} s after the last backend); state is "
-            f"restored at {_f(ev('survivor_restored_last'))} (restore phase "
-            f"{_f(an['hotswap']['phases_median']['restore_s'])} s: scan + checksums of every held buffer, fetch of "
-            f"rank 1's replica, restore); the redone step completes at {_f(an['hotswap']['raw_s']['median'])}.")
+            f"{_f(ev('launcher_detected'))} and publishes the new assignment at {_f(ev('assignment_published'))}; "
+            f"the survivors leave generation 0 at {_f(ev('survivor_noticed_first'))}-{_f(ev('survivor_noticed_last'))} "
+            "(their step stopped by the launcher's notice, or a collective with the dead peer failing, whichever comes "
+            "first) and keep their engines (in place: only the communicators beneath their process groups are "
+            f"replaced). The spare had run the script up to `deepspeed.initialize` before the kill (its engine built "
+            f"for rank 1), so after its assignment it is ready to join in {_f(ph.get('spare_s'))} s; the new "
+            f"communicators take {_f(ph.get('communicators_s'))} s; state is restored at "
+            f"{_f(ev('survivor_restored_last'))} on the survivors and {_f(ev('spare_restored'))} on the spare "
+            f"(restore phase {_f(ph.get('restore_s'))} s: scan + checksums of every held buffer, fetch of rank 1's "
+            f"replica, restore); the redone step completes at {_f(an['hotswap']['raw_s']['median'])}."
+            + (f" Killing a node the spare did not build for, the spare starts its script again after the assignment:"
+               f" {_f(un.get('spare_s'))} s before it can join (its prologue and `deepspeed.initialize`), the rest "
+               "alike." if un else ""))
         out.append("")
     bl = [r for r in entry["runs"]["baseline"] if not r.get("failed")]
     if bl:

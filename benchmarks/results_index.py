@@ -90,13 +90,24 @@ CURRENT: tuple[Current, ...] = (
             companions=("snapshot_overhead_small_n2_differential_small.log",),
             note="Written as `snapshot_overhead_small_n2_diff.*` (`--name`) into /tmp and renamed here: the archive "
                  "already holds an older `snapshot_overhead_small_n2_diff`."),
-    Current("recovery", "recovery", "SIGKILL -> restored / next step: in place vs rebuild vs relaunch, small + medium",
+    Current("recovery", "recovery", "SIGKILL -> restored / next step: in place (spare built ahead, and not) vs "
+            "rebuild vs relaunch, small + medium",
             "SIGKILL of one of 3 ranks, GPT small and medium, ZeRO-3, 3 nodes + 1 spare: the default path "
-            "(hot_swap.in_place true) beside hot_swap.in_place false and kill + relaunch + DeepSpeed load_checkpoint "
-            "in one run; phases from each job's timeline, kill -> every rank restored, kill -> next step, losses "
+            "(hot_swap.in_place and spare_build_ahead true; the killed node is the one the spare built its engine "
+            "for) beside the same path killing another node (the spare starts its script again), hot_swap.in_place "
+            "false and kill + relaunch + DeepSpeed load_checkpoint in one run; phases from each job's timeline "
+            "(agree split into assign, spare, communicators), kill -> every rank restored, kill -> next step, losses "
             "against the relaunched run and an uninterrupted one.",
             companions=("recovery_logs",),
-            note="Run from a clean worktree with `--out /tmp/results` and copied here."),
+            note="Run in the checkout with the default `--out`; the JSON was then re-analysed with `--rerender` "
+                 "after a fix of the rerender path (no job re-run)."),
+    Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
+            "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
+            "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
+            "built for, another node, and torchrun + the Trainer's own per-step checkpoint relaunched with "
+            "resume_from_checkpoint; kill -> restored, kill -> next step, losses against an uninterrupted run; "
+            "2 repeats, kinds rotated.",
+            companions=("recovery_trainer_logs",)),
     Current("regression_issue31", "regression", "no regression from issue 31's redesign (recovery, overhead)",
             "Issue 'one recovery path': the recovery (GPT small, 3 ranks + 1 spare, in-place hot-swap, SIGKILL; 2 "
             "rounds per commit, order swapped) and overhead (GPT small, 2 ranks, none/deadpool, 10 interleaved "

@@ -76,7 +76,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         if env.hot_swap.role == "spare":
             from .rebuild.spare import build_ahead as ahead
 
-            if ahead(m, m.worker_id, m.node, timeout, enabled=in_place and build_ahead, while_waiting=prepare):
+            why_not = (None if in_place and build_ahead else "hot_swap.spare_build_ahead is false" if in_place else
+                       "no in-place swap: hot_swap.in_place is false, or every rank rebuilds (Megatron-Core)")
+            if ahead(m, m.worker_id, m.node, timeout, why_not=why_not, while_waiting=prepare):
                 destroy_groups_at_exit()
                 return
             _warm_up_spare()

@@ -121,6 +121,14 @@ def fits(current: Assignment, node: str, spare_workers: list[Worker],
     return all(prepared.get(w.worker_id) == (r, current.world_size) for r, w in zip(old, spare_workers))
 
 
+def spares_ready(old: Assignment, new: Assignment, workers: list[Worker],
+                 prepared: Mapping[str, tuple[int, int]]) -> dict[str, bool]:
+    """Failed node -> whether the spare that took its ranks in ``new`` had built its engines ahead for them."""
+    return {failed: fits(old, failed, sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index),
+                         prepared)
+            for failed, spare in new.replaced.items()}
+
+
 def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: AbstractSet[str],
                    dead_spares: AbstractSet[str] = frozenset(),
                    prepared: Mapping[str, tuple[int, int]] | None = None) -> Assignment:

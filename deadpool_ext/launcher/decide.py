@@ -32,7 +32,15 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.membership import Assignment, NoSpareError, Worker, fits, grow_into, replace_failed, shrink_failed
+from ..cluster.membership import (
+    Assignment,
+    NoSpareError,
+    Worker,
+    grow_into,
+    replace_failed,
+    shrink_failed,
+    spares_ready,
+)
 from . import keys, values
 from .actions import (
     Action,
@@ -53,7 +61,7 @@ from .actions import (
     WriteDeadSpares,
 )
 from .final import stop_line
-from .hangs import not_formed, stalled, store_stalled
+from .hangs import not_formed, prepared_spares, stalled, store_stalled
 
 TURN_GAP_S = 1.0
 """A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
@@ -210,24 +218,6 @@ def decide(state: CoordinatorState, obs: Observation, settings: Settings) -> Dec
     turn = _Turn(state, obs, settings)
     turn.run()
     return Decision(turn.state, tuple(turn.actions))
-
-
-def prepared_spares(beats: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
-    """Worker -> (rank, world size) its engine was built ahead for, as its heartbeat says (a waiting spare's)."""
-    out: dict[str, tuple[int, int]] = {}
-    for w, beat in beats.items():
-        p = beat.get("prepared")
-        if isinstance(p, (list, tuple)) and len(p) == 2:
-            out[w] = (int(p[0]), int(p[1]))
-    return out
-
-
-def spares_ready(old: Assignment, new: Assignment, workers: list[Worker],
-                 prepared: Mapping[str, tuple[int, int]]) -> dict[str, bool]:
-    """Failed node -> whether the spare that took its ranks in ``new`` had built its engines ahead for them."""
-    return {failed: fits(old, failed, sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index),
-                         prepared)
-            for failed, spare in new.replaced.items()}
 
 
 def policy_of(settings: Settings, obs: Observation) -> str:
@@ -589,10 +579,9 @@ class _Turn:
         self.update(awaiting=None)
         ready = spares_ready(self.state.assignment, new, list(self.state.roster.workers),
                              prepared_spares(self.obs.beats))
-        for failed, spare in sorted(new.replaced.items()):
-            self.actions.append(Say(f"node {failed} is replaced by spare {spare}, " + (
-                "whose engine was built ahead for its ranks" if ready.get(failed) else
-                "which built ahead for other ranks (or not at all): it builds its engine for these ranks now")))
+        self.actions += [Say(f"node {failed} is replaced by spare {spare}, " + (
+            "whose engine was built ahead for its ranks" if ready.get(failed) else "which builds its engine for these "
+            "ranks now (it built ahead for others, or not at all)")) for failed, spare in sorted(new.replaced.items())]
         self.publish(new, {"event": "assignment", "generation": new.generation, "replaced": new.replaced,
                            "built_ahead": ready, "spares_left": list(new.spares),
                            "host_rank": self.settings.host_rank})

@@ -59,3 +59,14 @@ def not_formed(ranks: Iterable[str], progress: Mapping[str, Mapping[str, Any] | 
     a step in it: their last heartbeat's progress sample is missing or its ``step_at`` is older. Empty: the
     generation has formed (``resize.py``: a grow waits for it)."""
     return sorted(w for w in ranks if float((progress.get(w) or {}).get("step_at", 0.0)) < since)
+
+
+def prepared_spares(beats: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[int, int]]:
+    """Worker -> (rank, world size) its engine was built ahead for, as its heartbeat says (a waiting spare's,
+    ``rebuild/spare.py``; the decoder checked both numbers)."""
+    out: dict[str, tuple[int, int]] = {}
+    for w, beat in beats.items():
+        p = beat.get("prepared")
+        if isinstance(p, (list, tuple)) and len(p) == 2:
+            out[w] = (int(p[0]), int(p[1]))
+    return out

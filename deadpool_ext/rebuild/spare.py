@@ -61,15 +61,15 @@ class BuiltAhead:
     """What the wait does on each turn (``--spare-slots prepare``: the snapshot slots)."""
 
 
-def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, enabled: bool,
+def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, why_not: str | None,
                 while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0) -> bool:
     """Step 1 of the module's call order. True: the default group is built solo for the shadowed node's rank;
-    False: this spare waits for its assignment before its script (the reason logged)."""
+    False: this spare waits for its assignment before its script (the reason logged; ``why_not``: the caller's
+    reason not to, None: none)."""
     from . import swap
     from .worker import MembershipError
 
-    why = None if enabled else "hot_swap.spare_build_ahead is false"
-    why = why or swap.unsupported()
+    why = why_not or swap.unsupported()
     published = None if why else _published(m, published_wait_s)
     if why is None and published is None:
         why = f"no assignment was published within {published_wait_s:.0f} s (store key {keys.ASSIGNMENT!r})"
@@ -84,8 +84,9 @@ def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, enabl
     local = int(worker_id.rsplit(".", 1)[1])
     rank, shadow = prepared_rank(a, node, local), shadowed_node(a, node)
     if rank is None or shadow is None:
-        log.info("spare %s: not built ahead (no process %d on the node it would shadow, %s); it builds its engine "
-                 "after an assignment", worker_id, local, shadow)
+        why = (f"node {node} is not among the assignment's spares (it joined to grow the world)" if shadow is None
+               else f"node {shadow}, which it would shadow, has no process {local}")
+        log.info("spare %s: not built ahead (%s); it builds its engine after an assignment", worker_id, why)
         return False
     ctx = context()
     ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,

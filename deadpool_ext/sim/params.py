@@ -197,18 +197,18 @@ class Costs:
     was seen in 0.14 s by deadpool-run and 0.72 s by torchrun here, recovery_small.json)."""
     scheduler_s: float = 60.0
     """Relaunching a whole job: allocation, containers, process start (assumption)."""
-    startup_s: float = 15.0
+    startup_s: float = 7.96
     """Process start-up to first step, loading state included (measured: recovery.json, GPT small, baseline
     startup_and_load_s)."""
-    hotswap_fixed_s: float = 3.47
+    hotswap_fixed_s: float = 0.10
     """Hot-swap agree + communicator and engine rebuild on the default path, the in-place swap, when the failed node
     is one a spare built its engine ahead for (measured: recovery.json, GPT small, hot-swap agree_s + rebuild_s).
     Detection and the recomputed iteration are charged separately."""
-    hotswap_unready_s: float = 3.47
+    hotswap_unready_s: float = 4.11
     """The same when no spare built for the failed node (the spare starts its script again after the assignment:
     recovery.json, the ``unready`` runs). A spare shadows one node, so a swap costs, in expectation,
     ``min(spares, nodes) / nodes`` of the first and the rest of this (``Derived.hotswap_s``)."""
-    restore_fixed_s: float = 0.62
+    restore_fixed_s: float = 0.34
     """Fixed part of restoring from memory (measured: recovery.json, GPT small, restore_s); bytes / bandwidth come
     on top."""
     snapshot_overhead_ratio: float = 1.08

@@ -32,12 +32,16 @@ def test_analysis_from_saved_runs_reproduces_the_saved_analysis():
     doc = _load("recovery")
     entry = doc["sizes"]["small"]
     saved = dict(entry["analysis"])
-    rebuild = saved.pop("rebuild")  # the same analysis over the rebuild path's runs (bench_recovery._save)
+    # the same analysis over the rebuild path's and the unready runs (bench_recovery.analyse_entry)
+    others = {k: saved.pop(k) for k in ("rebuild", "unready")}
     again = recovery_analyse.analyze_size("small", copy.deepcopy(entry))
     assert again == saved
     assert again["hotswap"]["raw_s"]["median"] > 0 and again["losses_identical"] is True
-    view = {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"]["rebuild"]}}
-    assert recovery_analyse.analyze_size("small", copy.deepcopy(view)) == rebuild
+    for kind, analysis in others.items():
+        view = {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][kind]}}
+        assert recovery_analyse.analyze_size("small", copy.deepcopy(view)) == analysis
+    bench_recovery = importlib.import_module("bench_recovery")
+    assert bench_recovery.analyse_entry("small", copy.deepcopy(entry)) == entry["analysis"]
 
 
 def test_render_only_writes_the_markdown_and_leaves_the_json(tmp_path):

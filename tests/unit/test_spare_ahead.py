@@ -14,9 +14,10 @@ from deadpool_ext.cluster.membership import (
     prepared_rank,
     replace_failed,
     shadowed_node,
+    spares_ready,
 )
 from deadpool_ext.launcher import values
-from deadpool_ext.launcher.decide import prepared_spares, spares_ready
+from deadpool_ext.launcher.hangs import prepared_spares
 from deadpool_ext.rebuild.spare import BuiltAhead, matches
 
 
