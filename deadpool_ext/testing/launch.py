@@ -101,7 +101,8 @@ def run_job(cmd: Sequence[str], *, timeout_s: float, env: dict[str, str] | None 
 
 
 def read_metrics(path: str) -> dict[int, float]:
-    """step -> loss; a step recomputed after a restore appears twice and the last value wins."""
+    """step -> loss; a step recomputed after a restore appears twice and the last value wins. Records without a
+    loss (an example's events, e.g. the HF Trainer's ``train_begin``) are not steps."""
     out: dict[int, float] = {}
     if not os.path.exists(path):
         return out
@@ -109,7 +110,8 @@ def read_metrics(path: str) -> dict[int, float]:
         for line in fh:
             if line.strip():
                 rec = json.loads(line)
-                out[int(rec["step"])] = float(rec["loss"])
+                if "loss" in rec:
+                    out[int(rec["step"])] = float(rec["loss"])
     return out
 
 
