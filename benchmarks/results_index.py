@@ -101,6 +101,12 @@ CURRENT: tuple[Current, ...] = (
             companions=("recovery_logs",),
             note="Run in the checkout with the default `--out`; the JSON was then re-analysed with `--rerender` "
                  "after a fix of the rerender path (no job re-run)."),
+    Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
+            "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
+            "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
+            "(--join) and becomes the next spare; per swap kill -> restored and -> next step from the timeline, "
+            "the survivors' RSS before the first kill and at the last step, losses against an uninterrupted run.",
+            companions=("five_swaps_logs",)),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "

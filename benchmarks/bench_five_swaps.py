@@ -1,0 +1,279 @@
+#!/usr/bin/env python
+"""Five consecutive hot-swaps, each spare replaced by a machine that joins: every swap as fast as the first.
+
+Issue "The spare ready before the failure", part 4. GPT small (ZeRO-3, 3 ranks, one per node) under
+``deadpool-run --nnodes 3 --spare-nodes 1``, today's defaults (in place, the spare built ahead). Five times: once
+the waiting spare has built its engine (its ``spare_ready`` timeline event), the worker that holds rank 1 is
+SIGKILLed mid-step; the spare, which shadows the node holding rank 1, takes it; then a new machine joins
+(``deadpool-run --join joinN`` with the job's store, job id and token), becomes the spare and builds ahead for
+rank 1 in its turn.
+
+Per swap, from the job's timeline: kill -> every rank restored (detect + agree + rebuild + restore), whether the
+spare had built for the killed node (the ``assignment`` event), and kill -> the next completed step. The survivors
+(node0.0, node2.0) keep their processes throughout: their RSS just before the first kill and at the last sample
+before the last step completed. A machine joins once the previous swap is over (its redone step completed): on this
+2-core host its start would otherwise compete with a recovery it is not part of. The losses against an
+uninterrupted run of the same script, bit for bit.
+
+    python benchmarks/bench_five_swaps.py          # ~4 min on 2 cores
+
+Writes ``benchmarks/results/five_swaps.json`` and ``.md``, the jobs' logs under ``five_swaps_logs/``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import REPO, machine_info, write_json, write_text  # noqa: E402
+from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
+
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SCRIPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
+BASE = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
+SURVIVORS = ("node0.0", "node2.0")
+TARGET_RESTORED_S, TARGET_MEMORY = 1.0, 1.05
+
+
+def _config(path: str, shm: str | None) -> str:
+    import json
+
+    with open(BASE) as fh:
+        cfg = json.load(fh)
+    cfg["train_micro_batch_size_per_gpu"] = 2
+    if shm is None:
+        cfg.pop("deadpool", None)
+    else:
+        cfg["deadpool"] = {"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm}}
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+    return path
+
+
+def _args(cfg: str, iters: int, metrics: str, size: str) -> tuple[str, ...]:
+    return ("--deepspeed_config", cfg, "--model-size", size, "--train-iters", str(iters), "--metrics-out", metrics,
+            "--seed", "1234", "--log-interval", "1")
+
+
+def _events(path: str, kind: str) -> list[dict[str, Any]]:
+    from deadpool_ext.recovery.timeline import read_events
+
+    return [e for e in (read_events(path) if os.path.exists(path) else []) if e.get("event") == kind]
+
+
+def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
+    from deadpool_ext.recovery.timeline import phases, read_events
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
+
+    shm = os.path.join("/dev/shm", f"bench_five.{os.getpid()}")
+    os.makedirs(shm, exist_ok=True)
+    token, job_id, port = "t0ken-" + os.urandom(8).hex(), "fiveswaps", free_port()
+    metrics, timeline = os.path.join(scratch, "swaps.jsonl"), os.path.join(scratch, "swaps.timeline.jsonl")
+    cfg = _config(os.path.join(scratch, "swaps.ds.json"), shm)
+    kills = [a.first_kill + a.gap * i for i in range(a.swaps)]
+    iters = kills[-1] + a.gap
+    env = {"DEADPOOL_STORE_TOKEN": token}
+    job = Job(script=SCRIPT, nnodes=3, nproc_per_node=1, spare_nodes=1, shm_root=shm, timeline=timeline,
+              launcher_flags=("--job-id", job_id, "--store-port", str(port)), env_vars=env,
+              args=_args(cfg, iters, metrics, a.size))
+    out: dict[str, Any] = {"cmd": shlex.join(job.argv()), "kills_after_steps": kills, "train_iters": iters,
+                           "swaps": []}
+    joiners: list[subprocess.Popen] = []
+    mons: list[Monitor] = []
+
+    def join(i: int) -> None:
+        j = Job(script=SCRIPT, join=f"join{i}", nnodes=None, store_url=f"dp://127.0.0.1:{port}", job_id=job_id,
+                nproc_per_node=1, shm_root=shm, timeline=timeline, env_vars=env,
+                args=_args(cfg, iters, metrics, a.size))
+        log = open(os.path.join(logs, f"join{i}.log"), "w")
+        p = subprocess.Popen(j.argv(), cwd=REPO, env=j.env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+        joiners.append(p)
+        mons.append(Monitor(p.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
+
+    def hook(proc: subprocess.Popen, deadline: float) -> None:
+        mons.insert(0, Monitor(proc.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
+        holder = "node1.0"
+        for i, step in enumerate(kills):
+            while len(_events(timeline, "spare_ready")) < i + 1:  # the current spare has built its engine
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"swap {i + 1}: no spare built ahead before the deadline")
+                for m in mons:
+                    m.sample()
+                time.sleep(0.1)
+            mon = next((m for m in mons if m.find(holder) is not None), mons[0])
+            kill = wait_and_kill(proc, deadline, mon, metrics, step, 0.5, holder)
+            append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
+                                    "pid": kill["killed_pid"], "worker": holder})
+            out["swaps"].append({"killed": holder, "t_kill": kill["t_kill"], "after_step": step,
+                                 "rss_before": {k: v for m in mons for k, v in m.rss_at(kill["t_kill"]).items()}})
+            print(f"[bench] swap {i + 1}: SIGKILLed {holder} after step {step}", flush=True)
+            while not [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]:
+                if time.time() > deadline:
+                    raise RuntimeError(f"swap {i + 1}: no assignment")
+                time.sleep(0.05)
+            [assigned] = [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]
+            holder = f"{assigned['replaced'][holder.split('.')[0]]}.0"
+            if i + 1 < len(kills):
+                # The machine joins once the swap is over (the redone step completed): on this 2-core host its start
+                # would otherwise compete with the recovery it is not part of (a joining machine is another host).
+                while proc.poll() is None and time.time() < deadline and not any(
+                        r["step"] > step and r["time"] > kill["t_kill"] for r in read_records(metrics)):
+                    time.sleep(0.05)
+                join(i + 1)
+        while proc.poll() is None and time.time() < deadline:
+            for m in mons:
+                m.sample()
+            time.sleep(0.5)
+
+    try:
+        res = run_logged(job.argv(), env=base_env(env), timeout_s=a.timeout_s, hook=hook,
+                         log_path=os.path.join(logs, "swaps.log"))
+    finally:
+        from deadpool_ext.testing.launch import kill_tree
+
+        for p in joiners:
+            kill_tree(p.pid)
+        shutil.rmtree(shm, ignore_errors=True)
+    out.update(returncode=res["returncode"], log=res["log"], error=res["error"])
+    recs = read_records(metrics)
+    out["losses"] = {r["step"]: r["loss"] for r in recs}
+    events = read_events(timeline) if os.path.exists(timeline) else []
+    rows = {p["generation"]: p for p in phases(events)}
+    step_s = statistics.median([r["step_time_s"] for r in recs if 2 <= r["step"] <= kills[0]] or [0.0])
+    out["normal_step_s"] = step_s
+    for i, sw in enumerate(out["swaps"]):
+        row = rows.get(i + 1) or {}
+        parts = [row.get(k) for k in ("detect_s", "agree_s", "rebuild_s", "restore_s")]
+        last_pre = max((r["step"] for r in recs if r["time"] <= sw["t_kill"]), default=0)
+        nxt = next((r for r in recs if r["time"] > sw["t_kill"] and r["step"] > last_pre), None)
+        [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == i + 1] or [{}]
+        sw.update(restored_s=sum(parts) if None not in parts else None, raw_s=nxt["time"] - sw["t_kill"] if nxt
+                  else None, built_ahead=all((assigned.get("built_ahead") or {"?": False}).values()),
+                  phases={k: row.get(k) for k in ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s",
+                                                  "restore_s")})
+    t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
+    last = {k: v for m in mons for k, v in m.rss_at(t_last).items()}
+    out["rss_end"] = {k: last.get(k) for k in SURVIVORS}
+    out["rss_first"] = {k: (out["swaps"][0]["rss_before"].get(k) if out["swaps"] else None) for k in SURVIVORS}
+    return out
+
+
+def reference(a: argparse.Namespace, scratch: str, logs: str, iters: int) -> dict[int, float]:
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
+
+    m = os.path.join(scratch, "reference.jsonl")
+    job = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=3, port=free_port(),
+              args=_args(_config(os.path.join(scratch, "ref.ds.json"), None), iters, m, a.size))
+    run_logged(job.argv(), env=base_env(), timeout_s=a.timeout_s, log_path=os.path.join(logs, "reference.log"))
+    return {r["step"]: r["loss"] for r in read_records(m)}
+
+
+def analyse(doc: dict[str, Any]) -> dict[str, Any]:
+    run_, ref = doc["run"], {int(k): v for k, v in doc["reference_losses"].items()}
+    swaps = run_["swaps"]
+    step = run_["normal_step_s"]
+    growth = {k: (run_["rss_end"][k] / run_["rss_first"][k]) if run_["rss_end"].get(k) and run_["rss_first"].get(k)
+              else None for k in SURVIVORS}
+    losses = {int(k): v for k, v in run_["losses"].items()}
+    each = [s.get("restored_s") for s in swaps]
+    done = [x for x in each if x is not None]
+    all_swaps = len(swaps) == doc["swaps_planned"] and len(done) == len(swaps)
+    worst = max((g for g in growth.values() if g), default=None)
+    return {
+        "swaps": len(swaps), "restored_each_s": each, "raw_each_s": [s.get("raw_s") for s in swaps],
+        "built_ahead_each": [s.get("built_ahead") for s in swaps], "normal_step_s": step,
+        "survivor_rss_growth": growth,
+        "losses_identical": bool(losses) and set(losses) == set(ref) and all(ref[k] == v for k, v in losses.items()),
+        "targets": {
+            "every_restored": {"target_s": TARGET_RESTORED_S, "value_s": max(done, default=None),
+                               "met": all_swaps and all(x <= TARGET_RESTORED_S for x in done)},
+            "every_next_step": {"target_s": TARGET_RESTORED_S,
+                                "met": all_swaps and all(s.get("raw_s") is not None
+                                                         and s["raw_s"] - step <= TARGET_RESTORED_S for s in swaps)},
+            "survivor_memory": {"target": TARGET_MEMORY, "value": worst,
+                                "met": all(g is not None and g <= TARGET_MEMORY for g in growth.values())}}}
+
+
+def render(doc: dict[str, Any]) -> str:
+    an, run_ = doc["analysis"], doc["run"]
+
+    def f(v: Any, d: int = 2) -> str:
+        return "-" if v is None else f"{v:.{d}f}"
+
+    lines = [f"# {doc['title']}", "", f"Measured {doc['date']} with `{doc['command']}` ({doc['wall_s']:.0f} s) on "
+             f"{doc['machine'].get('cpu_count', '?')} CPUs, GPT {doc['size']}. "
+             + (__doc__ or "").split("\n\n")[1].replace("\n", " "), "",
+             "| swap | killed | spare built for it | kill -> every rank restored (s) | kill -> next step (s) | "
+             "detect | assign | spare | comms | restore |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for i, s in enumerate(run_["swaps"]):
+        ph = s.get("phases") or {}
+        lines.append(f"| {i + 1} | {s['killed']} | {s.get('built_ahead')} | {f(s.get('restored_s'))} | "
+                     f"{f(s.get('raw_s'))} | " + " | ".join(f(ph.get(k)) for k in ("detect_s", "assign_s", "spare_s",
+                                                                                      "communicators_s", "restore_s"))
+                     + " |")
+    g = an["survivor_rss_growth"]
+    lines += ["", f"One normal step: {f(an['normal_step_s'])} s. Survivors' RSS at the end over their RSS just before "
+              "the first kill: " + ", ".join(f"{k} x{f(v, 3)}" for k, v in g.items())
+              + f". Losses bit-identical to an uninterrupted run: {an['losses_identical']}.", "",
+              "Targets: " + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'}" for k, t in an["targets"].items())
+              + f" (restored at most {TARGET_RESTORED_S} s and next step at most one step + {TARGET_RESTORED_S} s "
+              f"for every swap; survivors' memory within {TARGET_MEMORY - 1:.0%})."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--swaps", type=int, default=5)
+    p.add_argument("--size", default="small", choices=("tiny", "small"))
+    p.add_argument("--first-kill", type=int, default=3)
+    p.add_argument("--gap", type=int, default=3, help="steps between two kills")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--name", default="five_swaps")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
+    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
+    a = p.parse_args(argv)
+    if a.render_only:
+        import json
+
+        with open(a.render_only) as fh:
+            doc = json.load(fh)
+        write_text(os.path.splitext(a.render_only)[0] + ".md", render(doc))
+        return 0
+    if a.swaps < 1 or a.first_kill < 3 or a.gap < 2:
+        p.error("--swaps >= 1, --first-kill >= 3 and --gap >= 2")
+    t0 = time.time()
+    logs = os.path.join(a.out, f"{a.name}_logs")
+    os.makedirs(logs, exist_ok=True)
+    scratch = tempfile.mkdtemp(prefix="bench_five.")
+    doc: dict[str, Any] = {"benchmark": "five_swaps", "title": "Five consecutive hot-swaps, each spare replaced by a "
+                           "joining machine", "date": time.strftime("%Y-%m-%d"), "size": a.size,
+                           "command": shlex.join(["python", "benchmarks/bench_five_swaps.py", *sys.argv[1:]]),
+                           "machine": machine_info(), "swaps_planned": a.swaps}
+    try:
+        doc["run"] = run(a, scratch, logs)
+        doc["reference_losses"] = reference(a, scratch, logs, doc["run"]["train_iters"])
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    doc["wall_s"] = time.time() - t0
+    doc["analysis"] = analyse(doc)
+    write_json(os.path.join(a.out, f"{a.name}.json"), doc)
+    write_text(os.path.join(a.out, f"{a.name}.md"), render(doc))
+    print(render(doc), flush=True)
+    return 0 if doc["run"]["returncode"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

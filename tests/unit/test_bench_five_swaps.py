@@ -1,0 +1,42 @@
+"""benchmarks/bench_five_swaps.py's pure parts: every swap within the targets or the target is not met, the
+survivors' memory growth, the loss check and the rendered table."""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+from deadpool_ext.testing.launch import REPO
+
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+bench = importlib.import_module("bench_five_swaps")
+
+
+def _doc(restored=(0.5, 0.6, 0.4, 0.5, 0.7), rss_end=1.03e9, losses=None) -> dict:
+    swaps = [{"killed": f"w{i}", "restored_s": r, "raw_s": 2.5 + r, "built_ahead": True,
+              "phases": {"detect_s": 0.1, "restore_s": 0.3}} for i, r in enumerate(restored)]
+    ref = {1: 5.5, 2: 5.25, 3: 5.0}
+    return {"title": "t", "date": "2026-12-04", "command": "python b.py", "wall_s": 100.0, "size": "small",
+            "machine": {"cpu_count": 2}, "swaps_planned": 5, "reference_losses": {str(k): v for k, v in ref.items()},
+            "run": {"swaps": swaps, "normal_step_s": 2.6, "losses": losses or ref,
+                    "rss_first": {"node0.0": 1e9, "node2.0": 1e9}, "rss_end": {"node0.0": rss_end, "node2.0": 1e9}}}
+
+
+def test_every_swap_within_the_targets():
+    an = bench.analyse(_doc())
+    assert all(t["met"] for t in an["targets"].values()), an["targets"]
+    assert an["survivor_rss_growth"] == {"node0.0": 1.03, "node2.0": 1.0} and an["losses_identical"]
+
+
+def test_one_slow_swap_a_missing_swap_or_grown_memory_fail_their_target():
+    assert not bench.analyse(_doc(restored=(0.5, 1.2, 0.4, 0.5, 0.7)))["targets"]["every_restored"]["met"]
+    assert not bench.analyse(_doc(restored=(0.5, 0.6, 0.4, 0.5)))["targets"]["every_restored"]["met"]
+    assert not bench.analyse(_doc(rss_end=1.06e9))["targets"]["survivor_memory"]["met"]
+    assert not bench.analyse(_doc(losses={1: 5.5, 2: 5.25, 3: 5.0000001}))["losses_identical"]
+
+
+def test_the_table_has_a_row_per_swap():
+    doc = _doc()
+    doc["analysis"] = bench.analyse(doc)
+    md = bench.render(doc)
+    assert md.count("| True |") == 5 and "node0.0 x1.030" in md and "every_restored met" in md
