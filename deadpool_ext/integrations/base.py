@@ -159,6 +159,13 @@ class ResilientRuntime(ABC):
         from ..rebuild import swap
 
         self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
+        if self._in_place:
+            # An in-place recovery collects what the interrupted step left (gc.collect(), twice per recovery): what
+            # exists when the extension attaches (the framework's modules, the model, the dataset) is collected once
+            # and then kept out of the cyclic collector's walks (gc.freeze), so those collections walk only what
+            # training made since. Objects frozen here are still freed by reference counting.
+            gc.collect()
+            gc.freeze()
         self.snapshots: SnapshotManager | None = (
             SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
         m = context().membership

@@ -80,12 +80,14 @@ def test_snapshot_equals_live_state(tmp_path, shm_root, stage, bf16, gas, derive
         extra["bf16"] = {"enabled": True}
     cfg = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root, "simulate_nodes": 2},
                                                        "snapshot": {"derive_params": derive}}, **extra)
+    out = tmp_path / "results"
+    out.mkdir()
     job = Job(launcher="torchrun", script="tests/integration/workers/snapshot_equality.py", nproc_per_node=2,
-              port=free_port(), args=(cfg, "3"))
+              port=free_port(), args=(cfg, "3", str(out)))
     res = run_job(job.argv(), timeout_s=300, env=job.env())
     errors = [line for line in res.output.splitlines() if "Error" in line or "assert" in line]
     assert res.returncode == 0, "\n".join(errors[:40]) + res.output[-2000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in res.output.splitlines() if "RESULT {" in line]
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["tensors_equal"] for r in results), results
     if bf16:
         assert all("torch.bfloat16" in r["dtypes"] for r in results), results

@@ -2,7 +2,10 @@
 bit for bit (tensors after unflattening, counters, scheduler, RNG; derived parameter buffers by their
 recorded checksums). Exits non-zero on any difference.
 
-    torchrun --nproc-per-node 2 tests/integration/workers/snapshot_equality.py CONFIG STEPS
+    torchrun --nproc-per-node 2 tests/integration/workers/snapshot_equality.py CONFIG STEPS [RESULTS_DIR]
+
+Each rank prints its result (``RESULT {...}``) and, with RESULTS_DIR, also writes it to ``RESULTS_DIR/rank<R>.json``
+(what the test reads: a line of two processes on one pipe can be lost to the other's output).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from deadpool_ext.training.models import build_gpt
 
 def main(argv: list[str]) -> int:
     config, steps = argv[0], int(argv[1])
+    results_dir = argv[2] if len(argv) > 2 else None
     init_distributed()
     torch.manual_seed(0)
     model = build_gpt("tiny")
@@ -83,8 +87,14 @@ def main(argv: list[str]) -> int:
     assert mgr.committed_version == steps
     dtypes = sorted({str(t.dtype) for t in [*live.values(), *derived.values()]})
     # what the test reads: one JSON record per rank, after every check above passed
-    print("RESULT", json.dumps({"rank": engine.global_rank, "tensors_equal": len(live),
-                                "derived_verified": len(derived), "dtypes": dtypes}), flush=True)
+    result = {"rank": engine.global_rank, "tensors_equal": len(live), "derived_verified": len(derived),
+              "dtypes": dtypes}
+    print("RESULT", json.dumps(result), flush=True)
+    if results_dir is not None:
+        import os
+
+        with open(os.path.join(results_dir, f"rank{engine.global_rank}.json"), "w") as fh:
+            json.dump(result, fh)
     engine.deadpool.close()
     dist.barrier()
     return 0
