@@ -67,6 +67,13 @@ class Assignment:
     def node_ranks(self, node: str) -> list[int]:
         return sorted(r for w, r in self.ranks.items() if self.nodes[w] == node)
 
+    def active_nodes(self) -> list[str]:
+        """The generation's nodes, ordered by their lowest rank (a node's index here is its ``GROUP_RANK``)."""
+        lowest: dict[str, int] = {}
+        for w, r in self.ranks.items():
+            lowest[self.nodes[w]] = min(r, lowest.get(self.nodes[w], r))
+        return sorted(lowest, key=lambda n: lowest[n])
+
 
 def initial_assignment(workers: list[Worker], active_nodes: list[str], spare_nodes: list[str]) -> Assignment:
     """Ranks are dealt node by node in ``active_nodes`` order, by local index within a node."""
@@ -95,10 +102,7 @@ def shadowed_node(a: Assignment, spare_node: str) -> str | None:
     embedded store by default, and the job does not outlive that host (docs/multi-host.md)."""
     if spare_node not in a.spares:
         return None
-    lowest: dict[str, int] = {}
-    for w, r in a.ranks.items():
-        lowest[a.nodes[w]] = min(r, lowest.get(a.nodes[w], r))
-    active = sorted(lowest, key=lambda n: lowest[n])
+    active = a.active_nodes()
     return active[(a.spares.index(spare_node) + 1) % len(active)] if active else None
 
 
@@ -121,12 +125,15 @@ def fits(current: Assignment, node: str, spare_workers: list[Worker],
     return all(prepared.get(w.worker_id) == (r, current.world_size) for r, w in zip(old, spare_workers))
 
 
+def node_workers(workers: list[Worker], node: str) -> list[Worker]:
+    """``node``'s processes in local-index order."""
+    return sorted((w for w in workers if w.node == node), key=lambda w: w.local_index)
+
+
 def spares_ready(old: Assignment, new: Assignment, workers: list[Worker],
                  prepared: Mapping[str, tuple[int, int]]) -> dict[str, bool]:
     """Failed node -> whether the spare that took its ranks in ``new`` had built its engines ahead for them."""
-    return {failed: fits(old, failed, sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index),
-                         prepared)
-            for failed, spare in new.replaced.items()}
+    return {failed: fits(old, failed, node_workers(workers, spare), prepared) for failed, spare in new.replaced.items()}
 
 
 def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: AbstractSet[str],
@@ -147,19 +154,16 @@ def replace_failed(current: Assignment, workers: list[Worker], failed_nodes: Abs
     ranks = dict(current.ranks)
     nodes = dict(current.nodes)
     replaced: dict[str, str] = {}
-
-    def members(spare: str) -> list[Worker]:
-        return sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index)
-
     # the failed nodes some spare built ahead for take that spare first; the others take the next in order
-    matched = {n: next((s for s in spares if fits(current, n, members(s), prepared or {})), None) for n in failed}
+    matched = {n: next((s for s in spares if fits(current, n, node_workers(workers, s), prepared or {})), None)
+               for n in failed}
     order = sorted(failed, key=lambda n: matched[n] is None)
     for node in order:
         spare = matched[node] if matched[node] in spares else spares[0]
         assert spare is not None
         spares.remove(spare)
         old = sorted(((r, w) for w, r in current.ranks.items() if current.nodes[w] == node))
-        new = sorted((w for w in workers if w.node == spare), key=lambda w: w.local_index)
+        new = node_workers(workers, spare)
         if len(new) < len(old):
             raise NoSpareError(f"spare node {spare} has {len(new)} processes, node {node} had {len(old)}")
         for (rank, dead_worker), w in zip(old, new):

@@ -33,14 +33,15 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from ..cluster.membership import Assignment, prepared_rank, shadowed_node
 from ..launcher import keys, values
 from ..recovery.timeline import write_event
 from .context import context
+
+if TYPE_CHECKING:
+    from .worker import Membership
 
 log = logging.getLogger("deadpool_ext")
 
@@ -61,13 +62,13 @@ class BuiltAhead:
     """What the wait does on each turn (``--spare-slots prepare``: the snapshot slots)."""
 
 
-def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, why_not: str | None,
+def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, why_not: str | None,
                 while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0) -> bool:
     """Step 1 of the module's call order. True: the default group is built solo for the shadowed node's rank;
     False: this spare waits for its assignment before its script (the reason logged; ``why_not``: the caller's
     reason not to, None: none)."""
     from . import swap
-    from .worker import MembershipError
+    from .worker import MembershipError, export_world, init_solo
 
     why = why_not or swap.unsupported()
     published = None if why else _published(m, published_wait_s)
@@ -92,24 +93,17 @@ def build_ahead(m: object, worker_id: str, node: str, timeout_s: float, *, why_n
     ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
                                  timeout_s=timeout_s, while_waiting=while_waiting)
     ctx.progress.prepared = (rank, a.world_size)
-    lowest = sorted({min(a.node_ranks(n)) for n in set(a.nodes.values())})
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr,
-                      MASTER_PORT=str(a.master_port), GROUP_RANK=str(lowest.index(min(a.node_ranks(shadow)))))
-    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
-    swap.use()
-    swap.set_mode("solo")
-    init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size,
-         timeout=timedelta(seconds=timeout_s))
+    export_world(a, rank, shadow)  # the world as the shadowed node's process sees it
+    init_solo(rank, a.world_size, timeout_s)
     log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
              "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
     return True
 
 
-def _published(m: object, wait_s: float) -> values.Published | None:
-    read = m._values  # type: ignore[attr-defined]  # the membership's bounded reader of the store contract
+def _published(m: Membership, wait_s: float) -> values.Published | None:
     deadline = time.monotonic() + wait_s
     while True:
-        published: values.Published | None = read.get(keys.ASSIGNMENT, values.assignment)
+        published = m.published()
         if published is not None or time.monotonic() >= deadline:
             return published
         time.sleep(0.05)

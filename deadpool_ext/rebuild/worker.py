@@ -153,7 +153,7 @@ class Membership:
         while True:
             if while_waiting is not None:
                 while_waiting()
-            published = self._values.get(keys.ASSIGNMENT, values.assignment)
+            published = self.published()
             if published is not None:
                 a = published.assignment
                 if a.generation >= min_generation and self.worker_id in a.ranks:
@@ -166,6 +166,10 @@ class Membership:
                                       f"within {timeout_s:.0f}s (waited for store key {keys.ASSIGNMENT!r})")
             time.sleep(0.05)
 
+    def published(self) -> values.Published | None:
+        """The ``assignment`` the launcher published last, as read now (None: none yet, or unreadable)."""
+        return self._values.get(keys.ASSIGNMENT, values.assignment)
+
     def verdict(self, generation: int, timeout_s: float) -> tuple[int | None, str | None]:
         """What the launcher made of ``generation`` after a failure in it, waiting at most ``timeout_s`` for it to
         publish a newer one: (the newest generation published, or None when nothing could be read; the stop
@@ -175,7 +179,7 @@ class Membership:
         deadline = time.monotonic() + timeout_s
         newest: int | None = None
         while True:
-            published = self._values.get(keys.ASSIGNMENT, values.assignment)
+            published = self.published()
             if published is not None:
                 newest = published.assignment.generation
                 if published.stop:
@@ -254,11 +258,8 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     restore (``Recovery.join_survivors``). In a resized generation (elastic shrink or grow, or ``solo=False``)
     every rank rebuilds, so the groups go live at once."""
     rank = a.ranks[worker_id]
-    _export_world(a, rank, worker_id)
+    export_world(a, rank, a.nodes[worker_id])
     timeout = timedelta(seconds=timeout_s)
-    # torch's own function, never a wrapper around it (the runner makes a *script's* call a no-op once a group
-    # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
-    init = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
     _reset_group_names()
     from . import swap
 
@@ -268,33 +269,47 @@ def init_process_group(a: Assignment, worker_id: str, backend: str, timeout_s: f
     if in_place and why is None:
         swap.use()
         if a.generation > 0 and solo and not a.resized:
-            swap.set_mode("solo")
             context().pending_live = (a, worker_id, timeout_s)
-            init(swap.BACKEND, store=swap.SoloStore(a.world_size), rank=rank, world_size=a.world_size, timeout=timeout)
+            init_solo(rank, a.world_size, timeout_s)
             log.info("generation %d: rank %d of %d on node %s; building this rank's engine locally, it joins the "
                      "survivors' communicators at its restore", a.generation, rank, a.world_size, a.nodes[worker_id])
             return
         swap.set_mode("live")
         backend = swap.BACKEND
     store = _generation_store(a, timeout)
-    init(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
+    _torch_init()(backend, store=store, rank=rank, world_size=a.world_size, timeout=timeout)
     log.info("generation %d: rank %d of %d on node %s", a.generation, rank, a.world_size, a.nodes[worker_id])
+
+
+def _torch_init() -> Callable[..., Any]:
+    # torch's own function, never a wrapper around it (the runner makes a *script's* call a no-op once a group
+    # exists: patches/torch_init_process_group_once.py); a generation's group must always be built.
+    return getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)
+
+
+def init_solo(rank: int, world_size: int, timeout_s: float) -> None:
+    """This process's default group as rank ``rank`` of ``world_size``, *solo* (``rebuild/swap.py``): a spare builds
+    its framework objects alone, after its assignment or ahead of any failure (``rebuild/spare.py``), and joins the
+    survivors' communicators before its restore."""
+    from . import swap
+
+    swap.use()
+    swap.set_mode("solo")
+    _torch_init()(swap.BACKEND, store=swap.SoloStore(world_size), rank=rank, world_size=world_size,
+                  timeout=timedelta(seconds=timeout_s))
 
 
 def node_rank(a: Assignment, worker_id: str) -> int:
     """The index of ``worker_id``'s node among the generation's nodes, ordered by their lowest rank."""
-    lowest: dict[str, int] = {}
-    for wid, r in a.ranks.items():
-        node = a.nodes[wid]
-        lowest[node] = min(r, lowest.get(node, r))
-    return sorted(lowest, key=lambda n: lowest[n]).index(a.nodes[worker_id])
+    return a.active_nodes().index(a.nodes[worker_id])
 
 
-def _export_world(a: Assignment, rank: int, worker_id: str) -> None:
-    # For frameworks that read the world from the environment (DeepSpeed's init_distributed, device
-    # selection, Lightning's ranks from the node rank); deadpool_ext itself takes it from the assignment.
+def export_world(a: Assignment, rank: int, node: str) -> None:
+    """The world of generation ``a`` as rank ``rank`` on ``node``'s place, in the environment: for frameworks that
+    read it there (DeepSpeed's init_distributed, device selection, Lightning's ranks from the node rank);
+    deadpool_ext itself takes it from the assignment."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(a.world_size), MASTER_ADDR=a.master_addr,
-                      MASTER_PORT=str(a.master_port), GROUP_RANK=str(node_rank(a, worker_id)))
+                      MASTER_PORT=str(a.master_port), GROUP_RANK=str(a.active_nodes().index(node)))
 
 
 def _generation_store(a: Assignment, timeout: timedelta) -> Any:
@@ -374,7 +389,7 @@ def swap_into(a: Assignment, worker_id: str, timeout_s: float) -> None:
     from . import swap
 
     rank = a.ranks[worker_id]
-    _export_world(a, rank, worker_id)
+    export_world(a, rank, a.nodes[worker_id])
     store = _generation_store(a, timedelta(seconds=timeout_s))
     swap.set_mode("live")
     n = swap.go_live(store, a.generation, rank, check=_check_same_groups)
