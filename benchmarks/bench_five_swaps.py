@@ -25,7 +25,6 @@ import argparse
 import os
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, machine_info, write_json, write_text  # noqa: E402
+from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
 from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
@@ -151,7 +150,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     out["losses"] = {r["step"]: r["loss"] for r in recs}
     events = read_events(timeline) if os.path.exists(timeline) else []
     rows = {p["generation"]: p for p in phases(events)}
-    step_s = statistics.median([r["step_time_s"] for r in recs if 2 <= r["step"] <= kills[0]] or [0.0])
+    step_s = median([r["step_time_s"] for r in recs if 2 <= r["step"] <= kills[0]] or [0.0])
     out["normal_step_s"] = step_s
     for i, sw in enumerate(out["swaps"]):
         row = rows.get(i + 1) or {}
@@ -241,17 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-kill", type=int, default=3)
     p.add_argument("--gap", type=int, default=3, help="steps between two kills")
     p.add_argument("--timeout-s", type=float, default=900.0)
-    p.add_argument("--name", default="five_swaps")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
+    add_output_args(p, "five_swaps")
     a = p.parse_args(argv)
     if a.render_only:
-        import json
-
-        with open(a.render_only) as fh:
-            doc = json.load(fh)
-        write_text(os.path.splitext(a.render_only)[0] + ".md", render(doc))
-        return 0
+        return render_only(a.render_only, render)
     if a.swaps < 1 or a.first_kill < 3 or a.gap < 2:
         p.error("--swaps >= 1, --first-kill >= 3 and --gap >= 2")
     t0 = time.time()
@@ -269,9 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     doc["wall_s"] = time.time() - t0
     doc["analysis"] = analyse(doc)
-    write_json(os.path.join(a.out, f"{a.name}.json"), doc)
-    write_text(os.path.join(a.out, f"{a.name}.md"), render(doc))
-    print(render(doc), flush=True)
+    print(save_result(a.out, a.name, doc, render), flush=True)
     return 0 if doc["run"]["returncode"] == 0 else 1
 
 

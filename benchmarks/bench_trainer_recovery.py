@@ -30,14 +30,13 @@ import json
 import os
 import shlex
 import shutil
-import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, machine_info, write_json, write_text  # noqa: E402
+from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
 from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
@@ -74,7 +73,7 @@ def _after(recs: list[dict[str, Any]], t_kill: float, last_pre: int) -> dict[str
 
 def _normal(recs: list[dict[str, Any]], k: int) -> float | None:
     vals = [r["step_time_s"] for r in _steps(recs) if 2 <= r["step"] <= k]
-    return statistics.median(vals) if vals else None
+    return median(vals)
 
 
 def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str) -> dict[str, Any]:
@@ -180,7 +179,7 @@ def reference(scratch: str, logs: str, a: argparse.Namespace) -> dict[int, float
 
 def _med(runs: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(vals) if vals else None
+    return median(vals)
 
 
 def analyse(doc: dict[str, Any]) -> dict[str, Any]:
@@ -252,15 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kill-step", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=300.0)
-    p.add_argument("--name", default="recovery_trainer")
-    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
+    add_output_args(p, "recovery_trainer")
     a = p.parse_args(argv)
     if a.render_only:
-        with open(a.render_only) as fh:
-            doc = json.load(fh)
-        write_text(os.path.splitext(a.render_only)[0] + ".md", render(doc))
-        return 0
+        return render_only(a.render_only, render)
     if a.kill_step < 3 or a.kill_step >= a.steps:
         p.error("--kill-step must be >= 3 and < --steps")
     t0 = time.time()
@@ -286,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     doc["wall_s"] = time.time() - t0
     doc["analysis"] = analyse(doc)
-    write_json(os.path.join(a.out, f"{a.name}.json"), doc)
-    write_text(os.path.join(a.out, f"{a.name}.md"), render(doc))
-    print(render(doc), flush=True)
+    print(save_result(a.out, a.name, doc, render), flush=True)
     return 0 if all(not r.get("failed") for r in doc["runs"]) else 1
 
 

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -334,3 +334,27 @@ def fmt_ratio(r: float | None, digits: int = 3) -> str | None:
 
 def fmt_pct(x: float | None, digits: int = 1) -> str | None:
     return None if x is None else f"{100 * x:.{digits}f}%"
+
+
+def add_output_args(p: Any, name: str) -> None:
+    """``--name``, ``--out`` and ``--render-only JSON``: a benchmark that writes ``<out>/<name>.json`` and ``.md``."""
+    p.add_argument("--name", default=name, help=f"results file stem (default {name})")
+    p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
+    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
+
+
+def render_only(path: str, render: Callable[[dict[str, Any]], str]) -> int:
+    """Rewrite the markdown beside a results JSON from the document as saved (the JSON is left as it is)."""
+    with open(path) as fh:
+        doc = json.load(fh)
+    write_text(os.path.splitext(path)[0] + ".md", render(doc))
+    return 0
+
+
+def save_result(out: str, name: str, doc: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> str:
+    """Write ``<out>/<name>.json`` and its markdown; returns the markdown."""
+    md = render(doc)
+    write_json(os.path.join(out, f"{name}.json"), doc)
+    write_text(os.path.join(out, f"{name}.md"), md)
+    return md
+
