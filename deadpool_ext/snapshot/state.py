@@ -139,14 +139,19 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
-def restore_optimizer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str) -> None:
-    """Put the captured optimizer-state tensors named ``<prefix><key>`` into one parameter's ``state`` dict, in
-    place where a live tensor of that shape exists; else created as captured (a freshly built optimizer has no
-    state until its first step, and torch's Adam keeps even ``step`` as a tensor)."""
-    for name, src in tensors.items():
-        if name.startswith(prefix):
-            key = name[len(prefix):]
-            if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
-                copy_into(state[key], src, name)
-            else:
-                state[key] = src.clone()
+def restore_optimizer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], prefix: str,
+                            scalars: dict[str, Any]) -> None:
+    """Make one parameter's optimizer ``state`` dict what was captured: the tensors named ``<prefix><key>`` in
+    place where a live tensor of that shape exists, else created as captured (a freshly built optimizer has no
+    state until its first step, and torch's Adam keeps even ``step`` as a tensor), the plain ``scalars``, and no
+    other key: state made after the snapshot (moments created by the first step that was not skipped, when the
+    snapshot's steps all overflowed) would otherwise survive the restore and change the redone steps."""
+    captured = {name[len(prefix):]: src for name, src in tensors.items() if name.startswith(prefix)}
+    for key in [k for k in state if k not in captured and k not in scalars]:
+        del state[key]
+    for key, src in captured.items():
+        if key in state and torch.is_tensor(state[key]) and state[key].shape == src.shape:
+            copy_into(state[key], src, prefix + key)
+        else:
+            state[key] = src.clone()
+    state.update(scalars)

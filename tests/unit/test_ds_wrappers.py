@@ -1,6 +1,8 @@
 """The DeepSpeed state adapter against every optimizer wrapper DeepSpeed builds, in one process (a 1-rank gloo
-world): real engines where DeepSpeed runs the wrapper on CPU (fp32 and bf16 at ZeRO 0-3, ``BF16_Optimizer``),
-the real fp16 wrappers built directly where it does not (DeepSpeed refuses fp16 on a CPU without mkldnn fp16).
+world): real engines built by ``deepspeed.initialize`` (fp32 and bf16 at ZeRO 0-3, ``BF16_Optimizer``; fp16's
+``FP16_Optimizer``, ``FP16_UnfusedOptimizer`` and ZeRO 1-3 where DeepSpeed's CPU accelerator runs fp16), and the
+real fp16 wrappers built directly, which runs on every host (where the CPU has no mkldnn fp16, DeepSpeed refuses
+an fp16 engine, and that refusal is tested instead).
 
 Each case: a snapshot after one step, two more steps, the snapshot restored, the step redone: the loss and
 every tensor the adapter names are bit-identical to the first time. That reads every attribute the adapter
@@ -29,9 +31,13 @@ def _model() -> torch.nn.Module:
                                torch.nn.Linear(32, OUT))
 
 
-def _config(stage: int, *, bf16: bool = False, accum: str | None = None, clip: float = 1.0) -> dict:
+def _config(stage: int, *, bf16: bool = False, accum: str | None = None, clip: float = 1.0,
+            fp16: dict | None = None, torch_adam: bool = True) -> dict:
+    """``torch_adam=False`` makes DeepSpeed build its ``FusedAdam`` (at ZeRO 0 with fp16: ``FP16_Optimizer``),
+    JIT-compiled for the CPU accelerator on first use (~40 s once per extensions directory)."""
     cfg: dict = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 10 ** 6,
-                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01, "torch_adam": True}},
+                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01,
+                                                          "torch_adam": torch_adam}},
                  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
                                                              "warmup_num_steps": 5}},
                  "gradient_clipping": clip, "zero_optimization": {"stage": stage}}
@@ -39,6 +45,8 @@ def _config(stage: int, *, bf16: bool = False, accum: str | None = None, clip: f
         cfg["bf16"] = {"enabled": True}
     if accum:
         cfg["data_types"] = {"grad_accum_dtype": accum}
+    if fp16 is not None:
+        cfg["fp16"] = {"enabled": True, **fp16}
     return cfg
 
 
@@ -67,13 +75,19 @@ def _state(adapter) -> dict[str, torch.Tensor]:
     return {n: t.detach().clone() for n, t in adapter.tensors()}
 
 
+def _scalars(adapter) -> dict:
+    """The plain state a redone step must also reproduce: counters and the loss scaler."""
+    meta = adapter.meta()
+    return {k: meta[k] for k in ("global_steps", "skipped_steps", "loss_scaler", "optim_scalars")}
+
+
 def _roundtrip(adapter, step) -> None:
     """Snapshot after step 1, steps 2 and 3, restore, redo step 2: bit-identical loss and state."""
     step(1)
     snap = {n: t.detach().clone() for n, t in adapter.captured()}
     meta = copy.deepcopy(adapter.meta())
     loss2 = step(2)
-    state2 = _state(adapter)
+    state2, scalars2 = _state(adapter), _scalars(adapter)
     step(3)
     assert any(not torch.equal(state2[n], t) for n, t in _state(adapter).items()), "step 3 changed nothing"
     adapter.restore(snap, meta)
@@ -82,6 +96,7 @@ def _roundtrip(adapter, step) -> None:
     assert again.keys() == state2.keys()
     for name, t in state2.items():
         assert torch.equal(again[name], t), name
+    assert _scalars(adapter) == scalars2
 
 
 CASES = {  # config -> the wrapper DeepSpeed builds for it (engine._do_optimizer_sanity_check)
@@ -121,10 +136,82 @@ def test_bf16_optimizer_has_a_partition_layout_for_elastic(world):
     assert sum(n for _, n in layout["groups"][0]) == sum(p.numel() for p in eng.module.parameters())
 
 
-# -- fp16: DeepSpeed refuses it on this CPU, so the real wrappers are built directly ---------------------------
+# -- fp16 on real engines, where DeepSpeed's CPU accelerator runs it ------------------------------------------
+# The host property that decides it: DeepSpeed's CPU accelerator runs fp16 only where torch's oneDNN (mkldnn)
+# has fp16 kernels for this CPU (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``, e.g. AVX512-FP16 or AMX).
+FP16_PROPERTY = "torch.ops.mkldnn._is_mkldnn_fp16_supported()"
+
+
+def _fp16_runs_here() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return bool(get_accelerator().is_fp16_supported())
+
+
+@pytest.fixture
+def fp16_engines(world):
+    """Skips, naming the host property, where DeepSpeed refuses fp16 engines (the refusal is tested instead)."""
+    if not _fp16_runs_here():
+        pytest.skip(f"this host's CPU has no mkldnn fp16 ({FP16_PROPERTY} is False): DeepSpeed's CPU accelerator "
+                    "refuses fp16 engines here; test_cpu_refuses_fp16_where_it_has_no_mkldnn_fp16 runs instead")
+
+
+FP16_CASES = {  # config -> the wrapper DeepSpeed builds for it
+    "fp16-zero0": (_config(0, fp16={"initial_scale_power": 8}), "FP16_UnfusedOptimizer"),
+    "fp16-zero0-static": (_config(0, fp16={"loss_scale": 128}), "FP16_UnfusedOptimizer"),
+    "fp16-zero0-fusedadam": (_config(0, fp16={"initial_scale_power": 8}, torch_adam=False), "FP16_Optimizer"),
+    "fp16-zero0-fusedadam-static": (_config(0, fp16={"loss_scale": 128}, torch_adam=False), "FP16_Optimizer"),
+    "fp16-zero1": (_config(1, fp16={"initial_scale_power": 8}), "DeepSpeedZeroOptimizer"),
+    "fp16-zero2": (_config(2, fp16={"initial_scale_power": 8}), "DeepSpeedZeroOptimizer"),
+    "fp16-zero3": (_config(3, fp16={"initial_scale_power": 8}), "DeepSpeedZeroOptimizer_Stage3"),
+}
+
+
+@pytest.mark.parametrize("case", list(FP16_CASES))
+def test_real_fp16_engines_snapshot_and_restore_bit_identical(fp16_engines, case):
+    from deadpool_ext.integrations.deepspeed.state import DeepSpeedStateAdapter
+
+    cfg, wrapper = FP16_CASES[case]
+    eng = _engine(cfg)
+    assert type(eng.optimizer).__name__ == wrapper
+    adapter = DeepSpeedStateAdapter(eng, derive_params=cfg["zero_optimization"]["stage"] > 0)
+    assert adapter.wrapper == wrapper
+    assert {t.dtype for n, t in adapter.tensors() if n.startswith("params.")} == {torch.float16}
+    _roundtrip(adapter, lambda i: _engine_step(eng, i))  # the loss scaler too (_scalars)
+    assert adapter.meta()["loss_scaler"], "the loss scale is captured"
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_real_fp16_engine_restores_the_loss_scale_after_overflows(fp16_engines, stage):
+    """A scale so high that the first steps overflow: the snapshot holds the lowered scale and the skipped-step
+    count, and a restore brings both back (they decide whether the redone step is skipped). ZeRO only: DeepSpeed
+    0.19.8's ``engine.backward`` scales the loss for ZeRO optimizers alone, so at ZeRO 0 (``FP16_Optimizer``,
+    ``FP16_UnfusedOptimizer``) no scale overflows; their scaler's round trip is in the cases above."""
+    from deadpool_ext.integrations.deepspeed.state import DeepSpeedStateAdapter
+
+    eng = _engine(_config(stage, fp16={"initial_scale_power": 30, "hysteresis": 1}))
+    adapter = DeepSpeedStateAdapter(eng, derive_params=stage > 0)
+    _engine_step(eng, 1)
+    assert eng.skipped_steps == 1, "the first step overflowed"
+    snap = {n: t.detach().clone() for n, t in adapter.captured()}
+    meta = copy.deepcopy(adapter.meta())
+    later = [_engine_step(eng, i) for i in range(2, 30)]
+    after = _scalars(adapter)
+    assert after["skipped_steps"] > 1 and after != _scalars_of(meta), "the scale moved on after the snapshot"
+    adapter.restore(snap, meta)
+    assert _scalars(adapter) == _scalars_of(meta)
+    assert [_engine_step(eng, i) for i in range(2, 30)] == later
+    assert _scalars(adapter) == after
+
+
+def _scalars_of(meta: dict) -> dict:
+    return {k: meta[k] for k in ("global_steps", "skipped_steps", "loss_scaler", "optim_scalars")}
+
+
+# -- fp16 wrappers built directly: every host, also where DeepSpeed refuses fp16 engines ------------------------
 class _Engine(torch.nn.Module):
-    """What the adapter reads from a DeepSpeed engine, around a real fp16 wrapper (the engine is not under test:
-    DeepSpeed will not build one with fp16 here)."""
+    """What the adapter reads from a DeepSpeed engine, around a real fp16 wrapper (the engine is not under test;
+    where the CPU has no mkldnn fp16, DeepSpeed will not build one with fp16)."""
 
     def __init__(self, model: torch.nn.Module, optimizer) -> None:
         super().__init__()
@@ -202,17 +289,14 @@ def test_fp16_loss_scale_is_restored(world):
             opt.loss_scale_config.last_overflow_iter) == was
 
 
-def test_cpu_refuses_fp16_here_so_the_wrappers_are_built_directly(world):
-    """Why the fp16 cases above build the wrappers themselves: DeepSpeed's CPU accelerator refuses fp16 without
-    mkldnn fp16 support. Where it has it (a CPU with AVX512-FP16/AMX), the engine would build them."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().is_fp16_supported():
-        pytest.skip("this CPU runs fp16 in DeepSpeed")  # some 2-core Xeon hosts of this project do (2026-12-04)
-    cfg = _config(0)
-    cfg["fp16"] = {"enabled": True}
+def test_cpu_refuses_fp16_where_it_has_no_mkldnn_fp16(world):
+    """Where the CPU has no mkldnn fp16, DeepSpeed's CPU accelerator refuses an fp16 engine: the wrappers are then
+    covered by the directly built ones above. Where it has it, the real fp16 engines above run instead."""
+    if _fp16_runs_here():
+        pytest.skip(f"this host's CPU has mkldnn fp16 ({FP16_PROPERTY} is True): DeepSpeed runs fp16 engines here; "
+                    "test_real_fp16_engines_snapshot_and_restore_bit_identical runs instead")
     with pytest.raises(ValueError, match="fp16 is not supported"):
-        _engine(cfg)
+        _engine(_config(0, fp16={}))
 
 
 # -- refusals: one line, naming the keys ---------------------------------------------------------------------

@@ -139,8 +139,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             for i, t in enumerate(self._master()):
                 copy_into(t, tensors[f"master.{i}"], f"master.{i}")
                 state = self._inner.state.setdefault(t, {})
-                restore_optimizer_state(state, tensors, f"optim.{i}.")
-                state.update(scalars)
+                restore_optimizer_state(state, tensors, f"optim.{i}.", scalars)
             if self.zero_stage == 3:
                 for bit16, master in zip(self._bit16(), self._master()):
                     bit16.copy_(master)
@@ -244,8 +243,7 @@ class DeepSpeedStateAdapter(RankStateAdapter):
             for i, t in enumerate(masters):
                 copy_into(t, tensors[f"master.{i}"], f"master.{i}")
                 state = self._inner.state.setdefault(t, {})
-                restore_optimizer_state(state, tensors, f"optim.{i}.")
-                state.update(meta["optim_scalars"].get(str(i), {}))
+                restore_optimizer_state(state, tensors, f"optim.{i}.", meta["optim_scalars"].get(str(i), {}))
             if derive and self.zero_stage == 3:
                 for t, master in zip(self._bit16(), masters):
                     t.copy_(master)  # what DeepSpeed's step does (stage3._post_step)

@@ -184,8 +184,7 @@ class MegatronStateAdapter(RankStateAdapter):
                     for i, p in enumerate(group["params"]):
                         prefix = f"optim.{k}.{g}.{i}."
                         state = inner.state.setdefault(p, {})
-                        restore_optimizer_state(state, tensors, prefix)
-                        state.update(meta["optim_scalars"].get(f"{k}.{g}.{i}", {}))
+                        restore_optimizer_state(state, tensors, prefix, meta["optim_scalars"].get(f"{k}.{g}.{i}", {}))
         self.restore_meta(meta)
 
     # -- differential checkpoints (see deadpool_ext/snapshot/differential.py) ------------------------
