@@ -59,11 +59,16 @@ DEFAULT_KEY_ENV = "DEADPOOL_CHECKPOINT_KEY"
 
 
 class ConfigError(ValueError):
-    """A bad ``deadpool`` config: the message names the key and the allowed values."""
+    """A bad ``deadpool`` config: the message names the key and the allowed values; ``key`` names it alone (the
+    config key or command-line flag, when one is to blame), for records such as the timeline's ``refused`` event."""
+
+    def __init__(self, message: str, *, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 def _fail(path: str, msg: str) -> typing.NoReturn:
-    raise ConfigError(f"deadpool config: {path}: {msg}")
+    raise ConfigError(f"deadpool config: {path}: {msg}", key=path)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -413,7 +418,8 @@ def _build(cls: type[_T], data: Any, path: str) -> _T:
         obj = cls(**kwargs)
     except ConfigError as exc:
         # __post_init__ names the bare field; prefix the section path so the user sees the full key.
-        raise ConfigError(str(exc).replace("deadpool config: ", f"deadpool config: {path}.", 1)) from None
+        raise ConfigError(str(exc).replace("deadpool config: ", f"deadpool config: {path}.", 1),
+                          key=f"{path}.{exc.key}" if exc.key else None) from None
     for name in kwargs:  # the backstop for a number field whose own check forgot NaN / Infinity
         value = getattr(obj, name)
         if isinstance(value, float) and not math.isfinite(value):

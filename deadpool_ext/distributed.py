@@ -24,6 +24,7 @@ from .cluster.netif import pin_gloo_interface
 from .config import HotSwapConfig
 from .launcher.contract import WorkerEnv, worker_env
 from .rebuild.context import context
+from .recovery.timeline import write_event
 from .store.c10d import serve_c10d_store
 
 if TYPE_CHECKING:
@@ -115,6 +116,7 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
         store = dist.PrefixStore(f"deadpool/attempt_{env.restart_count}", base)
         log.debug("process group on launcher store, prefix attempt_%s", env.restart_count)
         dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        write_event(event="process_group", store="agent_attempt_prefixed", attempt=env.restart_count, rank=env.rank)
     else:
         # Not init_method="env://": its rank 0 serves the store on every interface (torch's TCPStore binds
         # "::" whatever the host); here rank 0 serves it on MASTER_ADDR only.
@@ -124,6 +126,7 @@ def _init_from_launcher(env: WorkerEnv, backend: str, timeout_s: float) -> None:
         else:
             base = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=base, rank=env.rank, world_size=env.world_size, timeout=timeout)
+        write_event(event="process_group", store="rank0_served", attempt=env.restart_count, rank=env.rank)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
     destroy_groups_at_exit()

@@ -211,7 +211,10 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
             sys.path[0] = os.path.dirname(os.path.abspath(path))
             runpy.run_path(path, run_name="__main__")
     except ConfigError as exc:  # a bad section, or an engine built without the section (NotAttachedError)
+        from .recovery.timeline import write_refusal
+
         print(str(exc), file=sys.stderr)
+        write_refusal(exc, exit_status=2)
         return 2
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -227,8 +230,11 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
         if line is None:
             raise
         from .logs import where
+        from .recovery.timeline import write_event
 
         print(f"deadpool_ext.run [{where()}]: {line}", file=sys.stderr, flush=True)
+        write_event(event="stopped_for_restart", restart=env.restart_count + 1, max_restarts=env.max_restarts,
+                    error=type(exc).__name__)
         return 1
     return 0
 

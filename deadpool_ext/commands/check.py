@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
          "why": "DeepSpeed drops keys it does not know; nothing would warn"}])
     turns_on = [] if problems else _turns_on(DeadpoolConfig.from_dict(doc[SECTION]))
     if args.json:
-        print(json.dumps({"config": args.config, "ok": not problems, "problems": problems, "turns_on": turns_on,
-                          "launch_paths": paths}, indent=2))
+        bad_keys = [m.group(1) for m in map(_PATH.match, problems) if m is not None]
+        print(json.dumps({"config": args.config, "ok": not problems, "problems": problems, "bad_keys": bad_keys,
+                          "turns_on": turns_on, "launch_paths": paths}, indent=2))
         return 1 if problems else 0
     for p in problems:
         print(p, file=sys.stderr)

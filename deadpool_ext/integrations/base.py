@@ -52,6 +52,7 @@ from ..rebuild import recover as protocol
 from ..rebuild.cause import Mode, recovery_mode
 from ..rebuild.context import context
 from ..rebuild.recover import driver
+from ..recovery.timeline import write_event
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
 
@@ -283,6 +284,7 @@ class ResilientRuntime(ABC):
             local = sorted(report.local)
         for line in never_restored_lines(self.step_name, local):
             log.warning("%s", line)
+        write_event(event="never_restores", rank=self.rank, unused_versions=local)
 
     # -- resume ---------------------------------------------------------------------------------------
     def resume(self, newer_than: int | None = None) -> int:

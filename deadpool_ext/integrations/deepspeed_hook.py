@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import SECTION, ConfigError
+from ..recovery.timeline import write_event
 from .importhook import after_import
 
 log = logging.getLogger("deadpool_ext")
@@ -44,6 +45,11 @@ MAX_CONFIG_BYTES = 16 << 20
 
 class NotAttachedError(ConfigError):
     """A config with a ``"deadpool"`` section was named for this job, but the engine was built without it."""
+
+    def __init__(self, message: str, *, built_by: str) -> None:
+        super().__init__(message)
+        self.built_by = built_by
+        """``module:function`` that called ``deepspeed.initialize`` without the section."""
 
 
 @dataclass
@@ -201,20 +207,23 @@ def _hooked(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     kept = _state.reuse
     if kept is not None and kwargs.get("model", args[1] if len(args) > 1 else None) is kept.module:
         _state.reuse = None
-        log.info("deadpool_ext: deepspeed.initialize by %s returns the engine recovered in place (no new engine)",
-                 _caller())
+        who = _caller()
+        log.info("deadpool_ext: deepspeed.initialize by %s returns the engine recovered in place (no new engine)", who)
+        write_event(event="engine_reused", by=who)
         return kept, kept.optimizer, kept.training_dataloader, kept.lr_scheduler
     cfg = config_of_call(args, kwargs)
     if not _has_section(cfg):
         _state.plain += 1
         if _state.expected:
+            who = _caller()
             what = "a dict" if isinstance(cfg, dict) else repr(os.fspath(cfg)) if isinstance(
                 cfg, (str, os.PathLike)) else "no config"
             raise NotAttachedError(
                 f"deadpool_ext: {', '.join(_where(p) for p in _state.expected)} has a \"{SECTION}\" section, but "
-                f"the DeepSpeed engine built by {_caller()} got {what} without it: the framework or the script "
+                f"the DeepSpeed engine built by {who} got {what} without it: the framework or the script "
                 "passed another config (or a copy that dropped the key), so the job would run unprotected. Pass "
-                f"that file as the DeepSpeed config, or add the \"{SECTION}\" section to the config the script builds")
+                f"that file as the DeepSpeed config, or add the \"{SECTION}\" section to the config the script builds",
+                built_by=who)
         out = original(*args, **kwargs)
         late = engine_section(out[0]) if isinstance(out, tuple) and out else None
         if isinstance(late, dict) and late.get("enabled", True) and getattr(out[0], "deadpool", None) is None:
@@ -235,6 +244,7 @@ def _hooked(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     who = _caller()
     log.info("deadpool_ext: attaching to the DeepSpeed engine built by %s (its config has a \"%s\" section)",
              who, SECTION)
+    write_event(event="attached", by=who)
     if not isinstance(cfg, dict):  # HJSON or base64: the attach path splits the section off a dict
         kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
         ns = kwargs.get("args", args[0] if args else None)

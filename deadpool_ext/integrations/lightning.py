@@ -34,6 +34,7 @@ import warnings
 from typing import Any
 
 from ..config import ConfigError
+from ..recovery.timeline import write_event
 from .importhook import after_import
 from .lightning_state import fit_loop_state
 from .steps import _generators
@@ -205,6 +206,7 @@ def resume_fit(loop: Any) -> None:
     set_lightning_state(loop, rec.restored)
     position_fit_loop(loop, step, rec.restored, runtime)
     log.info("Lightning: continuing from step %d restored from memory", step)
+    write_event(event="continued", framework="lightning", how="restart", step=step)
 
 
 def recover_fit(loop: Any, exc: BaseException) -> bool:
@@ -219,6 +221,7 @@ def recover_fit(loop: Any, exc: BaseException) -> bool:
     set_lightning_state(loop, rec.restored)
     position_fit_loop(loop, step, rec.restored, runtime)
     log.info("Lightning: recovered in place at step %d; the fit loop runs again from there", step)
+    write_event(event="continued", framework="lightning", how="in_place", step=step)
     return True
 
 

@@ -45,6 +45,8 @@ from typing import Any
 
 import torch
 
+from ..recovery.timeline import write_event
+
 log = logging.getLogger("deadpool_ext")
 
 KEY = "deadpool_data"
@@ -136,6 +138,7 @@ class ResilientSteps:
         self._epoch_rng = [str(s) for s in pos.get("generators", [])]
         log.info("resilient_steps: data position of step %d: epoch %d, %d batch(es) of it already used",
                  int(self.engine.global_steps), self.epoch, self.taken)
+        write_event(event="data_position", step=int(self.engine.global_steps), epoch=self.epoch, taken=self.taken)
 
     def _start_epoch(self) -> Iterator[Any]:
         """The loader's iterator for ``self.epoch``, positioned after ``self.taken`` batches."""
@@ -195,6 +198,7 @@ class ResilientSteps:
         self._apply_restored()
         self._rewind = True
         log.info("resilient_steps: recovered in place at step %d; the loop goes on from there", rt.step_counter())
+        write_event(event="continued", framework="resilient_steps", how="in_place", step=int(rt.step_counter()))
         return True
 
 

@@ -52,6 +52,7 @@ import logging
 import time
 from typing import Any
 
+from ..recovery.timeline import write_event
 from .importhook import after_import
 
 log = logging.getLogger("deadpool_ext")
@@ -323,7 +324,11 @@ def resume_trainer(trainer: Any) -> int | None:
             return None
         how = "continuing from step %d restored from memory"
     section = trainer.__dict__.get(LATE_ATTR, _NOTHING)
-    if isinstance(section, dict) and int((section.get("state") or {}).get("global_step", -1)) == step:
+    whole = isinstance(section, dict) and int((section.get("state") or {}).get("global_step", -1)) == step
+    write_event(event="continued", framework="hf_trainer", how="in_place" if pending is not None else "restart",
+                step=step, trainer_state="as_uninterrupted" if whole else "without_step_end")
+    if whole:
+        assert isinstance(section, dict)
         kept = _apply_step_end(trainer, section, step)
         log.info("HF Trainer: " + how + "; the Trainer's state as the uninterrupted run had it at that step "
                  "(log_history %d entries, total_flos, the loss sum behind train_loss)", step, kept)

@@ -93,11 +93,13 @@ class Finish:
 @dataclass(frozen=True, slots=True)
 class Stop:
     """The job stops (exit 1): ``reason`` recorded, ``said`` printed; ``assignment`` (if any) written with the
-    message, so that every process shows it."""
+    message, so that every process shows it; ``exits``: the failed nodes' workers' exit statuses, when no spare was
+    left for them (the ``stopped`` event's ``cause``, :func:`final.stop_cause`)."""
 
     reason: str
     said: str
     assignment: Assignment | None = None
+    exits: Mapping[str, int | None] | None = None
 
 
 Action = (Event | Log | Say | BadKey | Fence | WriteDeadSpares | AnswerJoin | MarkRepaired | ClearRepaired | NoteDropped

@@ -39,6 +39,12 @@ DEFAULT_MALLOC_ARENA_MAX = 2
 x1.052 with glibc's default (one arena per thread that allocates, up to 8 per core)."""
 
 
+def worker_arena_max(arena_max: int, environ: Any) -> str | None:
+    """The ``MALLOC_ARENA_MAX`` the workers run with (the ``start`` event's): one already in ``environ``, else
+    ``--malloc-arena-max`` (None: unset)."""
+    return environ.get(MALLOC_ARENA_MAX) or (str(arena_max) if arena_max else None)
+
+
 def malloc_env(arena_max: int, environ: Any, *, log: bool) -> dict[str, str]:
     """The workers' ``MALLOC_ARENA_MAX`` (``--malloc-arena-max``; one already in ``environ`` wins, 0 sets none);
     ``log``: say which (once, when the first worker starts, after every start-up check passed)."""

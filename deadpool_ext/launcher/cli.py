@@ -49,6 +49,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     build_parser,
     check_args,
     malloc_env,
+    worker_arena_max,
 )
 from .coordinator import Coordinator, publish
 from .decide import JOINED_HOST, CoordinatorState, Roster, Settings, taken_over
@@ -221,7 +222,8 @@ class Supervisor:
                     self.store.set_json(keys.LAUNCHER_POLICY, self.args.no_spare_policy)
                 self.event(event="start", job_id=self.job_id, generation=0, world_size=a0.world_size,
                            store=self.store_url, active_nodes=self.active_nodes, spare_nodes=self.spare_nodes,
-                           hosts=self.args.hosts, host_rank=self.args.host_rank)
+                           hosts=self.args.hosts, host_rank=self.args.host_rank,
+                           malloc_arena_max=worker_arena_max(self.args.malloc_arena_max, os.environ))
             else:
                 raw = self.store.wait([keys.ASSIGNMENT], 120.0)[keys.ASSIGNMENT]
                 a0 = values.assignment(keys.ASSIGNMENT, raw).assignment

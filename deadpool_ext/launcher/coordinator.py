@@ -51,6 +51,7 @@ from .decide import (
     Settings,
     decide,
 )
+from .final import stop_cause
 from .join import JOIN_POLL_S
 from .local import LocalNodes
 
@@ -173,7 +174,8 @@ class Coordinator:
         elif isinstance(action, Finish):
             store.set(keys.FINISHED, keys.MARK)
         elif isinstance(action, Stop):
-            self.event(event="stopped", reason=action.reason)
+            self.event(event="stopped", reason=action.reason, **({} if action.exits is None else {
+                "cause": stop_cause(action.exits), "exits": dict(action.exits)}))
             if action.assignment is not None:
                 store.set_json(keys.ASSIGNMENT, keys.stopped_assignment(action.assignment.to_json(), action.reason))
             print(f"deadpool-run: {action.said}", file=sys.stderr, flush=True)

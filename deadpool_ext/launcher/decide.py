@@ -560,11 +560,10 @@ class _Turn:
                     self.publish_replacement(new)
                     return
             if self.obs.now >= waiting.deadline:
-                msg = stop_line(str(exc), waiting.policy,
-                                {wid: self.obs.exits.get(wid) for wid, node in a.nodes.items()
-                                 if node in waiting.failed_nodes})
+                exits = {wid: self.obs.exits.get(wid) for wid, node in a.nodes.items() if node in waiting.failed_nodes}
+                msg = stop_line(str(exc), waiting.policy, exits)
                 self.update(awaiting=None)
-                self.actions.append(Stop(msg, msg, assignment=a))
+                self.actions.append(Stop(msg, msg, assignment=a, exits=exits))
                 return
             if st.awaiting is None:
                 self.actions.append(Log(logging.WARNING, (
@@ -583,8 +582,8 @@ class _Turn:
             "whose engine was built ahead for its ranks" if ready.get(failed) else "which builds its engine for these "
             "ranks now (it built ahead for others, or not at all)")) for failed, spare in sorted(new.replaced.items())]
         self.publish(new, {"event": "assignment", "generation": new.generation, "replaced": new.replaced,
-                           "built_ahead": ready, "spares_left": list(new.spares),
-                           "host_rank": self.settings.host_rank})
+                           "shrunk": list(new.shrunk), "world_size": new.world_size, "built_ahead": ready,
+                           "spares_left": list(new.spares), "host_rank": self.settings.host_rank})
 
     def normalized(self, a: Assignment) -> Assignment:
         # master_port 0: the generation's rendezvous is in the job's store, under its token (store/rendezvous.py)

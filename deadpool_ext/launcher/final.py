@@ -11,22 +11,30 @@ UNATTACHED_EXIT = 3
 """``python -m deadpool_ext.run``: a section that no engine attached (the job would have run unprotected)."""
 
 
+def stop_cause(exits: Mapping[str, int | None]) -> str:
+    """Why a job with no spare left stops, from its failed nodes' workers' exit statuses (``stop_line``'s
+    ``exits``): ``out_of_spares`` (none exited by itself: a lost node), ``refused`` (each printed why it refused
+    its configuration or arguments), ``unattached`` (a section no engine attached to) or ``exited_on_its_own``."""
+    codes = {rc for rc in exits.values() if rc is not None and rc > 0}
+    if not codes:
+        return "out_of_spares"
+    return {frozenset({REFUSED_EXIT}): "refused", frozenset({UNATTACHED_EXIT}): "unattached"}.get(
+        frozenset(codes), "exited_on_its_own")
+
+
 def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None]) -> str:
     """``no_spare``: why no replacement was found; ``exits``: exit status of each worker of the failed nodes (None:
     still running or unknown; < 0: a signal, the launcher's own fence included)."""
     own = {wid: rc for wid, rc in sorted(exits.items()) if rc is not None and rc > 0}
-    if not own:
+    cause = stop_cause(exits)
+    if cause == "out_of_spares":
         return (f"{no_spare}. Policy --no-spare-policy={policy}: stopping the job (out of spares: more "
                 "--spare-nodes, or --no-spare-policy shrink, keeps a job going). Restart it with --load from the "
                 "persistent tier to resume, if the job writes one.")
-    codes = set(own.values())
     who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
-    if codes == {REFUSED_EXIT}:
-        cause = "refused its configuration or arguments (the reason is the line it printed above)"
-    elif codes == {UNATTACHED_EXIT}:
-        cause = ("ran with a \"deadpool\" section that no engine attached to (the reason is the line it printed "
-                 "above)")
-    else:
-        cause = "exited on its own: the script's own error (see its last lines above), not a lost node"
-    return (f"worker(s) {who} {cause}; stopping the job. A spare or --load would not help: fix the cause and launch "
+    said = {"refused": "refused its configuration or arguments (the reason is the line it printed above)",
+            "unattached": "ran with a \"deadpool\" section that no engine attached to (the reason is the line it "
+                          "printed above)"}.get(
+        cause, "exited on its own: the script's own error (see its last lines above), not a lost node")
+    return (f"worker(s) {who} {said}; stopping the job. A spare or --load would not help: fix the cause and launch "
             "again.")

@@ -37,6 +37,7 @@ from ..cluster.membership import Assignment
 from ..cluster.netif import pin_gloo_interface
 from ..launcher import keys, values
 from ..launcher.contract import HotSwapEnv
+from ..recovery.timeline import write_event
 from ..store.base import parse_store_endpoints
 from .context import context
 from .notice import fence
@@ -368,6 +369,8 @@ def join_until_formed(m: Membership, min_generation: int, form: Callable[[Assign
         try:
             return form(a)
         except fatal as exc:
+            write_event(event="recovery_fatal", generation=a.generation, world_size=a.world_size,
+                        error=type(exc).__name__)
             m.report_fatal(str(exc))
             raise
         except Exception as exc:

@@ -34,6 +34,7 @@ def write_event(**rec: Any) -> None:
         return
     rec.setdefault("time", time.time())
     rec.setdefault("source", "worker")
+    rec.setdefault("pid", os.getpid())
     line = json.dumps(rec) + "\n"
     # One small O_APPEND write per event: lines from concurrent processes do not interleave.
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -41,6 +42,14 @@ def write_event(**rec: Any) -> None:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+def write_refusal(exc: BaseException, *, exit_status: int) -> None:
+    """The ``refused`` event of a process that stops on a bad config, flag or attach (``ConfigError``): the error's
+    class, the key or flag it names (``ConfigError.key``), who built an unattached engine
+    (``NotAttachedError.built_by``), and the exit status the process ends with."""
+    extra = {name: getattr(exc, name) for name in ("key", "built_by") if getattr(exc, name, None) is not None}
+    write_event(event="refused", error=type(exc).__name__, exit_status=exit_status, **extra)
 
 
 def read_events(path: str) -> list[dict[str, Any]]:

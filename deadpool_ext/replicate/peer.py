@@ -205,4 +205,5 @@ def _same_key_everywhere(fingerprints: list[str | None]) -> None:
         groups.setdefault("no key" if f is None else f"key {f}", []).append(r)
     raise ConfigError("deadpool config: the checkpoint key (deadpool.key_env) differs across ranks: "
                       + "; ".join(f"{k} on ranks {v}" for k, v in sorted(groups.items()))
-                      + " (key fingerprints shown, never keys); set the same key on every rank, or none")
+                      + " (key fingerprints shown, never keys); set the same key on every rank, or none",
+                      key="deadpool.key_env")

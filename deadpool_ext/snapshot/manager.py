@@ -280,8 +280,12 @@ class SnapshotManager:
 
     def stats(self) -> dict[str, Any]:
         """The summary of :attr:`timings` (JSON; the keys benchmarks and job summaries read)."""
+        t = self.peers.transport
         return self.timings.as_dict(worker_priority_boosts=self.priority.boosts,
-                                    committed_version=self.committed_version, memory_bytes=self.memory_bytes())
+                                    committed_version=self.committed_version, memory_bytes=self.memory_bytes(),
+                                    tier2={"factor": self.peers.factor, "signed": t.signer.enabled,
+                                           "refused_blobs": t.refused_total + (self.dpeers.transport.refused_total
+                                                                               if self.dpeers is not None else 0)})
 
     # -- restore ----------------------------------------------------------------------------------------
     def restore_latest(self, newer_than: int | None = None) -> int | None:

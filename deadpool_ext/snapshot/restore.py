@@ -24,6 +24,7 @@ from typing import Any
 from ..cluster.comm import allgather_json
 from ..config import DeadpoolConfig
 from ..recovery.reshard import REPLICATED, ReplicatedLayout
+from ..recovery.timeline import write_event
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing
 from .format import StreamVerifier, header_len_of, tensor_checksum
@@ -345,6 +346,8 @@ class RestoreExecutor:
             log.info("elastic: restoring step %d of a world of %d ranks onto %d ranks, resharded from memory "
                      "(%d copies from tier 1, %d from tier 2 replicas; no storage read)", plan.version, plan.world_old,
                      plan.world_new, tiers.count(1), tiers.count(2))
+            write_event(event="resharded", version=plan.version, from_world=plan.world_old, to_world=plan.world_new,
+                        tier1_copies=tiers.count(1), tier2_copies=tiers.count(2), storage_reads=0)
         if plan.replicated:
             tensors, meta, drawn, memory = assemble_whole(me, self.store.dir, self.peers.transport, plan)
         else:

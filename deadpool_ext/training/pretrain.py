@@ -21,6 +21,7 @@ import torch
 from ..config import ConfigError, split_deepspeed_config
 from ..distributed import init_distributed
 from ..integrations.loop import ResilientLoop
+from ..recovery.timeline import write_refusal
 from .data import ByteLMData, seed_everything
 from .models import (
     GPT_IMPL_ENV,
@@ -88,6 +89,7 @@ def run(argv: Sequence[str] | None, objective: str) -> dict[str, Any]:
     try:
         return _run(argv, objective)
     except ConfigError as exc:
+        write_refusal(exc, exit_status=1)
         raise SystemExit(str(exc)) from None
 
 

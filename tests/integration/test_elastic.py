@@ -94,11 +94,10 @@ def test_shrink_reshards_from_memory_element_exact(tmp_path, shm_root, stage, sh
     res, metrics, events, dumps = elastic_run(tmp_path, shm_root, stage=stage, nnodes=nnodes, nproc=nproc,
                                               name="shrink", kill_node="node1", **batch)
     assert res.returncode == 0, res.output[-5000:]
-    assert "--no-spare-policy shrink: continuing without node(s) ['node1']" in res.output
-    assign = [e for e in events if e.get("event") == "assignment"]
-    assert assign, events
-    version, files = _restored(dumps)
     new_world = (nnodes - 1) * nproc
+    assign = [(e["shrunk"], e["world_size"]) for e in events if e.get("event") == "assignment"]
+    assert assign == [(["node1"], new_world)], events  # --no-spare-policy shrink: continuing without node1
+    version, files = _restored(dumps)
     assert len(files) == new_world
     # The uninterrupted run at the full size, its state dumped at the restored step.
     res0, base, _, base_dumps = elastic_run(tmp_path, shm_root, stage=stage, nnodes=nnodes, nproc=nproc,
@@ -111,7 +110,9 @@ def test_shrink_reshards_from_memory_element_exact(tmp_path, shm_root, stage, sh
     # Up to the failure the losses are the very same; the shrunk run redid at most one step.
     for step in range(1, version + 1):
         assert metrics[step] == base[step]
-    assert "resharded from memory" in res.output and "no storage read" in res.output
+    resharded = [(e["version"], e["from_world"], e["to_world"], e["storage_reads"]) for e in events
+                 if e.get("event") == "resharded"]
+    assert resharded == [(version, nnodes * nproc, new_world, 0)], events  # resharded from memory, no storage read
 
 
 @pytest.mark.full_matrix(covered_by="tests/unit/test_reshard.py::test_global_batch_kept_or_refused (the rule and its "
@@ -119,11 +120,12 @@ def test_shrink_reshards_from_memory_element_exact(tmp_path, shm_root, stage, sh
                                    "applies it at runtime)")
 def test_shrink_refused_when_the_global_batch_cannot_be_kept(tmp_path, shm_root):
     # 3 ranks x micro 2 x accumulation 1 = 6 cannot be made by 2 ranks x micro 2: refused, with the reason.
-    res, _, _, _ = elastic_run(tmp_path, shm_root, stage=1, nnodes=3, nproc=1, name="refused", kill_node="node1",
-                               train_batch_size=6, train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1)
+    res, _, events, _ = elastic_run(tmp_path, shm_root, stage=1, nnodes=3, nproc=1, name="refused",
+                                    kill_node="node1", train_batch_size=6, train_micro_batch_size_per_gpu=2,
+                                    gradient_accumulation_steps=1)
     assert res.returncode != 0
-    assert "cannot keep the global batch 6 at data-parallel size 2" in res.output
-    assert "allow_batch_change" in res.output
+    refused = {(e["generation"], e["world_size"], e["error"]) for e in events if e.get("event") == "recovery_fatal"}
+    assert refused == {(1, 2, "BatchChangeRefused")}, events  # the rule, its line (allow_batch_change): test_reshard
 
 
 @pytest.mark.parametrize("how", matrix(["repaired", "joined"], ci=["joined"]))  # repaired: the Megatron grow test
@@ -170,15 +172,15 @@ def test_grow_back_when_a_node_returns(tmp_path, shm_root, how):
         deadpool={"hot_swap": {"collective_timeout_s": 200}}, **batch)
     assert res.returncode == 0, res.output[-5000:]
     node = "node1" if how == "repaired" else "extra0"
-    assert f"node {node} joins: growing to 4 ranks (was 2)" in res.output
+    grown = [(e["grown"], e["world_size"]) for e in events if e.get("event") == "assignment" and "grown" in e]
+    assert grown == [([node], 4)], events  # node joins: growing to 4 ranks (was 2)
     if how == "repaired":
-        assert "node node1 repaired" in res.output
+        assert [e["node"] for e in events if e.get("event") == "repaired"] == ["node1"], events
     else:
         joiner["thread"].join(60)
         jres = joiner["res"]
         assert jres.returncode == 0 and not jres.timed_out, jres.output[-4000:]
-        assert "node extra0 joined the job (2 process(es)): the shrunk world grows to it" in res.output
-        assert "--join extra0: admitted to job growjob (the world grows to it)" in jres.output
+        assert [e["node"] for e in events if e.get("event") == "joined"] == ["extra0"], events  # admitted
     version, files = _restored(dumps, world="4")
     assert len(files) == 4
     # what the 2-rank world held at that step: its state after the step, or its own restore if it took none

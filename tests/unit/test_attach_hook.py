@@ -104,17 +104,18 @@ def test_check_names_every_bad_key_not_only_the_first():
 
 
 @pytest.mark.parametrize("argv,rc,needle", [
-    ([], 2, "usage: python -m deadpool_ext.run"),
-    (["-m"], 2, "-m needs a module name"),
-    (["/nonexistent/train.py"], 2, "script /nonexistent/train.py: no such file"),
+    (["deadpool_ext.run"], 2, "usage: python -m deadpool_ext.run"),
+    (["deadpool_ext.run", "-m"], 2, "-m needs a module name"),
+    (["deadpool_ext.run", "/nonexistent/train.py"], 2, "script /nonexistent/train.py: no such file"),
     # a config with the section that no engine attached to: the job ran unprotected, exit 3
-    (["{tmp}/noop.py", "--deepspeed", "{tmp}/ds.json"], 3,
+    (["deadpool_ext.run", "{tmp}/noop.py", "--deepspeed", "{tmp}/ds.json"], 3,
      '{tmp}/ds.json has a "deadpool" section, but no engine of this process attached'),
-], ids=["no-args", "no-module", "no-script", "nothing-attached"])
+    (["deadpool_ext.cli", "check", "{tmp}/nope.json", "--json"], 2, "{tmp}/nope.json: cannot read it as JSON"),
+], ids=["no-args", "no-module", "no-script", "nothing-attached", "check-no-file"])
 def test_runner_bad_arguments_and_an_unattached_section_are_one_line(tmp_path, argv, rc, needle):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 2, "deadpool": {}}))
     (tmp_path / "noop.py").write_text("print('did nothing')\n")
-    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", *(a.format(tmp=tmp_path) for a in argv)],
+    r = subprocess.run([sys.executable, "-m", *(a.format(tmp=tmp_path) for a in argv)],
                        capture_output=True, text=True, timeout=120, env=_no_launcher_env(), cwd=REPO)
     assert_refusal(r, rc=rc, names=needle.format(tmp=tmp_path))
 
@@ -456,6 +457,18 @@ def test_the_launchers_final_line_names_the_real_cause():
     assert "refused its configuration" in stop_line("x", "stop", {"node0.0": 2})
     assert "no engine attached to" in stop_line("x", "stop", {"node0.0": 3})
     assert all("\n" not in line for line in (lost, own))
+
+
+def test_the_stopped_events_cause_is_the_final_lines():
+    """The ``stopped`` event's ``cause`` (final.stop_cause): the decision behind the final line, from the exits."""
+    from deadpool_ext.launcher.final import stop_cause
+
+    assert stop_cause({"node1.0": -9, "node1.1": None}) == "out_of_spares"  # fenced or lost: not the script's doing
+    assert stop_cause({}) == "out_of_spares"
+    assert stop_cause({"node1.0": 1, "node1.1": -9}) == "exited_on_its_own"
+    assert stop_cause({"node0.0": 2}) == "refused" and stop_cause({"node0.0": 2, "node0.1": 2}) == "refused"
+    assert stop_cause({"node0.0": 3}) == "unattached"
+    assert stop_cause({"node0.0": 2, "node0.1": 3}) == "exited_on_its_own"  # mixed: none of the runner's two
 
 
 def test_check_says_which_tiers_depend_on_the_launch_layout():

@@ -112,7 +112,7 @@ def test_a_crash_fences_the_node_and_a_spare_takes_its_ranks(rc, why):
     assert new.generation == 1 and new.replaced == {"node1": "spare0"} and new.ranks["spare0.0"] == 1
     assert new.master_port == 0 and new.master_addr == "127.0.0.1"
     assert pub.event == {"event": "assignment", "generation": 1, "replaced": {"node1": "spare0"}, "spares_left": [],
-                         "built_ahead": {"node1": False}, "host_rank": 0}
+                         "built_ahead": {"node1": False}, "host_rank": 0, "shrunk": [], "world_size": 2}
     assert dec.state.assignment == new and dec.state.formed_after == T0 + 0.1
     # the fence comes before the publish: no two processes ever hold rank 1
     kinds = [type(a).__name__ for a in dec.actions]

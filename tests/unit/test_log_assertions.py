@@ -15,11 +15,6 @@ from deadpool_ext.testing.launch import REPO
 from tests.log_interface import LIMIT, all_sites, sites_in
 
 UNMARKED: dict[str, int] = {
-    "tests/integration/test_ds_wrappers.py": 2,
-    "tests/integration/test_elastic.py": 8,
-    "tests/integration/test_existing_jobs.py": 35,
-    "tests/integration/test_megatron.py": 9,
-    "tests/security/test_peer_sign.py": 4,
 }
 """Unmarked log-text assertions per file still to replace by a decision (issue 31, part 7). Only shrinks."""
 

@@ -167,8 +167,9 @@ def test_tier3_bases_refuse_virtual_pipeline_stages_before_any_collective(tmp_pa
 
 
 def test_batch_flags_of_the_megatron_script_are_one_line_each():
-    """The demo Megatron script's batch flags (``training/megatron/train.py::batch_flags``); that the script prints
-    the line, with no traceback, is test_megatron.py::test_bad_batch_flags_are_one_line."""
+    """The demo Megatron script's batch flags (``training/megatron/train.py::batch_flags``): each error is one line
+    and names its flag (``ConfigError.key``); that the real script refuses such a flag before training is
+    test_megatron.py::test_bad_batch_flags_are_refused_naming_the_flag."""
     from deadpool_ext.config import ConfigError
     from deadpool_ext.training.megatron.train import batch_flags
 
@@ -177,7 +178,9 @@ def test_batch_flags_of_the_megatron_script_are_one_line_each():
     assert batch_flags(16, None, 4, dp2) == (16, 2)
     assert batch_flags(None, 3, 2, Layout(world_size=4, tp=2, pp=1)) == (12, 3)
     with pytest.raises(ConfigError, match=r"^--global-batch-size 5 is not a multiple of --micro-batch-size 4 x "
-                                          r"data-parallel size 1$"):
+                                          r"data-parallel size 1$") as err:
         batch_flags(5, None, 4, Layout(world_size=1, tp=1, pp=1))
-    with pytest.raises(ConfigError, match=r"^--global-batch-size and --num-microbatches: give one of them"):
+    assert err.value.key == "--global-batch-size"
+    with pytest.raises(ConfigError, match=r"^--global-batch-size and --num-microbatches: give one of them") as err:
         batch_flags(8, 2, 4, dp2)
+    assert err.value.key == "--num-microbatches"

@@ -34,6 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...config import DeadpoolConfig
+from ...recovery.timeline import write_event
 from ..base import ResilientRuntime
 from . import parallel
 from .layout import Coordinates, Layout, LayoutError, dp_resize, keep_global_batch
@@ -142,6 +143,9 @@ class MegatronRuntime(ResilientRuntime):
                      num_micro, self.micro_batch, batch,
                      " (kept)" if batch == self.global_batch else f" (was {self.global_batch}: "
                      "deadpool.elastic.allow_batch_change is true)")
+            write_event(event="dp_resized", generation=new.generation, dp=[self.layout.dp, layout.dp], tp=layout.tp,
+                        pp=layout.pp, micro_batches=num_micro, micro_batch=self.micro_batch,
+                        global_batch=[self.global_batch, batch])
         return None
 
     def _runtime_of(self, handle: Any) -> ResilientRuntime:

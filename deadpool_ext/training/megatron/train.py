@@ -30,6 +30,7 @@ from ...integrations.megatron.layout import Layout, LayoutError, coordinates, ke
 from ...integrations.megatron.runtime import MegatronRuntime
 from ...logs import configure_logging
 from ...rebuild.context import context
+from ...recovery.timeline import write_refusal
 from ..data import ByteLMData, seed_everything
 from ..models import MODEL_SIZES
 from .model import ModelSpec, build, count_parameters
@@ -83,6 +84,7 @@ def run(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         return _run(argv)
     except ConfigError as exc:
+        write_refusal(exc, exit_status=1)
         raise SystemExit(str(exc)) from None
 
 
@@ -92,14 +94,14 @@ def batch_flags(global_batch_size: int | None, num_microbatches: int | None, mic
     when they cannot both hold (pure: unit-tested in tests/unit/test_megatron_layout.py)."""
     if global_batch_size is not None and num_microbatches is not None:
         raise ConfigError("--global-batch-size and --num-microbatches: give one of them (the micro-batches per "
-                          "rank follow from the global batch)")
+                          "rank follow from the global batch)", key="--num-microbatches")
     num_micro = num_microbatches or layout.pp
     global_batch = global_batch_size or micro_batch_size * num_micro * layout.dp
     try:
         num_micro, _ = keep_global_batch(global_batch, micro_batch_size, num_micro, layout.dp, False)
     except LayoutError:
         raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size "
-                          f"{micro_batch_size} x data-parallel size {layout.dp}") from None
+                          f"{micro_batch_size} x data-parallel size {layout.dp}", key="--global-batch-size") from None
     return global_batch, num_micro
 
 

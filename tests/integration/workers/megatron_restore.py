@@ -66,7 +66,8 @@ def main() -> None:
             version = rt.resume()
             assert version == a.restore_at + 2, version
             if a.differential:
-                print(f"REPLAYED {rt.snapshots.stats().get('replayed')}", flush=True)
+                replayed = rt.snapshots.stats().get("replayed")
+                print("REPLAYED " + json.dumps({"rank": dist.get_rank(), "replayed": replayed}), flush=True)
             restored = True
     if dist.get_rank() == 0:
         print("LOSSES " + json.dumps(losses), flush=True)
