@@ -8,6 +8,9 @@
 - tiers 1 and 2 (this host's shared memory, ``--shm-root``, default /dev/shm): the ``deadpool.<job>.<node>``
   directories, their snapshot slots (tier 1) and peer replicas (tier 2), with the version each complete slot
   holds (header only; torn or in-progress slots show as incomplete).
+
+File names in the records are checked against the installed DeepSpeed's naming functions whenever DeepSpeed
+imports (``commands/_names.py``); ``--json`` says which rule (``file_names``).
 """
 from __future__ import annotations
 
@@ -98,13 +101,15 @@ def memory_report(shm_root: str) -> list[dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     from ..persist.records import CheckpointTrustError
     from ..persist.sign import checkpoint_key
+    from ._names import use_installed_names
 
+    names = use_installed_names()  # the installed DeepSpeed's naming functions, as the writer's
     try:
         t3 = tier3_report(args.url, checkpoint_key())
     except CheckpointTrustError as exc:  # e.g. an unusable key: one line, not a traceback
         print(f"deadpool inspect: {exc}", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"tier3": t3, "memory": memory_report(args.shm_root)}
+    report: dict[str, Any] = {"tier3": t3, "memory": memory_report(args.shm_root), "file_names": names}
     for p in t3["problems"]:
         print(f"REFUSED {p}", file=sys.stderr)
     status = 1 if t3["problems"] else 0

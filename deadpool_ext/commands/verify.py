@@ -12,6 +12,7 @@ record, not who wrote the record) and says so.
 ``--json`` prints the same decisions as one JSON object on stdout (stderr and the exit status are unchanged)::
 
     {"url": URL, "authenticity": true | false,        # records checked against the key, or integrity only
+     "file_names": "deepspeed 0.19.8",                # whose rule names were checked against (commands/_names.py)
      "latest": TAG | null, "problems": [LINE, ...],   # every line printed as "BAD LINE" on stderr
      "bases": [{"tag": TAG, "verdict": "ok" | "bad" | "refused" | "incomplete",
                 "errors": [LINE, ...],                # each names the file (or record) and what is wrong
@@ -64,7 +65,9 @@ def _run(args: argparse.Namespace) -> int:
     from ..persist.records import BadRecordError
     from ..persist.sign import checkpoint_key
     from ..persist.storage import open_existing
+    from ._names import use_installed_names
 
+    names = use_installed_names()  # the installed DeepSpeed's naming functions, as the writer's
     key = checkpoint_key()
     storage = open_existing(args.url)
     versions = [v for v in list_versions(storage, key=key) if args.version is None or v.version == args.version]
@@ -93,8 +96,8 @@ def _run(args: argparse.Namespace) -> int:
     for e in problems:
         print(f"BAD {e}", file=sys.stderr)
     if args.json:
-        print(json.dumps({"url": args.url, "authenticity": key is not None, "latest": latest, "problems": problems,
-                          "bases": report}, indent=1))
+        print(json.dumps({"url": args.url, "authenticity": key is not None, "file_names": names, "latest": latest,
+                          "problems": problems, "bases": report}, indent=1))
     else:
         print(authenticity_note(key is not None))
         for r in report:

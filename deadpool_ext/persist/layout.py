@@ -65,9 +65,10 @@ class FileNames:
 
 
 # Where the names come from: the framework's own naming functions, handed in by its integration when it is imported
-# (``integrations/deepspeed/names.py`` calls DeepSpeed's; the persist layer imports no framework). Until then,
-# e.g. in ``deadpool verify`` run without the integration, FALLBACK_NAMES: the same names as DeepSpeed 0.19
-# writes them, which ``tests/unit/test_ds_wrappers_names.py`` checks against the derived rule.
+# (``integrations/deepspeed/names.py`` calls DeepSpeed's; the persist layer imports no framework; ``deadpool
+# verify`` and ``inspect`` hand it in too whenever DeepSpeed imports, ``commands/_names.py``). Otherwise, e.g. those
+# tools where DeepSpeed is not installed, FALLBACK_NAMES: the same names as DeepSpeed 0.19 writes them, which
+# ``tests/unit/test_ds_wrappers_names.py`` checks against the derived rule.
 _N = r"[0-9]{1,9}"
 FALLBACK_NAMES = FileNames(patterns=tuple(re.compile(p, re.ASCII) for p in (
     rf"^mp_rank_{_N}_model_states\.pt$",
