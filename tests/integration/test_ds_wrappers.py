@@ -8,6 +8,12 @@
   bit for bit (fp32: see the test); in bf16 (``BF16_Optimizer``) a worker killed mid-run is restored from memory,
   bit for bit.
 
+- ``BF16_Optimizer`` hot-swapped in place under ``deadpool-run`` (a node SIGKILLed, a spare takes its rank, the
+  survivors keep their processes): losses bit-identical to the uninterrupted run;
+- bf16 ZeRO-1 (``BF16_Optimizer``) shrunk elastically, 4 ranks -> 2, resharded from memory: the state restored on
+  2 ranks equals the uninterrupted run's, element for element; the losses follow it as
+  ``tests/integration/test_elastic.py`` requires of fp32 jobs.
+
 The adapter itself is unit-tested against every wrapper class in ``tests/unit/test_ds_wrappers.py``."""
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ import os
 import pytest
 
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import JOB_TIMEOUT_S, kill_at, pretrain, restore_of
+from tests.integration.helpers import JOB_TIMEOUT_S, kill_at, pretrain, restore_of, summary
 
 pytestmark = pytest.mark.slow
 ITERS = 8
@@ -42,8 +48,7 @@ def test_bf16_wrappers_restart_restores_bit_identical(tmp_path, shm_root, stage,
     cfg = make_config(tmp_path, stage=stage, deadpool=_deadpool(shm_root), **extra)
     res, base, _ = pretrain(tmp_path, cfg, iters=ITERS, name="base")
     assert res.returncode == 0, res.output[-3000:]
-    if wrapper == "BF16_Optimizer":  # which wrapper a config gets: tests/unit/test_ds_wrappers.py, on real engines
-        assert "begin bf16_optimizer" in res.output  # BF16_Optimizer's own first line
+    assert summary(res)["deadpool"]["optimizer_wrapper"] == wrapper  # the wrapper the adapter snapshotted
     assert sorted(base) == list(range(1, ITERS + 1))
     res, metrics, _ = pretrain(tmp_path, cfg, iters=ITERS, max_restarts=1, inject=kill_at(4), name="fault")
     assert res.returncode == 0, res.output[-4000:]
@@ -101,7 +106,10 @@ def test_pipeline_engine_saves_loads_and_resumes_through_the_checkpoint_engine(t
     res, records, resumed = _pipe(tmp_path, cfg, "resume", ["--load-dir", save, "--load-tag", "global_step3"])
     assert [r["start"] for r in records if "start" in r] == [3], records
     assert resumed == {s: v for s, v in base.items() if s > 3}
-    assert "loading without verification" not in res.output  # every file checked against its manifest
+    loads = {r["rank"]: r["loads"] for r in records if "loads" in r}
+    assert sorted(loads) == [0, 1] and all(loads.values()), records
+    # every file each rank loaded was checked against the deadpool manifests written beside it at the save
+    assert {how for per_rank in loads.values() for _, how in per_rank} == {"manifest"}, loads
 
 
 def test_bf16_pipeline_restart_restores_from_memory(tmp_path, shm_root):
@@ -115,3 +123,65 @@ def test_bf16_pipeline_restart_restores_from_memory(tmp_path, shm_root):
     # step's loss; when step 4 is the version restored, it is not run again. Every loss written is identical.
     assert set(base) - set(restarted) <= {starts[1]}, (base, restarted)
     assert all(base[s] == v for s, v in restarted.items()), (base, restarted)
+
+
+# -- BF16_Optimizer hot-swapped in place, and shrunk elastically -----------------------------------------------
+BF16_OPTIMIZER = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}  # at ZeRO-1
+
+
+def test_bf16_optimizer_hot_swapped_in_place_bit_identical(tmp_path, shm_root):
+    import signal
+
+    from deadpool_ext.recovery.timeline import phases
+    from deadpool_ext.testing.baselines import BASELINES
+    from tests.integration.test_hot_swap import ITERS as SWAP_ITERS
+    from tests.integration.test_hot_swap import dprun, dprun_job, run_dprun
+
+    def run(job):
+        res, metrics, _, _ = run_dprun(tmp_path, job, name="base")
+        assert res.returncode == 0, res.output[-3000:]
+        assert summary(res)["deadpool"]["optimizer_wrapper"] == "BF16_Optimizer"
+        assert sorted(metrics) == list(range(1, SWAP_ITERS + 1))
+        return metrics
+
+    base = BASELINES.get(dprun_job(tmp_path, shm_root, stage=1, spares=0, name="base", **BF16_OPTIMIZER), run)
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, faults=[(4, "node1.0", signal.SIGKILL)],
+                                       name="swap", **BF16_OPTIMIZER)
+    assert res.returncode == 0, res.output[-4000:]
+    assert summary(res)["deadpool"]["optimizer_wrapper"] == "BF16_Optimizer"
+    assert metrics == base
+    [row] = phases(events)
+    assert row["replaced"] == {"node1": "spare0"}
+    assert row["survivor_pids"] == sorted([pids["node0.0"], pids["node2.0"]])  # swapped in place
+    spare = [(e["rank"], e["restored_from"]) for e in events
+             if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert spare == [(1, "peer")], events  # node1's state from the replica a survivor held
+
+
+@pytest.mark.full_matrix(covered_by="tests/integration/test_elastic.py::test_shrink_reshards_from_memory_element_exact "
+                                   "(the ZeRO-1 shrink, DeepSpeedZeroOptimizer's same flat layout) and tests/unit/"
+                                   "test_ds_wrappers.py::test_bf16_optimizer_has_a_partition_layout_for_elastic")
+def test_bf16_optimizer_shrunk_elastically_reshards_from_memory(tmp_path, shm_root):
+    import glob
+
+    from deadpool_ext.chaos.dump import gather
+    from tests.integration.test_elastic import ITERS as ELASTIC_ITERS
+    from tests.integration.test_elastic import SHAPES, _assert_same_state, _close, _restored, elastic_run
+
+    batch = SHAPES[(2, 2)]
+    res, metrics, events, dumps = elastic_run(tmp_path, shm_root, stage=1, nnodes=2, nproc=2, name="shrink",
+                                              kill_node="node1", **batch, **BF16_OPTIMIZER)
+    assert res.returncode == 0, res.output[-5000:]
+    stats = summary(res)["deadpool"]
+    assert (stats["optimizer_wrapper"], stats["restored_from"]) == ("BF16_Optimizer", "resharded"), stats
+    version, files = _restored(dumps, world="2")
+    assert len(files) == 2
+    res0, base, _, base_dumps = elastic_run(tmp_path, shm_root, stage=1, nnodes=2, nproc=2, name="base",
+                                            dump_steps=(version,), policy="fail", **batch, **BF16_OPTIMIZER)
+    assert res0.returncode == 0, res0.output[-4000:]
+    ref = sorted(glob.glob(os.path.join(base_dumps, f"step.v{version}.w4.r*")))
+    assert len(ref) == 4
+    _assert_same_state(gather(files), gather(ref))  # masters and moments, every element
+    _close(metrics, base, ELASTIC_ITERS)
+    for step in range(1, version + 1):  # up to the failure, the very same losses
+        assert metrics[step] == base[step]

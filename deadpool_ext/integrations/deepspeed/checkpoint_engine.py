@@ -51,6 +51,10 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
         self._pending: dict[str, list[str]] = {}
         self._capture: Callable[[Any, str], None] | None = None
         self._verified: dict[str, dict[str, dict[str, Any]] | None] = {}
+        self.loads: list[tuple[str, str]] = []
+        """(path, how it was checked) of every file ``load`` opened, in order: ``manifest`` (against this
+        directory's deadpool manifests), ``commit_record`` (a tier-3 base, against its commit record),
+        ``derived`` (a private directory made from verified files) or ``unverified`` (no manifest beside it)."""
 
     # -- tier-3 capture mode (training thread) --------------------------------------------------------
     def begin_capture(self, sink: Callable[[Any, str], None]) -> None:
@@ -89,25 +93,29 @@ class DeadpoolCheckpointEngine(CheckpointEngine):
         if directory in self._verified:
             entries = self._verified[directory]
             if entries is None:
+                self.loads.append((path, "derived"))
                 return safe_load(path, allow=self._allow, map_location=map_location)
             if os.path.basename(path) not in entries:
                 raise UntrustedCheckpointError(f"{path}: not listed in the verified commit record of this base; "
                                                "not opened")
-            return self._load_checked(path, entries, map_location)
+            return self._load_checked(path, entries, map_location, "commit_record")
         names = deepspeed_file_names()  # what the installed DeepSpeed writes, from its own naming functions
         manifest = read_manifests(directory, key=self._key, names=names.patterns, allowed=names.allowed)
         if manifest:
-            return self._load_checked(path, manifest, map_location)
+            return self._load_checked(path, manifest, map_location, "manifest")
         if self._key is not None:
             raise SignatureError(f"{path}: no signed deadpool manifest beside it, and a checkpoint key is set "
                                  f"({key_env()}); refusing a checkpoint the key did not sign")
         log.warning("no deadpool manifest beside %s: loading without verification (not written by deadpool_ext?)",
                     path)
+        self.loads.append((path, "unverified"))
         return safe_load(path, allow=self._allow, map_location=map_location)
 
-    def _load_checked(self, path: str, entries: dict[str, dict[str, Any]], map_location: Any) -> Any:
+    def _load_checked(self, path: str, entries: dict[str, dict[str, Any]], map_location: Any, how: str) -> Any:
         with open_verified(path, entries) as fh:  # the bytes unpickled are the bytes hashed
-            return safe_load(fh, allow=self._allow, what=path, map_location=map_location)
+            state = safe_load(fh, allow=self._allow, what=path, map_location=map_location)
+        self.loads.append((path, how))
+        return state
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         if self._capture is not None:

@@ -47,6 +47,8 @@ class DeadpoolRuntime(ResilientRuntime):
                                         derive_params=config.snapshot.derive_params)
         adapter.allow_batch_change = config.elastic.allow_batch_change
         self.zero_stage = adapter.zero_stage
+        self.optimizer_wrapper = adapter.wrapper
+        """DeepSpeed's class of the engine's optimizer wrapper (``wrappers.py``), also in :meth:`stats`."""
         super().__init__(config, adapter, rank=int(engine.global_rank))
         self.checkpoint_engine = DeadpoolCheckpointEngine(engine.global_rank, before_io=self.wait_for_copy)
         engine.checkpoint_engine = self.checkpoint_engine
@@ -156,6 +158,13 @@ class DeadpoolRuntime(ResilientRuntime):
                                "config has no \"deadpool\" section?)")
         return rt
 
+    def stats(self) -> dict[str, Any]:
+        """The snapshot statistics and ``optimizer_wrapper``: which of DeepSpeed's wrappers was snapshotted."""
+        out = super().stats()
+        if out:
+            out["optimizer_wrapper"] = self.optimizer_wrapper
+        return out
+
     def _close(self) -> None:
         if self.persist is not None:
             self.persist.close()  # tier 3: publish the base in flight (bounded)
@@ -175,8 +184,8 @@ def abandon_step(engine: Any) -> None:
     gathered or half gathered are marked for release (the restore's prologue partitions all of them), the
     coordinator's trace is invalidated like a new one's (its next step records it again, as the spare's does:
     the trace agreement of DeepSpeed's reset_step is then the same collective on every rank). Every stage:
-    gradient buckets emptied, accumulated gradients and "already reduced" flags cleared, micro-step counters
-    reset, as after DeepSpeed's own ``step``."""
+    gradient buckets emptied, accumulated gradients (``BF16_Optimizer``'s fp32 buffers too) and "already reduced"
+    flags cleared, micro-step counters reset, as after DeepSpeed's own ``step``."""
     import deepspeed
 
     version = Version(deepspeed.__version__.split("+")[0])
@@ -207,6 +216,10 @@ def abandon_step(engine: Any) -> None:
         from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
         opt.micro_step_id = INITIAL_MICRO_STEP_ID
+    if hasattr(opt, "clear_hp_grads"):
+        # BF16_Optimizer accumulates every backward into its fp32 gradient buffers, emptied only by its step: the
+        # interrupted step's gradients would be added again to the redone step's (its zero_grad does this too).
+        opt.clear_hp_grads()
     # Gradients dropped directly (ZeRO-3's zero_grad calls record_stream, which host tensors refuse).
     for p in engine.module.parameters():
         p.grad = None

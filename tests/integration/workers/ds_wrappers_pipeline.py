@@ -7,7 +7,8 @@ for a bf16 pipeline), activation checkpointing on every layer, gradient clipping
 
 Batches are a pure function of (step, micro-batch), so a resumed run sees what an uninterrupted one would. Rank 0
 (the first stage) and the last stage write nothing but ``OUT``: JSON lines ``{"step", "loss"}`` from the last
-stage (the one that computes the loss) and, after a save, ``{"saved": [file names in the tag directory]}``.
+stage (the one that computes the loss), after a save ``{"saved": [file names in the tag directory]}``, after a
+load ``{"rank", "loads": [[file name, how the checkpoint engine checked it], ...]}``.
 """
 from __future__ import annotations
 
@@ -79,6 +80,10 @@ def main(argv: list[str]) -> int:
         assert path is not None, f"nothing loaded from {args.load_dir}"
         start = int(engine.global_steps)
     out = open(args.out, "a") if engine.is_last_stage() or engine.global_rank == 0 else None
+    if out is not None and args.load_dir:  # how the checkpoint engine checked each file this rank loaded
+        loads = [(os.path.basename(p), how) for p, how in engine.checkpoint_engine.loads]
+        out.write(json.dumps({"rank": engine.global_rank, "loads": loads}) + "\n")
+        out.flush()
     if out is not None and engine.global_rank == 0:
         out.write(json.dumps({"start": start, "optimizer": type(engine.optimizer).__name__}) + "\n")
         out.flush()
