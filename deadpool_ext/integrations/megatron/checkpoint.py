@@ -39,6 +39,7 @@ from typing import IO, Any
 import torch
 import torch.distributed as dist
 
+from ...config import ConfigError
 from ...persist.atomic import (
     MANIFEST_PREFIX,
     IncompleteCheckpointError,
@@ -77,9 +78,24 @@ def _name(iteration: int) -> str:
     return f"iter_{iteration:07d}"
 
 
+VPP_FLAG = "--virtual-pipeline-model-parallel-size"
+
+
+def refuse_virtual_pipeline(chunks: list[Any], bases: str | None) -> None:
+    """At start-up, every rank alike and before any collective: a job whose tier-3 bases are on (``bases``: the
+    flag or config key that turned them on, e.g. ``--save`` or ``persist.url``; None: off) and whose model is in
+    virtual pipeline stages (more than one chunk per rank) is refused, a :class:`ConfigError` in one line naming
+    the keys to change. A base is written and read for one model chunk per rank."""
+    if bases and len(chunks) != 1:
+        raise ConfigError(f"deadpool_ext: Megatron-Core tier-3 bases take one model chunk per rank, this model has "
+                          f"{len(chunks)} (virtual pipeline stages); change {VPP_FLAG} (to 1, or leave it unset) or "
+                          f"{bases} (unset it: no tier-3 bases)", key=VPP_FLAG)
+
+
 def one_chunk(chunks: list[Any], what: str) -> None:
     """Refuse, on every rank alike and before any collective, a model in virtual pipeline stages: a base is written
-    and read for one model chunk per rank."""
+    and read for one model chunk per rank (a job is refused at start-up, :func:`refuse_virtual_pipeline`; this is
+    for a direct call)."""
     if len(chunks) != 1:
         raise LayoutError(f"{what}: tier-3 bases take one model chunk per rank, got {len(chunks)} (virtual pipeline "
                           "stages, --virtual-pipeline-model-parallel-size > 1, are not supported)")

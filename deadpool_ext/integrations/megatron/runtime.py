@@ -7,7 +7,9 @@ Call order (every rank, main thread):
 1. ``parallel.apply_cpu_shims()`` (CPU only), ``init_distributed()``, ``parallel.initialize(layout, seed)``.
 2. ``MegatronRuntime(built, config, layout, coords, seed=..., global_batch=..., micro_batch=...)`` with freshly
    built model chunks and optimizer (collective when snapshots are on: the side process group for replication
-   is created). ``runtime.num_micro`` is the micro-batches per iteration and data-parallel rank.
+   is created). Model chunks in virtual pipeline stages with tier-3 bases on are refused here, before that
+   (``ConfigError``, one line naming the keys). ``runtime.num_micro`` is the micro-batches per iteration and
+   data-parallel rank.
 3. ``runtime.set_client_state(get, set)`` and ``runtime.set_rebuild(factory)``; ``factory()`` builds model
    and optimizer on the current parallel state and returns a new runtime (hot-swap calls it on the new world;
    after an elastic shrink or grow that world has another data-parallel size: the factory lays it out with
@@ -64,7 +66,12 @@ class MegatronRuntime(ResilientRuntime):
     what_recovers = "rebuilding parallel state"
     step_name = "iteration"
     def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
-                 global_batch: int, micro_batch: int) -> None:
+                 global_batch: int, micro_batch: int, tier3: str | None = None) -> None:
+        """``tier3``: the flag that turns the job's tier-3 bases on (e.g. ``--save``), if not ``persist.url``."""
+        from .checkpoint import refuse_virtual_pipeline
+
+        # Before anything is built or any collective runs: a base holds one model chunk per rank.
+        refuse_virtual_pipeline(built.chunks, tier3 or ("persist.url" if config.persist.url else None))
         self.built: Built | None = built
         self.layout = layout
         self.coords = coords

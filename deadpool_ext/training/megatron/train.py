@@ -135,7 +135,8 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
         now["num_micro"] = n
         built = build(dataclasses.replace(spec, num_microbatches=n), args.seed)
         rt = MegatronRuntime(built, config, here, coordinates(dist.get_rank(), here), seed=args.seed,
-                             global_batch=batch, micro_batch=spec.micro_batch)
+                             global_batch=batch, micro_batch=spec.micro_batch,
+                             tier3="--save" if args.save else "--load" if args.load else None)
 
         def client_set(state: dict[str, Any]) -> None:
             if state.get("corpus", data.fingerprint) != data.fingerprint:
