@@ -30,7 +30,7 @@ _LAZY = {
     "DeadpoolRuntime": "deadpool_ext.integrations.deepspeed",
     "resilient_steps": "deadpool_ext.integrations.steps",
     "ResilientSteps": "deadpool_ext.integrations.steps",
-    "ResilientLoop": "deadpool_ext.integrations.loop",
+    "ResilientLoop": "deadpool_ext.integrations.base",
     "MegatronRuntime": "deadpool_ext.integrations.megatron.runtime",
 }
 
@@ -38,8 +38,8 @@ __all__ = ["__version__", "ConfigError", "DeadpoolConfig", "DeadpoolRuntime", "M
            "ResilientSteps", "initialize", "register", "resilient_steps"]
 
 if TYPE_CHECKING:
+    from .integrations.base import ResilientLoop
     from .integrations.deepspeed import DeadpoolRuntime, initialize, register
-    from .integrations.loop import ResilientLoop
     from .integrations.megatron.runtime import MegatronRuntime
     from .integrations.steps import ResilientSteps, resilient_steps
 

@@ -21,11 +21,20 @@ Call order (every rank, main thread; "collective" = every rank calls it at the s
    overwrites the state in place, ``_after_optimizer_step()`` after it (schedules the next snapshot, fires the
    ``after_step`` hook point). Framework calls that a launcher's notice may stop run inside ``stoppable()``.
 5. A failure inside a step: ``handle = runtime.handle_failure(exc)``; None: raise ``exc``; else redo the step
-   with ``handle`` (:class:`deadpool_ext.integrations.loop.ResilientLoop` does this for a loop). The driver
+   with ``handle`` (:class:`ResilientLoop`, below, does this for a loop). The driver
    recovers when the launcher ended the generation (the cause), in the runtime's mode (in place, rebuild,
    resized), calling this runtime's named hooks (:class:`RuntimeHooks`; order in ``rebuild/recover.py``).
    After a rebuild this runtime is closed; the handle returned belongs to the new world.
 6. ``stats()`` (waits, bounded, for the snapshot in flight), ``close()`` (idempotent; also at exit).
+
+:class:`ResilientLoop` is that call order's loop, for every integration whose loop is the extension's (the demo
+scripts, Megatron-Core) or a user's own::
+
+    loop = ResilientLoop(engine, runtime=lambda e: e.deadpool, done=lambda e: e.global_steps >= iters,
+                         step=train_one_step, after_swap=lambda e: e.train())
+    for engine, out in loop:          # one item per completed step; engine is the current handle
+        log_metrics(out)
+    loop.swaps                        # how many hot-swaps happened
 
 Subclasses implement :meth:`step_counter`, :meth:`_release`, :meth:`_rebuild` and :meth:`_runtime_of`;
 they may extend :meth:`_close` and :meth:`_timeline_fields`.
@@ -38,8 +47,8 @@ import gc
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, Generic, TypeVar
 
 from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
@@ -464,3 +473,45 @@ class RuntimeHooks:
             return rt._handle()
         self.runtime._runtime_of(handle)._expect_catch_up(failed_step + 1, restored_at)
         return handle
+
+
+H = TypeVar("H")
+R = TypeVar("R")
+
+
+class ResilientLoop(Generic[H, R]):
+    """Run steps until done; a failure the runtime recovers (the launcher ended the generation) is recovered
+    in-process and the step redone on the new world. ``handle`` is whatever the loop holds between steps (a DeepSpeed
+    engine, a Megatron runtime); ``runtime(h)`` its :class:`ResilientRuntime` (or None: no recovery); ``step(h)``
+    runs one optimizer step and returns what the loop body needs. Any exception the runtime does not recover
+    propagates unchanged."""
+
+    def __init__(self, handle: H, *, runtime: Callable[[H], ResilientRuntime | None], done: Callable[[H], bool],
+                 step: Callable[[H], R], after_swap: Callable[[H], None] | None = None) -> None:
+        self.handle = handle
+        self.swaps = 0
+        self._runtime, self._done, self._step, self._after_swap = runtime, done, step, after_swap
+
+    def __iter__(self) -> Iterator[tuple[H, R]]:
+        while True:
+            try:
+                if self._done(self.handle):
+                    # The last step's snapshot is drained here, inside the recovery scope: a peer lost while it
+                    # was replicated or committed is a failure like any other (recovered, the step redone if
+                    # the restored version is older), not an error at the end of a finished loop.
+                    rt = self._runtime(self.handle)
+                    if rt is not None:
+                        rt.drain()
+                    return
+                out = self._step(self.handle)
+            except Exception as exc:
+                rt = self._runtime(self.handle)
+                handle = rt.handle_failure(exc) if rt is not None else None
+                if handle is None:
+                    raise
+                self.handle = handle
+                self.swaps += 1
+                if self._after_swap is not None:
+                    self._after_swap(self.handle)
+                continue
+            yield self.handle, out

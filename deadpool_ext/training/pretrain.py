@@ -20,7 +20,7 @@ import torch
 
 from ..config import ConfigError, split_deepspeed_config
 from ..distributed import init_distributed
-from ..integrations.loop import ResilientLoop
+from ..integrations.base import ResilientLoop
 from ..recovery.timeline import write_refusal
 from .data import ByteLMData, seed_everything
 from .models import (

@@ -1,10 +1,10 @@
-"""The hook registry (deadpool_ext/hooks.py) and the resilient loop (integrations/loop.py), without processes."""
+"""The hook registry (deadpool_ext/hooks.py) and the resilient loop (integrations/base.py), without processes."""
 from __future__ import annotations
 
 import pytest
 
 from deadpool_ext import hooks
-from deadpool_ext.integrations.loop import ResilientLoop
+from deadpool_ext.integrations.base import ResilientLoop
 
 
 def test_register_fire_unregister():

@@ -118,7 +118,7 @@ def test_pass_throughs_are_modules_whose_functions_that_ran_are_one_or_two_state
     assert tm.pass_throughs(c) == ["deadpool_ext.distributed"]
     assert c.constructed == ["deadpool_ext.snapshot.differential"]
     assert c.reader == ["deadpool_ext.distributed", "deadpool_ext.rebuild.recover"]
-    assert tm.statements("deadpool_ext.integrations.loop")["ResilientLoop.__iter__"] > 2  # a loop's body counts
+    assert tm.statements("deadpool_ext.integrations.base")["ResilientLoop.__iter__"] > 2  # a loop's body counts
 
 
 def test_a_frame_entered_before_the_window_counts_by_its_direct_calls():
@@ -126,11 +126,11 @@ def test_a_frame_entered_before_the_window_counts_by_its_direct_calls():
     def rec(edge_at):
         return {"calls": [["deadpool_ext.integrations.base", "ResilientRuntime.handle_failure", "MainThread",
                            [[101.0, 101.0]]]], "imports": {},
-                "edges": [["deadpool_ext.integrations.loop", "deadpool_ext.integrations.base", True,
+                "edges": [["deadpool_ext.integrations.steps", "deadpool_ext.integrations.base", True,
                            [int(edge_at / tm.BUCKET_S)]]]}
     inside = tm.count([tm.Proc(1, "survivor", "node0.0", rec(101.0), (100.0, 103.0))], "survivor")
-    assert inside.reader == ["deadpool_ext.integrations.base", "deadpool_ext.integrations.loop"]
-    assert inside.product["deadpool_ext.integrations.loop"] == [tm.ENTERED_BEFORE]
+    assert inside.reader == ["deadpool_ext.integrations.base", "deadpool_ext.integrations.steps"]
+    assert inside.product["deadpool_ext.integrations.steps"] == [tm.ENTERED_BEFORE]
     edge = tm.count([tm.Proc(1, "survivor", "node0.0", rec(100.01), (100.0, 103.0))], "survivor")
     assert edge.reader == ["deadpool_ext.integrations.base"]  # only in the window's first 50 ms: not enough
 

@@ -20,7 +20,7 @@ Call order (every rank, main thread):
    ``optimizer.step()``: waits for an in-flight snapshot copy before the optimizer overwrites the tensors it
    reads, steps optimizer and LR scheduler, advances the counters, schedules the next snapshot.
 6. A failure inside the iteration: ``runtime = runtime.handle_failure(exc)`` (None: raise ``exc``) and continue
-   the loop from ``runtime.progress.iteration`` (``integrations.loop.ResilientLoop`` does it).
+   the loop from ``runtime.progress.iteration`` (``integrations.base.ResilientLoop`` does it).
 7. ``runtime.close()``.
 
 Everything but the Megatron-specific parts (the adapter, the explicit step, releasing and re-initialising

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...config import ConfigError, DeadpoolConfig
 from ...distributed import init_distributed
-from ...integrations.loop import ResilientLoop
+from ...integrations.base import ResilientLoop
 from ...integrations.megatron import parallel
 from ...integrations.megatron.layout import Layout, LayoutError, coordinates, keep_global_batch
 from ...integrations.megatron.runtime import MegatronRuntime
