@@ -87,6 +87,9 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.persist.regular": "safe file opens",
     "deadpool_ext.persist.sign": "the checkpoint key",
     "deadpool_ext.snapshot.spare_slots": "a spare's pre-made segments renamed to its rank's",
+    "deadpool_ext.replicate.peer": "tier 2's replica mover: writes, lists and serves the copies the planner names",
+    "deadpool_ext.cluster.placement": "how replicas are laid out over nodes: a pure function of the world, the same "
+                                      "at start and after a swap",
     # the store and its clients (get / set / wait as store/base.py's ABC states them)
     "deadpool_ext.store": "the store package",
     "deadpool_ext.store.base": "the store ABC and its errors",
