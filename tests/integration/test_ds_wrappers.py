@@ -11,8 +11,9 @@
 - ``BF16_Optimizer`` hot-swapped in place under ``deadpool-run`` (a node SIGKILLed, a spare takes its rank, the
   survivors keep their processes): losses bit-identical to the uninterrupted run;
 - bf16 ZeRO-1 (``BF16_Optimizer``) shrunk elastically, 4 ranks -> 2, resharded from memory: the state restored on
-  2 ranks equals the uninterrupted run's, element for element; the losses follow it as
-  ``tests/integration/test_elastic.py`` requires of fp32 jobs.
+  2 ranks equals the uninterrupted run's, element for element, the losses up to the failure are the same, and
+  after it they follow the uninterrupted run within what bf16 allows at another data-parallel size
+  (``BF16_RESIZED_REL``; ``tests/integration/test_elastic.py`` holds fp32 jobs to 1e-6).
 
 The adapter itself is unit-tested against every wrapper class in ``tests/unit/test_ds_wrappers.py``."""
 from __future__ import annotations
@@ -127,6 +128,11 @@ def test_bf16_pipeline_restart_restores_from_memory(tmp_path, shm_root):
 
 # -- BF16_Optimizer hot-swapped in place, and shrunk elastically -----------------------------------------------
 BF16_OPTIMIZER = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}  # at ZeRO-1
+# After a shrink, bf16 losses cannot follow the uninterrupted run within test_elastic's 1e-6 (fp32): DeepSpeed's
+# BF16_Optimizer itself, uninterrupted, at 2 ranks x 2 accumulation steps differs from 4 ranks x 1 by up to 5.0e-4
+# relative in this job's losses (steps 4-8; measured 2026-12-04). The resharded state is element-exact (checked
+# below); the shrunk run measured 8.3e-5. The bound: twice DeepSpeed's own difference between the two sizes.
+BF16_RESIZED_REL = 1e-3
 
 
 def test_bf16_optimizer_hot_swapped_in_place_bit_identical(tmp_path, shm_root):
@@ -166,7 +172,7 @@ def test_bf16_optimizer_shrunk_elastically_reshards_from_memory(tmp_path, shm_ro
 
     from deadpool_ext.chaos.dump import gather
     from tests.integration.test_elastic import ITERS as ELASTIC_ITERS
-    from tests.integration.test_elastic import SHAPES, _assert_same_state, _close, _restored, elastic_run
+    from tests.integration.test_elastic import SHAPES, _assert_same_state, _restored, elastic_run
 
     batch = SHAPES[(2, 2)]
     res, metrics, events, dumps = elastic_run(tmp_path, shm_root, stage=1, nnodes=2, nproc=2, name="shrink",
@@ -182,6 +188,8 @@ def test_bf16_optimizer_shrunk_elastically_reshards_from_memory(tmp_path, shm_ro
     ref = sorted(glob.glob(os.path.join(base_dumps, f"step.v{version}.w4.r*")))
     assert len(ref) == 4
     _assert_same_state(gather(files), gather(ref))  # masters and moments, every element
-    _close(metrics, base, ELASTIC_ITERS)
+    assert sorted(metrics) == sorted(base) == list(range(1, ELASTIC_ITERS + 1))
     for step in range(1, version + 1):  # up to the failure, the very same losses
         assert metrics[step] == base[step]
+    for step in range(version + 1, ELASTIC_ITERS + 1):
+        assert metrics[step] == pytest.approx(base[step], rel=BF16_RESIZED_REL), (step, metrics[step], base[step])
