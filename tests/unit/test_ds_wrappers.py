@@ -204,6 +204,20 @@ def test_real_fp16_engine_restores_the_loss_scale_after_overflows(fp16_engines, 
     assert _scalars(adapter) == after
 
 
+def test_a_restore_leaves_no_optimizer_state_the_snapshot_did_not_have():
+    """What the overflow test above found: a snapshot taken before the optimizer's first real step holds no moments;
+    restoring it must remove the moments a later step made, not keep them (in place where the shape fits)."""
+    from deadpool_ext.snapshot.state import restore_optimizer_state
+
+    avg = torch.ones(3)
+    state = {"step": torch.tensor(7.0), "exp_avg": avg, "exp_avg_sq": torch.ones(3), "extra": 1}
+    restore_optimizer_state(state, {"optim.0.exp_avg": torch.zeros(3), "optim.10.exp_avg": torch.ones(3)},
+                            "optim.0.", {"scalar": 2})
+    assert set(state) == {"exp_avg", "scalar"} and state["exp_avg"] is avg and not avg.any()
+    restore_optimizer_state(state, {}, "optim.0.", {})
+    assert state == {}
+
+
 def _scalars_of(meta: dict) -> dict:
     return {k: meta[k] for k in ("global_steps", "skipped_steps", "loss_scaler", "optim_scalars")}
 
