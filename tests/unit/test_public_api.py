@@ -16,12 +16,12 @@ from deadpool_ext.testing.launch import REPO, base_env
 
 def test_every_public_name_resolves_to_its_definition():
     from deadpool_ext.integrations import deepspeed as ds_integration
-    from deadpool_ext.integrations import loop, steps
+    from deadpool_ext.integrations import base, steps
 
     assert deadpool_ext.initialize is ds_integration.initialize
     assert deadpool_ext.register is ds_integration.register
     assert deadpool_ext.resilient_steps is steps.resilient_steps
-    assert deadpool_ext.ResilientLoop is loop.ResilientLoop
+    assert deadpool_ext.ResilientLoop is base.ResilientLoop
     for name in deadpool_ext.__all__:
         assert getattr(deadpool_ext, name) is not None, name
     assert set(deadpool_ext.__all__) <= set(dir(deadpool_ext))
