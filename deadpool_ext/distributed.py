@@ -11,6 +11,7 @@ the role, is the process's context's (``rebuild/context.py``), where every modul
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from .recovery.timeline import write_event
 from .store.c10d import serve_c10d_store
 
 if TYPE_CHECKING:
-    from .cluster.membership import Assignment
+    from .cluster.assignment import Assignment
 
 log = logging.getLogger("deadpool_ext")
 
@@ -186,7 +187,7 @@ def _spare_slots(env: WorkerEnv) -> Callable[[], None]:
     assert hs is not None and m is not None
     local = env.local_rank or 0
     root = hs.shm_root or spare_slots.SHM_ROOT
-    return lambda: spare_slots.tick(m.store, root, hs.job_id, hs.node, local)
+    return functools.partial(spare_slots.tick, m.store, root, hs.job_id, hs.node, local)
 
 
 def _warm_up_spare() -> None:

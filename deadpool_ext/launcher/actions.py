@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..cluster.membership import Assignment
+from ..cluster.assignment import Assignment
 
 if TYPE_CHECKING:
     from .decide import CoordinatorState

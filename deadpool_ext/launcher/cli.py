@@ -36,7 +36,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from ..cluster.membership import Assignment, Worker, initial_assignment
+from ..cluster.assignment import Assignment, Worker
+from ..cluster.membership import initial_assignment
 from ..store.base import StoreAuthError, StoreError, parse_store_endpoints
 from . import contract, keys, values
 from .args import (  # noqa: F401 - the command line's names, re-exported for callers of this module

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Set
 from typing import Any
 
-from ..cluster.membership import Assignment
+from ..cluster.assignment import Assignment
 from ..store.base import rendezvous_prefix
 from . import keys, values
 from .actions import (

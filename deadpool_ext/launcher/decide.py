@@ -32,15 +32,8 @@ from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cluster.membership import (
-    Assignment,
-    NoSpareError,
-    Worker,
-    grow_into,
-    replace_failed,
-    shrink_failed,
-    spares_ready,
-)
+from ..cluster.assignment import Assignment, Worker
+from ..cluster.membership import NoSpareError, grow_into, replace_failed, shrink_failed, spares_ready
 from . import keys, values
 from .actions import (
     Action,

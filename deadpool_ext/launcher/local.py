@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from ..cluster.membership import Worker
+from ..cluster.assignment import Worker
 from ..memory.shm import job_shm_dir
 from . import contract, keys
 from .args import malloc_env

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from ..cluster.membership import Assignment
+from ..cluster.assignment import Assignment
 from ..store.base import StoreError
 from .args import MAX_NODES, MAX_PROCS_PER_NODE, MAX_WORKERS
 

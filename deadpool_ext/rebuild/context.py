@@ -42,7 +42,7 @@ from .notice import GenerationFence, Interrupts
 from .progress import Progress
 
 if TYPE_CHECKING:
-    from ..cluster.membership import Assignment
+    from ..cluster.assignment import Assignment
     from .recover import Recovery
     from .spare import BuiltAhead
     from .swap import SwappableGroup

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from .. import hooks
-from ..cluster.membership import Assignment
+from ..cluster.assignment import Assignment
 from ..config import HotSwapConfig
 from ..recovery.timeline import write_event
 from ..snapshot.plan import NoCommonVersionError, RecoveryError

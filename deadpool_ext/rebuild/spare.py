@@ -35,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cluster.membership import Assignment, prepared_rank, shadowed_node
+from ..cluster.assignment import Assignment
+from ..cluster.membership import prepared_rank, shadowed_node
 from ..launcher import keys, values
 from ..recovery.timeline import write_event
 from .context import context

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ..cluster.membership import Assignment
+from ..cluster.assignment import Assignment
 from ..cluster.netif import pin_gloo_interface
 from ..launcher import keys, values
 from ..launcher.contract import HotSwapEnv

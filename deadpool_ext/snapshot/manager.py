@@ -204,8 +204,11 @@ class SnapshotManager:
         else:
             if self.tap is not None:
                 self.tap.discard()
-            obj = {"tensors": dict(self.adapter.captured()), "state": self.adapter.meta()}
-            snap = prepare(version, obj, {**ident, "kind": "base"}, self.adapter.derived())
+            # captured() less its second derived() call: the derived tensors are not copied, their checksums are
+            derived = self.adapter.derived()
+            skip = {name for name, _ in derived}
+            obj = {"tensors": {n: t for n, t in self.adapter.tensors() if n not in skip}, "state": self.adapter.meta()}
+            snap = prepare(version, obj, {**ident, "kind": "base"}, derived)
             if self.store.slots[0] is None:
                 self._allocate(snap)
             kind, slot = "base", 0 if self.store.latest is None else 1 - self.store.latest[1]

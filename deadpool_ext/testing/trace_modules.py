@@ -64,6 +64,9 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.launcher.values": "store value schemas and the bounded decoder",
     "deadpool_ext.launcher.actions": "the coordinator's action records (decide.py decides them)",
     "deadpool_ext.launcher.hostlist": "which host am I",
+    "deadpool_ext.cluster.assignment": "the assignment record (the store's `assignment` value) and its accessors",
+    "deadpool_ext.snapshot.state": "the state adapter's ABC and its tensor-copy and RNG helpers (the framework's "
+                                   "adapter, which says which tensors, is read)",
     "deadpool_ext.launcher.args": "the command line",
     "deadpool_ext": "the public API's imports on first use",
     "deadpool_ext.integrations.deepspeed.wrappers": "where a DeepSpeed optimizer wrapper keeps its tensors",

@@ -150,7 +150,7 @@ def test_gloo_follows_master_addr_not_the_host_name() -> None:
 def test_hot_swap_generation_pins_gloo_to_the_launcher_host() -> None:
     """The deadpool-run path (rebuild.worker.init_process_group): the launcher's store on --host, gloo too."""
     code = """
-        from deadpool_ext.cluster.membership import Assignment
+        from deadpool_ext.cluster.assignment import Assignment
         from deadpool_ext.rebuild.worker import init_process_group
         from deadpool_ext.store.c10d import serve_c10d_store
         store, port = serve_c10d_store("127.0.0.1", 1)

@@ -83,7 +83,7 @@ def test_the_deepspeed_launchers_local_size_is_the_local_world_size():
 def test_node_rank_orders_nodes_by_their_lowest_rank():
     """GROUP_RANK (torchrun's node rank) as deadpool-run exports it with each generation: the spare that took a
     node's ranks takes that node's place (Lightning derives global ranks from it and the local rank)."""
-    from deadpool_ext.cluster.membership import Assignment
+    from deadpool_ext.cluster.assignment import Assignment
     from deadpool_ext.rebuild.worker import node_rank
 
     a = Assignment(generation=1, world_size=4,

@@ -9,7 +9,8 @@ import signal
 
 import pytest
 
-from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed, shrink_failed
+from deadpool_ext.cluster.assignment import Worker
+from deadpool_ext.cluster.membership import initial_assignment, replace_failed, shrink_failed
 from deadpool_ext.launcher.args import build_parser, check_args
 from deadpool_ext.launcher.cli import Supervisor
 from deadpool_ext.launcher.hangs import not_formed

@@ -6,7 +6,8 @@ import itertools
 
 import pytest
 
-from deadpool_ext.cluster.membership import Worker, initial_assignment, replace_failed
+from deadpool_ext.cluster.assignment import Worker
+from deadpool_ext.cluster.membership import initial_assignment, replace_failed
 from deadpool_ext.cluster.placement import replica_holders
 from deadpool_ext.cluster.topology import Topology
 from deadpool_ext.integrations.megatron.layout import (
@@ -95,7 +96,8 @@ def _world(n: int, per_node: int) -> tuple[list[Worker], dict[str, int]]:
 
 
 def _shrink(ranks: dict[str, int], lost_node: str) -> dict[str, int]:
-    from deadpool_ext.cluster.membership import Assignment, shrink_failed
+    from deadpool_ext.cluster.assignment import Assignment
+    from deadpool_ext.cluster.membership import shrink_failed
 
     nodes = {w: w.split(".")[0] for w in ranks}
     a = Assignment(generation=0, world_size=len(ranks), ranks=ranks, nodes=nodes)

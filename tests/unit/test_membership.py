@@ -1,6 +1,7 @@
 import pytest
 
-from deadpool_ext.cluster.membership import Assignment, NoSpareError, Worker, initial_assignment, replace_failed
+from deadpool_ext.cluster.assignment import Assignment, Worker
+from deadpool_ext.cluster.membership import NoSpareError, initial_assignment, replace_failed
 
 
 def _workers(nodes, nproc):

@@ -15,8 +15,8 @@ from deadpool_ext.testing.launch import REPO, base_env
 
 
 def test_every_public_name_resolves_to_its_definition():
-    from deadpool_ext.integrations import deepspeed as ds_integration
     from deadpool_ext.integrations import base, steps
+    from deadpool_ext.integrations import deepspeed as ds_integration
 
     assert deadpool_ext.initialize is ds_integration.initialize
     assert deadpool_ext.register is ds_integration.register

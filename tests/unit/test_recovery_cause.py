@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deadpool_ext.cluster.membership import Assignment
+from deadpool_ext.cluster.assignment import Assignment
 from deadpool_ext.config import HotSwapConfig
 from deadpool_ext.launcher import keys, values
 from deadpool_ext.rebuild import notice

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from deadpool_ext.cluster.membership import Assignment, NoSpareError, shrink_failed
+from deadpool_ext.cluster.assignment import Assignment
+from deadpool_ext.cluster.membership import NoSpareError, shrink_failed
 from deadpool_ext.recovery.reshard import (
     PartitionLayout,
     ReshardError,
@@ -175,7 +176,8 @@ def test_launcher_policy_flag_then_config_key_then_fail():
 
 
 def test_grow_appends_the_node_with_the_next_ranks():
-    from deadpool_ext.cluster.membership import Worker, grow_into
+    from deadpool_ext.cluster.assignment import Worker
+    from deadpool_ext.cluster.membership import grow_into
 
     a = shrink_failed(_assignment({"n0": ["a", "b"], "n1": ["c", "d"]}), {"n1"})
     workers = [Worker("c", "n1", 0), Worker("d", "n1", 1)]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from deadpool_ext.cluster.assignment import Worker
 from deadpool_ext.cluster.membership import (
-    Worker,
     fits,
     initial_assignment,
     prepared_rank,

@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from deadpool_ext.cluster.membership import Worker, initial_assignment
+from deadpool_ext.cluster.assignment import Worker
+from deadpool_ext.cluster.membership import initial_assignment
 from deadpool_ext.launcher import keys, values
 from deadpool_ext.launcher.contract import NO_SPARE_POLICY, HotSwapEnv
 

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from deadpool_ext.cluster.membership import Worker, initial_assignment
+from deadpool_ext.cluster.assignment import Worker
+from deadpool_ext.cluster.membership import initial_assignment
 from deadpool_ext.launcher import values
 from deadpool_ext.launcher.values import BadValue
 

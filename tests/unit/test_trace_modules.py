@@ -26,7 +26,8 @@ def test_tracer_records_calls_threads_callers_and_steps_in_a_child(tmp_path):
     code = """
 import threading
 from deadpool_ext import hooks
-from deadpool_ext.cluster.membership import Worker, initial_assignment
+from deadpool_ext.cluster.assignment import Worker
+from deadpool_ext.cluster.membership import initial_assignment
 from deadpool_ext.launcher import keys
 initial_assignment([Worker("a.0", "a", 0)], ["a"], [])
 t = threading.Thread(target=lambda: keys.heartbeat("a.0"), name="beat"); t.start(); t.join()

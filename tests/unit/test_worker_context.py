@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from deadpool_ext.cluster.membership import Assignment
+from deadpool_ext.cluster.assignment import Assignment
 from deadpool_ext.launcher import keys
 from deadpool_ext.rebuild import notice, progress, recover, worker
 from deadpool_ext.rebuild.context import WorkerContext, context

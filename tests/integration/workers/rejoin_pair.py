@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from deadpool_ext.cluster.membership import Assignment
+from deadpool_ext.cluster.assignment import Assignment
 from deadpool_ext.rebuild import worker
 
 
