@@ -171,10 +171,19 @@ def render(doc: dict[str, Any]) -> str:
             "worse by more than the larger of 10% of "
             "the before median and the larger side's spread (max - min); an overhead ratio regresses when the after "
             "job's 90% CI lies wholly above the before job's.", "",
-            f"**Verdict: {'REGRESSION' if doc['regressed'] else 'no regression'}.**"]
+            f"**Verdict: {verdict(doc)}.**"]
     if doc.get("failures"):
         out += ["", "Runs that failed: " + "; ".join(doc["failures"])]
     return "\n".join(out) + "\n"
+
+
+def verdict(doc: dict[str, Any]) -> str:
+    """Pure: a regression wherever one was measured; otherwise none only when every part ran to figures."""
+    if doc["regressed"]:
+        return "REGRESSION"
+    if not doc.get("complete", True):
+        return "none: runs failed or produced no figures, so no-regression is not shown"
+    return "no regression"
 
 
 def main() -> int:
@@ -192,6 +201,7 @@ def main() -> int:
     p.add_argument("--name", default=None, help="results stem (default regression[_quick])")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results"), help="results directory")
     args = p.parse_args()
+    args.out = os.path.abspath(args.out)  # each benchmark runs in its worktree: a relative --out would land there
     size = "tiny" if args.quick else "small"
     name = args.name or ("regression_quick" if args.quick else "regression")
     skip = {s for s in args.skip.split(",") if s}
@@ -260,12 +270,11 @@ def main() -> int:
     doc["recovery_runs"], doc["overhead_runs"] = rec_runs, ov_runs
     doc["wall_s"] = time.time() - t0
     doc["regressed"] = any(v["regressed"] for part in ("recovery", "overhead") for v in doc.get(part, {}).values())
+    doc["complete"] = not doc["failures"] and all(part in doc for part in ("recovery", "overhead") if part not in skip)
     write_json(os.path.join(args.out, f"{name}.json"), doc)
     write_text(os.path.join(args.out, f"{name}.md"), render(doc))
     print(render(doc))
-    if doc["failures"]:
-        return 1
-    return 1 if doc["regressed"] else 0
+    return 1 if doc["regressed"] or not doc["complete"] else 0
 
 
 if __name__ == "__main__":

@@ -119,12 +119,15 @@ CURRENT: tuple[Current, ...] = (
     Current("regression_issue31", "regression", "no regression from issue 31's redesign (recovery, overhead)",
             "Issue 'one recovery path': the recovery (GPT small, 3 ranks + 1 spare, in-place hot-swap, SIGKILL; 2 "
             "rounds per commit, order swapped) and overhead (GPT small, 2 ranks, none/deadpool, 10 interleaved "
-            "rounds of 8-step windows) benchmarks of the commit before the work (d4c3917) and of the work as it "
-            "stands (a71277d: parts 1-6, part 7's job builder, cache and typed fields, part 8's four module "
-            "merges), each commit with its own code, alternated in one run on one machine.",
-            note="Another engineer's unit and security tests ran at nice 19 during part of the run; both commits "
-                 "saw them, alternated. The run of 2026-12-04 05:53 (c8ee75b, parts 1 and 3-6) also found no "
-                 "regression; it is replaced by this one."),
+            "rounds of 8-step windows) benchmarks of the commit before the work (d4c3917) and of the finished work "
+            "(fe894dd: all eight parts; it also holds issue 32's spare built ahead, hence the faster recovery), "
+            "each commit with its own code, alternated in one run on one machine.",
+            note="The runs took 881 s (16:36-16:51 UTC). The first analysis read no figures: the benchmarks, "
+                 "each run in its worktree, had written their results under a relative --out there. The check "
+                 "now makes --out absolute and never says 'no regression' without figures; the analysis was run "
+                 "again with --reuse on the same runs (the 'total wall 2 s' and the load are that re-run's). The "
+                 "earlier runs (c8ee75b at 05:53, a71277d at 11:13) also found no regression; this one replaces "
+                 "them."),
     Current("recovery_hosts", "hosts", "recovery across hosts (namespace bed): host and coordinator lost",
             "Issue 'many hosts': 3 hosts as network namespaces with a 3-member etcd, one deadpool-run per host, GPT "
             "small, ZeRO-3, 3 nodes + 2 spares: a follower host and the coordinator's host SIGKILLed whole, beside "

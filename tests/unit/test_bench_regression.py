@@ -34,3 +34,13 @@ def test_the_committed_result_renders_as_committed():
     with open(path + ".md") as fh:
         assert fh.read() == reg.render(doc)
     assert not doc["regressed"] and not doc["failures"]
+
+
+def test_no_regression_is_said_only_when_every_part_produced_figures():
+    """A run whose benchmarks wrote no result (a failed job, or results written where the check does not read them)
+    shows nothing: its verdict says so, never "no regression"."""
+    ran = {"regressed": False, "complete": True}
+    assert reg.verdict(ran) == "no regression"
+    assert reg.verdict({"regressed": False, "complete": False}).startswith("none: ")
+    assert reg.verdict({"regressed": True, "complete": False}) == "REGRESSION"
+    assert reg.verdict({"regressed": False}) == "no regression"  # a result from before the field: rendered as it was
