@@ -15,6 +15,10 @@
   after it they follow the uninterrupted run within what bf16 allows at another data-parallel size
   (``BF16_RESIZED_REL``; ``tests/integration/test_elastic.py`` holds fp32 jobs to 1e-6).
 
+- fp16 ZeRO-1 (``DeepSpeedZeroOptimizer`` with dynamic loss scaling) restarted from memory and hot-swapped in
+  place, losses bit-identical, on hosts whose CPU runs fp16 in DeepSpeed (elsewhere skipped, naming the property:
+  DeepSpeed refuses the engine there, which ``tests/unit/test_ds_wrappers.py`` asserts).
+
 The adapter itself is unit-tested against every wrapper class in ``tests/unit/test_ds_wrappers.py``."""
 from __future__ import annotations
 
@@ -35,16 +39,33 @@ def _deadpool(shm_root: str) -> dict:
     return {"snapshot": {"interval": 1}, "local": {"shm_root": shm_root}}
 
 
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+"""fp16 with dynamic loss scaling (DeepSpeed's default), from a scale of 2^8 so that the tiny model's first steps
+overflow and are skipped: the scaler's state is part of what a restore must bring back."""
+
+
+def _fp16_here() -> None:
+    from tests.unit.test_ds_wrappers import FP16_PROPERTY, _fp16_runs_here
+
+    if not _fp16_runs_here():
+        pytest.skip(f"this host's CPU has no mkldnn fp16 ({FP16_PROPERTY} is False): DeepSpeed refuses fp16 engines "
+                    "here (tests/unit/test_ds_wrappers.py::test_cpu_refuses_fp16_where_it_has_no_mkldnn_fp16)")
+
+
 # FP16_UnfusedOptimizer end to end only in the full matrix: its state's round trip on a real engine is
 # tests/unit/test_ds_wrappers.py::test_real_engine_wrappers_snapshot_and_restore_bit_identical[bf16-zero0]; the
 # restart path end to end is BF16_Optimizer's here.
-WRAPPERS = [(1, "fp32", "BF16_Optimizer"), (0, None, "FP16_UnfusedOptimizer")]
+WRAPPERS = [(1, "fp32", "BF16_Optimizer"), (0, None, "FP16_UnfusedOptimizer"), (1, "fp16", "DeepSpeedZeroOptimizer")]
+"""(ZeRO stage, bf16's grad_accum_dtype or ``fp16`` for an fp16 job, the wrapper DeepSpeed builds)."""
 
 
 @pytest.mark.parametrize("stage,accum,wrapper", matrix(WRAPPERS, ci=WRAPPERS[:1]))
-def test_bf16_wrappers_restart_restores_bit_identical(tmp_path, shm_root, stage, accum, wrapper):
+def test_mixed_precision_wrappers_restart_restores_bit_identical(tmp_path, shm_root, stage, accum, wrapper):
     extra: dict = {"bf16": {"enabled": True}}
-    if accum:
+    if accum == "fp16":
+        _fp16_here()
+        extra = dict(FP16)
+    elif accum:
         extra["data_types"] = {"grad_accum_dtype": accum}
     cfg = make_config(tmp_path, stage=stage, deadpool=_deadpool(shm_root), **extra)
     res, base, _ = pretrain(tmp_path, cfg, iters=ITERS, name="base")
@@ -135,7 +156,9 @@ BF16_OPTIMIZER = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": 
 BF16_RESIZED_REL = 1e-3
 
 
-def test_bf16_optimizer_hot_swapped_in_place_bit_identical(tmp_path, shm_root):
+@pytest.mark.parametrize("precision", matrix(["bf16", "fp16"], ci=["bf16"]))
+def test_mixed_precision_hot_swapped_in_place_bit_identical(tmp_path, shm_root, precision):
+    """``bf16``: BF16_Optimizer (bf16 ZeRO-1, fp32 accumulation); ``fp16``: fp16 ZeRO-1 with dynamic loss scaling."""
     import signal
 
     from deadpool_ext.recovery.timeline import phases
@@ -143,18 +166,22 @@ def test_bf16_optimizer_hot_swapped_in_place_bit_identical(tmp_path, shm_root):
     from tests.integration.test_hot_swap import ITERS as SWAP_ITERS
     from tests.integration.test_hot_swap import dprun, dprun_job, run_dprun
 
+    if precision == "fp16":
+        _fp16_here()
+    cfg, wrapper = (BF16_OPTIMIZER, "BF16_Optimizer") if precision == "bf16" else (FP16, "DeepSpeedZeroOptimizer")
+
     def run(job):
         res, metrics, _, _ = run_dprun(tmp_path, job, name="base")
         assert res.returncode == 0, res.output[-3000:]
-        assert summary(res)["deadpool"]["optimizer_wrapper"] == "BF16_Optimizer"
+        assert summary(res)["deadpool"]["optimizer_wrapper"] == wrapper
         assert sorted(metrics) == list(range(1, SWAP_ITERS + 1))
         return metrics
 
-    base = BASELINES.get(dprun_job(tmp_path, shm_root, stage=1, spares=0, name="base", **BF16_OPTIMIZER), run)
+    base = BASELINES.get(dprun_job(tmp_path, shm_root, stage=1, spares=0, name="base", **cfg), run)
     res, metrics, events, pids = dprun(tmp_path, shm_root, stage=1, faults=[(4, "node1.0", signal.SIGKILL)],
-                                       name="swap", **BF16_OPTIMIZER)
+                                       name="swap", **cfg)
     assert res.returncode == 0, res.output[-4000:]
-    assert summary(res)["deadpool"]["optimizer_wrapper"] == "BF16_Optimizer"
+    assert summary(res)["deadpool"]["optimizer_wrapper"] == wrapper
     assert metrics == base
     [row] = phases(events)
     assert row["replaced"] == {"node1": "spare0"}
