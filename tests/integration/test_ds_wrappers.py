@@ -16,8 +16,9 @@
   (``BF16_RESIZED_REL``; ``tests/integration/test_elastic.py`` holds fp32 jobs to 1e-6).
 
 - fp16 ZeRO-1 (``DeepSpeedZeroOptimizer`` with dynamic loss scaling) restarted from memory and hot-swapped in
-  place, losses bit-identical, and shrunk 4 -> 2 like the bf16 job above (the state element-exact), on hosts whose CPU runs fp16 in DeepSpeed (elsewhere skipped, naming the property:
-  DeepSpeed refuses the engine there, which ``tests/unit/test_ds_wrappers.py`` asserts).
+  place, losses bit-identical, and shrunk 4 -> 2 like the bf16 job above (the state element-exact), on hosts
+  whose CPU runs fp16 in DeepSpeed (elsewhere skipped, naming the property: DeepSpeed refuses the engine there,
+  which ``tests/unit/test_ds_wrappers.py`` asserts).
 
 The adapter itself is unit-tested against every wrapper class in ``tests/unit/test_ds_wrappers.py``."""
 from __future__ import annotations
