@@ -236,9 +236,24 @@ class Supervisor:
             self.started = True
             if self.leader and self.election is None:
                 self.coordinate(a0)   # host 0 leads for good from the first turn
-            return self._loop()
+            rc = self._loop()
+            if rc == 0:
+                self._let_others_see_the_end()
+            return rc
         finally:
             self._shutdown()
+
+    def _let_others_see_the_end(self) -> None:
+        """A job that finished, on the store this launcher serves, with launchers on other hosts or machines that
+        joined: the store outlives the job by :data:`FINISHED_LINGER_S`, so that each of them reads ``finished``
+        at its next turn (0.1 s) and ends with status 0, instead of finding the store gone (a joiner then ends with
+        status 1 after ``JOIN_STORE_LOST_S``: "the job is gone")."""
+        if self.server is None or self.coordinator is None:
+            return
+        if all(h == self.args.host_rank for h in self.coordinator.state.roster.node_host.values()):
+            return
+        log.info("job finished: the store stays up %.0f s for the other launchers to read it", FINISHED_LINGER_S)
+        time.sleep(FINISHED_LINGER_S)
 
     def _campaign_first(self) -> None:
         """Host 0 takes the coordinator role before the first assignment (a lease left by an earlier launcher of
@@ -373,6 +388,10 @@ class Supervisor:
             self.server.stop()
         if self.timeline is not None:
             self.timeline.close()
+
+
+FINISHED_LINGER_S = 3.0
+"""How long a served store outlives a finished job that has launchers elsewhere (thirty of their turns)."""
 
 
 def _one_line(exc: BaseException) -> str:

@@ -72,6 +72,19 @@ def baseline(tmp_path, config: str, *, iters: int, nproc: int = 2) -> dict[int, 
     return BASELINES.get(pretrain_job(tmp_path, config, nproc=nproc, iters=iters, name="base"), run)
 
 
+def tagged_json(output: str, tag: str) -> list[dict]:
+    """Every ``TAG {...}`` object the job's processes printed, in order, wherever it landed. The processes share one
+    pipe, and ``print`` writes a line's text and its newline in two writes, so another process's output can follow
+    an object on the same line (or a line can hold two objects); each object itself arrives whole."""
+    dec, key, out = json.JSONDecoder(), tag + " {", []
+    at = output.find(key)
+    while at != -1:
+        obj, end = dec.raw_decode(output, at + len(tag) + 1)
+        out.append(obj)
+        at = output.find(key, end)
+    return out
+
+
 def summary(res, script: str = "pretrain_gpt") -> dict:
     """The summary JSON the job's rank 0 prints last (``[pretrain_gpt] summary {...}``): ``deadpool`` is the
     runtime's ``stats()`` (``restore``: what the restore at start did), ``loaded_step``/``start_step`` where

@@ -13,7 +13,15 @@ import pytest
 
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory
 from tests.conftest import make_config, matrix
-from tests.integration.helpers import baseline, kill_at, memory_tier_config, pretrain, restore_of, summary
+from tests.integration.helpers import (
+    baseline,
+    kill_at,
+    memory_tier_config,
+    pretrain,
+    restore_of,
+    summary,
+    tagged_json,
+)
 
 pytestmark = pytest.mark.slow
 ITERS = 10
@@ -119,7 +127,7 @@ def test_replay_in_place_equals_the_live_state(tmp_path, shm_root, stage):
               port=free_port(), args=(_cfg(tmp_path, stage, shm_root), "6"))
     res = run_job(job.argv(), timeout_s=300, env=job.env())
     assert not res.timed_out and res.returncode == 0, res.output[-4000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in res.output.splitlines() if "RESULT {" in line]
+    results = tagged_json(res.output, "RESULT")
     assert sorted(r["rank"] for r in results) == [0, 1] and all(r["replayed"] == 2 for r in results), results
     sizes = [(r["diff_nbytes"], r["base_nbytes"]) for r in results]
     # A differential holds the gradients: one master-sized tensor, where a base holds three (master and Adam's

@@ -20,7 +20,7 @@ from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
 from tests.conftest import matrix
-from tests.integration.helpers import release_hold_when_grown, worker_proc
+from tests.integration.helpers import release_hold_when_grown, tagged_json, worker_proc
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/pretrain_gpt_megatron.py"
@@ -99,8 +99,7 @@ def test_in_process_rebuild_and_restore_is_exact(tmp_path, shm_root):
                   args=("--pp", "2", "--iters", "8", "--restore-at", str(restore_at), "--shm-root", shm_root))
         res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
         assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
-        line = [ln for ln in res.output.splitlines() if ln.startswith("LOSSES ")][0]
-        out[restore_at] = json.loads(line[len("LOSSES "):])
+        [out[restore_at]] = tagged_json(res.output, "LOSSES")
     assert out[0] == out[3] and len(out[0]) == 8
 
 
@@ -114,11 +113,9 @@ def test_differential_replay_in_process_is_exact(tmp_path, shm_root):
                         "--differential", "4"))
         res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env())
         assert res.returncode == 0 and not res.timed_out, res.output[-4000:]
-        line = [ln for ln in res.output.splitlines() if ln.startswith("LOSSES ")][0]
-        out[restore_at] = json.loads(line[len("LOSSES "):])
+        [out[restore_at]] = tagged_json(res.output, "LOSSES")
         if restore_at:  # every rank replayed step 5
-            replayed = [json.loads(ln[len("REPLAYED "):]) for ln in res.output.splitlines()
-                        if ln.startswith("REPLAYED ")]
+            replayed = tagged_json(res.output, "REPLAYED")
             assert sorted((r["rank"], r["replayed"]) for r in replayed) == [(r, 1) for r in range(4)], replayed
     assert out[0] == out[3] and len(out[0]) == 7
 
