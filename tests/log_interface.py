@@ -12,8 +12,9 @@ words are what the user reads to fix the input. Those sites are marked and there
   ``StringIO``'s ``.getvalue()``;
 - captured logs: ``caplog.text``, ``caplog.messages`` (of any name containing ``log``), a record's ``.message`` or
   ``.getMessage()``;
-- a file's raw text read back (``.read()`` / ``.read_text()`` / ``.readlines()``) when the file expression names
-  a log, an output or a timeline (``log``, ``out``, ``err``, ``timeline`` in its source);
+- a file's or stream's raw text read back (``.read()`` / ``.read_text()`` / ``.readline()`` / ``.readlines()``)
+  when the file expression names a log, an output or a timeline (``log``, ``out``, ``err``, ``timeline`` in its
+  source), and a list that collects such text (``lines.append(line)``);
 - a call of a function of the same module that returns one of these (a fixture's runner returning a stderr line);
 - any name assigned from one of these through string operations only (methods, slicing, ``join``, f-strings,
   comprehensions, ``or`` / conditional). A call to a free function (``json.loads``, ``summary(res)``,
@@ -54,7 +55,7 @@ _STR_METHODS = {"strip", "lstrip", "rstrip", "splitlines", "split", "rsplit", "l
                 "expandtabs", "title"}
 _CHECK_METHODS = {"count", "startswith", "endswith", "find", "index", "rfind", "rindex"}
 _RE_FUNCS = {"search", "match", "fullmatch", "findall", "finditer"}
-_FILE_READS = {"read", "read_text", "readlines", "read_bytes"}
+_FILE_READS = {"read", "read_text", "readline", "readlines", "read_bytes"}
 _FILE_HINTS = re.compile(r"log|timeline|stdout|stderr|output|\.out\b|\.err\b|\bout\b|\berr\b")
 
 
@@ -167,6 +168,11 @@ class _Text:
             for n in ast.walk(node.target):
                 if isinstance(n, ast.Name):
                     self.names.add(n.id)
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            f = node.value.func  # lines.append(line): a list collecting log text is log text
+            if (isinstance(f, ast.Attribute) and f.attr in ("append", "extend") and isinstance(f.value, ast.Name)
+                    and any(self.is_text(a) for a in node.value.args)):
+                self.names.add(f.value.id)
 
     def checks(self, test: ast.AST) -> bool:
         """Whether an assert's test checks log text."""

@@ -306,7 +306,7 @@ def test_embedded_store_with_many_hosts_warns_that_host_0_is_a_single_point_of_f
             if "single" in line or "ends the job" in line or not line:
                 break
         text = "".join(lines)
-        assert "--hosts 2 on the embedded store" in text and "losing host 0 ends the job" in text, text
-        assert "--store-url etcd://" in text
+        assert ("--hosts 2 on the embedded store" in text and "losing host 0 ends the job" in text  # log-interface:
+                and "--store-url etcd://" in text), text  # the warning's words tell the user the fix (etcd)
     finally:
         kill_tree(proc.pid)

@@ -109,3 +109,15 @@ def test_a_helper_that_asserts_on_output_counts_once_per_call():
             one_line(res, "a")
             one_line(res, "b")  # log-interface: names the file
         """) == [(6, False), (7, True)]
+
+
+def test_lines_read_from_a_stream_and_collected_in_a_list_count():
+    assert _count("""
+        def test_f(proc):
+            lines = []
+            line = proc.stderr.readline()
+            lines.append(line)
+            text = "".join(lines)
+            assert "x" in text
+            assert json.loads(proc.stdout.readline())["open"] > 0
+        """) == [(7, False)]
