@@ -109,15 +109,21 @@ CASES = {  # config -> the wrapper DeepSpeed builds for it (engine._do_optimizer
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_real_engine_wrappers_snapshot_and_restore_bit_identical(world, case):
+def _real_engine(cfg: dict, wrapper: str):
+    """An engine ``deepspeed.initialize`` builds for ``cfg`` and its adapter, both checked to hold ``wrapper``."""
     from deadpool_ext.integrations.deepspeed.state import DeepSpeedStateAdapter
 
-    cfg, wrapper = CASES[case]
     eng = _engine(cfg)
     assert type(eng.optimizer).__name__ == wrapper
     adapter = DeepSpeedStateAdapter(eng, derive_params=cfg["zero_optimization"]["stage"] > 0)
     assert adapter.wrapper == wrapper
+    return eng, adapter
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_real_engine_wrappers_snapshot_and_restore_bit_identical(world, case):
+    cfg, wrapper = CASES[case]
+    eng, adapter = _real_engine(cfg, wrapper)
     _roundtrip(adapter, lambda i: _engine_step(eng, i))
     names = [n for n, _ in adapter.tensors()]
     assert any(n.startswith("master.") for n in names) and any(".exp_avg_sq" in n for n in names), names
@@ -171,13 +177,8 @@ FP16_CASES = {  # config -> the wrapper DeepSpeed builds for it
 # CI's is): full matrix only. In CI, FP16_Optimizer's state round trip is the directly built wrapper's test below.
 @pytest.mark.parametrize("case", matrix(list(FP16_CASES), ci=[c for c in FP16_CASES if "fusedadam" not in c]))
 def test_real_fp16_engines_snapshot_and_restore_bit_identical(fp16_engines, case):
-    from deadpool_ext.integrations.deepspeed.state import DeepSpeedStateAdapter
-
     cfg, wrapper = FP16_CASES[case]
-    eng = _engine(cfg)
-    assert type(eng.optimizer).__name__ == wrapper
-    adapter = DeepSpeedStateAdapter(eng, derive_params=cfg["zero_optimization"]["stage"] > 0)
-    assert adapter.wrapper == wrapper
+    eng, adapter = _real_engine(cfg, wrapper)
     assert {t.dtype for n, t in adapter.tensors() if n.startswith("params.")} == {torch.float16}
     _roundtrip(adapter, lambda i: _engine_step(eng, i))  # the loss scaler too (_scalars)
     assert adapter.meta()["loss_scaler"], "the loss scale is captured"
