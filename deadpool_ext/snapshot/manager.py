@@ -45,7 +45,7 @@ from .late import LateState
 from .priority import WorkerPriority
 from .restore import RestoreExecutor, shrink_allowed
 from .slots import PreparedSnapshot, header_reserve, prepare, slot_nbytes
-from .state import RankStateAdapter
+from .state import RankStateAdapter, captured_of
 from .stats import SnapshotStats
 from .tier1 import TierOneStore
 from .writer import ABANDON_AFTER_S, COMMITTING, Job, SnapshotWorkerError, SnapshotWriter
@@ -204,10 +204,8 @@ class SnapshotManager:
         else:
             if self.tap is not None:
                 self.tap.discard()
-            # captured() less its second derived() call: the derived tensors are not copied, their checksums are
-            derived = self.adapter.derived()
-            skip = {name for name, _ in derived}
-            obj = {"tensors": {n: t for n, t in self.adapter.tensors() if n not in skip}, "state": self.adapter.meta()}
+            derived = self.adapter.derived()  # not copied: checksummed (prepare), re-derived at restore
+            obj = {"tensors": dict(captured_of(self.adapter.tensors(), derived)), "state": self.adapter.meta()}
             snap = prepare(version, obj, {**ident, "kind": "base"}, derived)
             if self.store.slots[0] is None:
                 self._allocate(snap)

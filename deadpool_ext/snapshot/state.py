@@ -96,9 +96,16 @@ class RankStateAdapter(ABC):
         raise UnsupportedEngineError(f"{type(self).__name__} cannot restore a resharded state")
 
     def captured(self) -> list[tuple[str, torch.Tensor]]:
-        """The tensors a snapshot copies: ``tensors()`` without ``derived()``."""
-        skip = {name for name, _ in self.derived()}
-        return [(name, t) for name, t in self.tensors() if name not in skip]
+        """The tensors a snapshot copies: ``tensors()`` without ``derived()`` (:func:`captured_of`)."""
+        return captured_of(self.tensors(), self.derived())
+
+
+def captured_of(tensors: list[tuple[str, torch.Tensor]],
+                derived: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``tensors`` without the ``derived`` ones (pure): what a snapshot copies. The snapshot manager calls it with
+    the ``derived()`` it also checksums, so an adapter's ``derived()`` runs once per base."""
+    skip = {name for name, _ in derived}
+    return [(name, t) for name, t in tensors if name not in skip]
 
 
 def capture_rng() -> dict[str, Any]:
