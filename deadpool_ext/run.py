@@ -239,19 +239,16 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
     return 0
 
 
-LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
-             "remote process exited", "NCCL communicator was aborted", "Socket closed")
-"""How gloo and NCCL word a collective that failed because a peer process died."""
-
-
 def restart_teardown_line(exc: BaseException, restart_count: int, max_restarts: int | None,
                           attached: bool) -> str | None:
     """The one line a worker prints instead of a traceback when its collective failed because a peer died and
     torchrun restarts the job next, restoring from memory (pure). None: not that case (the traceback stands)."""
+    from .rebuild.cause import lost_peer_text
+
     text = " ".join(str(exc).split())
     if not attached or max_restarts is None or restart_count >= max_restarts:
         return None
-    if not isinstance(exc, RuntimeError) or not any(s in text for s in LOST_PEER):
+    if not isinstance(exc, RuntimeError) or not lost_peer_text(text):
         return None
     return (f"a peer process was lost ({type(exc).__name__}: {text[:160]}); this worker stops so that torchrun "
             f"restarts the job (restart {restart_count + 1} of {max_restarts}), which restores from memory")

@@ -19,6 +19,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Read error",
+             "remote process exited", "NCCL communicator was aborted", "Socket closed")
+"""How gloo and NCCL word a collective that failed because a peer process died."""
+
+
+def lost_peer_text(text: str) -> bool:
+    """Whether an error's text is gloo's or NCCL's wording of a peer process that died mid-collective (pure). A
+    hint about a collective's failure, never a verdict on a step: the verdict is the launcher's (the cause)."""
+    flat = " ".join(text.split())
+    return any(s in flat for s in LOST_PEER)
+
 
 class Mode(enum.Enum):
     """How this process continues after a failure (``rebuild/recover.py``, ``Recovery``)."""

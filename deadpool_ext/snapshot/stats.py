@@ -67,6 +67,9 @@ class SnapshotStats:
     unsealed: list[int] = field(default_factory=list)
     """Versions copied but never sealed: the step failed before its late client state was posted, or the worker
     was replaced at a hot-swap while it waited (restores take the version before)."""
+    cut_short: list[int] = field(default_factory=list)
+    """Versions whose replica exchange or global commit failed because a peer was lost (``writer.cut_short``):
+    never committed; a restore takes the newest committed version."""
     abandoned: list[tuple[int | None, str]] = field(default_factory=list)
     """(version, phase) of each worker a hot-swap abandoned in a collective on the dead generation's communicator
     (``writer.stop``): it ends on its own and commits nothing."""

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..memory.pinned import SideStream
+from ..rebuild.cause import lost_peer_text
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing
 from .late import LATE_KEY, LateDropped, LateState, LateStep
@@ -61,6 +62,21 @@ REPLICATING = "replication to peers"
 COMMITTING = "global commit (all-reduce on the side group)"
 """The worker's phase in the all-reduce that agrees on the committed version (abandonable: see ``stop``)."""
 _ABANDONABLE = (REPLICATING, COMMITTING)
+
+
+def cut_short(phase: str, error: str, generation_ended: bool) -> bool:
+    """Whether a snapshot that failed in ``phase`` with ``error`` was cut short by a lost peer (pure): it failed
+    while it exchanged with other ranks (the replica transfer or the global commit), because a peer's connection
+    reset or closed, or because the launcher had already ended the generation. Such a snapshot is the failure the
+    tiers protect against, not an error of the snapshot: its version is simply never committed."""
+    return phase in _ABANDONABLE and (generation_ended or lost_peer_text(error))
+
+
+def generation_ended() -> bool:
+    """The launcher's notice of this generation's end arrived and is not acted on yet (deadpool-run only)."""
+    from ..rebuild.context import context
+
+    return context().interrupts.requested is not None
 
 ABANDON_AFTER_S = 2.0
 """How long a hot-swap waits for a snapshot worker that is in a replica transfer before abandoning it: after the
@@ -131,7 +147,17 @@ class SnapshotWriter:
                              " ".join(str(exc).split())[:200])
                     return
                 self.error = exc
-                log.error("snapshot of step %d failed: %s", job.snap.version, exc)
+                phase, self.phase = self.phase, "idle"
+                if cut_short(phase, str(exc), generation_ended()):
+                    # the failure the snapshots protect against, seen from here first: the step's own collective
+                    # fails the same way, and the recovery restores the newest committed version
+                    self.stats.cut_short.append(job.snap.version)
+                    log.warning("snapshot of step %d cut short: a peer was lost during its %s (%s); the newest "
+                                "version committed is %s, and a restore takes the newest version every rank still "
+                                "holds", job.snap.version, phase, " ".join(str(exc).split())[:160],
+                                self.committed_version)
+                else:
+                    log.error("snapshot of step %d failed: %s", job.snap.version, exc)
             finally:
                 job.copied.set()
                 job.done.set()
