@@ -226,7 +226,9 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
         from .launcher.contract import worker_env
 
         env = worker_env()
-        line = restart_teardown_line(exc, env.restart_count, env.max_restarts, ResilientRuntime.attached_total > 0)
+        restores = ResilientRuntime.restoring_total > 0
+        line = restart_teardown_line(exc, env.restart_count, env.max_restarts, ResilientRuntime.attached_total > 0,
+                                     restores=restores)
         if line is None:
             raise
         from .logs import where
@@ -234,15 +236,17 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
 
         print(f"deadpool_ext.run [{where()}]: {line}", file=sys.stderr, flush=True)
         write_event(event="stopped_for_restart", restart=env.restart_count + 1, max_restarts=env.max_restarts,
-                    error=type(exc).__name__)
+                    error=type(exc).__name__, restores=restores)
         return 1
     return 0
 
 
 def restart_teardown_line(exc: BaseException, restart_count: int, max_restarts: int | None,
-                          attached: bool) -> str | None:
+                          attached: bool, *, restores: bool) -> str | None:
     """The one line a worker prints instead of a traceback when its collective failed because a peer died and
-    torchrun restarts the job next, restoring from memory (pure). None: not that case (the traceback stands)."""
+    torchrun restarts the job next (pure). ``restores``: a restore path ran in this process (``resume()``, or a
+    framework's load routed to memory), so the restarted job restores from memory; without one the line says
+    that the restarted job trains again from step 0, and the fix. None: not that case (the traceback stands)."""
     from .rebuild.cause import lost_peer_text
 
     text = " ".join(str(exc).split())
@@ -250,8 +254,14 @@ def restart_teardown_line(exc: BaseException, restart_count: int, max_restarts: 
         return None
     if not isinstance(exc, RuntimeError) or not lost_peer_text(text):
         return None
-    return (f"a peer process was lost ({type(exc).__name__}: {text[:160]}); this worker stops so that torchrun "
-            f"restarts the job (restart {restart_count + 1} of {max_restarts}), which restores from memory")
+    head = (f"a peer process was lost ({type(exc).__name__}: {text[:160]}); this worker stops so that torchrun "
+            f"restarts the job (restart {restart_count + 1} of {max_restarts})")
+    if restores:
+        return f"{head}, which restores from memory"
+    from .integrations.base import RESUME_FIX
+
+    return (f"{head}; this script never restores from memory (nothing called resume(): no resilient_steps, HF "
+            f"Trainer or Lightning path), so the restarted job trains again from step 0. {RESUME_FIX}")
 
 
 if __name__ == "__main__":

@@ -81,15 +81,19 @@ def placement_for(config: DeadpoolConfig, env: WorkerEnv) -> NodePlacement:
                           launcher_pid=env.launcher_pid)
 
 
+RESUME_FIX = ("Fix: `start_step = engine.deadpool.resume()` right after deepspeed.initialize / "
+              "accelerator.prepare, or loop with `for step in resilient_steps(engine, loader, max_steps=N)` "
+              "(from deadpool_ext.steps import resilient_steps)")
+"""The one change that makes a script restore from memory after a restart (said wherever it does not)."""
+
+
 def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str]:
     """What a process that takes snapshots but never called ``resume()`` is told at its first snapshot (pure):
     that a restart would start from scratch, the one line that fixes it, and the snapshots of an earlier attempt
     of this job it left unused (``unused_versions``: what its own memory held then)."""
     lines = [f"deadpool_ext: this process takes snapshots but never restores from them (nothing called "
              f"resume() before the first {step_name}: no resilient_steps, HF Trainer or Lightning path): after a "
-             "restart it trains again from step 0. Fix: `start_step = engine.deadpool.resume()` right after "
-             "deepspeed.initialize / accelerator.prepare, or loop with `for step in resilient_steps(engine, loader, "
-             "max_steps=N)` (from deadpool_ext.steps import resilient_steps)"]
+             f"restart it trains again from step 0. {RESUME_FIX}"]
     if unused_versions:
         lines.append(f"deadpool_ext: snapshots of {step_name} {max(unused_versions)} from an earlier attempt of this "
                      "job exist in memory and were not used: this run started again from step 0")
@@ -148,6 +152,10 @@ class ResilientRuntime(ABC):
     step_name: ClassVar[str] = "step"
     attached_total: ClassVar[int] = 0
     """Runtimes created in this process (any framework): ``python -m deadpool_ext.run`` checks it at exit."""
+    restoring_total: ClassVar[int] = 0
+    """Runtimes of this process that restore from memory at a restart (a restore path ran: ``resume()``, or a
+    framework's own load routed to memory, which sets ``_resume_called``, with ``recovery.restore_on_start``):
+    ``python -m deadpool_ext.run`` reads it to say what a torchrun restart will do."""
 
     def __init__(self, config: DeadpoolConfig, adapter: RankStateAdapter, *, rank: int) -> None:
         self.config = config
@@ -273,6 +281,17 @@ class ResilientRuntime(ABC):
                 self._trim_at_catch_up = False
                 self._release_after_recovery("after catching up")
         hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank, state=self.adapter)
+
+    @property
+    def _resume_called(self) -> bool:
+        """A restore path ran in this process (``resume()``, or a framework's load routed to memory)."""
+        return self._resumed
+
+    @_resume_called.setter
+    def _resume_called(self, value: bool) -> None:
+        if value and not getattr(self, "_resumed", False) and self.config.recovery.restore_on_start:
+            ResilientRuntime.restoring_total += 1
+        self._resumed = value
 
     def _before_first_snapshot(self) -> None:
         """Every step hook calls this right before ``snapshots.after_step()`` (cheap after the first)."""

@@ -443,26 +443,35 @@ def test_accelerate_launch_config_yaml_attaches_and_survives_a_restart(tmp_path,
     assert _attempts(tmp_path, "yaml") == [("agent_attempt_prefixed", a) for a in (0, 0, 1, 1)]
     assert set(range(1, 7)) - set(losses) <= {3}, sorted(losses)
     # the survivor's failed collective before the restart: it stops with one line naming the restart (not a
-    # traceback; run.py restart_teardown_line)
-    stops = [(e["restart"], e["max_restarts"]) for e in _events(tmp_path, "yaml", "stopped_for_restart")]
-    assert stops == [(1, 1)], res.output[-4000:]
+    # traceback; run.py restart_teardown_line), which knows the restarted job restores (resilient_steps ran)
+    stops = [(e["restart"], e["max_restarts"], e["restores"])
+             for e in _events(tmp_path, "yaml", "stopped_for_restart")]
+    assert stops == [(1, 1, True)], res.output[-4000:]
 
 
 def test_accelerate_launch_config_from_the_environment_attaches(tmp_path, shm_root):
     """``ACCELERATE_DEEPSPEED_CONFIG_FILE`` set by the user, ``accelerate launch --use_deepspeed`` without a YAML:
     attached through ``accelerator.prepare``, a snapshot committed every step. The loop is the plain one (no
     ``resilient_steps``, no ``resume()``): the extension says once, at the first snapshot, that nothing restores,
-    with the line that fixes it."""
+    with the line that fixes it. Rank 1 dies after step 2 and ``--max_restarts 1`` restarts the job: the survivor's
+    line does not promise a restore from memory (it says the job trains again from step 0), and the restarted
+    job's first snapshot names the versions of the first attempt it left unused."""
     cfg = _config(tmp_path, shm_root, "configs/gpt_tiny_zero3_cpu_noopt.json")
     res, losses = _accelerate_launch(tmp_path, "env", ["--use_deepspeed", "--num_processes", "2", "--num_machines",
-                                                       "1"], ["--steps", "2", "--plain-loop"],
-                                     env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": cfg})
+                                                       "1", "--max_restarts", "1", "--monitor_interval", "0.2"],
+                                     ["--steps", "3", "--plain-loop"], env={"ACCELERATE_DEEPSPEED_CONFIG_FILE": cfg},
+                                     inject=kill_at(2))
     assert res.returncode == 0, res.output[-4000:]
     assert _attached_by(tmp_path, "env") == {"accelerate"}, res.output[-3000:]
-    assert _summary(res, "accelerate_loop")["deadpool"]["committed_version"] == 2 and sorted(losses) == [1, 2]
-    # said once for the job, with its fix (base.py never_restored_lines); a fresh start: nothing of an earlier attempt
+    s = _summary(res, "accelerate_loop")
+    assert s["start_step"] == 0 and s["deadpool"]["committed_version"] == 3 and sorted(set(losses)) == [1, 2, 3]
+    # the survivor's line before the restart knows that nothing restores (run.py restart_teardown_line)
+    stops = [(e["restart"], e["restores"]) for e in _events(tmp_path, "env", "stopped_for_restart")]
+    assert stops == [(1, False)], res.output[-4000:]
+    # said once per attempt, with its fix (base.py never_restored_lines): a fresh start names nothing of an earlier
+    # attempt; the restarted one names what the first left in memory
     never = [e["unused_versions"] for e in _events(tmp_path, "env", "never_restores")]
-    assert never == [[]], never
+    assert len(never) == 2 and never[0] == [] and never[1] and max(never[1]) >= 1, never
 
 
 LOOPS = {  # script, its config, the flags naming the config and the steps, the summary's tag

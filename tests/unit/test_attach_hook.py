@@ -438,13 +438,57 @@ def test_a_workers_expected_teardown_before_a_restart_is_one_line():
 
     lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:42368: Connection reset by peer.\n"
                         "This is typically caused by a remote worker hanging")
-    line = restart_teardown_line(lost, 0, 1, True)
+    line = restart_teardown_line(lost, 0, 1, True, restores=True)
     assert line and "\n" not in line and "restart 1 of 1" in line and "Connection reset by peer" in line
-    assert restart_teardown_line(lost, 1, 1, True) is None  # no restart left: the traceback stands
-    assert restart_teardown_line(lost, 0, None, True) is None  # not under torchrun
-    assert restart_teardown_line(lost, 0, 1, False) is None  # nothing restores: not an expected teardown
-    assert restart_teardown_line(ValueError("Connection reset by peer"), 0, 1, True) is None
-    assert restart_teardown_line(RuntimeError("CUDA out of memory"), 0, 1, True) is None
+    for restores in (True, False):
+        assert restart_teardown_line(lost, 1, 1, True, restores=restores) is None  # no restart left: the traceback
+        assert restart_teardown_line(lost, 0, None, True, restores=restores) is None  # not under torchrun
+        assert restart_teardown_line(lost, 0, 1, False, restores=restores) is None  # no runtime: not expected
+        assert restart_teardown_line(ValueError("Connection reset by peer"), 0, 1, True, restores=restores) is None
+        assert restart_teardown_line(RuntimeError("CUDA out of memory"), 0, 1, True, restores=restores) is None
+
+
+def test_a_survivor_never_promises_a_restore_that_will_not_happen():
+    """A script that never ran a restore path (no resume(), resilient_steps, Trainer or Lightning, no load routed to
+    memory) is restarted by torchrun all the same, but trains again from step 0: the survivor's line says so and
+    names the fix instead of promising a restore from memory."""
+    from deadpool_ext.integrations.base import RESUME_FIX
+    from deadpool_ext.run import restart_teardown_line
+
+    lost = RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection closed by peer [127.0.0.1]:42368")
+    promised = restart_teardown_line(lost, 0, 2, True, restores=True)
+    honest = restart_teardown_line(lost, 0, 2, True, restores=False)
+    assert promised is not None and promised.endswith("which restores from memory")
+    assert honest is not None and "restores from memory" not in honest.replace("never restores from memory", "")
+    assert "from step 0" in honest and honest.endswith(RESUME_FIX) and "\n" not in honest
+
+
+def test_what_marks_a_runtime_as_restoring_at_a_restart():
+    """``ResilientRuntime.restoring_total`` (what the runner's line decides from) counts a runtime once, when a
+    restore path marks it (``resume()``, or a framework's load routed to memory setting ``_resume_called``), and
+    only with ``recovery.restore_on_start`` (without it a restart restores nothing)."""
+    from deadpool_ext.config import DeadpoolConfig
+    from deadpool_ext.integrations.base import ResilientRuntime
+
+    class Bare(ResilientRuntime):  # the property alone: no snapshot manager, no process group
+        def __init__(self, config):
+            self.config = config
+            self._resume_called = False
+
+        step_counter = _release = _rebuild = _runtime_of = None  # type: ignore[assignment]
+
+    before = ResilientRuntime.restoring_total
+    try:
+        rt = Bare(DeadpoolConfig.from_dict({}))
+        assert ResilientRuntime.restoring_total == before and not rt._resume_called
+        rt._resume_called = True
+        rt._resume_called = True  # once per runtime
+        assert ResilientRuntime.restoring_total == before + 1 and rt._resume_called
+        off = Bare(DeadpoolConfig.from_dict({"recovery": {"restore_on_start": False}}))
+        off._resume_called = True
+        assert ResilientRuntime.restoring_total == before + 1
+    finally:
+        ResilientRuntime.restoring_total = before
 
 
 def test_the_launchers_final_line_names_the_real_cause():
