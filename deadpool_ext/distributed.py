@@ -25,6 +25,7 @@ from .cluster.netif import pin_gloo_interface
 from .config import HotSwapConfig
 from .launcher.contract import WorkerEnv, worker_env
 from .rebuild.context import context
+from .rebuild.fastpaths import FastPaths
 from .recovery.timeline import write_event
 from .store.c10d import serve_c10d_store
 
@@ -47,7 +48,7 @@ def on_spare_wait(fn: Callable[[], None]) -> None:
 
 
 def init_distributed(backend: str | None = None, timeout_s: float | None = None, *, in_place: bool = False,
-                     build_ahead: bool = False) -> None:
+                     build_ahead: bool = False, fast: FastPaths | None = None) -> None:
     """Initialise the default process group from launcher environment variables (torchrun, deepspeed,
     deadpool-run). Idempotent. Raises a clear error when the variables are missing instead of falling back
     to MPI discovery as DeepSpeed does. Under deadpool-run a spare blocks here until it replaces a node.
@@ -58,7 +59,9 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
     integration supports it (DeepSpeed): under deadpool-run the groups are swappable (``rebuild/swap.py``).
     ``build_ahead``: the config's ``hot_swap.spare_build_ahead``; with ``in_place`` a spare builds its groups solo
     for the ranks it shadows and returns at once, so that the script builds its engine before any failure
-    (``rebuild/spare.py``); it waits for its assignment at the end of the engine's build."""
+    (``rebuild/spare.py``); it waits for its assignment at the end of the engine's build. ``fast``: the runner's
+    reading of both, with the real reason one is off, or the defaults assumed when no config was visible
+    (``rebuild/fastpaths.py``); it replaces ``in_place`` and ``build_ahead``."""
     if dist.is_initialized():
         return
     # `kill -USR1 <pid>` prints every thread's stack: the first tool to reach for when a rank seems stuck.
@@ -67,8 +70,13 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if fast is None:
+        fast = FastPaths(in_place, in_place and build_ahead,
+                         None if in_place and build_ahead else
+                         f"init_distributed({'build_ahead' if in_place else 'in_place'}=False)")
     env = worker_env()
     if env.hot_swap is not None:
+        from .rebuild.fastpaths import groups_in_place
         from .rebuild.worker import Membership, init_process_group, join_until_formed, teardown
 
         m = context().membership = Membership.start(env.hot_swap)
@@ -78,9 +86,7 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         if env.hot_swap.role == "spare":
             from .rebuild.spare import build_ahead as ahead
 
-            why_not = (None if in_place and build_ahead else "hot_swap.spare_build_ahead is false" if in_place else
-                       "no in-place swap: hot_swap.in_place is false, or every rank rebuilds (Megatron-Core)")
-            if ahead(m, m.worker_id, m.node, timeout, why_not=why_not, while_waiting=prepare):
+            if ahead(m, m.worker_id, m.node, timeout, fast=fast, while_waiting=prepare):
                 destroy_groups_at_exit()
                 return
             _warm_up_spare()
@@ -89,7 +95,8 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
         def form(assignment: Assignment) -> None:
             if env.hot_swap is not None and env.hot_swap.role == "spare":
                 context().spare_times.setdefault("assigned_at", time.time())
-            init_process_group(assignment, m.worker_id, backend or default_backend(), timeout, in_place=in_place)
+            live = groups_in_place(fast, None if fast.known else m.job_fast_paths(), assignment.generation)
+            init_process_group(assignment, m.worker_id, backend or default_backend(), timeout, in_place=live)
             destroy_groups_at_exit()
 
         # A peer that dies while the first generation forms (e.g. a spare joining as another node fails): the

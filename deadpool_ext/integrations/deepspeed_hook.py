@@ -245,12 +245,9 @@ def _hooked(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     log.info("deadpool_ext: attaching to the DeepSpeed engine built by %s (its config has a \"%s\" section)",
              who, SECTION)
     write_event(event="attached", by=who)
-    if not isinstance(cfg, dict):  # HJSON or base64: the attach path splits the section off a dict
+    if not isinstance(cfg, dict):  # HJSON or base64: the attach path splits the section off a dict (and takes the
+        # config off a copy of the caller's args, never the caller's own: integrations/deepspeed args_without_config)
         kwargs = {k: v for k, v in kwargs.items() if k != "config_params"}
-        ns = kwargs.get("args", args[0] if args else None)
-        for attr in ("deepspeed_config", "deepscale_config"):
-            if getattr(ns, attr, None) is not None:
-                setattr(ns, attr, None)
         kwargs["config"] = load_config(cfg)
     out = attach_initialize(*args, _ds_initialize=original, **kwargs)
     _state.attached.append(who)

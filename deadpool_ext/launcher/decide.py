@@ -213,6 +213,18 @@ def decide(state: CoordinatorState, obs: Observation, settings: Settings) -> Dec
     return Decision(turn.state, tuple(turn.actions))
 
 
+def spare_lost_line(worker: str, rc: int | None, detail: str, left: list[str]) -> str:
+    """The warning a lost spare gets (pure): a spare that exits before any assignment has failed in its start-up
+    (its script up to the engine, built ahead, or its wait), and the job is one spare short from now on."""
+    cause = (f"its host was lost ({detail})" if rc is None else
+             f"it was killed ({detail})" if rc < 0 else
+             f"it {detail} before any assignment: its script ran to its end without waiting (did no engine attach "
+             "the extension?)" if rc == 0 else
+             f"it failed at start-up, before any assignment ({detail}; its own lines above name the error)")
+    spares = f"{len(left)} spare node(s) left ({', '.join(left)})" if left else "no spare left"
+    return f"spare {worker} lost: {cause}; {spares}"
+
+
 def policy_of(settings: Settings, obs: Observation) -> str:
     """The no-spare policy in force this turn (``keys.resolve_no_spare_policy``: the flag, the job's, fail)."""
     return keys.resolve_no_spare_policy(settings.policy_flag, obs.job_policy).policy
@@ -468,9 +480,11 @@ class _Turn:
             h = st.roster.node_host.get(w.node, JOINED_HOST)
             if rc is not None or h in lost:
                 dead.add(w.node)
+                detail = f"host {h} lost" if rc is None else f"exited with {rc}"
+                left = [n for n in st.assignment.spares if n not in dead]
                 self.actions += [Fence(w.node, drop_memory=False),
-                                 Event({"event": "spare_lost", "node": w.node,
-                                        "detail": f"host {h} lost" if rc is None else f"exited with {rc}"})]
+                                 Event({"event": "spare_lost", "node": w.node, "detail": detail}),
+                                 Log(logging.WARNING, spare_lost_line(w.worker_id, rc, detail, left))]
         if dead != st.dead_spares:
             self.update(dead_spares=frozenset(dead))
             if self.settings.leased:

@@ -59,6 +59,9 @@ FATAL = "fatal"
 DEAD_SPARES = "dead_spares"
 JOB_POLICY = "config/no_spare_policy"
 """``deadpool.elastic.no_spare_policy`` of the job's config, written by rank 0 at attach."""
+JOB_FAST_PATHS = "config/fast_paths"
+"""Whether the section the job's engine attached with keeps the in-place swap and a spare's build-ahead on, and why
+not: a spare that saw no config before its script (a dict built in code) learns it here (``rebuild/fastpaths.py``)."""
 LAUNCHER_POLICY = "launcher/no_spare_policy"
 """``--no-spare-policy`` of the first launcher, for machines that join later."""
 
@@ -121,6 +124,9 @@ SPECS: tuple[KeySpec, ...] = (
             "spares preparing their slots", "an int: the rank's slot bytes", values.slot_size),
     KeySpec(JOB_POLICY, "rank 0 at attach (integrations/base.py)", "coordinator (no_spare_policy)",
             "one of fail, wait, shrink", values.policy),
+    KeySpec(JOB_FAST_PATHS, "rank 0 at attach, before its engine is built (integrations/deepspeed)",
+            "spares and late joiners that saw no config before the script (rebuild/fastpaths.py)",
+            "{'in_place', 'build_ahead', 'why'}", values.fast_paths),
     KeySpec(LAUNCHER_POLICY, "the first coordinator, when --no-spare-policy is given",
             "a machine joining with --join", "one of fail, wait, shrink", values.policy),
 )
@@ -225,6 +231,11 @@ def suspect_value(generation: int, what: str) -> dict[str, Any]:
     return {"generation": int(generation), "time": time.time(), "what": what[:values.MAX_REPORT]}
 
 
+def fast_paths_value(in_place: bool, build_ahead: bool, why: str | None) -> dict[str, Any]:
+    """``JOB_FAST_PATHS``: the attached section's fast paths and why one is off, shortened."""
+    return {"in_place": bool(in_place), "build_ahead": bool(build_ahead), "why": (why or "")[:values.MAX_REPORT]}
+
+
 def fatal_value(what: str) -> bytes:
     return what.encode()[:values.MAX_TEXT]
 
@@ -274,10 +285,10 @@ def resolve_no_spare_policy(flag: str | None, job_config: str | None) -> NoSpare
 
 __all__ = [
     "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
-    "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS", "KeySpec",
-    "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS", "done",
-    "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value", "fatal_value", "fence", "fenced",
-    "generation", "heartbeat", "heartbeat_value", "host", "join_answer", "join_answer_value", "join_request",
-    "join_request_value", "node_keys", "repaired", "repaired_value", "resolve_no_spare_policy", "slot_size",
-    "stopped_assignment", "suspect", "suspect_value", "worker_keys",
+    "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS",
+    "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
+    "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value", "fast_paths_value",
+    "fatal_value", "fence", "fenced", "generation", "heartbeat", "heartbeat_value", "host", "join_answer",
+    "join_answer_value", "join_request", "join_request_value", "node_keys", "repaired", "repaired_value",
+    "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "worker_keys",
 ]

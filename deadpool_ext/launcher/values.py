@@ -231,6 +231,32 @@ def policy(key: str, raw: bytes) -> str:
     return str(v)
 
 
+@dataclass(frozen=True, slots=True)
+class JobFastPaths:
+    """``config/fast_paths``: what the section the job's engine attached with says of the fast paths."""
+
+    in_place: bool
+    build_ahead: bool
+    why: str
+    """Why a fast path is off ('' when both are on)."""
+
+
+def fast_paths(key: str, raw: bytes) -> JobFastPaths:
+    """``config/fast_paths``: ``{"in_place": bool, "build_ahead": bool, "why": text of at most MAX_REPORT
+    characters}``; nothing else."""
+    d = _obj(key, decode_json(key, raw))
+    extra = sorted(set(d) - {"in_place", "build_ahead", "why"})
+    if extra:
+        raise _fail(key, "unknown field(s) (allowed: in_place, build_ahead, why)", extra)
+    for field in ("in_place", "build_ahead"):
+        if not isinstance(d.get(field), bool):
+            raise _fail(key, f"{field!r} must be true or false", d.get(field))
+    why = d.get("why", "")
+    if not isinstance(why, str) or len(why) > MAX_REPORT:
+        raise _fail(key, f"'why' must be a string of at most {MAX_REPORT} characters", why)
+    return JobFastPaths(d["in_place"], d["build_ahead"], why)
+
+
 def node_list(key: str, raw: bytes) -> list[str]:
     """``dead_spares``: a list of node names."""
     return _names(key, "value", decode_json(key, raw, max_bytes=MAX_NAMES * 80))

@@ -23,15 +23,18 @@ defaults):
    that never built ahead.
 
 A spare that cannot build ahead (the key off on a memory-tight host, the in-place swap off or unsupported, no node
-to shadow) waits before its script, as before, and says why in one line.
+to shadow) waits before its script, as before, and says why in one line. A spare that saw no config before its
+script (a dict built in code) waits first for the job's engine to attach and say what its section holds
+(``rebuild/fastpaths.py``), then builds ahead or not as a config on the command line would have made it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,8 +43,10 @@ from ..cluster.membership import prepared_rank, shadowed_node
 from ..launcher import keys, values
 from ..recovery.timeline import write_event
 from .context import context
+from .fastpaths import NO_CONFIG, FastPaths, at_attach, from_record, spare_line
 
 if TYPE_CHECKING:
+    from ..config import DeadpoolConfig
     from .worker import Membership
 
 log = logging.getLogger("deadpool_ext")
@@ -63,32 +68,45 @@ class BuiltAhead:
     """What the wait does on each turn (``--spare-slots prepare``: the snapshot slots)."""
 
 
-def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, why_not: str | None,
-                while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0) -> bool:
+def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, fast: FastPaths,
+                while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0,
+                poll_s: float = 0.2) -> bool:
     """Step 1 of the module's call order. True: the default group is built solo for the shadowed node's rank;
-    False: this spare waits for its assignment before its script (the reason logged; ``why_not``: the caller's
-    reason not to, None: none)."""
+    False: this spare waits for its assignment before its script (the real reason logged). ``fast``: the runner's
+    reading of the configs it saw (``rebuild/fastpaths.py``); with none seen, the spare first waits for the job's
+    engine to attach and say what its section holds (or for its assignment, whichever comes first)."""
     from . import swap
     from .worker import MembershipError, export_world, init_solo
 
-    why = why_not or swap.unsupported()
+    why = (None if not fast.known or fast.build_ahead else fast.why_not) or swap.unsupported()
     published = None if why else _published(m, published_wait_s)
     if why is None and published is None:
         why = f"no assignment was published within {published_wait_s:.0f} s (store key {keys.ASSIGNMENT!r})"
     if why is not None or published is None:
-        log.info("spare %s: not built ahead (%s); it builds its engine after an assignment", worker_id, why)
+        log.info(spare_line(worker_id, why or "no assignment was published"))
         return False
     if published.stop:
         raise MembershipError(f"launcher stopped the job: {published.stop}")
-    a = published.assignment
-    if worker_id in a.ranks:  # started again after an assignment (start_again): the plain path
+    if worker_id in published.assignment.ranks:  # started again after an assignment (start_again): the plain path
         return False
+    if not fast.known:
+        learned = _learn(m, worker_id, while_waiting, poll_s)
+        if learned is None:  # assigned before any rank attached: the plain path
+            log.info(spare_line(worker_id, f"{NO_CONFIG}, and it was assigned before the job's engine attached"))
+            return False
+        if not learned.build_ahead:
+            log.info(spare_line(worker_id, f"{NO_CONFIG}; the job's engine attached with {learned.why_not}"))
+            return False
+        published = m.published() or published
+        if worker_id in published.assignment.ranks:
+            return False
+    a = published.assignment
     local = int(worker_id.rsplit(".", 1)[1])
     rank, shadow = prepared_rank(a, node, local), shadowed_node(a, node)
     if rank is None or shadow is None:
         why = (f"node {node} is not among the assignment's spares (it joined to grow the world)" if shadow is None
                else f"node {shadow}, which it would shadow, has no process {local}")
-        log.info("spare %s: not built ahead (%s); it builds its engine after an assignment", worker_id, why)
+        log.info(spare_line(worker_id, why))
         return False
     ctx = context()
     ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
@@ -99,6 +117,44 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, w
     log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
              "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
     return True
+
+
+def _learn(m: Membership, worker_id: str, while_waiting: Callable[[], None] | None,
+           poll_s: float) -> FastPaths | None:
+    """No config was visible before the script: wait for the job's record of its section (rank 0 writes it at
+    attach), or for an assignment that includes this spare (None). No deadline of its own: it is the spare's wait
+    for an assignment, which a stop of the job ends too."""
+    from .worker import MembershipError
+
+    log.info("spare %s: %s; it waits for the job's engine to attach (the section the script passes decides whether "
+             "it builds ahead)", worker_id, NO_CONFIG)
+    while True:
+        job = m.job_fast_paths()
+        if job is not None:
+            return from_record(job)
+        published = m.published()
+        if published is not None:
+            if published.stop:
+                raise MembershipError(f"launcher stopped the job: {published.stop}")
+            if worker_id in published.assignment.ranks:
+                return None
+        if while_waiting is not None:
+            while_waiting()
+        time.sleep(poll_s)
+
+
+def publish_fast_paths(cfg: DeadpoolConfig, *, rank: int, swaps_in_place: bool, framework: str) -> None:
+    """Rank 0 of a deadpool-run job, at attach (before its engine is built, so spares learn it early): what its
+    section says of the fast paths, for spares that saw no config before their script (``rebuild/fastpaths.py``).
+    A no-op elsewhere; a store error is logged, never raised (the spare then waits for its assignment)."""
+    m = context().membership
+    if m is None or rank != 0:
+        return
+    fast = at_attach(cfg, swaps_in_place=swaps_in_place, framework=framework)
+    try:
+        m.publish_fast_paths(fast.in_place, fast.build_ahead, fast.why_not)
+    except Exception as exc:  # spares then build after an assignment: slower, never wrong
+        log.warning("could not publish the job's fast paths for spares (%s): they build after an assignment", exc)
 
 
 def _published(m: Membership, wait_s: float) -> values.Published | None:
@@ -139,6 +195,25 @@ def await_assignment() -> None:
                 "starts again from the script's first line for its assignment", m.worker_id,
                 a.ranks[m.worker_id], a.world_size, a.generation, built.rank, built.world_size)
     start_again()
+
+
+@contextlib.contextmanager
+def start_up_failure_said() -> Iterator[None]:
+    """Around the script (``run.py``): a spare building its engine ahead whose script fails before any assignment
+    (its engine build, most often) says why in one WARNING line and a ``spare_failed`` timeline event, rather than
+    only a traceback the launcher sees as an exit status. The error is raised again unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        built, m = context().built_ahead, context().membership
+        if built is not None and m is not None:
+            what = " ".join(f"{type(exc).__name__}: {exc}".split())[:values.MAX_REPORT]
+            log.warning("spare %s: its script failed while it built its engine ahead for rank %d of %d, before any "
+                        "assignment (%s): this spare is lost to the job; with hot_swap.spare_build_ahead: false it "
+                        "would build only once assigned", m.worker_id, built.rank, built.world_size, what)
+            write_event(event="spare_failed", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
+                        error=type(exc).__name__, what=what)
+        raise
 
 
 def matches(a: Assignment, worker_id: str, built: BuiltAhead) -> bool:

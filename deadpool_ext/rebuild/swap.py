@@ -19,7 +19,8 @@ Modes of a process (the context's ``swap_mode``, set by the worker before any gr
 - **live** (default): a group's inner communicator is built when the group is created, on the store torch gives.
 - **solo**: a spare building its framework objects *before* it joins the survivors' collectives (survivors do
   not rebuild theirs, so nobody would answer). A solo group computes each collective locally as if every rank
-  had contributed the same tensor (all-reduce SUM = size x own, all-gather = own repeated, broadcast = own):
+  had contributed the same tensor (all-reduce SUM = size x own, all-gather = own repeated, broadcast = own, a
+  point-to-point receive = own, a send dropped):
   exact for the symmetric set-up collectives frameworks issue (shapes, counts, flags) and harmless for values
   (weights, optimizer state) that the restore from memory overwrites next. :func:`go_live` then swaps every
   group onto the generation's real communicator, collective for collective with the survivors' swap.
@@ -287,6 +288,17 @@ class _Solo:
             outputs[0].copy_(inputs[0][self.rank])
         return self._done()
 
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        """Sent to a peer that is not there yet: dropped (its receive on the peer's side is answered below)."""
+        return self._done()
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        """Received from a peer that sent what this rank holds, the rule of every solo collective: the buffer is
+        left as it is. Sound for the one point-to-point exchange a framework's build makes, DeepSpeed's
+        ``PipelineEngine.__init__`` warm-up (every stage sends its neighbour the scalar 0.0 into a buffer that
+        already holds 0.0); training's exchanges never run solo (the spare waits at the end of its build)."""
+        return self._done()
+
     def _start_coalescing(self, *_a: Any) -> None:
         return None
 
@@ -296,7 +308,7 @@ class _Solo:
     def __getattr__(self, name: str) -> Any:
         def refuse(*_a: Any, **_k: Any) -> Any:
             raise SwapError(f"solo process group: {name} cannot be computed locally (a spare's framework set-up "
-                            "used a point-to-point or uneven collective); set hot_swap.in_place: false")
+                            "used a receive from any source or an uneven collective); set hot_swap.in_place: false")
         return refuse
 
 

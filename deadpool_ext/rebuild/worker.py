@@ -171,6 +171,14 @@ class Membership:
         """The ``assignment`` the launcher published last, as read now (None: none yet, or unreadable)."""
         return self._values.get(keys.ASSIGNMENT, values.assignment)
 
+    def job_fast_paths(self) -> values.JobFastPaths | None:
+        """What the section the job's engine attached with says of the fast paths, as rank 0 wrote it at attach
+        (None: no rank attached yet, or unreadable): ``rebuild/fastpaths.py``."""
+        return self._values.get(keys.JOB_FAST_PATHS, values.fast_paths)
+
+    def publish_fast_paths(self, in_place: bool, build_ahead: bool, why: str | None) -> None:
+        self.store.set_json(keys.JOB_FAST_PATHS, keys.fast_paths_value(in_place, build_ahead, why))
+
     def verdict(self, generation: int, timeout_s: float) -> tuple[int | None, str | None]:
         """What the launcher made of ``generation`` after a failure in it, waiting at most ``timeout_s`` for it to
         publish a newer one: (the newest generation published, or None when nothing could be read; the stop

@@ -240,6 +240,7 @@ def test_a_dead_spare_is_fenced_once_and_never_chosen():
     dec = decide(st, Observation(now=T0 + 0.1, exits={"spare0.0": 1}), settings())
     assert of(dec.actions, Fence) == [Fence("spare0", drop_memory=False)]
     assert events(dec.actions, "spare_lost")[0]["detail"] == "exited with 1"
+    assert [a.level for a in of(dec.actions, Log)] == [logging.WARNING]   # not only an INFO event (issue 43, part 5)
     assert of(dec.actions, WriteDeadSpares) == []   # no successor coordinator to tell (no leases)
     st = dec.state
     assert st.dead_spares == {"spare0"}

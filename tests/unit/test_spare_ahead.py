@@ -97,13 +97,15 @@ def test_a_spare_told_not_to_build_ahead_waits_and_touches_nothing():
     """``hot_swap.spare_build_ahead: false`` (or no in-place swap): the spare keeps the older path (waits for its
     assignment before its script), and nothing of the store or torch.distributed is touched."""
     from deadpool_ext.rebuild.context import context
+    from deadpool_ext.rebuild.fastpaths import FastPaths
     from deadpool_ext.rebuild.spare import build_ahead
 
     class NoStore:
         def __getattr__(self, name):
             raise AssertionError(f"the store was used ({name})")
 
-    assert not build_ahead(NoStore(), "spare0.0", "spare0", 60.0, why_not="hot_swap.spare_build_ahead is false")
+    off = FastPaths(True, False, "hot_swap.spare_build_ahead is false in ds.json")
+    assert not build_ahead(NoStore(), "spare0.0", "spare0", 60.0, fast=off)
     assert context().built_ahead is None and context().progress.prepared is None
 
 

@@ -34,8 +34,19 @@ def test_solo_collectives_are_those_of_ranks_that_all_contributed_the_same():
     solo.broadcast([b], dist.BroadcastOptions())
     assert b.tolist() == [9.0]
     assert solo.barrier().is_completed()
-    with pytest.raises(swap.SwapError, match="send cannot be computed locally"):
-        solo.send([b], 0, 0)
+    with pytest.raises(swap.SwapError, match="recv_anysource cannot be computed locally"):
+        solo.recv_anysource([b], 0)
+
+
+def test_solo_point_to_point_is_the_pipeline_engines_warm_up():
+    """DeepSpeed's ``PipelineEngine.__init__`` sends its neighbour stage the scalar 0.0 and receives one into a
+    buffer holding 0.0: solo, the send is dropped and the receive keeps what the rank holds (the peer sent the same),
+    so a pipeline spare builds its engine ahead instead of dying at start-up (issue 43, part 5)."""
+    solo = swap._Solo(rank=1, size=2)
+    loss = torch.tensor(0.0)
+    assert solo.send([loss], 0, 0).is_completed()
+    assert solo.recv([loss], 0, 0).is_completed()
+    assert loss.item() == 0.0
 
 
 def test_solo_store_counts_every_rank_so_torchs_barrier_passes_locally():

@@ -15,7 +15,7 @@ from ...distributed import on_spare_wait
 from ...logs import configure_logging
 from ...persist.layout import use_file_names
 from ...rebuild.context import context
-from ...rebuild.spare import await_assignment
+from ...rebuild.spare import await_assignment, publish_fast_paths
 from ...rebuild.worker import on_teardown
 from .names import deepspeed_file_names
 from .rebuild import reset_deepspeed_comm_state
@@ -65,11 +65,12 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     unpatched one)."""
     cfg_in = config if config is not None else config_params
     ns: Any = kwargs.get("args", args[0] if args else None)
-    if cfg_in is None and hasattr(ns, "deepspeed_config"):
-        cfg_in = ns.deepspeed_config
-        ns.deepspeed_config = None
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if cfg_in is None and getattr(ns, attr, None) is not None:
+            cfg_in = getattr(ns, attr)
     if cfg_in is None:
         raise ValueError("deadpool_ext.deepspeed.initialize needs a DeepSpeed config (config=PATH or dict)")
+    args, kwargs = args_without_config(args, kwargs)
     ds_config, dp_config = split_deepspeed_config(cfg_in)
     if dp_config is not None and dp_config.enabled:
         import torch.distributed as dist
@@ -79,12 +80,15 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
 
             init_distributed(timeout_s=dp_config.hot_swap.collective_timeout_s, in_place=dp_config.hot_swap.in_place)
             log.info("process group created by deadpool_ext before deepspeed.initialize (per-attempt store prefix)")
+        # spares that saw no config before their script learn the section's fast paths now, not after the build
+        publish_fast_paths(dp_config, rank=dist.get_rank(), swaps_in_place=DeadpoolRuntime.swaps_in_place,
+                           framework="DeepSpeed")
     if _ds_initialize is None:
         from ..deepspeed_hook import original_initialize
 
         _ds_initialize = original_initialize()
     if dp_config is not None and dp_config.enabled and isinstance(ds_config, dict):
-        ds_config = _keep_global_batch(ds_config, dp_config, kwargs)
+        ds_config = _keep_global_batch(ds_config, dp_config, kwargs, args)
     _quiet_zero3_init()
     import time
 
@@ -106,17 +110,39 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     return out
 
 
-def _keep_global_batch(ds_config: dict[str, Any], cfg: DeadpoolConfig, kwargs: dict[str, Any]) -> dict[str, Any]:
+def args_without_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with the config taken off a copy of its ``args`` namespace (DeepSpeed refuses a config
+    both there and in ``config=``): the caller's own namespace is never changed, so a rebuild factory that passes
+    the same ``args`` again still carries its config. DeepSpeed writes ``args.local_rank`` back (its own
+    compatibility rule); the copy shares nothing else with the caller's."""
+    import copy
+
+    in_kwargs = "args" in kwargs
+    ns = kwargs.get("args") if in_kwargs else (args[0] if args else None)
+    if not any(getattr(ns, a, None) is not None for a in ("deepspeed_config", "deepscale_config")):
+        return args, kwargs
+    ns = copy.copy(ns)
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if getattr(ns, attr, None) is not None:
+            setattr(ns, attr, None)
+    return ((args, {**kwargs, "args": ns}) if in_kwargs else ((ns, *args[1:]), kwargs))
+
+
+def _keep_global_batch(ds_config: dict[str, Any], cfg: DeadpoolConfig, kwargs: dict[str, Any],
+                       args: tuple[Any, ...] = ()) -> dict[str, Any]:
     """An engine rebuilt in this process on a world of another data-parallel size keeps the first engine's global
-    batch (``batch.py``); model parallelism (an ``mpu``) is left to its framework."""
+    batch (``batch.py``); the data-parallel size is the world over a ``PipelineModule``'s pipeline and model
+    dimensions (``batch.data_parallel_size``); model parallelism given as an ``mpu`` is left to its framework."""
     import torch.distributed as dist
 
-    from .batch import recorded, rescale
+    from .batch import data_parallel_size, parallel_dims, recorded, rescale
 
     first = recorded()
     if first is None or kwargs.get("mpu") is not None or not dist.is_initialized():
         return ds_config
-    return rescale(ds_config, first, dist.get_world_size(), cfg.elastic.allow_batch_change)
+    pipe, model = parallel_dims(kwargs.get("model", args[1] if len(args) > 1 else None))
+    return rescale(ds_config, first, data_parallel_size(dist.get_world_size(), pipe, model),
+                   cfg.elastic.allow_batch_change)
 
 
 def _patches() -> Any:

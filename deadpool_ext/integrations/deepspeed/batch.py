@@ -48,6 +48,25 @@ def recorded() -> BatchShape | None:
     return first if isinstance(first, BatchShape) else None
 
 
+def parallel_dims(model: Any) -> tuple[int, int]:
+    """(pipeline stages, model-parallel size) of a model: a ``PipelineModule``'s topology (its ``pipe`` and ``model``
+    axes), (1, 1) for any other model."""
+    topology = getattr(model, "topology", None)
+    topo = topology() if callable(topology) else None
+    if topo is None or not hasattr(topo, "get_dim"):
+        return 1, 1
+    return max(int(topo.get_dim("pipe")), 1), max(int(topo.get_dim("model")), 1)
+
+
+def data_parallel_size(world_size: int, pipe: int = 1, model: int = 1) -> int:
+    """The data-parallel size of ``world_size`` ranks split into ``pipe`` pipeline stages of ``model``-parallel
+    groups (pure); a world they do not divide is an error naming the numbers (DeepSpeed refuses it too)."""
+    if pipe < 1 or model < 1 or world_size % (pipe * model):
+        raise ValueError(f"a world of {world_size} ranks does not split into {pipe} pipeline stage(s) x {model} "
+                         "model-parallel rank(s)")
+    return world_size // (pipe * model)
+
+
 def rescale(ds_config: dict[str, Any], first: BatchShape, dp: int, allow_change: bool) -> dict[str, Any]:
     """The config for an engine at data-parallel size ``dp`` (pure)."""
     if dp == first.dp:
