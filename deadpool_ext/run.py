@@ -111,15 +111,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     env = worker_env()
     if env.hot_swap is not None or (configs and not env.missing_for_init()):
         from .distributed import init_distributed
+        from .rebuild.fastpaths import before_script
 
-        in_place = bool(ds_configs) and cfg is not None and cfg.enabled and cfg.hot_swap.in_place
-        init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None,
-                         # swappable groups for DeepSpeed jobs only (Megatron-Core rebuilds: docs/megatron.md)
-                         in_place=in_place, build_ahead=cfg is not None and cfg.hot_swap.spare_build_ahead)
+        # swappable groups for DeepSpeed jobs (Megatron-Core rebuilds: docs/megatron.md); no config visible (a dict
+        # built in code): the section's defaults, which the job's attach confirms to spares (rebuild/fastpaths.py)
+        fast = before_script(ds_configs, configs, cfg)
+        init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None, fast=fast)
         from . import patches  # type: ignore[attr-defined]
 
         patches.get("torch_init_process_group_once").apply()
-        if in_place:  # a spare's solo set-up: object broadcasts keep the caller's objects (patch docstring)
+        if fast.in_place:  # a spare's solo set-up: object broadcasts keep the caller's objects (patch docstring)
             from .rebuild import swap
 
             solo = patches.get("torch_solo_broadcast_object")
@@ -127,7 +128,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             solo.apply()
     elif env.rank is not None and env.world_size is not None and not env.missing_for_init():
         _group_on_the_launchers_store_when_the_script_builds_it(env.rank, env.world_size)
-    code = _run_script(module, args[0] if module is None else None, script_args)
+    from .rebuild.spare import start_up_failure_said
+
+    with start_up_failure_said():  # a spare whose build ahead fails says why (rebuild/spare.py)
+        code = _run_script(module, args[0] if module is None else None, script_args)
     if code == 0:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
         # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
