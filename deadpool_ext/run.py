@@ -131,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .rebuild.spare import start_up_failure_said
 
     with start_up_failure_said():  # a spare whose build ahead fails says why (rebuild/spare.py)
-        code = _run_script(module, args[0] if module is None else None, script_args)
+        code = _run_script(module, args[0] if module is None else None, script_args,
+                           verdict_wait_s=cfg.hot_swap.assignment_timeout_s if cfg is not None else None)
     if code == 0:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
         # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
@@ -202,7 +203,8 @@ def why_unattached(state: Any, deepspeed_imported: bool) -> str:
     return "deepspeed.initialize never ran (the script built no engine), and no runtime was registered"
 
 
-def _run_script(module: str | None, path: str | None, script_args: list[str]) -> int:
+def _run_script(module: str | None, path: str | None, script_args: list[str],
+                verdict_wait_s: float | None = None) -> int:
     from .config import ConfigError
 
     try:
@@ -230,6 +232,11 @@ def _run_script(module: str | None, path: str | None, script_args: list[str]) ->
         from .launcher.contract import worker_env
 
         env = worker_env()
+        if env.hot_swap is not None:  # deadpool-run: a peer lost outside a step the extension can redo
+            code = _stopped_by_a_lost_peer(exc, path, verdict_wait_s)
+            if code is None:
+                raise
+            return code
         restores = ResilientRuntime.restoring_total > 0
         line = restart_teardown_line(exc, env.restart_count, env.max_restarts, ResilientRuntime.attached_total > 0,
                                      restores=restores)
@@ -266,6 +273,71 @@ def restart_teardown_line(exc: BaseException, restart_count: int, max_restarts: 
 
     return (f"{head}; this script never restores from memory (nothing called resume(): no resilient_steps, HF "
             f"Trainer or Lightning path), so the restarted job trains again from step 0. {RESUME_FIX}")
+
+
+def _stopped_by_a_lost_peer(exc: BaseException, path: str | None, verdict_wait_s: float | None) -> int | None:
+    """Under deadpool-run, an exception that ended the script: when the launcher ended the generation it ran in (a
+    peer was lost; asked as the recovery driver asks, after reporting the failed collective), one line naming where
+    it failed and what the loop needs, and :data:`~deadpool_ext.launcher.final.LOST_PEER_EXIT`, which the
+    launcher's final line reads (``launcher/final.py``). None: not a lost peer (the traceback stands)."""
+    from .config import HotSwapConfig
+    from .launcher.final import LOST_PEER_EXIT
+    from .rebuild import notice
+    from .rebuild.cause import lost_peer_text
+    from .rebuild.context import context
+    from .rebuild.recover import report_collective_failure
+
+    m = context().membership
+    if m is None or m.assignment is None:
+        return None
+    gen = m.assignment.generation
+    published, stop = m.verdict(gen, 0.0)
+    hint = isinstance(exc, notice.GenerationLost) or lost_peer_text(str(exc))
+    if hint and stop is None and (published is None or published <= gen):  # the launcher may not know yet
+        report_collective_failure(m, gen, exc)
+        published, stop = m.verdict(gen, HotSwapConfig().assignment_timeout_s if verdict_wait_s is None
+                                    else verdict_wait_s)
+    at = script_frame(exc, path)
+    line = unprotected_loss_line(type(exc).__name__, str(exc), at, generation=gen, published=published, stop=stop,
+                                 stopped_by_notice=notice.stopped(gen))
+    if line is None:
+        return None
+    from .logs import where
+    from .recovery.timeline import write_event
+
+    print(f"deadpool_ext.run [{where()}]: {line}", file=sys.stderr, flush=True)
+    write_event(event="unprotected_loss", generation=gen, published=published, error=type(exc).__name__, at=at,
+                exit_status=LOST_PEER_EXIT)
+    return LOST_PEER_EXIT
+
+
+def unprotected_loss_line(error_type: str, error: str, at: str | None, *, generation: int, published: int | None,
+                          stop: str | None, stopped_by_notice: bool) -> str | None:
+    """The one line a deadpool-run worker prints when its script ended on a failure whose cause is a lost peer (the
+    launcher published a generation after ``generation``: ``rebuild/cause.py``), outside a step the extension can
+    redo (pure). None: the launcher stopped the job (its message stands), or the generation is still the newest
+    (the failure is the script's own: its traceback stands)."""
+    from .launcher.final import UNPROTECTED_FIX
+    from .rebuild.cause import failure_cause
+
+    if stop is not None or failure_cause(generation, published, stopped_by_notice) is None:
+        return None
+    text = " ".join(error.split())[:160]
+    where = f" at {at}" if at else ""
+    return (f"a peer was lost mid-collective in generation {generation} ({error_type}: {text}){where}, and the loop "
+            f"is not protected against a lost peer, so this worker stops; {UNPROTECTED_FIX}")
+
+
+def script_frame(exc: BaseException, path: str | None) -> str | None:
+    """``file:line function`` of the innermost frame of the script ``path`` in ``exc``'s traceback (where the
+    script called what failed), else None."""
+    import traceback
+
+    if path is None:
+        return None
+    script = os.path.abspath(path)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.abspath(f.filename) == script]
+    return f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} {frames[-1].name}" if frames else None
 
 
 if __name__ == "__main__":

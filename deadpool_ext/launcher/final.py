@@ -9,17 +9,27 @@ REFUSED_EXIT = 2
 """``python -m deadpool_ext.run``: a bad argument, section or config (the worker printed the reason)."""
 UNATTACHED_EXIT = 3
 """``python -m deadpool_ext.run``: a section that no engine attached (the job would have run unprotected)."""
+LOST_PEER_EXIT = 4
+"""``python -m deadpool_ext.run`` under deadpool-run: a collective failed because a peer was lost (the launcher
+ended the generation), and the script's loop could not continue (no protected step around the failed call)."""
+UNPROTECTED_FIX = ("a hot-swap continues a loop only from a failure inside a step the extension can redo: loop "
+                   "with `for step in resilient_steps(engine, loader, max_steps=N)` (from deadpool_ext.steps import "
+                   "resilient_steps) or ResilientLoop, and keep the script's own collectives (a barrier, a metric's "
+                   "all_reduce) inside the step (docs/hot-swap.md)")
+"""What a loop needs to survive a lost peer (said by the worker and by the launcher's final line)."""
 
 
 def stop_cause(exits: Mapping[str, int | None]) -> str:
     """Why a job with no spare left stops, from its failed nodes' workers' exit statuses (``stop_line``'s
     ``exits``): ``out_of_spares`` (none exited by itself: a lost node), ``refused`` (each printed why it refused
-    its configuration or arguments), ``unattached`` (a section no engine attached to) or ``exited_on_its_own``."""
+    its configuration or arguments), ``unattached`` (a section no engine attached to), ``unprotected_loop`` (each
+    stopped because a peer was lost mid-collective outside a step the extension can redo) or
+    ``exited_on_its_own``."""
     codes = {rc for rc in exits.values() if rc is not None and rc > 0}
     if not codes:
         return "out_of_spares"
-    return {frozenset({REFUSED_EXIT}): "refused", frozenset({UNATTACHED_EXIT}): "unattached"}.get(
-        frozenset(codes), "exited_on_its_own")
+    return {frozenset({REFUSED_EXIT}): "refused", frozenset({UNATTACHED_EXIT}): "unattached",
+            frozenset({LOST_PEER_EXIT}): "unprotected_loop"}.get(frozenset(codes), "exited_on_its_own")
 
 
 def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None]) -> str:
@@ -32,6 +42,10 @@ def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None]) -> st
                 "--spare-nodes, or --no-spare-policy shrink, keeps a job going). Restart it with --load from the "
                 "persistent tier to resume, if the job writes one.")
     who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
+    if cause == "unprotected_loop":
+        return (f"worker(s) {who} stopped because a peer was lost mid-collective (where: the line it printed above), "
+                f"not by an error of the script: the loop is not protected against a lost peer, so it could not go "
+                f"on with a spare in the lost node's place; {UNPROTECTED_FIX}. Stopping the job.")
     said = {"refused": "refused its configuration or arguments (the reason is the line it printed above)",
             "unattached": "ran with a \"deadpool\" section that no engine attached to (the reason is the line it "
                           "printed above)"}.get(

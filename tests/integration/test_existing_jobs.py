@@ -365,6 +365,55 @@ def test_deadpool_run_names_a_worker_that_exited_on_its_own(tmp_path):
     assert stopped == [("exited_on_its_own", {"node0.0": 1})], res.output[-3000:]  # its line: final.stop_line
 
 
+LOSES_A_PEER = '''
+import os, signal, sys
+import torch, torch.distributed as dist
+import deadpool_ext as dp
+mode, cfg, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 8)
+engine, _, _, _ = dp.initialize(model=model, config=cfg, model_parameters=model.parameters())
+data = [torch.randn(4, 8) for _ in range(32)]
+for step in dp.resilient_steps(engine, data, max_steps=steps):
+    with step as batch:
+        engine.backward(engine(batch).pow(2).mean())
+        engine.step()
+    if mode == "unprotected" and int(engine.global_steps) == 2:
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        dist.barrier()  # the script's own collective, outside the step: its peer is gone
+if mode == "after_done" and dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGKILL)  # lost after the last step, every step committed
+dist.barrier()  # the closing barrier
+'''
+
+
+@pytest.mark.parametrize("mode", ["unprotected"])
+def test_deadpool_run_says_what_a_lost_peer_did(tmp_path, shm_root, mode):
+    """Under deadpool-run (2 nodes, 1 spare), rank 1 dies where no step can be redone. ``unprotected``: during the
+    script's own barrier after step 2; the spare takes rank 1 and the survivor, whose loop cannot continue, stops
+    with LOST_PEER_EXIT, so the job stops for a lost peer in an unprotected loop, never as "the script's own error"
+    (run.py unprotected_loss_line, final.stop_cause). ``after_done``: in the closing barrier after every rank
+    finished its last step (resilient_steps wrote trained/): the job's work is done, it ends with status 0, the
+    lost node named once (decide.py work_done)."""
+    script = tmp_path / "loses_a_peer.py"
+    script.write_text(LOSES_A_PEER)
+    cfg = _config(tmp_path, shm_root, "configs/gpt_tiny_zero3_cpu.json", local={"shm_root": shm_root})
+    res, _, events, _ = _dprun(tmp_path, shm_root, mode, str(script), [mode, cfg, "3"])
+    kinds = [e.get("event") for e in events]
+    if mode == "unprotected":
+        assert res.returncode == 1, res.output[-4000:]
+        stopped = [(e["cause"], e["exits"]) for e in events if e.get("event") == "stopped"]
+        assert stopped == [("unprotected_loop", {"node0.0": 4})], res.output[-4000:]
+        losses = [(e["generation"], e["exit_status"]) for e in events if e.get("event") == "unprotected_loss"]
+        assert losses == [(0, 4)], res.output[-4000:]
+    else:
+        assert res.returncode == 0, res.output[-4000:]
+        done = [(e["lost"], e["step"]) for e in events if e.get("event") == "lost_after_done"]
+        assert done == [(["node1"], 3)], res.output[-4000:]
+        assert "stopped" not in kinds and "assignment" not in kinds[kinds.index("lost_after_done"):], kinds
+
+
 def test_check_names_every_bad_key_and_the_launch_paths(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "deadpool": {

@@ -513,6 +513,50 @@ def test_the_stopped_events_cause_is_the_final_lines():
     assert stop_cause({"node0.0": 2}) == "refused" and stop_cause({"node0.0": 2, "node0.1": 2}) == "refused"
     assert stop_cause({"node0.0": 3}) == "unattached"
     assert stop_cause({"node0.0": 2, "node0.1": 3}) == "exited_on_its_own"  # mixed: none of the runner's two
+    assert stop_cause({"node0.0": 4}) == "unprotected_loop"  # a peer lost mid-collective, outside a redoable step
+    assert stop_cause({"node0.0": 4, "node0.1": -15}) == "unprotected_loop"
+    assert stop_cause({"node0.0": 4, "node0.1": 1}) == "exited_on_its_own"  # one of them failed by itself
+
+
+def test_a_peer_lost_mid_collective_is_never_called_the_scripts_own_error():
+    """A deadpool-run worker whose script ended on a failure the launcher explains (it published the next
+    generation: a peer was lost) stops with LOST_PEER_EXIT and a line naming what the loop needs; the launcher's
+    final line for that exit is not "the script's own error" (final.stop_line)."""
+    from deadpool_ext.launcher.final import LOST_PEER_EXIT, UNPROTECTED_FIX, stop_cause, stop_line
+    from deadpool_ext.run import unprotected_loss_line
+
+    reset = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:42368: Connection reset by peer"
+    line = unprotected_loss_line("RuntimeError", reset, "train.py:40 main", generation=1, published=2, stop=None,
+                                 stopped_by_notice=False)
+    assert line is not None and "\n" not in line and line.endswith(UNPROTECTED_FIX)
+    # by cause, never by the exception's words: the generation still the newest is the script's own failure
+    assert unprotected_loss_line("RuntimeError", reset, None, generation=1, published=1, stop=None,
+                                 stopped_by_notice=False) is None
+    assert unprotected_loss_line("RuntimeError", reset, None, generation=1, published=None, stop=None,
+                                 stopped_by_notice=False) is None
+    # the launcher stopped the job: its own message stands
+    assert unprotected_loss_line("RuntimeError", reset, None, generation=1, published=2, stop="out of spares",
+                                 stopped_by_notice=False) is None
+    # a step the launcher's notice stopped (GenerationLost, no gloo words) is a lost peer all the same
+    assert unprotected_loss_line("GenerationLost", "generation 1 was abandoned", None, generation=1, published=2,
+                                 stop=None, stopped_by_notice=True) is not None
+    said = stop_line("no spare node left to replace node0", "fail", {"node0.0": LOST_PEER_EXIT})
+    assert stop_cause({"node0.0": LOST_PEER_EXIT}) == "unprotected_loop" and UNPROTECTED_FIX in said
+    assert "script's own error" not in said and "\n" not in said
+
+
+def test_the_script_frame_names_where_the_script_called_what_failed(tmp_path):
+    from deadpool_ext.run import script_frame
+
+    script = tmp_path / "train.py"
+    script.write_text("def main():\n    raise RuntimeError('Connection reset by peer')\n")
+    ns: dict = {}
+    exec(compile(script.read_text(), str(script), "exec"), ns)
+    try:
+        ns["main"]()
+    except RuntimeError as exc:
+        assert script_frame(exc, str(script)) == "train.py:2 main"
+        assert script_frame(exc, None) is None and script_frame(exc, str(tmp_path / "other.py")) is None
 
 
 def test_check_says_which_tiers_depend_on_the_launch_layout():
