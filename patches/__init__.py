@@ -29,6 +29,7 @@ REGISTRY: dict[str, str] = {
     "torch_init_process_group_once": "torch_init_process_group_once",
     "torch_init_process_group_launcher_store": "torch_init_process_group_launcher_store",
     "torch_solo_broadcast_object": "torch_solo_broadcast_object",
+    "torch_dataloader_position": "torch_dataloader_position",
     "transformers_trainer_resume": "transformers_trainer_resume",
     "transformers_trainer_logs": "transformers_trainer_logs",
     "transformers_trainer_hot_swap": "transformers_trainer_hot_swap",

@@ -64,6 +64,7 @@ from ..rebuild.recover import driver
 from ..recovery.timeline import write_event
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
+from . import loaders as data_position
 
 log = logging.getLogger("deadpool_ext")
 
@@ -81,10 +82,35 @@ def placement_for(config: DeadpoolConfig, env: WorkerEnv) -> NodePlacement:
                           launcher_pid=env.launcher_pid)
 
 
-RESUME_FIX = ("Fix: `start_step = engine.deadpool.resume()` right after deepspeed.initialize / "
+RESUME_FIX = ("Fix: DeepSpeed's own `engine.load_checkpoint(dir)` (a newer version in memory comes back from it), "
+              "or `start_step = engine.deadpool.resume()` right after deepspeed.initialize / "
               "accelerator.prepare, or loop with `for step in resilient_steps(engine, loader, max_steps=N)` "
               "(from deadpool_ext.steps import resilient_steps)")
 """The one change that makes a script restore from memory after a restart (said wherever it does not)."""
+
+
+def _loader_positions(settle_rng: Callable[[], None]) -> data_position.LoaderPositions:
+    """The process's loader tracker (held by the DataLoader patch, so a runtime rebuilt in this process keeps the
+    loaders' history), its patch applied. Without the patch (an uninstalled checkout, another torch): a tracker
+    that sees no loader, logged."""
+    try:
+        from .. import patches  # patches/, mapped in at install (package_dir)
+    except ImportError as exc:
+        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
+        return data_position.LoaderPositions(settle_rng)
+    patch = patches.get("torch_dataloader_position")
+    try:
+        patch.check()
+    except patches.UnsupportedVersionError as exc:
+        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
+        return data_position.LoaderPositions(settle_rng)
+    tracker = patch.tracker if isinstance(patch.tracker, data_position.LoaderPositions) else None
+    if tracker is None:
+        tracker = data_position.LoaderPositions(settle_rng)
+        patch.set_tracker(tracker)
+    tracker.set_settle(settle_rng)
+    patch.apply()
+    return tracker
 
 
 def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str]:
@@ -174,6 +200,9 @@ class ResilientRuntime(ABC):
         self._resume_called = False
         self._first_snapshot_seen = False
         self._hot_swap = context().membership is not None and config.hot_swap.enabled
+        self.loaders = _loader_positions(self.settle_rng) if config.enabled else data_position.LoaderPositions()
+        """The data position of the script's own DataLoaders (``loaders.py``); a framework that positions its
+        loader itself claims it (``loaders.claim``)."""
         from ..rebuild import swap
 
         self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
@@ -241,11 +270,26 @@ class ResilientRuntime(ABC):
         self._client_get, self._client_set = get, set
 
     def _client_state(self) -> dict[str, Any]:
-        return self._client_get() if self._client_get else {}
+        out = dict(self._client_get()) if self._client_get else {}
+        pos = self.loaders.position()
+        if pos is not None:
+            out[data_position.KEY] = pos
+        out.update(self._internal_client_state())
+        return out
 
     def _restore_client_state(self, state: dict[str, Any]) -> None:
+        self.loaders.restore(state.get(data_position.KEY))
+        internal = self._restore_internal_client_state(state)
         if self._client_set:
-            self._client_set(state)
+            self._client_set({k: v for k, v in state.items() if k != data_position.KEY and k not in internal})
+
+    def _internal_client_state(self) -> dict[str, Any]:
+        """The subclass's own entries of the client state (keys of its own, never the script's)."""
+        return {}
+
+    def _restore_internal_client_state(self, state: dict[str, Any]) -> set[str]:
+        """Take the subclass's own entries back from a restored client state; returns their keys."""
+        return set()
 
     # -- the step -------------------------------------------------------------------------------------
     def stoppable(self) -> contextlib.AbstractContextManager[None]:
@@ -298,6 +342,18 @@ class ResilientRuntime(ABC):
         if not self._first_snapshot_seen:
             self._first_snapshot_seen = True
             self._say_if_never_restored()
+            self._say_if_position_unsure()
+
+    def _say_if_position_unsure(self) -> None:
+        """At the first snapshot: what of the data position a restore could not put back (``loaders.py``), once for
+        the job; not where the script keeps a client state of its own (its position, presumably)."""
+        if self.rank != 0 or self.snapshots is None or self._client_get is not None:
+            return
+        lines = self.loaders.unsure_lines(steps_done=self.step_counter())
+        for line in lines:
+            log.warning("%s", line)
+        if lines:
+            write_event(event="position_unsure", rank=self.rank, lines=len(lines))
 
     def _say_if_never_restored(self) -> None:
         """At the first snapshot, before it is written: a process that never called :meth:`resume` would not
@@ -315,12 +371,35 @@ class ResilientRuntime(ABC):
         write_event(event="never_restores", rank=self.rank, unused_versions=local)
 
     # -- resume ---------------------------------------------------------------------------------------
+    @property
+    def resume_called(self) -> bool:
+        """The script (or a framework for it) asked for a restore: :meth:`resume`, or a ``load_checkpoint`` served
+        from memory."""
+        return self._resume_called
+
+    @property
+    def restored_version(self) -> int:
+        """The version the last restore from memory gave (0: none)."""
+        return self._restored_version
+
     def resume(self, newer_than: int | None = None) -> int:
         """Restore from the memory tiers if this job has snapshots there; return the step to continue from.
 
         ``newer_than``: the step of a base already loaded from tier 3 (``--load``): memory is used only for a
         newer version, and a memory state no version of which every rank can rebuild falls back to that base
-        (logged) instead of failing the job."""
+        (logged) instead of failing the job. The data position of the script's own loaders comes back with it
+        (``loaders.py``)."""
+        step = self._resume(newer_than)
+        if self._restored_version:
+            n = self.loaders.apply_restored()
+            if n and self.rank == 0:
+                log.info("data position: the next iterator of %d loader(s) continues where the restored step left "
+                         "it", n)
+        return step
+
+    def _resume(self, newer_than: int | None = None) -> int:
+        """The restore itself: :meth:`resume` for the script, and a recovery's restore (a survivor's loaders are
+        where they are: no data position applied)."""
         self._resume_called = True
         self.join_survivors()  # a spare built solo: its own step first (a no-op otherwise)
         if self.snapshots is None or not (self.config.recovery.restore_on_start or context().in_hot_swap):
@@ -411,6 +490,18 @@ class ResilientRuntime(ABC):
             with self.stoppable():
                 self.snapshots.wait_idle()
 
+    def mark_trained(self) -> None:
+        """The loop's last step is done and its snapshot drained (:meth:`drain`): under deadpool-run, the launcher
+        learns it (``trained/``), so that a node lost from here on (a closing barrier, a final save) does not fail
+        a job whose work is done (``launcher/decide.py`` ``work_done``)."""
+        m = context().membership
+        if m is None or m.assignment is None:
+            return
+        step = self.step_counter()
+        committed = self.snapshots.committed_version if self.snapshots is not None else None
+        m.mark_trained(step, committed)
+        write_event(event="trained", rank=self.rank, generation=m.generation, step=step, committed=committed)
+
     def stats(self) -> dict[str, Any]:
         """Snapshot statistics; waits (bounded) for the in-flight snapshot so the counts are final."""
         if self.snapshots is None:
@@ -475,7 +566,9 @@ class RuntimeHooks:
         self.runtime._rewire_snapshots()
 
     def restore(self, handle: Any) -> int | None:
-        return (self.runtime if handle is None else self.runtime._runtime_of(handle)).resume()
+        # A survivor's loaders are where its loop left them; a rebuilt world's runtime is new: its script's
+        # loaders continue in this process too.
+        return (self.runtime if handle is None else self.runtime._runtime_of(handle))._resume()
 
     def resize_refusal(self, old: Any, new: Any) -> str | None:
         return self.runtime._resize_refusal(old, new)
@@ -521,6 +614,7 @@ class ResilientLoop(Generic[H, R]):
                     rt = self._runtime(self.handle)
                     if rt is not None:
                         rt.drain()
+                        rt.mark_trained()
                     return
                 out = self._step(self.handle)
             except Exception as exc:

@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..recovery.timeline import write_event
 from .importhook import after_import
 from .lightning_state import fit_loop_state
-from .steps import _generators
+from .loaders import generators as _generators
 from .transformers_trainer import _plain  # JSON-safe values of a scheduler's state
 
 log = logging.getLogger("deadpool_ext")
@@ -199,6 +199,7 @@ def resume_fit(loop: Any) -> None:
         rec.restored.clear()
         rec.restored.update(st)
 
+    runtime.loaders.claim("lightning")  # position_fit_loop positions the loader itself
     runtime.set_client_state(lambda: lightning_state(loop), put)
     step = int(runtime.resume() or 0)
     if not step:

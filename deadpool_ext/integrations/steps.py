@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from ..recovery.timeline import write_event
+from .loaders import generators
 
 log = logging.getLogger("deadpool_ext")
 
@@ -67,25 +68,6 @@ class Step:
 
     def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
         return exc is not None and self._owner._recover(exc)
-
-
-def _generators(loader: Any) -> list[torch.Generator]:
-    """Every torch.Generator the loader may shuffle with (DataLoader, its samplers, Accelerate's wrappers)."""
-    found: dict[int, torch.Generator] = {}
-    seen: set[int] = set()
-    todo = [loader]
-    while todo:
-        obj = todo.pop()
-        if obj is None or id(obj) in seen or len(seen) > 32:
-            continue
-        seen.add(id(obj))
-        for name in ("generator", "synchronized_generator"):
-            g = getattr(obj, name, None)
-            if isinstance(g, torch.Generator):
-                found.setdefault(id(g), g)
-        for name in ("sampler", "batch_sampler", "base_dataloader"):
-            todo.append(getattr(obj, name, None))
-    return list(found.values())
 
 
 def _shuffles_with_global_rng(loader: Any) -> bool:
@@ -111,6 +93,7 @@ class ResilientSteps:
                         "after a restore its order differs from an uninterrupted run's; pass a seeded generator or "
                         "use a DistributedSampler")
         if self.runtime is not None:
+            self.runtime.loaders.claim("resilient_steps")  # it positions its loader itself
             get, put = self.runtime._client_get, self.runtime._client_set  # chained: the script's own stays
             self.runtime.set_client_state(lambda: {**(get() if get else {}), KEY: self._position()},
                                           lambda st: self._restore_client(st, put))
@@ -148,7 +131,7 @@ class ResilientSteps:
             if callable(set_epoch):
                 set_epoch(self.epoch)
                 break
-        gens = _generators(self.loader)
+        gens = generators(self.loader)
         if self._epoch_rng and len(self._epoch_rng) == len(gens):
             for g, s in zip(gens, self._epoch_rng):
                 g.set_state(torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8))
@@ -164,6 +147,27 @@ class ResilientSteps:
         return int(self.engine.global_steps) >= self.max_steps
 
     def __iter__(self) -> Iterator[Step]:
+        yield from self._steps()
+        while not self._ended():  # a peer lost while the last snapshot drained: recovered, the steps left redone
+            yield from self._steps()
+
+    def _ended(self) -> bool:
+        """After the last step: its snapshot drained inside the recovery scope, then the launcher told that this
+        rank's loop ended (``mark_trained``: a node lost from here on fails nothing). False: a failure meanwhile
+        was recovered, and the restored step may be older."""
+        rt = self.runtime
+        if rt is None:
+            return True
+        try:
+            rt.drain()
+        except Exception as exc:
+            if not self._recover(exc):
+                raise
+            return False
+        rt.mark_trained()
+        return True
+
+    def _steps(self) -> Iterator[Step]:
         while not self._done():
             self._rewind = False
             try:

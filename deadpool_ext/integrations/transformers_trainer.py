@@ -312,6 +312,7 @@ def resume_trainer(trainer: Any) -> int | None:
         restored.update(st)
 
     step_end = _arm(trainer, runtime)
+    runtime.loaders.claim("hf_trainer")  # the Trainer skips the batches done itself
     runtime.set_client_state((lambda: {}) if step_end is not None else (lambda: _trainer_state(trainer)), put)
     if pending is not None:
         setattr(trainer, IN_PLACE_ATTR, None)

@@ -201,12 +201,13 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
     try:
         with _our_checkpoint_engine(engine, k, allow) as ckpt, only_weights(allowlist):
             ckpt.mark_verified(os.path.join(local, chosen.tag), commit["files"])
-            if same_layout:
-                path, client = engine.load_checkpoint(local, tag=chosen.tag)
-            else:
-                from .reshard import load_resharded
+            with _plain_load(engine):
+                if same_layout:
+                    path, client = engine.load_checkpoint(local, tag=chosen.tag)
+                else:
+                    from .reshard import load_resharded
 
-                path, client = load_resharded(engine, local, chosen.tag, commit, cache_root=local)
+                    path, client = load_resharded(engine, local, chosen.tag, commit, cache_root=local)
     except (CheckpointTrustError, IncompleteCheckpointError) as exc:
         raise NoVerifiedBaseError(f"--load {url}: {chosen.tag} refused while loading: {one_line(exc, 600)}") from None
     if path is None:
@@ -215,3 +216,10 @@ def resume_from_tier3(engine: Any, url: str, *, cache_root: str | None = None, k
         log.info("tier 3: resumed from base %s at %s (dp %s -> %s)", chosen.tag, url, commit.get("dp_world_size"),
                  engine.dp_world_size)
     return chosen.version, client or {}
+
+
+def _plain_load(engine: Any) -> Any:
+    """DeepSpeed's own ``load_checkpoint`` (the runtime routes a script's call to memory: checkpoint_calls.py)."""
+    rt = getattr(engine, "deadpool", None)
+    calls = getattr(rt, "checkpoint_calls", None)
+    return calls.internal() if calls is not None else contextlib.nullcontext()

@@ -29,6 +29,7 @@ from packaging.version import Version
 
 from ...config import DeadpoolConfig
 from ..base import ResilientRuntime
+from . import checkpoint_calls
 from .checkpoint_engine import DeadpoolCheckpointEngine
 from .state import DeepSpeedStateAdapter
 
@@ -60,6 +61,9 @@ class DeadpoolRuntime(ResilientRuntime):
 
             self.persist = Tier3Persister(engine, config.persist, checkpoint_engine=self.checkpoint_engine)
         self._wrap_step()
+        # DeepSpeed's own resume pattern (load_checkpoint / save_checkpoint with a step in client_state) served
+        # from memory when memory holds a newer version (checkpoint_calls.py).
+        self.checkpoint_calls = checkpoint_calls.CheckpointCalls(engine, self)
         log.info("deadpool_ext attached to DeepSpeed engine: ZeRO stage %d, dp=%d, snapshots %s",
                  self.zero_stage, engine.dp_world_size,
                  f"every {config.snapshot.interval} step(s), replication factor {config.replication.factor}"
@@ -137,6 +141,15 @@ class DeadpoolRuntime(ResilientRuntime):
 
     def step_counter(self) -> int:
         return int(self.engine.global_steps)
+
+    def _internal_client_state(self) -> dict[str, Any]:
+        saved = self.checkpoint_calls.state() if hasattr(self, "checkpoint_calls") else None
+        return {checkpoint_calls.KEY: saved} if saved is not None else {}
+
+    def _restore_internal_client_state(self, state: dict[str, Any]) -> set[str]:
+        if hasattr(self, "checkpoint_calls"):
+            self.checkpoint_calls.restore(state.get(checkpoint_calls.KEY))
+        return {checkpoint_calls.KEY}
 
     # -- hot-swap ---------------------------------------------------------------------------------------
     def _handle(self) -> Any:
