@@ -1,0 +1,132 @@
+"""Issue 43, parts 4 and 5, where the process boundary is what is tested (the decisions themselves:
+tests/unit/test_fast_paths.py):
+
+- a script that builds its config dict in code (nothing names a config on the command line) under
+  ``deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1``: the spare learns the section from rank 0's attach,
+  builds its engine ahead of any failure, and when a worker is SIGKILLed the survivor swaps in place and the spare
+  that built ahead takes the lost rank;
+- a 2-stage ``PipelineModule`` job under deadpool-run: the spare builds its pipeline engine ahead (its solo group's
+  point-to-point warm-up) and survives start-up instead of dying with ``recv cannot be computed locally``.
+
+Each job holds rank 1 at an early step (the harness's ``hold`` fault) until the spare says it is ready, so that the
+spare's readiness, not the host's load, decides the order; the progress timeout is raised so the hold is not taken
+for a hang.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from deadpool_ext.chaos import at_step
+from deadpool_ext.chaos.at_step import StepFault
+from deadpool_ext.recovery.timeline import read_events
+from deadpool_ext.testing.jobs import Job
+from deadpool_ext.testing.launch import run_job
+from tests.integration.helpers import JOB_TIMEOUT_S, worker_proc
+
+pytestmark = pytest.mark.slow
+ACCELERATE_LOOP = "scripts/examples/accelerate_loop.py"
+PIPE = "tests/integration/workers/ds_wrappers_pipeline.py"
+HOLD_FLAGS = ("--progress-timeout-s", "200")
+
+
+def _events(path: str, kind: str) -> list[dict]:
+    return [e for e in read_events(path) if e.get("event") == kind] if os.path.exists(path) else []
+
+
+def _wait_spare_ready(proc, timeline: str, marker: str) -> None:
+    """Rank 1 held (its marker exists) and the spare built ahead (its ``spare_ready`` event), or the job ended."""
+    deadline = time.time() + JOB_TIMEOUT_S
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(marker) and _events(timeline, "spare_ready"):
+            return
+        time.sleep(0.2)
+
+
+def _deadpool_run(tmp_path, shm_root: str, name: str, script: str, args: tuple[str, ...], *, hold_step: int,
+                  then) -> tuple:
+    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    marker = os.path.join(str(tmp_path), f"{name}.hold")
+    env = at_step.harness_env({at_step.ENV: StepFault("hold", hold_step, 1, marker).render()})
+    job = Job(script=script, nnodes=2, nproc_per_node=1, spare_nodes=1, shm_root=shm_root, timeline=timeline,
+              args=args, env_vars=env, launcher_flags=HOLD_FLAGS)
+    pids: dict[str, int] = {}
+
+    def watch(proc) -> None:
+        for wid in ("node0.0", "node1.0"):
+            pids[wid] = worker_proc(proc.pid, wid).pid
+        _wait_spare_ready(proc, timeline, marker)
+        then(proc, marker)
+
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(), while_running=watch)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out, res.output[-4000:]
+    return res, read_events(timeline) if os.path.exists(timeline) else [], pids
+
+
+def _section(tmp_path, shm_root: str) -> dict:
+    with open("configs/gpt_tiny_zero3_cpu_noopt.json") as fh:
+        cfg = json.load(fh)
+    cfg["deadpool"] = {"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}}
+    return cfg
+
+
+def test_a_config_built_in_code_gets_the_in_place_swap_and_a_spare_built_ahead(tmp_path, shm_root):
+    """The Accelerate loop with its DeepSpeed config passed as JSON text (``--deepspeed-inline``: a dict built in
+    the script, no file for the runner to see). Before issue 43 the spare waited before its script and the
+    survivor's groups were not swappable ('hot_swap.in_place is false, or every rank rebuilds')."""
+    inline = json.dumps(_section(tmp_path, shm_root))
+
+    def kill_held_worker(proc, marker: str) -> None:
+        if proc.poll() is None:
+            worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
+
+    res, events, pids = _deadpool_run(tmp_path, shm_root, "code", ACCELERATE_LOOP, ("--deepspeed-inline", inline,
+                                                                           "--steps", "5"),
+                                      hold_step=2, then=kill_held_worker)
+    assert res.returncode == 0, res.output[-4000:]
+    # the spare built its engine ahead, for rank 1 of 2, before the failure
+    ready = _events_of(events, "spare_ready")
+    assert [(e["rank"], e["world_size"]) for e in ready] == [(1, 2)], ready
+    # the survivor kept its process and swapped in place; the process that built ahead restored rank 1
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+    spares = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert [(e["rank"], e["pid"]) for e in spares] == [(1, ready[0]["pid"])], spares
+    continued = [(e["pid"], e["how"]) for e in events if e.get("event") == "continued"]
+    assert (pids["node0.0"], "in_place") in continued, continued
+    assert not _events_of(events, "spare_failed") and not _events_of(events, "spare_lost")
+
+
+def test_a_pipeline_spare_builds_its_engine_ahead_and_survives_start_up(tmp_path, shm_root):
+    """A 2-stage ``PipelineModule`` job (``train_batch``) under deadpool-run with one spare: the spare builds its
+    pipeline engine ahead for rank 1 (its warm-up send/recv answered by the solo group) and waits; the job ends
+    with status 0. Before issue 43 the spare died at start-up (an INFO ``spare_lost`` event only)."""
+    from tests.conftest import make_config
+
+    cfg = make_config(tmp_path, stage=0, deadpool={"snapshot": {"interval": 1}, "local": {"shm_root": shm_root}},
+                      train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
+    out = os.path.join(str(tmp_path), "pipe.jsonl")
+
+    def release(proc, marker: str) -> None:
+        with open(marker + ".release", "w") as fh:
+            json.dump({"released": time.time()}, fh)
+
+    res, events, pids = _deadpool_run(tmp_path, shm_root, "pipe", PIPE, (cfg, "4", out), hold_step=1, then=release)
+    assert res.returncode == 0, res.output[-4000:]
+    ready = _events_of(events, "spare_ready")
+    assert [(e["rank"], e["world_size"]) for e in ready] == [(1, 2)], ready
+    assert ready[0]["pid"] not in pids.values()
+    assert not _events_of(events, "spare_failed") and not _events_of(events, "spare_lost"), events
+    with open(out) as fh:
+        steps = [r["step"] for r in map(json.loads, fh) if "step" in r]
+    assert steps == [1, 2, 3, 4], steps
+
+
+def _events_of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e.get("event") == kind]
