@@ -117,6 +117,7 @@ class Coordinator:
         done = frozenset(k[len(keys.DONE):] for k in store.list(keys.DONE))
         beats = reads.items(keys.HEARTBEATS, values.heartbeat, values.WORKER_RE)
         reports = reads.items(keys.SUSPECTS, values.suspect, values.WORKER_RE)
+        trained = reads.items(keys.TRAINED, values.trained, values.WORKER_RE)
         joins = None
         if time.monotonic() >= self.join_next:   # the join requests are read once a second at most
             self.join_next = time.monotonic() + JOIN_POLL_S
@@ -125,7 +126,8 @@ class Coordinator:
         return Observation(now=now, exits=exits, done=done, beats=beats, fatal=fatal,
                            hosts_seen=frozenset(hosts_seen), hosts_now=frozenset(hosts_now),
                            job_policy=None if self.settings.policy_flag else job_policy(reads),
-                           joins=joins, repaired=repaired, resumed_grace_until=resumed_grace_until, reports=reports)
+                           joins=joins, repaired=repaired, resumed_grace_until=resumed_grace_until, reports=reports,
+                           trained=trained)
 
     def join_requests(self) -> tuple[JoinRequest, ...]:
         """The requests not judged yet, each with the answer given before (a coordinator before this one's)."""

@@ -10,7 +10,8 @@ every store call in the package.
 One generation, as the keys see it::
 
     coordinator  ASSIGNMENT (ranks, nodes, spares)  ->  GENERATION(g) "g-1 is dead"
-    workers      HEARTBEAT(w) every --heartbeat-s; SLOT_SIZE(r) at the first snapshot; DONE(w) at the end;
+    workers      HEARTBEAT(w) every --heartbeat-s; SLOT_SIZE(r) at the first snapshot; TRAINED(w) when the loop
+                 ended (its last step committed); DONE(w) at the end;
                  FAILED(g, w) when a recovery fails; FATAL when the state cannot be recovered;
                  SUSPECT(w) the moment a step's collective fails in generation g (before any verdict)
     launchers    EXIT(w) for every exit they see; FENCED(n) once FENCE(n) is carried out
@@ -78,6 +79,9 @@ REPAIRED = "repaired/"
 JOIN_REQUESTS = "joined/"
 JOIN_ANSWERS = "join_ack/"
 SLOT_SIZES = "slots/"
+TRAINED = "trained/"
+"""``trained/<worker>``: the worker's training loop ended (its last step, and the version committed on every rank
+then): a node lost after every rank's did fails nothing (``decide.py`` ``work_done``)."""
 SUSPECTS = "suspect/"
 """``suspect/<worker>``: a survivor's report that a collective of its generation failed (the coordinator then fails
 a peer whose heartbeat went quiet after a short age instead of the full detection timeout: ``decide.py``)."""
@@ -95,6 +99,9 @@ SPECS: tuple[KeySpec, ...] = (
             "{'rc': exit status (negative: the signal), 'time'}", values.exit_rc),
     KeySpec(DONE, "a worker whose training finished", "coordinator (completion; no hang while it shuts down)",
             "marker"),
+    KeySpec(TRAINED, "a worker whose training loop ended, its last snapshot drained (integrations/base.py "
+            "mark_trained)", "coordinator (a node lost after the job's work is done: decide.py work_done)",
+            "{'generation', 'step', 'committed'}", values.trained),
     KeySpec(FAILURES, "a worker whose recovery failed in generation g", "people (deadpool inspect / a store dump)",
             "{'time', 'error'}: the key is failed/<generation>/<worker>"),
     KeySpec(SUSPECTS, "a worker whose step's collective failed, before it waits for the verdict (rebuild/recover.py)",
@@ -202,9 +209,13 @@ def suspect(worker: str) -> str:
     return _key(SUSPECTS, worker)
 
 
+def trained(worker: str) -> str:
+    return _key(TRAINED, worker)
+
+
 def worker_keys(worker: str) -> tuple[str, ...]:
     """What a worker leaves behind (cleared before its node is started again)."""
-    return exit_of(worker), done(worker), heartbeat(worker), suspect(worker)
+    return exit_of(worker), done(worker), heartbeat(worker), suspect(worker), trained(worker)
 
 
 def node_keys(node: str) -> tuple[str, ...]:
@@ -224,6 +235,12 @@ def exit_value(rc: int) -> dict[str, Any]:
 
 def failure_value(what: str) -> dict[str, Any]:
     return {"time": time.time(), "error": what[:500]}
+
+
+def trained_value(generation: int, step: int, committed: int | None) -> dict[str, Any]:
+    """``TRAINED``: the generation the loop ended in, its last step, and the version committed on every rank then."""
+    return {"generation": int(generation), "step": int(step),
+            "committed": None if committed is None else int(committed)}
 
 
 def suspect_value(generation: int, what: str) -> dict[str, Any]:
@@ -287,8 +304,9 @@ __all__ = [
     "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
     "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS",
     "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
-    "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value", "fast_paths_value",
-    "fatal_value", "fence", "fenced", "generation", "heartbeat", "heartbeat_value", "host", "join_answer",
-    "join_answer_value", "join_request", "join_request_value", "node_keys", "repaired", "repaired_value",
-    "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "worker_keys",
+    "TRAINED", "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value",
+    "fast_paths_value", "fatal_value", "fence", "fenced", "generation", "heartbeat", "heartbeat_value", "host",
+    "join_answer", "join_answer_value", "join_request", "join_request_value", "node_keys", "repaired", "repaired_value",
+    "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "trained",
+    "trained_value", "worker_keys",
 ]

@@ -223,6 +223,28 @@ def suspect(key: str, raw: bytes) -> Report:
     return Report(_int(key, "generation", d.get("generation"), 0, 1 << 31), _num(key, "time", d.get("time")), what)
 
 
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """``trained/<worker>``: the worker's loop ended in ``generation`` after ``step``; ``committed``: the version
+    committed on every rank then (None: none)."""
+
+    generation: int
+    step: int
+    committed: int | None
+
+
+def trained(key: str, raw: bytes) -> Trained:
+    """``trained/<worker>``: ``{"generation": int, "step": int, "committed": int or null}``; nothing else."""
+    d = _obj(key, decode_json(key, raw))
+    extra = sorted(set(d) - {"generation", "step", "committed"})
+    if extra:
+        raise _fail(key, "unknown field(s) (allowed: generation, step, committed)", extra)
+    committed = d.get("committed")
+    return Trained(_int(key, "generation", d.get("generation"), 0, 1 << 31),
+                   _int(key, "step", d.get("step"), 0, 1 << 62),
+                   None if committed is None else _int(key, "committed", committed, 0, 1 << 62))
+
+
 def policy(key: str, raw: bytes) -> str:
     """``config/no_spare_policy``, ``launcher/no_spare_policy``: one of :data:`POLICIES`."""
     v = decode_json(key, raw)

@@ -199,6 +199,15 @@ class Membership:
                 return newest, None
             time.sleep(0.05)
 
+    def mark_trained(self, step: int, committed: int | None) -> None:
+        """This worker's training loop ended after ``step`` with ``committed`` committed on every rank: the launcher
+        then takes a node lost in what follows (a closing barrier, a final save) for no failure of the job's work
+        (``launcher/decide.py`` ``work_done``). Best effort: without it such a loss is a failure as before."""
+        try:
+            self.store.set_json(keys.trained(self.worker_id), keys.trained_value(self.generation, step, committed))
+        except Exception as exc:
+            log.warning("worker %s: could not record that its training loop ended (%s)", self.worker_id, exc)
+
     def report_failure(self, generation: int, what: str) -> None:
         try:
             self.store.set_json(keys.failure(generation, self.worker_id), keys.failure_value(what))

@@ -388,7 +388,7 @@ dist.barrier()  # the closing barrier
 '''
 
 
-@pytest.mark.parametrize("mode", ["unprotected"])
+@pytest.mark.parametrize("mode", ["unprotected", "after_done"])
 def test_deadpool_run_says_what_a_lost_peer_did(tmp_path, shm_root, mode):
     """Under deadpool-run (2 nodes, 1 spare), rank 1 dies where no step can be redone. ``unprotected``: during the
     script's own barrier after step 2; the spare takes rank 1 and the survivor, whose loop cannot continue, stops

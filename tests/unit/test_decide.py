@@ -673,3 +673,47 @@ def test_the_rules_module_does_no_io():
     from_package = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
     assert from_package <= {"actions", "cluster.assignment", "cluster.membership", None, "final", "hangs"}, from_package
     assert os.path.basename(d.__file__) == "decide.py"
+
+
+def test_work_done_needs_every_live_rank_at_its_last_step_and_the_lost_ones_committed():
+    """The rule behind a loss after the job's work is done (pure): every rank that was not lost ended its loop in
+    this generation at the same last step, and a lost rank that wrote nothing is known to have finished it (that
+    step committed, an all-reduce over every rank)."""
+    ranks = {"node0.0": 0, "node1.0": 1}
+
+    def t(step: int, committed: int | None = None, generation: int = 0) -> values.Trained:
+        return values.Trained(generation, step, committed)
+
+    lost = {"node1.0"}
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, lost) == 10  # the lost rank's step 10 was committed
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(10, 10)}, lost) == 10  # it ended too
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 9), "node1.0": t(10, 9)}, lost) == 10  # ended: no commit needed
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 9)}, lost) is None  # step 10 of the lost rank unknown
+    assert d.work_done(ranks, 0, {"node0.0": t(10)}, lost) is None  # nothing committed
+    assert d.work_done(ranks, 0, {}, lost) is None  # no loop ended: a plain failure
+    assert d.work_done(ranks, 0, {"node1.0": t(10, 10)}, lost) is None  # the survivor still trains
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(9, 9)}, lost) is None  # different steps
+    assert d.work_done(ranks, 1, {"node0.0": t(10, 10)}, lost) is None  # of an earlier generation
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, set()) is None  # nobody lost
+    both = {"node0.0", "node1.0"}  # both gone in one turn (a survivor stopped in the closing barrier too)
+    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, both) == 10
+
+
+def test_a_node_lost_after_the_jobs_last_step_finishes_the_job():
+    """Every rank ended its loop at step 10 (``trained/``, step 10 committed), then node1 is lost in the closing
+    barrier: the job finishes (status 0), the lost node fenced and named once, no spare is used; without the
+    records the same loss is a failure (the spare takes node1's ranks)."""
+    st = job(spares=1)
+    trained = {"node0.0": values.Trained(0, 10, 10), "node1.0": values.Trained(0, 10, 10)}
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}, trained=trained), settings())
+    assert dec.exit_code == 0 and not of(dec.actions, Publish) and not of(dec.actions, Stop)
+    assert events(dec.actions, "lost_after_done") == [{"event": "lost_after_done", "generation": 0,
+                                                       "lost": ["node1"], "step": 10,
+                                                       "failed": {"node1.0": "exited with signal 9"}}]
+    assert of(dec.actions, Fence) == [Fence("node1", drop_memory=True)] and len(of(dec.actions, Say)) == 1
+    plain = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}), settings())
+    assert plain.exit_code is None and of(plain.actions, Publish) and not events(plain.actions, "lost_after_done")
+    # a loss while the survivor still trains (its loop has not ended): a failure, not the job's end
+    early = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}, trained={"node1.0": trained["node1.0"]}),
+                   settings())
+    assert early.exit_code is None and of(early.actions, Publish)

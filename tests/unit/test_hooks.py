@@ -29,6 +29,10 @@ class _Runtime:
 
     def __init__(self, recoverable: type[BaseException], drain_fails: int = 0) -> None:
         self.recoverable, self.recovered, self.drain_fails, self.drained = recoverable, 0, drain_fails, 0
+        self.trained = 0
+
+    def mark_trained(self) -> None:
+        self.trained += 1
 
     def drain(self) -> None:
         self.drained += 1
@@ -74,7 +78,7 @@ def test_loop_recovers_a_failure_of_the_last_snapshot():
     loop = ResilientLoop({"step": 0, "gen": 0}, runtime=lambda h: rt, done=lambda h: h["step"] >= 3, step=step)
     done = [(h["gen"], out) for h, out in loop]
     assert done == [(0, 1), (0, 2), (0, 3), (1, 3)]  # restored step 2, step 3 redone, then drained cleanly
-    assert rt.recovered == 1 and rt.drained == 2
+    assert rt.recovered == 1 and rt.drained == 2 and rt.trained == 1  # the loop's end told once, after the drain
 
 
 def test_loop_reraises_what_it_cannot_recover():
