@@ -6,7 +6,8 @@ tests/unit/test_fast_paths.py):
   builds its engine ahead of any failure, and when a worker is SIGKILLed the survivor swaps in place and the spare
   that built ahead takes the lost rank;
 - a 2-stage ``PipelineModule`` job under deadpool-run: the spare builds its pipeline engine ahead (its solo group's
-  point-to-point warm-up) and survives start-up instead of dying with ``recv cannot be computed locally``.
+  point-to-point warm-up) and survives start-up instead of dying with ``recv cannot be computed locally``; at a
+  SIGKILLed stage the survivor swaps in place and the losses are the uninterrupted run's.
 
 Each job holds rank 1 at an early step (the harness's ``hold`` fault) until the spare says it is ready, so that the
 spare's readiness, not the host's load, decides the order; the progress timeout is raised so the hold is not taken
@@ -30,7 +31,7 @@ from tests.integration.helpers import JOB_TIMEOUT_S, worker_proc
 
 pytestmark = pytest.mark.slow
 ACCELERATE_LOOP = "scripts/examples/accelerate_loop.py"
-PIPE = "tests/integration/workers/ds_wrappers_pipeline.py"
+PIPE = "tests/integration/workers/pipeline_resilient.py"
 HOLD_FLAGS = ("--progress-timeout-s", "200")
 
 
@@ -103,29 +104,42 @@ def test_a_config_built_in_code_gets_the_in_place_swap_and_a_spare_built_ahead(t
     assert not _events_of(events, "spare_failed") and not _events_of(events, "spare_lost")
 
 
-def test_a_pipeline_spare_builds_its_engine_ahead_and_survives_start_up(tmp_path, shm_root):
-    """A 2-stage ``PipelineModule`` job (``train_batch``) under deadpool-run with one spare: the spare builds its
-    pipeline engine ahead for rank 1 (its warm-up send/recv answered by the solo group) and waits; the job ends
-    with status 0. Before issue 43 the spare died at start-up (an INFO ``spare_lost`` event only)."""
+def test_a_pipeline_spare_builds_ahead_and_takes_a_lost_stage_in_place_bit_for_bit(tmp_path, shm_root):
+    """A 2-stage ``PipelineModule`` job (``train_batch`` in a ``ResilientLoop``) under deadpool-run with one spare:
+    the spare builds its pipeline engine ahead for rank 1 (its warm-up send/recv answered by its solo group) instead
+    of dying at start-up with an INFO ``spare_lost`` event; rank 1 (the last stage) is SIGKILLed after step 2, the
+    survivor swaps in place (its interrupted ``train_batch`` abandoned: timers, activation shapes, buffers), the spare
+    that built ahead takes rank 1, and every loss after the swap equals the uninterrupted run's, bit for bit."""
     from tests.conftest import make_config
 
     cfg = make_config(tmp_path, stage=0, deadpool={"snapshot": {"interval": 1}, "local": {"shm_root": shm_root}},
                       train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
-    out = os.path.join(str(tmp_path), "pipe.jsonl")
 
     def release(proc, marker: str) -> None:
         with open(marker + ".release", "w") as fh:
             json.dump({"released": time.time()}, fh)
 
-    res, events, pids = _deadpool_run(tmp_path, shm_root, "pipe", PIPE, (cfg, "4", out), hold_step=1, then=release)
-    assert res.returncode == 0, res.output[-4000:]
-    ready = _events_of(events, "spare_ready")
-    assert [(e["rank"], e["world_size"]) for e in ready] == [(1, 2)], ready
-    assert ready[0]["pid"] not in pids.values()
-    assert not _events_of(events, "spare_failed") and not _events_of(events, "spare_lost"), events
-    with open(out) as fh:
-        steps = [r["step"] for r in map(json.loads, fh) if "step" in r]
-    assert steps == [1, 2, 3, 4], steps
+    def kill_held_worker(proc, marker: str) -> None:
+        if proc.poll() is None:
+            worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
+
+    runs = {}
+    for name, then in (("ref", release), ("swap", kill_held_worker)):
+        out = os.path.join(str(tmp_path), f"{name}.jsonl")
+        res, events, pids = _deadpool_run(tmp_path, shm_root, name, PIPE, (cfg, "6", out), hold_step=2, then=then)
+        assert res.returncode == 0, res.output[-4000:]
+        ready = _events_of(events, "spare_ready")
+        assert [(e["rank"], e["world_size"]) for e in ready] == [(1, 2)], ready   # built ahead, alive
+        assert ready[0]["pid"] not in pids.values()
+        assert not _events_of(events, "spare_failed") and not _events_of(events, "spare_lost"), events
+        with open(out) as fh:
+            runs[name] = {r["step"]: r["loss"] for r in map(json.loads, fh)}   # a redone step: the last value
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+    spares = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert [(e["rank"], e["pid"], e["built_ahead"]) for e in spares] == [(1, ready[0]["pid"], True)], spares
+    assert sorted(runs["ref"]) == list(range(1, 7)) and {3, 4, 5, 6} <= set(runs["swap"]), runs
+    assert all(runs["swap"][s] == runs["ref"][s] for s in runs["swap"]), runs
 
 
 def _events_of(events: list[dict], kind: str) -> list[dict]:

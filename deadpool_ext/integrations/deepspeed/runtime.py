@@ -247,6 +247,24 @@ def abandon_step(engine: Any) -> None:
             setattr(engine, name, False)
     if hasattr(engine, "_running_engine_backward_count"):
         engine._running_engine_backward_count = 0
+    if hasattr(engine, "reset_activation_shape"):
+        _abandon_pipeline(engine)
+
+
+def _abandon_pipeline(engine: Any) -> None:
+    """A ``PipelineEngine`` interrupted inside ``train_batch``: its point-to-point state made as a fresh engine's,
+    which the spare's is, so that both sides of every stage boundary agree that the next activation is preceded by
+    its shape (``reset_activation_shape``: DeepSpeed's own reset, and the first gradient send); the schedule's
+    buffers released (they hold the interrupted step's activations and graph); the grad-boundary flag its
+    reduction forces dropped; and the timers it left running stopped (``train_batch`` asserts its timer is not)."""
+    engine.reset_activation_shape()
+    engine.first_gradient_send = True
+    engine._force_grad_boundary = False
+    for held in engine.pipe_buffers.values():
+        held[:] = [None] * len(held)
+    for timer in getattr(getattr(engine, "timers", None), "timers", {}).values():
+        if getattr(timer, "started_", False):
+            timer.reset()
 
 
 def _abandon_zero3(engine: Any, opt: Any) -> None:
