@@ -51,3 +51,20 @@ def reset_deepspeed_comm_state() -> None:
     defaults = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__
     if defaults and isinstance(defaults[0], list) and defaults[0]:
         defaults[0][0] = 0
+
+
+def comm_ready_again() -> None:
+    """A rebuild, once the new generation's process group exists and before the script's factory runs: DeepSpeed's
+    communication backend set up again on it (``deepspeed.comm.init_distributed``, the call a script makes at its
+    start and ``deepspeed.initialize`` makes again), since the teardown reset it (above). Why before the factory: a
+    ``PipelineModule`` asks ``deepspeed.comm`` for the world while it is built, before ``deepspeed.initialize``; a
+    factory that builds one failed with "DeepSpeed backend not set"."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        return
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as dist
+
+    if ds_comm.cdb is None and dist.is_initialized():
+        ds_comm.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False, verbose=False)

@@ -162,6 +162,9 @@ class DeadpoolRuntime(ResilientRuntime):
         self.engine = None  # the old engine holds the dead world's groups; drop it before teardown
 
     def _rebuild(self, factory: Callable[[], Any]) -> Any:
+        from .rebuild import comm_ready_again
+
+        comm_ready_again()  # a factory may ask deepspeed.comm before deepspeed.initialize (a PipelineModule does)
         return factory()  # builds the model and calls deadpool_ext.deepspeed.initialize on the new world
 
     def _runtime_of(self, handle: Any) -> ResilientRuntime:
