@@ -56,7 +56,7 @@ from .actions import (
     WriteDeadSpares,
 )
 from .final import stop_line
-from .hangs import not_formed, prepared_spares, stalled, store_stalled
+from .hangs import not_formed, prepared_spares, spare_lost_line, stalled, store_stalled
 
 TURN_GAP_S = 1.0
 """A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
@@ -215,18 +215,6 @@ def decide(state: CoordinatorState, obs: Observation, settings: Settings) -> Dec
     turn = _Turn(state, obs, settings)
     turn.run()
     return Decision(turn.state, tuple(turn.actions))
-
-
-def spare_lost_line(worker: str, rc: int | None, detail: str, left: list[str]) -> str:
-    """The warning a lost spare gets (pure): a spare that exits before any assignment has failed in its start-up
-    (its script up to the engine, built ahead, or its wait), and the job is one spare short from now on."""
-    cause = (f"its host was lost ({detail})" if rc is None else
-             f"it was killed ({detail})" if rc < 0 else
-             f"it {detail} before any assignment: its script ran to its end without waiting (did no engine attach "
-             "the extension?)" if rc == 0 else
-             f"it failed at start-up, before any assignment ({detail}; its own lines above name the error)")
-    spares = f"{len(left)} spare node(s) left ({', '.join(left)})" if left else "no spare left"
-    return f"spare {worker} lost: {cause}; {spares}"
 
 
 def policy_of(settings: Settings, obs: Observation) -> str:

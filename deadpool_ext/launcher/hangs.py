@@ -1,6 +1,6 @@
 """The coordinator's reading of heartbeats: what a worker's ``hb/`` value says, which ranks are alive but not
-training, and whether a new generation has formed (pure: no store, no processes; ``rebuild/progress.py`` is the
-worker's side)."""
+training, whether a new generation has formed, and what a lost spare is told (pure: no store, no processes;
+``rebuild/progress.py`` is the worker's side)."""
 from __future__ import annotations
 
 import logging
@@ -70,3 +70,15 @@ def prepared_spares(beats: Mapping[str, Mapping[str, Any]]) -> dict[str, tuple[i
         if isinstance(p, (list, tuple)) and len(p) == 2:
             out[w] = (int(p[0]), int(p[1]))
     return out
+
+
+def spare_lost_line(worker: str, rc: int | None, detail: str, left: list[str]) -> str:
+    """The warning a lost spare gets (pure): a spare that exits before any assignment has failed in its start-up
+    (its script up to the engine, built ahead, or its wait), and the job is one spare short from now on."""
+    cause = (f"its host was lost ({detail})" if rc is None else
+             f"it was killed ({detail})" if rc < 0 else
+             f"it {detail} before any assignment: its script ran to its end without waiting (did no engine attach "
+             "the extension?)" if rc == 0 else
+             f"it failed at start-up, before any assignment ({detail}; its own lines above name the error)")
+    spares = f"{len(left)} spare node(s) left ({', '.join(left)})" if left else "no spare left"
+    return f"spare {worker} lost: {cause}; {spares}"
