@@ -152,6 +152,29 @@ def test_the_attach_never_changes_the_callers_args():
     assert args_without_config((plain,), {}) == ((plain,), {})
 
 
+def test_initialize_hands_deepspeed_a_copy_and_the_callers_args_keep_their_config():
+    """The same through ``initialize()`` itself (DeepSpeed stood in by a function that records its call and, as
+    DeepSpeed does, aligns ``args.local_rank``): a factory that calls it again with the same ``args`` gets the
+    config again."""
+    from types import SimpleNamespace
+
+    from deadpool_ext.integrations.deepspeed import initialize
+
+    calls = []
+
+    def deepspeed_initialize(*args, config=None, **kwargs):
+        ns = kwargs["args"]
+        calls.append((ns.deepspeed_config, config))
+        ns.local_rank = 1
+        return SimpleNamespace(), None, None, None
+
+    ns = argparse.Namespace(deepspeed_config={"train_batch_size": 2}, local_rank=-1)
+    for _ in range(2):   # the first build, then a rebuild factory's call with the same args
+        initialize(args=ns, model=object(), _ds_initialize=deepspeed_initialize)
+    assert calls == [(None, {"train_batch_size": 2})] * 2
+    assert ns.deepspeed_config == {"train_batch_size": 2} and ns.local_rank == 1
+
+
 class _Topo:
     def __init__(self, **dims):
         self.dims = dims

@@ -71,6 +71,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     if cfg_in is None:
         raise ValueError("deadpool_ext.deepspeed.initialize needs a DeepSpeed config (config=PATH or dict)")
     args, kwargs = args_without_config(args, kwargs)
+    call_ns: Any = kwargs.get("args", args[0] if args else None)
     ds_config, dp_config = split_deepspeed_config(cfg_in)
     if dp_config is not None and dp_config.enabled:
         import torch.distributed as dist
@@ -95,6 +96,8 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
         out = _ds_initialize(*args, config=ds_config, **kwargs)
+    if call_ns is not ns and hasattr(ns, "local_rank") and hasattr(call_ns, "local_rank"):
+        ns.local_rank = call_ns.local_rank  # DeepSpeed aligns args.local_rank to LOCAL_RANK (its compatibility rule)
     engine = out[0]
     import torch.distributed as dist
 
@@ -113,8 +116,8 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
 def args_without_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The call's arguments with the config taken off a copy of its ``args`` namespace (DeepSpeed refuses a config
     both there and in ``config=``): the caller's own namespace is never changed, so a rebuild factory that passes
-    the same ``args`` again still carries its config. DeepSpeed writes ``args.local_rank`` back (its own
-    compatibility rule); the copy shares nothing else with the caller's."""
+    the same ``args`` again still carries its config. :func:`initialize` copies back the one attribute DeepSpeed
+    writes, ``args.local_rank`` (aligned to ``LOCAL_RANK``, its compatibility rule)."""
     import copy
 
     in_kwargs = "args" in kwargs
