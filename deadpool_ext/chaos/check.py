@@ -75,7 +75,9 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
     if tr.skipped:
         return Verdict(ok=True, status="skipped", problems=[tr.skipped])
     injected = [r for r in tr.injected if r.get("fired")]
-    notes = [r["note"] for r in tr.injected if r.get("note", "").startswith("not injected")]
+    notes = [r["note"] for r in tr.injected if r.get("note", "").startswith("not injected")
+             and r.get("as_planned") is not False]
+    off = [r["note"] for r in tr.injected if r.get("as_planned") is False]
     output = tr.first.output + (tr.relaunch.output if tr.relaunch else "")
     restores, refused = _counts(output)
     hot_swaps = sum(1 for e in tr.first.events if e.get("event") == "assignment" and e.get("generation", 0) >= 1)
@@ -96,7 +98,7 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
         v.notes = notes or ["fault not injected"]
         return v
     v.problems.extend(notes)
-    v.notes = [r["note"] for r in tr.injected if r.get("note") and not r["note"].startswith("not injected")]
+    v.notes = [r["note"] for r in tr.injected if r.get("note") and not r["note"].startswith("not injected")] + off
     for name, run in (("job", tr.first), ("relaunch", tr.relaunch)):
         if run is not None and run.timed_out:
             v.problems.append(f"{name} hung: killed at the deadline after {run.elapsed_s:.0f} s")
@@ -124,7 +126,9 @@ def check_trial(tr: TrialRun, baseline: dict[int, float]) -> Verdict:
         v.problems += [p for p in diff if "missing" in p]
     v.problems += _corruption_problems(tr, output)
     v.ok = not v.problems
-    v.status = "passed" if v.ok else "failed"
+    # A fault that landed elsewhere than planned (off), in a run that recovered: the plan's moment was not tested.
+    # A run that failed stays failed, whatever moment its fault hit.
+    v.status = ("not_injected" if off else "passed") if v.ok else "failed"
     return v
 
 

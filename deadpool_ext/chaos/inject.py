@@ -26,7 +26,7 @@ import psutil
 from ..snapshot import format as fmt
 from ..snapshot.slots import data_offset
 from ..testing.faults import corrupt_file
-from ..testing.launch import kill_tree, wait_for_step
+from ..testing.launch import kill_tree, read_metrics, wait_for_step
 from .catalogue import Action
 
 POLL_S = 0.0005
@@ -56,6 +56,25 @@ class Injected:
     hit: bool | None = None
     corrupted: list[dict[str, Any]] = field(default_factory=list)
     note: str = ""
+    landed_after: int | None = None
+    """A step-triggered signal: the newest step the job had logged when the signal was sent."""
+    as_planned: bool | None = None
+    """A step-triggered signal: whether it landed where the plan says (:func:`off_plan`); None: not timed by step."""
+
+
+LANDING_SLACK = 1
+"""A signal planned "after step S" lands as planned while the job has logged at most step S + 1: the ranks log their
+steps a moment apart, and the next step may be done on the rank that logs while the victim's is still running."""
+
+
+def off_plan(planned: int, landed: int | None) -> str | None:
+    """Why a signal planned "after step ``planned``" did not land there, or None when it did (pure). ``landed``: the
+    newest step the job had logged when the signal was sent (None: unknown). An injector outside the job polls its
+    metrics, so on a loaded host with fast steps the signal can land several steps late: such a trial tested another
+    moment than its plan's and is reported as not injected as planned."""
+    if landed is None or landed <= planned + LANDING_SLACK:
+        return None
+    return f"not injected as planned: planned after step {planned}, landed after step {landed}"
 
 
 def _magic(path: str) -> bytes | None:
@@ -238,6 +257,12 @@ class Injector:
             except psutil.NoSuchProcess:
                 pass
         rec.fired, rec.at = True, time.time()
+        if a.trigger.kind == "step":
+            rec.landed_after = max(read_metrics(self.paths.metrics), default=0)
+            why = off_plan(a.trigger.value, rec.landed_after)
+            rec.as_planned = why is None
+            if why is not None:
+                rec.note = why
         if writing:  # did the signal land while the copy/transfer was still open?
             rec.hit = not any(_magic(writing[0]) or b"\1")
         elif a.trigger.kind in ("slot_write", "replica_write"):

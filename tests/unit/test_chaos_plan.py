@@ -182,3 +182,28 @@ def test_planner_1_is_kept_for_recorded_trials():
     assert "--planner" not in plan_trial(200, 0).reproduce()
     with pytest.raises(ValueError, match="planner must be one of"):
         plan_trial(0, 0, planner=3)
+
+
+def test_a_fault_that_landed_off_plan_is_reported_as_not_injected_as_planned():
+    """A step-triggered signal is sent from outside the job: on a loaded host with fast steps it can land several
+    steps after its plan (seed 0's trial 1: planned after step 4, landed after step 10). The injector records where
+    it landed (inject.off_plan, pure); a run that recovered anyway did not test the plan's moment: status
+    not_injected, the note saying where it landed. A run that failed stays failed."""
+    from deadpool_ext.chaos.inject import off_plan
+
+    assert off_plan(4, 4) is None and off_plan(4, 5) is None and off_plan(4, None) is None
+    assert off_plan(4, 10) == "not injected as planned: planned after step 4, landed after step 10"
+    sc = plan_trial(0, 0, layouts=["zero3"], faults=[Fault.WORKER])
+    base = {s: 1.0 / s for s in range(1, sc.iters + 1)}
+    swap = [{"event": "assignment", "generation": 1}]
+    landed = [{"action": "x", "fired": True, "landed_after": 10, "as_planned": False, "note": off_plan(4, 10)}]
+    v = check_trial(TrialRun(scenario=sc, first=_run(base, "", swap), relaunch=None, injected=landed, workdir="."),
+                    base)
+    assert v.ok and v.status == "not_injected" and v.notes == [off_plan(4, 10)] and v.faults_injected == 1
+    on_plan = [{**landed[0], "landed_after": 5, "as_planned": True, "note": ""}]
+    v = check_trial(TrialRun(scenario=sc, first=_run(base, "", swap), relaunch=None, injected=on_plan, workdir="."),
+                    base)
+    assert v.ok and v.status == "passed"
+    v = check_trial(TrialRun(scenario=sc, first=_run(base, "", swap, rc=1), relaunch=None, injected=landed,
+                             workdir="."), base)
+    assert not v.ok and v.status == "failed"
