@@ -19,11 +19,10 @@ One turn, in order:
    failed after ``Settings.suspect_age_s`` instead of the detection timeout, :meth:`_Turn.by_report`), hangs by
    progress (``hangs.stalled``); dead spares;
 5. no failure: grow a shrunk world to a repaired or joined node once it has formed (``hangs.not_formed``);
-6. a failure after the job's work is done (every rank's loop ended at its last step, that step committed:
-   :func:`work_done`) finishes the job, the lost node named once; any other failure: the failed nodes fenced, and
-   the next generation: spares take the failed nodes' ranks
-   (``membership.replace_failed``); with none left, the policy: shrink (``membership.shrink_failed``), await a
-   spare until ``--spare-wait-s`` passes, or stop with the line ``final.stop_line`` writes.
+6. a failure after the job's work is done finishes it (``done.py``); any other: the failed nodes fenced, and the
+   next generation: spares take the failed nodes' ranks (``membership.replace_failed``); with none left, the
+   policy: shrink (``membership.shrink_failed``), await a spare until ``--spare-wait-s`` passes, or stop with the
+   line ``final.stop_line`` writes.
 """
 from __future__ import annotations
 
@@ -55,6 +54,7 @@ from .actions import (
     Stop,
     WriteDeadSpares,
 )
+from .done import finish_after_loss
 from .final import stop_line
 from .hangs import not_formed, prepared_spares, spare_lost_line, stalled, store_stalled
 
@@ -205,8 +205,7 @@ class Observation:
     """This launcher's lease resumed after a pause: no heartbeat could be written meanwhile; detection waits."""
     reports: Mapping[str, values.Report] = field(default_factory=dict)
     """Worker -> its newest report of a failed collective (``suspect/``, decoded; a bad one is absent)."""
-    trained: Mapping[str, values.Trained] = field(default_factory=dict)
-    """Worker -> the end of its training loop (``trained/``, decoded; a bad one is absent)."""
+    trained: Mapping[str, values.Trained] = field(default_factory=dict)  # worker -> its loop's end (trained/)
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -220,28 +219,6 @@ def decide(state: CoordinatorState, obs: Observation, settings: Settings) -> Dec
 def policy_of(settings: Settings, obs: Observation) -> str:
     """The no-spare policy in force this turn (``keys.resolve_no_spare_policy``: the flag, the job's, fail)."""
     return keys.resolve_no_spare_policy(settings.policy_flag, obs.job_policy).policy
-
-
-def work_done(ranks: Mapping[str, int], generation: int, trained: Mapping[str, values.Trained],
-              failed: Set[str]) -> int | None:
-    """The last step of a job whose work is done although the ranks in ``failed`` were just lost, else None.
-
-    Done: every rank of ``generation`` that was not lost ended its training loop (``trained/``, written in this
-    generation) after the same step S, and each lost rank either did too or is known to have finished S: some rank
-    saw S committed (a version is committed by an all-reduce over every rank, each after its own copy of that
-    step). A live rank whose loop has not ended, records of different steps, or one of another generation: work is
-    left, and the loss is a failure like any other."""
-    recs = {w: t for w, t in trained.items() if w in ranks and t.generation == generation}
-    if not failed or not recs or any(w not in recs for w in ranks if w not in failed):
-        return None
-    steps = {t.step for t in recs.values()}
-    if len(steps) != 1:
-        return None
-    last = steps.pop()
-    committed = max((t.committed for t in recs.values() if t.committed is not None), default=None)
-    if any(w not in recs for w in failed) and (committed is None or committed < last):
-        return None
-    return last
 
 
 def join_refusal(name: str, raw: bytes, roster: Roster, nproc_per_node: int) -> str | None:
@@ -286,9 +263,11 @@ class _Turn:
         if not failed:
             self.grow()
             return
-        if self.done_despite(failed):
-            return
-        self.failure(failed)
+        done = finish_after_loss(self.state.assignment, self.obs.trained, failed,  # the job's work is done
+                                 drop_memory=not self.settings.keep_memory_on_failure)
+        self.actions += done or []
+        if done is None:
+            self.failure(failed)
 
     # -- 1. joins ----------------------------------------------------------------------------------------------
     def joins(self) -> None:
@@ -340,24 +319,6 @@ class _Turn:
                                      + obs.fatal))
             return True
         return False
-
-    def done_despite(self, failed: dict[str, str]) -> bool:
-        """A loss after the job's work is done (:func:`work_done`): the lost nodes fenced, the job finished (the
-        launchers exit 0, stopping what is left of the survivors' closing barrier or save), said in one line."""
-        a = self.state.assignment
-        last = work_done(a.ranks, a.generation, self.obs.trained, set(failed))
-        if last is None:
-            return False
-        nodes = sorted({a.nodes[w] for w in failed})
-        why = "; ".join(f"{w}: {what}" for w, what in sorted(failed.items()))
-        self.actions += [Event({"event": "lost_after_done", "generation": a.generation, "lost": nodes, "step": last,
-                                "failed": dict(failed)}),
-                         *(Fence(n, drop_memory=not self.settings.keep_memory_on_failure) for n in nodes),
-                         Say(f"node(s) {', '.join(nodes)} lost after the job's last step {last} ({why}): every rank "
-                             f"had ended its training loop and step {last} was committed, so the job's work is done; "
-                             "finishing (status 0)"),
-                         Finish(a.generation), Event({"event": "finished", "generation": a.generation})]
-        return True
 
     # -- 4. detection ------------------------------------------------------------------------------------------
     def lost_hosts(self) -> frozenset[int]:

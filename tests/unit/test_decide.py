@@ -41,6 +41,7 @@ from deadpool_ext.launcher.decide import (
     decide,
     taken_over,
 )
+from deadpool_ext.launcher.done import work_done
 
 T0 = 1000.0
 DETECT = 6.0
@@ -663,15 +664,21 @@ def test_decide_leaves_its_inputs_alone():
 
 
 def test_the_rules_module_does_no_io():
-    """No clock, no sleep, no store, no process, no thread: what decide returns depends on its arguments only."""
-    with open(d.__file__) as fh:
-        tree = ast.parse(fh.read())
-    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
-                 if isinstance(n, ast.ImportFrom) and not n.level}
-    assert not imported & {"time", "os", "subprocess", "socket", "threading", "signal", "shutil", "select", "random"}
-    from_package = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
-    assert from_package <= {"actions", "cluster.assignment", "cluster.membership", None, "final", "hangs"}, from_package
+    """No clock, no sleep, no store, no process, no thread: what decide returns depends on its arguments only
+    (done.py, the rule of a loss after the job's work is done, alike)."""
+    from deadpool_ext.launcher import done
+
+    for module in (d, done):
+        with open(module.__file__) as fh:
+            tree = ast.parse(fh.read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and not n.level}
+        assert not imported & {"time", "os", "subprocess", "socket", "threading", "signal", "shutil", "select",
+                               "random"}
+        from_package = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+        assert from_package <= {"actions", "cluster.assignment", "cluster.membership", None, "final", "hangs",
+                                "done"}, from_package
     assert os.path.basename(d.__file__) == "decide.py"
 
 
@@ -685,18 +692,18 @@ def test_work_done_needs_every_live_rank_at_its_last_step_and_the_lost_ones_comm
         return values.Trained(generation, step, committed)
 
     lost = {"node1.0"}
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, lost) == 10  # the lost rank's step 10 was committed
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(10, 10)}, lost) == 10  # it ended too
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 9), "node1.0": t(10, 9)}, lost) == 10  # ended: no commit needed
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 9)}, lost) is None  # step 10 of the lost rank unknown
-    assert d.work_done(ranks, 0, {"node0.0": t(10)}, lost) is None  # nothing committed
-    assert d.work_done(ranks, 0, {}, lost) is None  # no loop ended: a plain failure
-    assert d.work_done(ranks, 0, {"node1.0": t(10, 10)}, lost) is None  # the survivor still trains
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(9, 9)}, lost) is None  # different steps
-    assert d.work_done(ranks, 1, {"node0.0": t(10, 10)}, lost) is None  # of an earlier generation
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, set()) is None  # nobody lost
+    assert work_done(ranks, 0, {"node0.0": t(10, 10)}, lost) == 10  # the lost rank's step 10 was committed
+    assert work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(10, 10)}, lost) == 10  # it ended too
+    assert work_done(ranks, 0, {"node0.0": t(10, 9), "node1.0": t(10, 9)}, lost) == 10  # ended: no commit needed
+    assert work_done(ranks, 0, {"node0.0": t(10, 9)}, lost) is None  # step 10 of the lost rank unknown
+    assert work_done(ranks, 0, {"node0.0": t(10)}, lost) is None  # nothing committed
+    assert work_done(ranks, 0, {}, lost) is None  # no loop ended: a plain failure
+    assert work_done(ranks, 0, {"node1.0": t(10, 10)}, lost) is None  # the survivor still trains
+    assert work_done(ranks, 0, {"node0.0": t(10, 10), "node1.0": t(9, 9)}, lost) is None  # different steps
+    assert work_done(ranks, 1, {"node0.0": t(10, 10)}, lost) is None  # of an earlier generation
+    assert work_done(ranks, 0, {"node0.0": t(10, 10)}, set()) is None  # nobody lost
     both = {"node0.0", "node1.0"}  # both gone in one turn (a survivor stopped in the closing barrier too)
-    assert d.work_done(ranks, 0, {"node0.0": t(10, 10)}, both) == 10
+    assert work_done(ranks, 0, {"node0.0": t(10, 10)}, both) == 10
 
 
 def test_a_node_lost_after_the_jobs_last_step_finishes_the_job():
