@@ -130,6 +130,46 @@ def test_runner_runs_a_script_as_main_with_its_argv_and_path(tmp_path):
     assert json.loads(r.stdout) == [["a", "--b=c"], True, "__main__"]
 
 
+EXITS_WITH_GLOO_THREADS = """
+import atexit, json, os, sys, threading, time
+import torch, torch.distributed as dist
+out = sys.argv[1]
+
+def natives():  # registered first: runs last, after every other handler
+    names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    json.dump(names, open(out + ".natives", "w"))
+
+atexit.register(natives)
+dist.init_process_group("gloo", store=dist.FileStore(out + ".store", 1), rank=0, world_size=1)
+HELD = [dist.new_group([0])]  # a framework's reference: destroy_process_group drops only torch's registry entry
+t = torch.ones(4)
+dist.all_reduce(t, group=HELD[0])
+atexit.register(dist.destroy_process_group)
+fh = open(out + ".unclosed", "w")
+fh.write("flushed")  # never closed by the script
+threading.Thread(target=lambda: (time.sleep(0.3), open(out + ".thread", "w").write("joined"))).start()
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+sys.exit(5)
+"""
+
+
+def test_the_runner_exits_with_the_scripts_status_while_gloo_threads_still_run(tmp_path):
+    """A script that trained to the end exits with its own status: the runner ends the process after the
+    interpreter's own exit steps (non-daemon threads joined, atexit handlers run, files flushed) and before its
+    finalization, where a gloo worker thread of a group a framework still holds would take the GIL of a dying
+    interpreter and abort the process (run.exit_orderly). The gloo threads are alive when the last handler runs."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_WITH_GLOO_THREADS)
+    out = str(tmp_path / "out")
+    r = subprocess.run([sys.executable, "-m", "deadpool_ext.run", str(script), out], capture_output=True, text=True,
+                       timeout=120, env=_no_launcher_env(), cwd=REPO)
+    assert r.returncode == 5, r.stdout + r.stderr
+    done = {k: open(f"{out}.{k}").read() for k in ("unclosed", "thread", "atexit")}
+    assert done == {"unclosed": "flushed", "thread": "joined", "atexit": "ran"}
+    with open(out + ".natives") as fh:
+        assert "pt_gloo_runloop" in json.load(fh)  # alive past every handler: finalization would have met them
+
+
 def test_init_process_group_once_returns_when_a_group_exists(monkeypatch):
     import torch.distributed as dist
 
