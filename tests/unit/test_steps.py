@@ -6,6 +6,7 @@ torchdata's StatefulDataLoader (positioned like a DataLoader: see the module's d
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ class Runtime:
         self.restore, self.rewind = restore, rewind
         self._client_get = self._client_set = None
         self.in_place = True
+        self.loaders = types.SimpleNamespace(claim=lambda owner: None)  # the runtime's loader tracker (unused here)
 
     def set_client_state(self, get, put) -> None:
         self._client_get, self._client_set = get, put
