@@ -54,6 +54,7 @@ from ..cluster.topology import NodePlacement, node_placement
 from ..config import DeadpoolConfig
 from ..launcher import keys
 from ..launcher.contract import WorkerEnv, worker_env
+from ..memory.census import memory_census
 from ..memory.heap import release_free_heap
 from ..persist.sign import use_key_env
 from ..rebuild import notice, progress
@@ -89,30 +90,6 @@ RESUME_FIX = ("Fix: DeepSpeed's own `engine.load_checkpoint(dir)` (a newer versi
 """The one change that makes a script restore from memory after a restart (said wherever it does not)."""
 
 
-def _loader_positions(settle_rng: Callable[[], None]) -> data_position.LoaderPositions:
-    """The process's loader tracker (held by the DataLoader patch, so a runtime rebuilt in this process keeps the
-    loaders' history), its patch applied. Without the patch (an uninstalled checkout, another torch): a tracker
-    that sees no loader, logged."""
-    try:
-        from .. import patches  # patches/, mapped in at install (package_dir)
-    except ImportError as exc:
-        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
-        return data_position.LoaderPositions(settle_rng)
-    patch = patches.get("torch_dataloader_position")
-    try:
-        patch.check()
-    except patches.UnsupportedVersionError as exc:
-        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
-        return data_position.LoaderPositions(settle_rng)
-    tracker = patch.tracker if isinstance(patch.tracker, data_position.LoaderPositions) else None
-    if tracker is None:
-        tracker = data_position.LoaderPositions(settle_rng)
-        patch.set_tracker(tracker)
-    tracker.set_settle(settle_rng)
-    patch.apply()
-    return tracker
-
-
 def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str]:
     """What a process that takes snapshots but never called ``resume()`` is told at its first snapshot (pure):
     that a restart would start from scratch, the one line that fixes it, and the snapshots of an earlier attempt
@@ -124,47 +101,6 @@ def never_restored_lines(step_name: str, unused_versions: list[int]) -> list[str
         lines.append(f"deadpool_ext: snapshots of {step_name} {max(unused_versions)} from an earlier attempt of this "
                      "job exist in memory and were not used: this run started again from step 0")
     return lines
-
-
-def _memory_census() -> str:
-    """Threads, live tensors (count, bytes of their storages, the largest groups by kind and shape) and anonymous RSS:
-    what to compare across hot-swaps when a survivor's memory grows (debug level only: it walks every object the
-    collector tracks). Activation-shaped tensors right after a recovery are the interrupted step's autograd graph,
-    held from C++ until the redone step runs (freed by the catch-up collection)."""
-    import threading
-
-    import torch
-
-    seen: set[int] = set()
-    n = nbytes = 0
-    largest: list[tuple[int, str]] = []
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor):
-            n += 1
-            try:
-                st = obj.untyped_storage()
-                if st.data_ptr() not in seen:
-                    seen.add(st.data_ptr())
-                    nbytes += st.nbytes()
-                    kind = "param" if isinstance(obj, torch.nn.Parameter) else "tensor"
-                    largest.append((st.nbytes(), f"{kind}{tuple(obj.shape)}"))
-            except Exception:
-                continue
-    by_shape: dict[str, list[int]] = {}
-    for b, what in largest:
-        agg = by_shape.setdefault(what, [0, 0])
-        agg[0] += 1
-        agg[1] += b
-    ranked = sorted(by_shape.items(), key=lambda kv: -kv[1][1])
-    top = ", ".join(f"{what} x{c} {b / 2**20:.1f} MiB" for what, (c, b) in ranked[:12])
-    anon = "?"
-    try:
-        with open("/proc/self/status") as fh:
-            anon = next((line.split(":", 1)[1].strip() for line in fh if line.startswith("RssAnon")), "?")
-    except OSError:
-        pass
-    return (f"{threading.active_count()} threads, {n} tensors ({nbytes / 2**20:.1f} MiB of storage), RssAnon {anon}; "
-            f"storage by shape: {top}")
 
 
 class ResilientRuntime(ABC):
@@ -200,9 +136,14 @@ class ResilientRuntime(ABC):
         self._resume_called = False
         self._first_snapshot_seen = False
         self._hot_swap = context().membership is not None and config.hot_swap.enabled
-        self.loaders = _loader_positions(self.settle_rng) if config.enabled else data_position.LoaderPositions()
+        self.loaders = (data_position.process_tracker(self.settle_rng) if config.enabled
+                        else data_position.LoaderPositions())
         """The data position of the script's own DataLoaders (``loaders.py``); a framework that positions its
         loader itself claims it (``loaders.claim``)."""
+        self.loop_owner: str | None = None
+        """The loop that catches a failed step and calls :meth:`handle_failure` itself (``resilient_steps``,
+        :class:`ResilientLoop`, the HF Trainer's, Lightning's); None: a plain loop, whose failed step a framework
+        integration redoes inside the framework's own calls (DeepSpeed: ``deepspeed/redo.py``)."""
         from ..rebuild import swap
 
         self._in_place = self._hot_swap and self.swaps_in_place and config.hot_swap.in_place and swap.active()
@@ -468,7 +409,7 @@ class ResilientRuntime(ABC):
         if self.config.hot_swap.release_memory:
             release_free_heap()
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("%s: %s", when, _memory_census())
+            log.debug("%s: %s", when, memory_census())
 
     def _expect_catch_up(self, step: int, since: float) -> None:
         """Write the ``caught_up`` timeline event once ``step`` is completed again (after a recovery)."""
@@ -605,6 +546,9 @@ class ResilientLoop(Generic[H, R]):
         self._runtime, self._done, self._step, self._after_swap = runtime, done, step, after_swap
 
     def __iter__(self) -> Iterator[tuple[H, R]]:
+        first = self._runtime(self.handle)
+        if first is not None:
+            first.loop_owner = "ResilientLoop"
         while True:
             try:
                 if self._done(self.handle):
@@ -623,6 +567,9 @@ class ResilientLoop(Generic[H, R]):
                 if handle is None:
                     raise
                 self.handle = handle
+                rebuilt = self._runtime(handle)
+                if rebuilt is not None:
+                    rebuilt.loop_owner = "ResilientLoop"
                 self.swaps += 1
                 if self._after_swap is not None:
                     self._after_swap(self.handle)

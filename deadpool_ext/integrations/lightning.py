@@ -200,6 +200,7 @@ def resume_fit(loop: Any) -> None:
         rec.restored.update(st)
 
     runtime.loaders.claim("lightning")  # position_fit_loop positions the loader itself
+    runtime.loop_owner = "lightning"  # and its fit loop runs again after an in-place recovery
     runtime.set_client_state(lambda: lightning_state(loop), put)
     step = int(runtime.resume() or 0)
     if not step:

@@ -368,6 +368,30 @@ class LoaderPositions:
         return lines
 
 
+def process_tracker(settle_rng: Callable[[], None]) -> LoaderPositions:
+    """The process's loader tracker (held by the DataLoader patch, so a runtime rebuilt in this process keeps the
+    loaders' history), its patch applied. Without the patch (an uninstalled checkout, another torch): a tracker
+    that sees no loader, logged."""
+    try:
+        from .. import patches  # patches/, mapped in at install (package_dir)
+    except ImportError as exc:
+        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
+        return LoaderPositions(settle_rng)
+    patch = patches.get("torch_dataloader_position")
+    try:
+        patch.check()
+    except patches.UnsupportedVersionError as exc:
+        log.info("data position of the script's own DataLoaders not tracked: %s", exc)
+        return LoaderPositions(settle_rng)
+    tracker = patch.tracker if isinstance(patch.tracker, LoaderPositions) else None
+    if tracker is None:
+        tracker = LoaderPositions(settle_rng)
+        patch.set_tracker(tracker)
+    tracker.set_settle(settle_rng)
+    patch.apply()
+    return tracker
+
+
 def _skip(it: Iterator[Any], loader: Any, n: int) -> str:
     """Advance a fresh iterator past ``n`` batches; how: ``indices`` (the sampler's only, nothing fetched) or
     ``drawn`` (the batches loaded and dropped: workers, an iterable dataset)."""

@@ -94,6 +94,7 @@ class ResilientSteps:
                         "use a DistributedSampler")
         if self.runtime is not None:
             self.runtime.loaders.claim("resilient_steps")  # it positions its loader itself
+            self.runtime.loop_owner = "resilient_steps"  # and redoes a failed step itself
             get, put = self.runtime._client_get, self.runtime._client_set  # chained: the script's own stays
             self.runtime.set_client_state(lambda: {**(get() if get else {}), KEY: self._position()},
                                           lambda st: self._restore_client(st, put))

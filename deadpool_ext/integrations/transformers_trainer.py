@@ -313,6 +313,7 @@ def resume_trainer(trainer: Any) -> int | None:
 
     step_end = _arm(trainer, runtime)
     runtime.loaders.claim("hf_trainer")  # the Trainer skips the batches done itself
+    runtime.loop_owner = "hf_trainer"  # and its loop is re-entered after an in-place recovery
     runtime.set_client_state((lambda: {}) if step_end is not None else (lambda: _trainer_state(trainer)), put)
     if pending is not None:
         setattr(trainer, IN_PLACE_ATTR, None)

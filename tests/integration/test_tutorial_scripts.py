@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 
 import pytest
 
+from deadpool_ext.chaos import at_step
+from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.jobs import Job
-from deadpool_ext.testing.launch import free_port, read_metrics, run_job
-from tests.integration.helpers import JOB_TIMEOUT_S, kill_at
+from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
+from tests.conftest import matrix
+from tests.integration.helpers import JOB_TIMEOUT_S, kill_at, worker_proc
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/examples/ds_tutorial_mlm.py"
@@ -86,3 +90,60 @@ def test_a_tutorial_loop_that_loads_nothing_is_told_how_to_restore(tmp_path, shm
     _, events, _ = _run(tmp_path, "noload", ["--steps", "2", "--no-load"], shm_root=shm_root)
     never = [e["unused_versions"] for e in events if e.get("event") == "never_restores"]
     assert never == [[]], never
+
+
+def _dprun(tmp_path, shm_root: str, name: str, args: list[str], *, env: dict | None = None,
+           kill_after_step: int | None = None):
+    """The script under deadpool-run, 2 nodes of 1 worker and 1 spare, the section added (a config built in code:
+    nothing names a file); ``env``: a harness's in-process fault; ``kill_after_step``: SIGKILL node1.0 from outside
+    once rank 0 logged that step (wherever its step then is)."""
+    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
+    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    full = [*args, "--save-dir", os.path.join(str(tmp_path), f"{name}.ckpt"), "--deadpool-section",
+            json.dumps({"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
+    job = Job(script=SCRIPT, nnodes=2, nproc_per_node=1, spare_nodes=1, shm_root=shm_root, timeline=timeline,
+              args=tuple(full), metrics=metrics, env_vars=dict(env or {}))
+    pids: dict[str, int] = {}
+
+    def watch(proc) -> None:
+        for wid in ("node0.0", "node1.0"):
+            pids[wid] = worker_proc(proc.pid, wid).pid
+        if kill_after_step is not None:
+            wait_for_step(metrics, kill_after_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
+            worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
+
+    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(), while_running=watch)
+    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
+        fh.write(res.output)
+    assert not res.timed_out and res.returncode == 0, res.output[-4000:]
+    return read_metrics(metrics), read_events(timeline) if os.path.exists(timeline) else [], pids
+
+
+@pytest.mark.parametrize("variant,fault", matrix(
+    [(v, f) for v in ("shuffle", "accumulation") for f in ("after_step", "mid_step")],
+    ci=[("accumulation", "after_step"), ("shuffle", "mid_step")]))
+def test_a_tutorial_loop_survives_a_hot_swap_unchanged(tmp_path, shm_root, variant, fault):
+    """Under deadpool-run with a spare, the plain loop (no resilient_steps, no ResilientLoop) survives a lost node:
+    the survivor keeps its process and engine, and the step the lost peer interrupted is redone inside DeepSpeed's
+    own forward / backward / step from the recorded micro-batches; the spare restores through the script's
+    ``load_checkpoint`` and its loader continues at the right batch. ``after_step``: rank 1 killed in-process right
+    after its optimizer step 4; ``mid_step``: SIGKILLed from outside once rank 0 logged step 3, wherever it is.
+    Every loss bit for bit against the script without the section."""
+    # the script saves every 2 steps: the spare's client state (its step) is the one saved at step 2, moved on
+    args = ["--steps", "10", "--save-interval", "2", "--dataset-size", "32"]
+    if variant == "accumulation":
+        args += ["--gas", "2", "--sampler", "distributed", "--dataset-size", "48", "--zero-stage", "2"]
+    ref, _, _ = _run(tmp_path, "ref", args)
+    if fault == "after_step":
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, env=at_step.harness_env(
+            {at_step.ENV: StepFault("kill", 4, 1, marker).render()}))
+    else:
+        losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, kill_after_step=3)
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+    redone = [e for e in events if e.get("event") == "continued" and e.get("how") == "redo_in_place"]
+    assert [e["pid"] for e in redone] == [pids["node0.0"]], redone
+    spare = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
+    assert len(spare) == 1 and spare[0]["pid"] not in pids.values(), spare
+    assert set(losses) == set(range(1, 11)) and losses == ref

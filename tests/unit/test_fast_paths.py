@@ -168,9 +168,17 @@ def test_initialize_hands_deepspeed_a_copy_and_the_callers_args_keep_their_confi
         ns.local_rank = 1
         return SimpleNamespace(), None, None, None
 
+    from deadpool_ext import patches
+
+    quiet = patches.get("deepspeed_zero3_quiet_init")
+    was = quiet.applied
     ns = argparse.Namespace(deepspeed_config={"train_batch_size": 2}, local_rank=-1)
-    for _ in range(2):   # the first build, then a rebuild factory's call with the same args
-        initialize(args=ns, model=object(), _ds_initialize=deepspeed_initialize)
+    try:
+        for _ in range(2):   # the first build, then a rebuild factory's call with the same args
+            initialize(args=ns, model=object(), _ds_initialize=deepspeed_initialize)
+    finally:
+        if not was:
+            quiet.revert()  # initialize() applies it for the engine it builds; other tests check it unapplied
     assert calls == [(None, {"train_batch_size": 2})] * 2
     assert ns.deepspeed_config == {"train_batch_size": 2} and ns.local_rank == 1
 

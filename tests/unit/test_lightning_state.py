@@ -60,6 +60,10 @@ class StandIn:
     def __init__(self, captured: dict, step: int = 0, restored_at: int | None = None) -> None:
         self.captured, self.step, self.restored_at, self.recovered = captured, step, restored_at, 0
         self.get = self.put = None
+        from deadpool_ext.integrations.loaders import LoaderPositions
+
+        self.loaders = LoaderPositions()  # claimed by the integration: Lightning positions its loader itself
+        self.loop_owner: str | None = None
 
     def set_client_state(self, get, put) -> None:
         self.get, self.put = get, put

@@ -13,8 +13,9 @@ With the ``"deadpool"`` section the runtime wraps both calls on the engine (:cla
 
 - ``save_checkpoint`` is DeepSpeed's; the client state it was given (its JSON-able part) and the engine's counters
   then ride in every later snapshot (client-state key :data:`KEY`).
-- ``load_checkpoint`` loads ``dir`` as DeepSpeed does when it holds a checkpoint, then asks the memory tiers for
-  a version newer than that step (``resume(newer_than=...)``: collective, every rank agrees). When memory wins, it
+- ``load_checkpoint`` loads ``dir`` as DeepSpeed does when it holds a checkpoint (not in a spare that takes a lost
+  node's place: the survivors restore from memory, and so does it), then asks the memory tiers for a version newer
+  than that step (``resume(newer_than=...)``: collective, every rank agrees). When memory wins, it
   returns ``("memory:step<N>", client_state)``, the client state being the one last saved with its step-like keys
   (:func:`rebase`) moved as far as the engine's counters moved. Otherwise DeepSpeed's own return.
 - Only the first ``load_checkpoint`` of a process that has not restored yet is served from memory, and only a
@@ -178,7 +179,7 @@ class CheckpointCalls:
         load_dir, tag = bound.arguments.get("load_dir"), bound.arguments.get("tag")
         disk: Any = (None, None)
         disk_step: int | None = None
-        if _has_checkpoint(load_dir, tag):
+        if _has_checkpoint(load_dir, tag) and not _joins_a_recovery():
             disk = self._load(*args, **kwargs)
             if isinstance(disk, tuple) and disk and disk[0] is not None:
                 disk_step = int(self.engine.global_steps)
@@ -222,8 +223,11 @@ class CheckpointCalls:
         if not rec or not isinstance(rec.get("saved"), dict) or not isinstance(rec.get("at"), dict):
             if int(self.engine.global_rank) == 0:
                 log.warning("load_checkpoint: restored step %d from memory, but the script had not called "
-                            "save_checkpoint before it: client_state is empty (read the step from "
-                            "engine.global_steps when client_state lacks it)", step)
+                            "save_checkpoint before that step, so the client state it keeps its own counters in is "
+                            "unknown: an empty one is returned. A script that reads its step from client_state then "
+                            "counts from 0 while the engine is at step %d (a hot-swapped spare would train more steps "
+                            "than the survivors). Fix: fall back to engine.global_steps when client_state has no "
+                            "step", step, step)
             return {}, []
         at = {k: int(v) for k, v in rec["at"].items() if isinstance(v, int) and not isinstance(v, bool)}
         return rebase(rec["saved"], at, counters(self.engine))
@@ -236,3 +240,12 @@ def _has_checkpoint(load_dir: Any, tag: Any) -> bool:
     if tag is not None:
         return os.path.isdir(os.path.join(load_dir, str(tag)))
     return os.path.isfile(os.path.join(load_dir, "latest"))
+
+
+def _joins_a_recovery() -> bool:
+    """A spare taking a lost node's place: the survivors restore from memory (their in-place recovery), collective
+    for collective with this process's restore; a load from disk first would be collectives they never join."""
+    from ...rebuild import worker
+    from ...rebuild.context import context
+
+    return context().in_hot_swap or worker.pending_live() is not None

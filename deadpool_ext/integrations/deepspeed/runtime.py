@@ -64,6 +64,13 @@ class DeadpoolRuntime(ResilientRuntime):
         # DeepSpeed's own resume pattern (load_checkpoint / save_checkpoint with a step in client_state) served
         # from memory when memory holds a newer version (checkpoint_calls.py).
         self.checkpoint_calls = checkpoint_calls.CheckpointCalls(engine, self)
+        self.redo: Any = None
+        if self._in_place and not getattr(engine, "pipeline_parallelism", False):
+            # A plain loop (no resilient_steps, ResilientLoop or framework loop) survives a lost peer unchanged: the
+            # interrupted step is redone inside DeepSpeed's own calls (redo.py).
+            from .redo import StepRedo
+
+            self.redo = StepRedo(engine, self, forward=engine.forward, backward=engine.backward, step=engine.step)
         log.info("deadpool_ext attached to DeepSpeed engine: ZeRO stage %d, dp=%d, snapshots %s",
                  self.zero_stage, engine.dp_world_size,
                  f"every {config.snapshot.interval} step(s), replication factor {config.replication.factor}"

@@ -1,0 +1,180 @@
+"""The data position of a script's own DataLoaders (issue 43, part 2), in one process: a loader iterated, its
+position recorded as a snapshot records it, a "restarted" process (new tracker, the script's seed again) restored
+from it: the batches that follow are the uninterrupted run's. Also the pure parts: the record's JSON and the epoch
+rule, and the pure decisions of DeepSpeed's own resume calls (client-state rebasing) and of the in-place redo."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from deadpool_ext import patches
+from deadpool_ext.integrations.deepspeed.checkpoint_calls import follows, rebase
+from deadpool_ext.integrations.deepspeed.redo import Micro, StepRecord, apply_accessor, loss_accessor, redo_plan
+from deadpool_ext.integrations.loaders import LoaderPositions, Position, next_epoch
+
+
+@pytest.fixture
+def tracked():
+    patch = patches.get("torch_dataloader_position")
+    was_applied, was = patch.applied, patch.tracker
+    patch.apply()
+    yield patch
+    patch.set_tracker(was)
+    if not was_applied:
+        patch.revert()
+
+
+def _draw_with_noise(loader, n: int) -> list[torch.Tensor]:
+    """What a training loop draws: ``n`` batches, with global-RNG draws between them (dropout, a collator)."""
+    out = []
+    it = iter(loader)
+    for _ in range(n):
+        try:
+            out.append(next(it))
+        except StopIteration:
+            it = iter(loader)
+            out.append(next(it))
+        torch.rand(3)
+    return out
+
+
+def _loader(kind: str) -> DataLoader:
+    data = TensorDataset(torch.arange(40).view(20, 2))
+    if kind == "global":
+        return DataLoader(data, batch_size=3, shuffle=True,
+                          collate_fn=lambda b: torch.stack([x[0] for x in b]) + torch.randint(0, 2, (1,)))
+    if kind == "generator":
+        return DataLoader(data, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5),
+                          collate_fn=lambda b: torch.stack([x[0] for x in b]))
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+    return DataLoader(data, batch_size=2, sampler=sampler, collate_fn=lambda b: torch.stack([x[0] for x in b]))
+
+
+@pytest.mark.parametrize("kind", ["global", "generator", "distributed"])
+@pytest.mark.parametrize("done", [4, 6, 7, 13])  # mid-epoch, an epoch's end, the next epoch
+def test_a_restored_loader_hands_out_the_uninterrupted_runs_batches(tracked, kind, done):
+    """The uninterrupted run: ``done`` batches, a snapshot (the position and the RNG), 8 more. The restarted one:
+    the script's seed, a new loader, the position and RNG restored, then 8 batches: the same, bit for bit."""
+    def run(stop_at: int | None):
+        torch.manual_seed(0)
+        t = LoaderPositions(settle_rng=lambda: None)
+        tracked.set_tracker(t)
+        loader = _loader(kind)
+        sampler = loader.sampler if kind == "distributed" else None
+        batches: list[torch.Tensor] = []
+        epoch, it = 0, None
+        while len(batches) < (stop_at if stop_at is not None else done + 8):
+            if it is None:
+                if sampler is not None:
+                    sampler.set_epoch(epoch)
+                it = iter(loader)
+            try:
+                batches.append(next(it))
+            except StopIteration:
+                it, epoch = None, epoch + 1
+                continue
+            torch.rand(3)  # the step's own draws (dropout)
+        return batches, t.position(), torch.get_rng_state(), loader
+
+    full, _, _, _ = run(None)
+    _, pos, rng, _ = run(done)
+    # the restarted process: seeded again, a new tracker, the snapshot's position and RNG restored
+    torch.manual_seed(0)
+    t = LoaderPositions(settle_rng=lambda: None)
+    tracked.set_tracker(t)
+    loader = _loader(kind)
+    torch.set_rng_state(rng)
+    t.restore(pos)
+    assert t.apply_restored() == 1
+    sampler = loader.sampler if kind == "distributed" else None
+    after: list[torch.Tensor] = []
+    epoch, it = 0, None  # the script counts its epochs from 0 again
+    while len(after) < 8:
+        if it is None:
+            if sampler is not None:
+                sampler.set_epoch(epoch)
+            it = iter(loader)
+        try:
+            after.append(next(it))
+        except StopIteration:
+            it, epoch = None, epoch + 1
+            continue
+        torch.rand(3)
+    assert all(torch.equal(a, b) for a, b in zip(after, full[done:done + 8], strict=True))
+
+
+def test_a_claimed_tracker_records_and_positions_nothing(tracked):
+    t = LoaderPositions()
+    tracked.set_tracker(t)
+    t.claim("resilient_steps")
+    next(iter(_loader("generator")))
+    assert t.position() is None
+    t.restore({"loaders": [{"iters": 1, "drawn": 3}]})
+    assert t.apply_restored() == 0
+
+
+def test_batches_from_no_dataloader_and_unknown_samplers_are_named(tracked):
+    t = LoaderPositions()
+    assert len(t.unsure_lines(steps_done=1)) == 1 and "no torch DataLoader" in t.unsure_lines(steps_done=1)[0]
+
+    class OwnSampler(torch.utils.data.Sampler):
+        def __iter__(self):
+            return iter(range(4))
+
+        def __len__(self):
+            return 4
+
+    tracked.set_tracker(t)
+    next(iter(DataLoader(list(range(4)), sampler=OwnSampler())))
+    lines = t.unsure_lines(steps_done=1)
+    assert len(lines) == 1 and "OwnSampler" in lines[0]
+
+
+def test_a_malformed_position_is_dropped_and_the_loader_starts_over():
+    t = LoaderPositions()
+    t.restore({"loaders": [{"iters": -1}]})
+    assert t.apply_restored() == 0
+    with pytest.raises(ValueError, match="'drawn'"):
+        Position.from_json({"iters": 1, "drawn": "3"})
+
+
+def test_the_first_epoch_after_a_restore():
+    mid = Position(iters=3, drawn=2, epoch=2)
+    assert next_epoch(mid, 0) == (2, 2)        # mid-epoch: the recorded epoch; the script's later epochs shifted by 2
+    ended = Position(iters=3, drawn=5, exhausted=True, epoch=2, epoch_step=1)
+    assert next_epoch(ended, 0) == (3, 3)
+    assert next_epoch(Position(iters=1, epoch=None), None) == (None, 0)
+    assert next_epoch(Position(iters=2, epoch=0, exhausted=True, epoch_step=0), 0) == (0, 0)  # never set_epoch
+
+
+def test_client_state_step_keys_follow_the_engines_counters():
+    at = {"global_steps": 6, "micro_steps": 12, "global_samples": 48}
+    saved = {"step": 5, "epoch": 6, "micro_step": 12, "samples_seen": 48, "flag": True, "name": "x", "iters": 30}
+    assert follows(saved, at) == {"step": ("global_steps", -1), "micro_step": ("micro_steps", 0),
+                                  "samples_seen": ("global_samples", 0)}
+    now = {"global_steps": 9, "micro_steps": 18, "global_samples": 72}
+    out, moved = rebase(saved, at, now)
+    assert out == {**saved, "step": 8, "micro_step": 18, "samples_seen": 72} and moved == ["micro_step", "samples_seen",
+                                                                                            "step"]
+
+
+def test_the_loss_a_plain_loop_backs_is_found_in_the_forwards_output():
+    loss = torch.tensor(1.0)
+    assert loss_accessor(loss, loss) == ("self", None)
+    assert loss_accessor((torch.tensor(2.0), loss), loss) == ("item", 1)
+    out = {"logits": torch.ones(2), "loss": loss}
+    assert apply_accessor(out, loss_accessor(out, loss)) is loss
+    assert loss_accessor(torch.ones(2), loss)[0] == "none"  # criterion(engine(x), y): the script's own code
+
+
+def test_what_the_recorded_calls_can_redo():
+    def micro(loss):
+        return Micro(args=(), kwargs={}, rng=torch.get_rng_state(), loss=loss)
+
+    recs = [StepRecord(after=4, micros=[micro(("key", "loss"))]), StepRecord(after=5, micros=[micro(None)])]
+    assert redo_plan(recs, 4) is None and redo_plan(recs, 5) is None
+    assert "older than the oldest step recorded" in redo_plan(recs, 3)
+    recs[1].micros[0].loss = ("none", "computed by the script")
+    assert "computed by the script" in redo_plan(recs, 4)
+    assert redo_plan([], 4) == "nothing was recorded"
