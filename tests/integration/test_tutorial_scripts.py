@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import pytest
 
@@ -17,9 +16,10 @@ from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.jobs import Job
-from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
+from deadpool_ext.testing.launch import free_port, read_metrics, run_job
 from tests.conftest import matrix
-from tests.integration.helpers import JOB_TIMEOUT_S, kill_at, worker_proc
+from tests.integration import test_existing_jobs as existing_jobs
+from tests.integration.helpers import JOB_TIMEOUT_S, kill_at
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/examples/ds_tutorial_mlm.py"
@@ -94,29 +94,14 @@ def test_a_tutorial_loop_that_loads_nothing_is_told_how_to_restore(tmp_path, shm
 
 def _dprun(tmp_path, shm_root: str, name: str, args: list[str], *, env: dict | None = None,
            kill_after_step: int | None = None):
-    """The script under deadpool-run, 2 nodes of 1 worker and 1 spare, the section added (a config built in code:
-    nothing names a file); ``env``: a harness's in-process fault; ``kill_after_step``: SIGKILL node1.0 from outside
-    once rank 0 logged that step (wherever its step then is)."""
-    metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
-    timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
+    """The script under deadpool-run (2 nodes of 1 worker, 1 spare: ``test_existing_jobs._dprun``), the section added
+    to its in-code config (nothing names a file)."""
     full = [*args, "--save-dir", os.path.join(str(tmp_path), f"{name}.ckpt"), "--deadpool-section",
             json.dumps({"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
-    job = Job(script=SCRIPT, nnodes=2, nproc_per_node=1, spare_nodes=1, shm_root=shm_root, timeline=timeline,
-              args=tuple(full), metrics=metrics, env_vars=dict(env or {}))
-    pids: dict[str, int] = {}
-
-    def watch(proc) -> None:
-        for wid in ("node0.0", "node1.0"):
-            pids[wid] = worker_proc(proc.pid, wid).pid
-        if kill_after_step is not None:
-            wait_for_step(metrics, kill_after_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
-            worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
-
-    res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(), while_running=watch)
-    with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
-        fh.write(res.output)
-    assert not res.timed_out and res.returncode == 0, res.output[-4000:]
-    return read_metrics(metrics), read_events(timeline) if os.path.exists(timeline) else [], pids
+    res, losses, events, pids = existing_jobs._dprun(tmp_path, shm_root, name, SCRIPT, full, env=env,
+                                                     kill_after_step=kill_after_step)
+    assert res.returncode == 0, res.output[-4000:]
+    return losses, events, pids
 
 
 @pytest.mark.parametrize("variant,fault", matrix(

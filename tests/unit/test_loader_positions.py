@@ -25,18 +25,24 @@ def tracked():
         patch.revert()
 
 
-def _draw_with_noise(loader, n: int) -> list[torch.Tensor]:
-    """What a training loop draws: ``n`` batches, with global-RNG draws between them (dropout, a collator)."""
-    out = []
-    it = iter(loader)
-    for _ in range(n):
-        try:
-            out.append(next(it))
-        except StopIteration:
+def _epochs(loader: DataLoader, n: int) -> list[torch.Tensor]:
+    """What a training loop draws: ``n`` batches, epoch after epoch (``set_epoch`` from its own count, from 0), with
+    global-RNG draws after each (the step's dropout)."""
+    sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else None
+    batches: list[torch.Tensor] = []
+    epoch, it = 0, None
+    while len(batches) < n:
+        if it is None:
+            if sampler is not None:
+                sampler.set_epoch(epoch)
             it = iter(loader)
-            out.append(next(it))
+        try:
+            batches.append(next(it))
+        except StopIteration:
+            it, epoch = None, epoch + 1
+            continue
         torch.rand(3)
-    return out
+    return batches
 
 
 def _loader(kind: str) -> DataLoader:
@@ -61,24 +67,11 @@ def test_a_restored_loader_hands_out_the_uninterrupted_runs_batches(tracked, kin
         t = LoaderPositions(settle_rng=lambda: None)
         tracked.set_tracker(t)
         loader = _loader(kind)
-        sampler = loader.sampler if kind == "distributed" else None
-        batches: list[torch.Tensor] = []
-        epoch, it = 0, None
-        while len(batches) < (stop_at if stop_at is not None else done + 8):
-            if it is None:
-                if sampler is not None:
-                    sampler.set_epoch(epoch)
-                it = iter(loader)
-            try:
-                batches.append(next(it))
-            except StopIteration:
-                it, epoch = None, epoch + 1
-                continue
-            torch.rand(3)  # the step's own draws (dropout)
-        return batches, t.position(), torch.get_rng_state(), loader
+        batches = _epochs(loader, stop_at if stop_at is not None else done + 8)
+        return batches, t.position(), torch.get_rng_state()
 
-    full, _, _, _ = run(None)
-    _, pos, rng, _ = run(done)
+    full, _, _ = run(None)
+    _, pos, rng = run(done)
     # the restarted process: seeded again, a new tracker, the snapshot's position and RNG restored
     torch.manual_seed(0)
     t = LoaderPositions(settle_rng=lambda: None)
@@ -87,20 +80,7 @@ def test_a_restored_loader_hands_out_the_uninterrupted_runs_batches(tracked, kin
     torch.set_rng_state(rng)
     t.restore(pos)
     assert t.apply_restored() == 1
-    sampler = loader.sampler if kind == "distributed" else None
-    after: list[torch.Tensor] = []
-    epoch, it = 0, None  # the script counts its epochs from 0 again
-    while len(after) < 8:
-        if it is None:
-            if sampler is not None:
-                sampler.set_epoch(epoch)
-            it = iter(loader)
-        try:
-            after.append(next(it))
-        except StopIteration:
-            it, epoch = None, epoch + 1
-            continue
-        torch.rand(3)
+    after = _epochs(loader, 8)  # the script counts its epochs from 0 again
     assert all(torch.equal(a, b) for a, b in zip(after, full[done:done + 8], strict=True))
 
 
