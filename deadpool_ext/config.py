@@ -284,6 +284,42 @@ class PersistConfig:
             _fail("when_busy", f"must be one of skip, wait; got {_show(self.when_busy)}")
 
 
+MAX_CANARY_FACTOR = 1e6
+"""Upper bound of ``canary.factor``: beyond it a bound catches nothing a finite check does not."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CanaryConfig:
+    """The numerical canary after every restore (docs/operations.md, "A numerical canary after every restore"):
+    the first steps after a restore from memory or tier 3 are checked against bounds learned from the run before
+    it (carried in each snapshot's header as JSON); a version that fails is quarantined in every tier and the next
+    older one restored."""
+
+    enabled: bool = True
+    """Check the first steps after every restore; ``false``: no check, no bounds kept, snapshots and tier 3 go on
+    right after a restore."""
+    factor: float = 10.0
+    """A checked step fails when its loss (or gradient norm) is not finite, or its magnitude exceeds ``factor``
+    times the largest of the recent values the restored version carries. A larger factor misses subtler poison; a
+    smaller one may take a genuine loss spike for a bad restore (which, replayed from the older version too,
+    ends in the crash-loop guard)."""
+    steps: int = 3
+    """How many steps after a restore are checked. Snapshots and tier-3 bases are held during them (a poisoned
+    version must not overwrite the older one it falls back to)."""
+    window: int = 16
+    """How many recent values of each (loss, gradient norm) the bounds keep."""
+    max_rollbacks: int = 2
+    """How many versions one job may quarantine; the next failed check stops the job with one line and exit
+    status 6 (a crash-loop guard), as does a failed check with no older version in memory."""
+
+    def __post_init__(self) -> None:
+        if not _finite(self.factor) or not 1.0 < self.factor <= MAX_CANARY_FACTOR:
+            _fail("factor", f"must be a number > 1 and <= {MAX_CANARY_FACTOR:g}, got {_show(self.factor)}")
+        _integer("steps", self.steps, 1, 1000)
+        _integer("window", self.window, 1, 1000)
+        _integer("max_rollbacks", self.max_rollbacks, 0, 100)
+
+
 NO_SPARE_POLICIES = ("fail", "wait", "shrink")
 
 
@@ -331,6 +367,7 @@ class DeadpoolConfig:
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     persist: PersistConfig = field(default_factory=PersistConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not (isinstance(self.job_id, str)
