@@ -40,9 +40,15 @@ class Progress:
         self._signature: tuple[tuple[int, int], ...] | None = None
         self._still_since = 0.0
         self._lock = threading.Lock()
+        self._told_first = False
 
     def note_step(self, step: int) -> None:
         self.step, self.step_at = step, time.time()
+        if not self._told_first:  # the job's start-up ends at its first step (recovery/ledger.py's ``startup``)
+            self._told_first = True
+            from ..recovery.timeline import write_event
+
+            write_event(event="first_step", step=step, time=self.step_at)
 
     def reset(self) -> None:
         with self._lock:

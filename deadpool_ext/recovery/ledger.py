@@ -10,8 +10,8 @@ It reads the same events as ``deadpool timeline`` and splits each hot-swap with 
                     machine joined as one (``--no-spare-policy wait``: a ``joined`` spare between the two);
 - ``communicators`` the rest of ``agree_s`` (the next generation published, every rank's groups formed);
 - ``rebuild``, ``restore``, ``recompute``: the row's ``rebuild_s``, ``restore_s``, ``recompute_s``;
-- ``startup``       the launcher's ``start`` -> the end of the first step a snapshot was taken of (the first
-                    ``snapshot`` event's ``step_at``); ``shutdown``: the last ``trained`` event -> ``finished``;
+- ``startup``       the launcher's ``start`` -> the first step any process finished (the first ``first_step``
+                    event, ``rebuild/progress.py``); ``shutdown``: the last ``trained`` event -> ``finished``;
 - ``straggler``, ``preemption``: the ``lost_s`` of the events :data:`LOSS_EVENTS` names;
 - ``other``         what a recovery's interval holds beyond its known phases (a phase its events lack).
 
@@ -44,6 +44,8 @@ SNAPSHOT = "snapshot"
 """The event a rank's snapshot writer writes after a global commit (``snapshot/writer.py``), at most every
 ``SNAPSHOT_EVENT_EVERY_S``: ``rank``, ``version``, ``step_at`` (the snapshot's start), ``blocking_s``, ``nbytes``,
 ``commit_lag_s``, ``committed``."""
+FIRST_STEP = "first_step"
+"""A process finished its first optimizer step (``rebuild/progress.py``): the job's start-up ends at the first."""
 STRAGGLER = "straggler"
 """A rank named a straggler (issue 46, part 1): counted; its ``lost_s``, if any, is the ``straggler`` cause's."""
 QUARANTINED = "quarantined"
@@ -223,10 +225,11 @@ def ledger(events: Iterable[dict[str, Any]], now: float) -> Ledger:
             key = (failure_cause(str(why)), restore_tier(recov))
             recoveries[key] = recoveries.get(key, 0) + 1
 
-    # start-up: until the first step a snapshot was taken of (a recovery before it keeps its own seconds)
+    # start-up: until a process finished its first step (a recovery before it keeps its own seconds)
+    firsts = [float(e["time"]) for e in events if e.get("event") == FIRST_STEP]
+    if firsts:
+        book_interval("startup", start, min(firsts))
     snaps = [e for e in events if e.get("event") == SNAPSHOT]
-    if snaps:
-        book_interval("startup", start, min(float(e.get("step_at", e["time"])) for e in snaps))
     trained = [float(e["time"]) for e in events if e.get("event") == "trained"]
     if ended and trained:
         book_interval("shutdown", max(max(trained), prev_hi), end)
@@ -295,5 +298,5 @@ def format_ledger(led: Ledger) -> str:
             f"({causes})")
 
 
-__all__ = ["CAUSES", "LOSS_EVENTS", "Ledger", "SNAPSHOT", "SnapshotFigures", "TIERS", "failure_cause", "format_ledger",
-           "free_parts", "ledger", "restore_tier", "snapshot_figures", "spares_available", "uncovered"]
+__all__ = ["CAUSES", "FIRST_STEP", "LOSS_EVENTS", "Ledger", "SNAPSHOT", "SnapshotFigures", "TIERS", "failure_cause",
+           "format_ledger", "free_parts", "ledger", "restore_tier", "snapshot_figures", "spares_available", "uncovered"]

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from ..memory.pinned import SideStream
 from ..rebuild.cause import lost_peer_text
+from ..recovery.timeline import write_event
 from ..replicate.peer import PeerReplicator
 from .differential import DiffRing
 from .late import LATE_KEY, LateDropped, LateState, LateStep
@@ -41,6 +42,10 @@ from .stats import SnapshotStats
 from .tier1 import TierOneStore
 
 log = logging.getLogger("deadpool_ext")
+
+
+SNAPSHOT_EVENT_EVERY_S = 5.0
+"""Shortest time between two ``snapshot`` timeline events of a rank (one JSON line each)."""
 
 
 class SnapshotWorkerError(RuntimeError):
@@ -96,6 +101,7 @@ class SnapshotWriter:
         self._epoch_lock = threading.Lock()
         self.phase = "idle"
         """What the worker is doing (for the error that says where it is stuck)."""
+        self._told_at = -SNAPSHOT_EVENT_EVERY_S  # the first commit is told at once
 
     def start(self, *, peers: PeerReplicator, dpeers: PeerReplicator | None, ring: DiffRing,
               priority: WorkerPriority) -> None:
@@ -238,6 +244,19 @@ class SnapshotWriter:
                            ("copy_cpu_s", c1 - c0), ("seal_cpu_s", c2 - c1), ("replicate_cpu_s", c3 - c2),
                            ("commit_cpu_s", c4 - c3)):
             st.add_timing(key, value)
+        self._tell(job.snap.version, blob_len, t4 - t0)
+
+    def _tell(self, version: int, nbytes: int, lag_s: float) -> None:
+        """The ``snapshot`` timeline event, at most every :data:`SNAPSHOT_EVENT_EVERY_S` per rank: what the goodput
+        ledger serves as the snapshots' blocking, bytes and commit lag (``recovery/ledger.py``)."""
+        now = time.time()
+        if now - self._told_at < SNAPSHOT_EVENT_EVERY_S:
+            return
+        self._told_at = now
+        blocking = self.stats.blocking_s
+        write_event(event="snapshot", rank=self.rank, version=version, step_at=now - lag_s, nbytes=nbytes,
+                    blocking_s=blocking[-1] if blocking else None, commit_lag_s=lag_s,
+                    committed=self.committed_version)
 
     # -- stopping ----------------------------------------------------------------------------------------------
     def quiesce(self, timeout_s: float = 10.0) -> None:

@@ -54,12 +54,16 @@ def _snap(at: float, rank: int = 0, **kw) -> dict:
             "nbytes": 1000, "commit_lag_s": 0.2, "committed": 1, **kw}
 
 
+def _first(at: float) -> dict:
+    return {"event": "first_step", "time": at, "step": 1}
+
+
 def _balanced(led) -> bool:
     return math.isclose(led.productive_s + sum(led.lost_s.values()), led.wall_s, rel_tol=1e-9, abs_tol=1e-9)
 
 
 def test_a_job_without_failure_is_all_productive_after_its_start_up():
-    ev = [_start(), _snap(T0 + 8.0), _snap(T0 + 8.1, rank=1), {"event": "finished", "time": T0 + 20.0}]
+    ev = [_start(), _first(T0 + 8.0), _first(T0 + 8.1), _snap(T0 + 7.9), {"event": "finished", "time": T0 + 20.0}]
     led = ledger(ev, now=T0 + 99)
     assert led.ended and led.wall_s == pytest.approx(20.0) and led.lost_s["startup"] == pytest.approx(8.0)
     assert led.productive_s == pytest.approx(12.0) and led.goodput == pytest.approx(0.6) and _balanced(led)
@@ -67,7 +71,7 @@ def test_a_job_without_failure_is_all_productive_after_its_start_up():
 
 
 def test_a_hot_swap_is_booked_phase_by_phase_as_deadpool_timeline_shows_it():
-    ev = [_start(), _snap(T0 + 5.0), *_swap(1, T0 + 10.0), {"event": "finished", "time": T0 + 30.0}]
+    ev = [_start(), _first(T0 + 5.0), *_swap(1, T0 + 10.0), {"event": "finished", "time": T0 + 30.0}]
     led = ledger(ev, now=T0 + 99)
     [row] = phases(ev)
     lost = led.lost_s
@@ -192,7 +196,7 @@ def _timelines(draw):
     """Any sequence of hot-swaps: overlapping or not, caught up or not, phases missing, losses from events."""
     ev, t, gen = [_start(("s0", "s1", "s2"))], T0 + draw(st.floats(0, 5)), 0
     if draw(st.booleans()):
-        ev.append(_snap(T0 + draw(st.floats(0, 20))))
+        ev.append(_first(T0 + draw(st.floats(0, 20))))
     for _ in range(draw(st.integers(0, 4))):
         gen += 1
         swap = _swap(gen, t, caught=draw(st.booleans()), spare_s=draw(st.floats(0, 5)))
