@@ -64,7 +64,9 @@ def malloc_env(arena_max: int, environ: Any, *, log: bool) -> dict[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="deadpool-run", description=DESCRIPTION,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nnodes", type=int, default=None, help="active nodes (required, unless --join)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="active nodes (required, unless --join; with --hostfile or --from-slurm: the hosts less "
+                        "--spare-nodes, one node per host)")
     p.add_argument("--join", default=None, metavar="NAME",
                    help="add this machine to a running job as node NAME (with the job's --store-url, --job-id and "
                         "DEADPOOL_STORE_TOKEN): a spare, or the node a shrunk job grows back to (docs/elastic.md)")
@@ -79,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordination store to use instead of the embedded one: etcd://HOST:PORT (many hosts), or "
                         "the leader's dp://HOST:PORT for a follower launcher. The token comes from "
                         "DEADPOOL_STORE_TOKEN")
-    p.add_argument("--store-port", type=int, default=0, help="port of the embedded store (leader); 0 = any free port")
+    p.add_argument("--store-port", type=int, default=0,
+                   help="port of the embedded store (leader); 0 = any free port. With --hostfile or --from-slurm "
+                        "and no --store-url: host 0 serves it on this port and the other hosts connect to it there")
     p.add_argument("--hostfile", default=None,
                    help="DeepSpeed-style hostfile ('HOST slots=N' per line): --hosts, --host-rank, --host and "
                         "--nproc-per-node derived from it (the line naming this machine), one command for every host")
@@ -87,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="derive --hosts, --host-rank, --host and --job-id from SLURM's environment (SLURM_NNODES, "
                         "SLURM_NODEID, SLURM_STEP_NODELIST, SLURM_JOB_ID); run one launcher per host with srun")
     p.add_argument("--hosts", type=int, default=None, help="launchers in the job, one per host; node i runs on host "
-                                                        "i %% hosts, spare j on host j %% hosts")
+                                                        "i %% hosts, spare j on host (nnodes + j) %% hosts")
     p.add_argument("--host-rank", type=int, default=None,
                    help="this launcher's index; 0 publishes the first assignment. On an etcd store every launcher "
                         "can take the coordinator role over (docs/multi-host.md)")
@@ -261,6 +265,19 @@ def apply_host_plan(parser: argparse.ArgumentParser, args: argparse.Namespace,
                 setattr(args, dest, value)
             elif dest not in ("host", "job_id") and given != value:
                 parser.error(f"--{dest.replace('_', '-')} {given}: {plan.source} says {value}; drop the flag")
+        if not args.store_url and len(plan.hosts) > 1 and args.join is None:
+            # one command line on every host: host 0 serves the embedded store on --store-port, the others find it
+            # under host 0's name
+            if not args.store_port:
+                parser.error(f"{plan.source}: {len(plan.hosts)} hosts and no --store-url: pass --store-port PORT "
+                             "(host 0 serves the job's store there) or --store-url etcd://HOST:PORT")
+            if plan.rank > 0:
+                args.store_url = f"dp://{plan.hosts[0]}:{args.store_port}"
+        if args.nnodes is None and args.join is None:
+            args.nnodes = len(plan.hosts) - (args.spare_nodes or 0)
+            if args.nnodes < 1:
+                parser.error(f"--spare-nodes {args.spare_nodes}: {plan.source} has {len(plan.hosts)} host(s), which "
+                             "leaves no active node; pass fewer spares or --nnodes")
     for dest, default in (("hosts", 1), ("host_rank", 0), ("host", "127.0.0.1"), ("nproc_per_node", 1)):
         if getattr(args, dest) is None:
             setattr(args, dest, default)

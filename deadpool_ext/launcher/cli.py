@@ -54,6 +54,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
 )
 from .coordinator import Coordinator, publish
 from .decide import JOINED_HOST, CoordinatorState, Roster, Settings, taken_over
+from .hostlist import place_nodes
 from .join import Joiner
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
@@ -92,10 +93,8 @@ class Supervisor:
         if args.host_rank > 0 and not args.store_url:
             raise SystemExit("deadpool-run: a follower launcher (--host-rank > 0) needs --store-url of the job's store")
         self.leader = args.host_rank == 0
-        self.local_nodes = {n for i, n in enumerate(self.active_nodes) if i % args.hosts == args.host_rank} | \
-                           {n for j, n in enumerate(self.spare_nodes) if j % args.hosts == args.host_rank}
-        self.node_host = {n: i % args.hosts for i, n in enumerate(self.active_nodes)} | \
-                         {n: j % args.hosts for j, n in enumerate(self.spare_nodes)}
+        self.node_host = place_nodes(self.active_nodes, self.spare_nodes, args.hosts)
+        self.local_nodes = {n for n, h in self.node_host.items() if h == args.host_rank}
         self.joiner: Joiner | None = None
         if getattr(args, "join", None):  # one node of its own, a follower without a lease (launcher/join.py)
             if not (args.store_url and args.job_id and contract.STORE_TOKEN in os.environ):

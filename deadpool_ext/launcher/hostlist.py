@@ -7,7 +7,7 @@ Pure logic (no sockets, no processes): the launcher passes in what it knows abou
   names this machine when it equals its hostname (short or full) or one of its addresses.
 - SLURM: ``SLURM_NNODES`` hosts, this one ``SLURM_NODEID``, the names in ``SLURM_STEP_NODELIST`` (falling back to
   ``SLURM_JOB_NODELIST``) in SLURM's compressed form (``gpu[01-03,07],login1``); the job id from
-  ``SLURM_JOB_ID``.
+  ``SLURM_JOB_ID`` and ``SLURM_RESTART_COUNT`` (a requeued job's run is ``slurm<ID>r<N>``).
 """
 from __future__ import annotations
 
@@ -36,6 +36,14 @@ class HostPlan:
     @property
     def me(self) -> str:
         return self.hosts[self.rank]
+
+
+def place_nodes(active: list[str], spares: list[str], hosts: int) -> dict[str, int]:
+    """Which host runs each node: the active nodes round-robin from host 0, the spares continuing the round where
+    the active nodes left it (node i on host ``i % hosts``, spare j on host ``(len(active) + j) % hosts``). With as
+    many hosts as nodes and spares (``sbatch --nodes N+S``), each spare has a host of its own; with as many hosts as
+    active nodes, spare j shares host j."""
+    return {n: i % hosts for i, n in enumerate(active)} | {n: (len(active) + j) % hosts for j, n in enumerate(spares)}
 
 
 def parse_hostfile(text: str, path: str = "hostfile") -> list[tuple[str, int]]:
@@ -151,5 +159,13 @@ def from_slurm(env: Mapping[str, str]) -> HostPlan:
                             "hosts")
     if rank >= n:
         raise HostListError(f"--from-slurm: SLURM_NODEID={rank} is not below SLURM_NNODES={n}")
-    job = re.sub(r"[^A-Za-z0-9_-]", "-", env["SLURM_JOB_ID"])[:58]
-    return HostPlan(hosts, rank, None, f"SLURM job {env['SLURM_JOB_ID']}", job_id=f"slurm{job}")
+    restarts = env.get("SLURM_RESTART_COUNT") or "0"
+    if not restarts.isdigit():
+        raise HostListError(f"--from-slurm: SLURM_RESTART_COUNT={restarts!r} is not a non-negative integer")
+    job = re.sub(r"[^A-Za-z0-9_-]", "-", env["SLURM_JOB_ID"])[:48]
+    # a requeued job keeps its SLURM_JOB_ID: its store keys (generations, leases, assignments) must not be the
+    # previous run's, so each run of it is a job of its own to the store; tier 3 is found by its directory
+    job_id, source = f"slurm{job}", f"SLURM job {env['SLURM_JOB_ID']}"
+    if int(restarts):
+        job_id, source = f"{job_id}r{int(restarts)}", f"{source} (requeued {int(restarts)}x)"
+    return HostPlan(hosts, rank, None, source, job_id=job_id)

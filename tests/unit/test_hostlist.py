@@ -9,6 +9,7 @@ from deadpool_ext.launcher.hostlist import (
     from_hostfile,
     from_slurm,
     parse_hostfile,
+    place_nodes,
 )
 
 HOSTFILE = """
@@ -70,3 +71,63 @@ def test_slurm_plan():
         from_slurm({**env, "SLURM_NNODES": "4"})
     with pytest.raises(HostListError, match="not below"):
         from_slurm({**env, "SLURM_NODEID": "3"})
+
+
+def test_a_requeued_slurm_job_is_a_new_job_to_the_store():
+    """Slurm keeps a requeued job's id: each run of it gets a job id of its own (its store keys start empty)."""
+    env = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]"}
+    assert from_slurm(env).job_id == "slurm77"
+    assert from_slurm({**env, "SLURM_RESTART_COUNT": "0"}).job_id == "slurm77"
+    assert from_slurm({**env, "SLURM_RESTART_COUNT": "2"}).job_id == "slurm77r2"
+    with pytest.raises(HostListError, match="SLURM_RESTART_COUNT"):
+        from_slurm({**env, "SLURM_RESTART_COUNT": "-1"})
+
+
+def test_spares_continue_the_round_robin():
+    """An allocation of N + S hosts runs one node per host (spares on the last S); N hosts: spare j beside node j."""
+    active, spares = ["node0", "node1", "node2"], ["spare0"]
+    assert place_nodes(active, spares, 4) == {"node0": 0, "node1": 1, "node2": 2, "spare0": 3}
+    assert place_nodes(active, ["spare0", "spare1"], 3) == {"node0": 0, "node1": 1, "node2": 2, "spare0": 0,
+                                                             "spare1": 1}
+    assert place_nodes(active, spares, 2) == {"node0": 0, "node1": 1, "node2": 0, "spare0": 1}
+    assert set(place_nodes(active, spares, 1).values()) == {0}
+
+
+def test_from_slurm_without_nnodes_takes_the_hosts_less_the_spares():
+    """``srun deadpool-run --from-slurm --spare-nodes S``: one node per host of the step, S of them spares."""
+    from deadpool_ext.launcher.args import apply_host_plan, build_parser
+
+    env = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_STEP_NODELIST": "n[0-3]"}
+    parser = build_parser()
+    args = parser.parse_args(["--from-slurm", "--spare-nodes", "1", "--store-port", "29400", "train.py"])
+    apply_host_plan(parser, args, env)
+    assert (args.nnodes, args.spare_nodes, args.hosts, args.host_rank, args.host, args.job_id) == \
+        (3, 1, 4, 3, "n3", "slurm5")
+    args = parser.parse_args(["--from-slurm", "--nnodes", "2", "--spare-nodes", "1", "--store-port", "1", "train.py"])
+    apply_host_plan(parser, args, env)
+    assert args.nnodes == 2   # given: kept (the fourth host idles)
+    args = parser.parse_args(["--from-slurm", "--spare-nodes", "4", "--store-port", "1", "train.py"])
+    with pytest.raises(SystemExit) as exc:
+        apply_host_plan(parser, args, env)
+    assert exc.value.code == 2
+
+
+def test_from_slurm_without_a_store_url_finds_host_0s_embedded_store():
+    """One command line on every host: host 0 serves the embedded store on --store-port, the others connect to it
+    under host 0's name; without a port there is nothing to connect to (exit 2)."""
+    from deadpool_ext.launcher.args import apply_host_plan, build_parser
+
+    env = {"SLURM_JOB_ID": "5", "SLURM_NNODES": "3", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[0-2]"}
+    parser = build_parser()
+    urls = []
+    for rank in ("0", "2"):
+        args = parser.parse_args(["--from-slurm", "--store-port", "29400", "train.py"])
+        apply_host_plan(parser, args, {**env, "SLURM_NODEID": rank})
+        urls.append(args.store_url)
+    assert urls == [None, "dp://n0:29400"]
+    args = parser.parse_args(["--from-slurm", "--store-url", "etcd://10.0.0.1:2379", "train.py"])
+    apply_host_plan(parser, args, {**env, "SLURM_NODEID": "2"})
+    assert args.store_url == "etcd://10.0.0.1:2379"
+    with pytest.raises(SystemExit) as exc:
+        apply_host_plan(parser, parser.parse_args(["--from-slurm", "train.py"]), env)
+    assert exc.value.code == 2
