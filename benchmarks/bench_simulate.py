@@ -15,6 +15,7 @@ Pure Python; matplotlib only for the plots (skipped with a note when it is missi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -157,12 +158,34 @@ def plot(res: dict[str, Any], out_dir: str, stem: str) -> list[str]:
 
 
 # -- markdown -------------------------------------------------------------------------------------------
+FLOORS_MODEL = "a 24M-parameter GPT (GPT small) on 2 CPU cores"
+"""Where the measured fixed costs (hot-swap, restore, start-up) come from: floors for a real job, whose state and
+process start-up are larger."""
+
+
+def floors_text(res: dict[str, Any]) -> str:
+    """One paragraph: which inputs are floors measured on a small CPU model, and which are typed in, with the
+    values this run used (the largest size of the first scenario: the one the headline quotes)."""
+    scen = next(iter(res["scenarios"].values()))
+    rep = scen["sizes"][max(scen["sizes"], key=int)]
+    k, d = rep["params"]["costs"], rep["derived"]
+    measured = [key for key in ("hotswap_fixed_s", "hotswap_unready_s", "restore_fixed_s", "startup_s")
+                if f"costs.{key}" in res["calibration"]["overrides"]]
+    return (f"Floors and typed-in inputs: the measured fixed costs ({', '.join(f'`costs.{m}`' for m in measured)}) "
+            f"come from {FLOORS_MODEL}, so they are floors, not a large job's costs. Typed in, not measured: "
+            f"`costs.scheduler_s` = {k['scheduler_s']:g} s (a relaunched job's allocation and start; of the "
+            f"{d['restart_s']:.0f} s a relaunch is charged, {k['scheduler_s']:g} s are this input, and most of "
+            f"what a hot-swap gains over a relaunch rests on it) and `costs.detect_s` = {k['detect_s']:g} s; "
+            "change them with `deadpool simulate --set costs.scheduler_s=...`.")
+
+
 def markdown(res: dict[str, Any], pngs: list[str]) -> str:
     lines = ["# Large-cluster simulation", "",
              f"Command: `{res['command']}` ({res['wall_s']:.0f} s). Simulated, not measured: the model, its "
              "parameters and their sources are in `docs/simulator.md`. Costs calibrated from:", ""]
     lines += [f"- `{k}` = {res['calibration']['overrides'][k]:.4g} ({v})" for k, v in
               res["calibration"]["sources"].items()] or ["- nothing (no results found; built-in defaults)"]
+    lines += ["", floors_text(res)]
     for name, scen in res["scenarios"].items():
         lines += ["", f"## Scenario `{name}`: {scen['description']}", ""]
         lines += ["| GPUs | recommended | intervals | goodput | " + " | ".join(POLICY_NAMES) + " |",
@@ -199,7 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default=None, help="file stem (default simulate[_quick])")
     p.add_argument("--verbose", action="store_true", help="print every grid point")
+    p.add_argument("--render-only", metavar="JSON", help="rewrite the markdown beside a results file, run nothing")
     args = p.parse_args(argv)
+    if args.render_only:
+        with open(args.render_only) as fh:
+            saved = json.load(fh)
+        stem = os.path.splitext(args.render_only)[0]
+        pngs = [f"{stem}_{s_}.png" for s_ in ("goodput", "breakdown", "young_daly")
+                if os.path.exists(f"{stem}_{s_}.png")]
+        write_text(f"{stem}.md", markdown(saved, pngs))
+        print(f"rewrote {stem}.md")
+        return 0
     args.sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else SIZES)
     args.trials = args.trials or (4 if args.quick else 20)
     args.horizon_days = args.horizon_days or (10.0 if args.quick else 30.0)

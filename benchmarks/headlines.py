@@ -7,27 +7,34 @@ hot-swap) beside the rebuild path and relaunch + load (``bench_recovery.py``); t
 those two. ``run_all.py`` puts the same block into REPORT.md.
 
     python benchmarks/headlines.py                  # print the block
-    python benchmarks/headlines.py --write-readme   # rewrite it in README.md between the markers
+    python benchmarks/headlines.py --write          # rewrite it in README.md, REPORT.md and every doc's quotes
     python benchmarks/headlines.py --check          # exit 1 naming what to re-run or re-render
 
-``tests/unit/test_headlines.py`` runs the check in the suite: the README block must be what this renders, and no
-headline result may have been measured under a default of the "deadpool" section that has changed since.
+Each figure names its commit and date and is marked **stale** when the code it measured (``deadpool_ext``'s tree
+digest, recorded as ``machine.source_digest``) is not the checkout's; ``python -m benchmarks.refresh`` re-measures
+them all. Other docs quote headlines only through ``<!-- headline:NAME ... -->`` markers (:data:`QUOTES`).
+
+``tests/unit/test_headlines.py`` runs the check in the suite: the README block, REPORT.md's section and every
+quote must be what this renders (so a figure that went stale shows as stale), and no headline result may have
+been measured under a default of the "deadpool" section that has changed since.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from common import REPO, RESULTS_DIR, deadpool_defaults  # noqa: E402
+from common import REPO, RESULTS_DIR, deadpool_defaults, tree_digest  # noqa: E402
+from paired import sentence  # noqa: E402
 
 README = os.path.join(REPO, "README.md")
-BEGIN = "<!-- headlines:begin (rendered by `python benchmarks/headlines.py --write-readme`; do not edit) -->"
+BEGIN = "<!-- headlines:begin (rendered by `python benchmarks/headlines.py --write`; do not edit) -->"
 END = "<!-- headlines:end -->"
 OVERHEAD = ("snapshot_overhead_small_n2", "snapshot_overhead_small_n4", "snapshot_overhead_medium_n2",
             "snapshot_overhead_medium_n4")
@@ -35,6 +42,9 @@ OVERHEAD = ("snapshot_overhead_small_n2", "snapshot_overhead_small_n4", "snapsho
 RECOVERY = "recovery"
 SIMULATE = "simulate"
 PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
+MEASURED_CODE = "deadpool_ext"
+"""The code a headline measures: its tree digest (``common.tree_digest``, recorded by ``machine_info`` as
+``machine.source_digest``) against the checkout's says whether the figure is from the current code."""
 
 
 def _load(stem: str, results_dir: str) -> dict[str, Any] | None:
@@ -79,8 +89,8 @@ def _overhead_lines(stem: str, doc: dict[str, Any]) -> list[str]:
         res, modes = e["result"], an["modes"]
         dp = modes.get("deadpool") or {}
         sch = res["schedule"]
-        peers = "; ".join(f"{m} {modes[m]['window_ratio']:.3f}{_ci(modes[m].get('window_ratio_ci90'))}"
-                          for m in PEERS if m in modes and modes[m].get("window_ratio") is not None)
+        paired = an.get("paired") or {}
+        peers = "; ".join(sentence(paired[m]["window"]) for m in PEERS if m in paired)
         cpu = an.get("cpu") or {}
         prof = cpu.get("profile_cpu_s_per_step_per_rank") or {}
         where = ", ".join(f"{k.replace('_', ' ')} {1e3 * v:.0f} ms" for k, v in prof.items() if v is not None)
@@ -88,11 +98,13 @@ def _overhead_lines(stem: str, doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"- **Overhead, GPT {size} ({res['params'] / 1e6:.0f}M), {res['world_size']} ranks, ZeRO-"
             f"{res['zero_stage']}, replica on** (`{stem}.md`, {sch['rounds']} rounds of {sch['steps_per_block']}-step "
-            f"windows, every checkpoint complete inside its window): deadpool **{dp.get('window_ratio', 0):.3f}**"
-            f"{_ci(dp.get('window_ratio_ci90'))}, process CPU x{dp.get('cpu_ratio') or 0:.3f}; "
-            + (f"in the same job {peers}{f' (decoupled writer: {dec})' if dec and 'ds_decoupled' in modes else ''}. "
-               "deadpool also keeps a replica on the other node and checksums every tensor; the peers keep neither. "
-               if peers else "no peer in this job (the other runs have them). ")
+            f"windows, every checkpoint complete inside its window; {stamp(doc, stem=stem)}): deadpool / `none` "
+            f"**{dp.get('window_ratio', 0):.3f}**{_ci(dp.get('window_ratio_ci90'))}, process CPU "
+            f"x{dp.get('cpu_ratio') or 0:.3f}. "
+            + (f"Against the peers in the same job (better: the paired interval below 1.0; worse: above): {peers}"
+               f"{f' (decoupled writer: {dec})' if dec and 'ds_decoupled' in paired else ''}. deadpool also keeps a "
+               "replica on the other node and checksums every tensor; the peers keep neither. "
+               if peers else "No peer in this job (the other runs have them). ")
             + f"Extra CPU {1e3 * (cpu.get('extra_cpu_s_per_step_per_rank') or 0):.0f} ms per step per rank against a "
             f"floor of {1e3 * (cpu.get('floor_cpu_s') or 0):.0f} ms (one copy, one checksum pass, one replica "
             f"exchange measured in the same job); where it goes: {where or 'n/a'}.")
@@ -115,7 +127,7 @@ def _recovery_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"- **Recovery, GPT {size}, default path (in-place hot-swap, the spare built ahead for the killed node), "
             f"SIGKILL of one of 3 ranks** "
-            f"(`{RECOVERY}.md`, {an['hotswap']['n']} run(s)): kill to every rank restored "
+            f"(`{RECOVERY}.md`, {an['hotswap']['n']} run(s); {stamp(doc, stem=RECOVERY)}): kill to every rank restored "
             f"{_s(rd.get('hotswap_s'))}, to the next "
             f"completed step {_s(an['hotswap']['raw_s']['median'])} (one normal step "
             f"{_s(an['hotswap']['normal_step_s'])}); relaunch + load {_s(rd.get('baseline_s'))} and "
@@ -128,7 +140,7 @@ def _recovery_lines(doc: dict[str, Any]) -> list[str]:
 
 
 def _simulate_lines(doc: dict[str, Any]) -> list[str]:
-    lines = []
+    lines = [f"- **Simulated** (`{SIMULATE}.md`; {stamp(doc)}; not measured, see `docs/simulator.md`):"]
     for scen, s in (doc.get("scenarios") or {}).items():
         sizes = s.get("sizes") or {}
         if not sizes:
@@ -136,8 +148,20 @@ def _simulate_lines(doc: dict[str, Any]) -> list[str]:
         gpus = max(sizes, key=int)
         rep = sizes[gpus]
         r = rep["recommended"]
-        lines.append(f"- **Simulated** (`{SIMULATE}.md`, {scen}, {int(gpus):,} GPUs): recommended {r['policy']}, "
-                     f"goodput {r['goodput_mean']:.4f}.")
+        lines.append(f"  {scen}, {int(gpus):,} GPUs: recommended {r['policy']}, goodput {r['goodput_mean']:.4f}.")
+    rep = next((sc["sizes"][max(sc["sizes"], key=int)] for sc in (doc.get("scenarios") or {}).values()
+                if sc.get("sizes")), None)
+    if rep:
+        k, d = rep["params"]["costs"], rep["derived"]
+        swap = d.get("hotswap_s")
+        if swap is None and d.get("nodes"):  # a result written before the simulator recorded its charge
+            f = min(d["spares"], d["nodes"]) / d["nodes"]
+            swap = f * d["hotswap_fixed_s"] + (1 - f) * d["hotswap_unready_s"]
+        lines.append(f"  Its fixed costs are floors measured on a 24M-parameter GPT on 2 CPU cores (a large job's are "
+                     f"larger){f'; a hot-swap is charged {swap:.2f} s' if swap is not None else ''}. Typed in, not "
+                     f"measured: `costs.scheduler_s` = {k['scheduler_s']:g} s of the {d['restart_s']:.0f} s a "
+                     "relaunch is charged, on which most of the hot-swap's gain rests, and `costs.detect_s` = "
+                     f"{k['detect_s']:g} s.")
     cal = doc.get("calibration") or {}
     if cal.get("sources"):
         lines.append("  Calibrated from: " + "; ".join(f"`{k}` = {v:.4f} from {cal['sources'][k]}"
@@ -145,11 +169,61 @@ def _simulate_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def checkout_digest() -> str:
+    """The digest of the code the headlines measure, in this checkout (uncommitted changes included)."""
+    return tree_digest(os.path.join(REPO, MEASURED_CODE))
+
+
+def defaults_changed(stem: str, doc: dict[str, Any]) -> list[str]:
+    """The keys of the "deadpool" section whose default differs from when ``doc`` was measured (``["all"]`` when it
+    recorded none); the overhead results' jobs start no spare, so :data:`SPARE_ONLY` keys do not count for them."""
+    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    then = m.get("deadpool_defaults")
+    if then is None:
+        return ["all (none recorded)"]
+    diff = [d.split(" ", 1)[0] for d in _diff_keys(then, deadpool_defaults())]
+    return [d for d in diff if not (stem in OVERHEAD and d in SPARE_ONLY)]
+
+
+def is_stale(doc: dict[str, Any], digest: str | None = None, stem: str | None = None) -> bool:
+    """True when the result recorded no digest of the code it measured, or another one than the checkout's, or
+    (given its ``stem``) was measured under other defaults of the "deadpool" section."""
+    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    then = (m.get("source_digest") or {}).get(MEASURED_CODE)
+    if then is None or then != (digest or checkout_digest()):
+        return True
+    return bool(stem and stem != SIMULATE and defaults_changed(stem, doc))
+
+
+def stamp(doc: dict[str, Any], digest: str | None = None, stem: str | None = None) -> str:
+    """Where a figure comes from, for the reader: its commit and date, and **stale** when the code it measured is
+    not the checkout's (the recorded ``source_digest`` differs) or, given its ``stem``, the section's defaults
+    changed since. Never the checkout's own digest: the block would change at every commit, not only when a figure
+    goes stale."""
+    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    git = m.get("git") or {}
+    commit = str(git.get("commit") or "?")[:10] + (" + uncommitted changes" if git.get("dirty") else "")
+    when = str(m.get("time_utc") or "?")[:10]
+    then = (m.get("source_digest") or {}).get(MEASURED_CODE)
+    why = []
+    if then is None:
+        why.append("no digest of the code it measured was recorded")
+    elif then != (digest or checkout_digest()):
+        why.append(f"`{MEASURED_CODE}` has changed since (digest `{then}` then)")
+    # which keys is for `--check` to say (`stale()`): the block would otherwise change with every new default
+    if stem and stem != SIMULATE and defaults_changed(stem, doc):
+        why.append("measured under other defaults of the `deadpool` section")
+    text = f"commit {commit}, {when}"
+    return f"{text}, **stale**: {'; '.join(why)}" if why else f"{text}, from the current code"
+
+
 def render(results_dir: str = RESULTS_DIR) -> str:
     src = sources(results_dir)
     lines = ["Rendered from the current results by `python benchmarks/headlines.py` (the same block is in "
              "`benchmarks/results/REPORT.md`); a 2-core CPU host shared with other work, so absolute times are "
-             "noisy and every ratio comes from runs interleaved in one job."]
+             "noisy and every ratio comes from runs interleaved in one job. Each figure names its commit and date, "
+             "and says **stale** when the code it measured differs from this checkout's (`python -m "
+             "benchmarks.refresh` re-measures every headline)."]
     for stem in OVERHEAD:
         if stem in src:
             lines += _overhead_lines(stem, src[stem])
@@ -220,12 +294,93 @@ def _simulate_stale(doc: dict[str, Any], results_dir: str) -> list[str]:
             "re-run `python benchmarks/bench_simulate.py`"] if diff else []
 
 
+REPORT = os.path.join(RESULTS_DIR, "REPORT.md")
+REPORT_HEAD = "## Headlines\n\n"
+QUOTE_END = "<!-- /headline -->"
+_QUOTE = re.compile(r"<!-- headline:(?P<name>[a-z_]+) [^>]*-->(?P<text>.*?)" + re.escape(QUOTE_END), re.S)
+
+
+def quote_begin(name: str) -> str:
+    return f"<!-- headline:{name} (rendered by `python benchmarks/headlines.py --write`; do not edit) -->"
+
+
+def _recovery_quote(src: dict[str, dict[str, Any]]) -> str:
+    """docs/hot-swap.md's sentence on recovery: small's default path against relaunch, the other paths, medium."""
+    doc = src.get(RECOVERY)
+    sizes = (doc or {}).get("sizes") or {}
+    sm, md = (sizes.get("small") or {}).get("analysis") or {}, (sizes.get("medium") or {}).get("analysis") or {}
+    if not doc or not (sm.get("hotswap") or {}).get("n"):
+        return "`benchmarks/results/recovery.md`: not measured yet"
+    rd, hs = sm["ready"], sm["hotswap"]
+    un, rb = (sm.get("unready") or {}).get("ready") or {}, (sm.get("rebuild") or {}).get("ready") or {}
+    text = (f"`benchmarks/results/recovery.md` ({stamp(doc, stem=RECOVERY)}) measures kill -> every rank restored at "
+            f"{_s(rd.get('hotswap_s'))} on the default path with the spare built for the killed node "
+            f"({rd.get('speedup') or 0:.1f}x faster than relaunch + load's {_s(rd.get('baseline_s'))}; kill -> next "
+            f"step {_s(hs['raw_s']['median'])}, one normal step + {_s(hs['minus_step_s']['median'])}; the first step "
+            f"after the swap {_s(hs.get('first_step_time_after_s'))} against a normal step's "
+            f"{_s(hs.get('normal_step_s'))}), {_s(un.get('hotswap_s'))} when the spare had built for another node, "
+            f"{_s(rb.get('hotswap_s'))} on the rebuild path")
+    if (md.get("hotswap") or {}).get("n"):
+        text += (f"; GPT medium {_s(md['ready'].get('hotswap_s'))} (restore "
+                 f"{_s(md['hotswap']['phases_median'].get('restore_s'))} of it), "
+                 f"{md['ready'].get('speedup') or 0:.1f}x")
+    return text + "."
+
+
+QUOTES = {"recovery": _recovery_quote}
+"""Headline figures quoted inside other docs: ``<!-- headline:NAME ... -->text<!-- /headline -->``, the text
+rendered from the results like the README's block (``--write`` rewrites them, the test compares them)."""
+QUOTING = ("README.md", "docs", os.path.join("benchmarks", "README.md"))
+"""Where quotes are looked for: these files, and every markdown file under these folders."""
+
+
+def quoting_docs(repo: str = REPO) -> list[str]:
+    out = []
+    for rel in QUOTING:
+        path = os.path.join(repo, rel)
+        if os.path.isdir(path):
+            out += sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".md"))
+        elif os.path.exists(path):
+            out.append(path)
+    return out
+
+
+def requote(text: str, results_dir: str = RESULTS_DIR) -> str:
+    """``text`` with every quote rendered again; an unknown quote name is an error naming the known ones."""
+    src = sources(results_dir)
+
+    def one(m: re.Match[str]) -> str:
+        name = m.group("name")
+        if name not in QUOTES:
+            raise ValueError(f"unknown headline quote {name!r}; known: {', '.join(sorted(QUOTES))}")
+        return f"{quote_begin(name)}{QUOTES[name](src)}{QUOTE_END}"
+
+    return _QUOTE.sub(one, text)
+
+
+def quotes_in(text: str) -> list[tuple[str, str]]:
+    """(name, text) of every quote in a document."""
+    return [(m.group("name"), m.group("text")) for m in _QUOTE.finditer(text)]
+
+
 def readme_block(path: str = README) -> str | None:
     with open(path) as fh:
         text = fh.read()
     if BEGIN not in text or END not in text:
         return None
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def report_block(path: str = REPORT) -> str | None:
+    """REPORT.md's headlines section (written by ``run_all.py``, rewritten by ``--write``)."""
+    try:
+        with open(path) as fh:
+            text = fh.read()
+    except OSError:
+        return None
+    if REPORT_HEAD not in text:
+        return None
+    return text.split(REPORT_HEAD, 1)[1].split("\n\n## ", 1)[0].strip("\n")
 
 
 def write_readme(path: str = README, results_dir: str = RESULTS_DIR) -> None:
@@ -239,20 +394,67 @@ def write_readme(path: str = README, results_dir: str = RESULTS_DIR) -> None:
         fh.write(f"{head}{BEGIN}\n{render(results_dir)}\n{END}{tail}")
 
 
+def write_report(path: str = REPORT, results_dir: str = RESULTS_DIR) -> bool:
+    """Rewrite REPORT.md's headlines section in place (its figures and sources are ``run_all.py --report-only``'s)."""
+    old = report_block(path)
+    if old is None:
+        return False
+    with open(path) as fh:
+        text = fh.read()
+    head, rest = text.split(REPORT_HEAD, 1)
+    with open(path, "w") as fh:
+        fh.write(head + REPORT_HEAD + render(results_dir) + rest[len(rest.split("\n\n## ", 1)[0].rstrip("\n")):])
+    return True
+
+
+def write_quotes(results_dir: str = RESULTS_DIR) -> list[str]:
+    """Render every doc's quotes again; returns the files rewritten."""
+    changed = []
+    for path in quoting_docs():
+        with open(path) as fh:
+            text = fh.read()
+        new = requote(text, results_dir)
+        if new != text:
+            with open(path, "w") as fh:
+                fh.write(new)
+            changed.append(path)
+    return changed
+
+
+def out_of_date(results_dir: str = RESULTS_DIR) -> list[str]:
+    """One line per place a headline is shown that differs from what the results render: the README's block,
+    REPORT.md's section, every quote in the docs."""
+    out = []
+    block = render(results_dir)
+    if readme_block() != block:
+        out.append("README.md: the benchmark block differs from what the results render")
+    if report_block() != block:
+        out.append("benchmarks/results/REPORT.md: the Headlines section differs from what the results render")
+    for path in quoting_docs():
+        with open(path) as fh:
+            text = fh.read()
+        if requote(text, results_dir) != text:
+            out.append(f"{os.path.relpath(path, REPO)}: a headline quote differs from what the results render")
+    return [f"{line}; run `python benchmarks/headlines.py --write`" for line in out]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--write-readme", action="store_true", help="rewrite the block in README.md")
-    p.add_argument("--check", action="store_true", help="exit 1 if the README block or a headline result is stale")
+    p.add_argument("--write", action="store_true",
+                   help="rewrite the block in README.md, REPORT.md's Headlines section and every doc's quotes")
+    p.add_argument("--write-readme", action="store_true", help="the same as --write (its older name)")
+    p.add_argument("--check", action="store_true", help="exit 1 if a shown headline or a headline result is stale")
     args = p.parse_args(argv)
-    if args.write_readme:
+    if args.write or args.write_readme:
         write_readme()
-        print(f"[headlines] rewrote the block in {os.path.relpath(README)}")
+        written = [README] + ([REPORT] if write_report() else []) + write_quotes()
+        print("[headlines] rewrote " + ", ".join(os.path.relpath(f, REPO) for f in dict.fromkeys(written)))
         return 0
     if args.check:
-        problems = stale()
-        if readme_block() != render():
-            problems.append("README.md: the benchmark block differs from what the results render; run "
-                            "`python benchmarks/headlines.py --write-readme`")
+        problems = stale() + out_of_date()
+        digest = checkout_digest()
+        problems += [f"{stem}: measured on other code than this checkout's; re-measure: `python -m benchmarks.refresh`"
+                     for stem, doc in sources().items() if is_stale(doc, digest, stem)]
         for line in problems:
             print(f"[headlines] {line}")
         return 1 if problems else 0

@@ -15,8 +15,13 @@ from __future__ import annotations
 from typing import Any
 
 from common import bootstrap_median_ci, median, ratio, summarize
+from paired import compare_blocks
 
 SNAPSHOT_MODES = ("deadpool", "deadpool_t1", "deadpool_normal")
+PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
+"""The peers deadpool is compared with, paired round by round (``paired.py``), where the job ran them."""
+PEER_TARGET = "dlrover_flash"
+"""Where a size has no fixed ratio target, deadpool must be no worse than this peer in the same job."""
 PHASES = ("copy", "seal", "replicate", "commit")
 
 # What each mode's checkpoint protects, stated beside its figures: the same work must not be compared with less.
@@ -121,11 +126,22 @@ def analyze(res: dict[str, Any], targets: dict[str, Any]) -> dict[str, Any]:
         if "blocking_s" in m:
             m["blocking_fraction_of_step"] = ratio(m["blocking_s"]["median"], base_step)
         out["modes"][mode] = m
+    out["paired"] = paired_against_peers(blocks, modes)
     out["memory"] = _memory(res)
     out["cpu"] = _cpu_analysis(ranks, out["modes"])
     out["targets"] = _targets(res, out, targets)
     out["blocks"] = [{k: v for k, v in b.items() if k != "per_rank"} for b in blocks]
     return out
+
+
+def paired_against_peers(blocks: list[dict[str, Any]], modes: list[str], x: str = "deadpool") -> dict[str, Any]:
+    """``x`` against each peer the job ran, paired round by round: the window and the job's process CPU per step,
+    each ``paired.Comparison.to_dict()`` (median ratio of ratios, its 90% CI, the verdict)."""
+    if x not in modes:
+        return {}
+    return {peer: {"window": compare_blocks(blocks, x, peer, key="window_s").to_dict(),
+                   "cpu": compare_blocks(blocks, x, peer, key="cpu_s").to_dict()}
+            for peer in PEERS if peer in modes}
 
 
 def _memory(res: dict[str, Any]) -> dict[str, Any]:
@@ -194,15 +210,15 @@ def _targets(res: dict[str, Any], an: dict[str, Any], targets: dict[str, Any]) -
     out: dict[str, Any] = {}
     value, ci = dp.get("window_ratio"), dp.get("window_ratio_ci90")
     bound = targets["ratio"].get(size)
-    peer = an["modes"].get("dlrover_flash", {}).get("window_ratio")
-    if bound is None and peer is not None:
-        bound, what = peer, "DLRover flash's window ratio in the same job"
-    else:
-        what = "fixed"
     if bound is not None:
-        out["ratio"] = {"target": bound, "target_is": what, "value": value, "ci90": ci,
+        out["ratio"] = {"target": bound, "target_is": "fixed", "value": value, "ci90": ci,
                         "met": value is not None and value <= bound,
                         "resolved": bool(ci) and not (ci[0] <= bound < ci[1])}
+    if PEER_TARGET in an.get("paired", {}):
+        # against the peer: paired round by round, never deadpool's interval against the peer's point estimate
+        pc = an["paired"][PEER_TARGET]["window"]
+        out["peer"] = {"against": PEER_TARGET, "target_is": "no worse: the paired 90% CI's lower end <= 1.0",
+                       "comparison": pc, "met": pc["no_worse"]}
     if targets["ci_upper"].get(size) is not None:
         out["ratio_ci_upper"] = {"target": targets["ci_upper"][size], "value": (ci or [None, None])[1],
                                  "met": bool(ci) and ci[1] <= targets["ci_upper"][size]}

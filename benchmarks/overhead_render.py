@@ -6,10 +6,28 @@ from typing import Any
 
 from common import fmt_bytes, fmt_pct, fmt_ratio, fmt_s, md_table
 from overhead_analyse import PHASES, PROTECTS
+from paired import sentence
 
 
 def _ci(ci: Any) -> str | None:
     return "[{:.3f}, {:.3f}]".format(*ci) if ci else None
+
+
+def _paired_lines(paired: dict[str, Any]) -> list[str]:
+    """deadpool against each peer, paired round by round (``paired.py``): the only comparison with a verdict."""
+    if not paired:
+        return []
+    rows = []
+    for peer, pc in paired.items():
+        w, c = pc["window"], pc["cpu"]
+        rows.append([peer, fmt_ratio(w["median"]), _ci(w["ci90"]), f"{w['x_faster_rounds']} of {w['rounds']}",
+                     w["verdict"], fmt_ratio(c["median"]), _ci(c["ci90"]), c["verdict"]])
+    return ["deadpool against each peer, paired round by round (per round: (deadpool / `none`) / (peer / `none`), "
+            "median over rounds, 90% CI by bootstrap over rounds; *better* needs the CI's upper end below 1.0, "
+            "*worse* its lower end above 1.0, anything else is *no difference measured*; comparing the two modes' "
+            "window ratios above column by column is not a verdict):", "",
+            md_table(["peer", "window deadpool / peer", "90% CI", "rounds deadpool faster", "window verdict",
+                      "CPU deadpool / peer", "CPU 90% CI", "CPU verdict"], rows), ""]
 
 
 def render_markdown(doc: dict[str, Any]) -> str:
@@ -72,6 +90,7 @@ def _render_size(size: str, entry: dict[str, Any]) -> list[str]:
     lines.append(md_table(["mode", "window / step", "window ratio", "90% CI", "CPU ratio", "CPU 90% CI",
                            "CPU/step/rank", "tail", "blocking med / max", "blocking % step", "rank RSS max"], rows))
     lines.append("")
+    lines += _paired_lines(an.get("paired") or {})
     for mode, note in res.get("notes", {}).items():
         lines.append(f"- `{mode}`: {note}")
     dec = res["ranks"][0].get("decoupled") or {}
@@ -120,6 +139,10 @@ def _render_size(size: str, entry: dict[str, Any]) -> list[str]:
             verdict += " (the 90% CI straddles the target: this run does not resolve it)"
         lines.append(f"- window ratio <= {fmt_ratio(tr['target'])} ({tr['target_is']}): **{verdict}** "
                      f"({fmt_ratio(tr['value'])}, 90% CI {_ci(tr.get('ci90'))})")
+    if "peer" in t:
+        tp = t["peer"]
+        lines.append(f"- against `{tp['against']}` in the same job ({tp['target_is']}): "
+                     f"**{'met' if tp['met'] else 'not met'}** ({sentence(tp['comparison'])})")
     if "ratio_ci_upper" in t:
         lines.append(f"- upper bound of that CI <= {t['ratio_ci_upper']['target']}: "
                      f"**{'met' if t['ratio_ci_upper']['met'] else 'not met'}** "

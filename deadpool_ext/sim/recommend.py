@@ -30,7 +30,9 @@ def recommend(params: Params, *, policies: Iterable[str] = POLICY_NAMES, checks:
     out: dict[str, Any] = {
         "params": params.to_dict(),
         "calibration": calibration.to_dict() if calibration else None,
-        "derived": dataclasses.asdict(d) | {"mtbf_s": d.mtbf_s, "snapshot_background_s": d.snapshot_background_s},
+        "derived": dataclasses.asdict(d) | {"mtbf_s": d.mtbf_s, "snapshot_background_s": d.snapshot_background_s,
+                                             "hotswap_s": d.hotswap_s,
+                                             "built_ahead_fraction": d.built_ahead_fraction},
         "policies": {n: b.to_dict() for n, b in best.items()},
         "tried": {n: [t.to_dict() for t in s.tried] for n, s in found.items()},
         "recommended": {"policy": winner.policy, "intervals": winner.intervals,

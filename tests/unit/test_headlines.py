@@ -1,9 +1,12 @@
-"""The README's benchmark headlines cannot go stale: the block is what the current results render, and no headline
-result was measured under a default of the "deadpool" section that has changed since (issue "honest numbers")."""
+"""The README's benchmark headlines cannot go stale unseen: the README's block, REPORT.md's section and every doc's
+quote are what the current results render (each figure with its commit and date, marked stale when the code it
+measured is not the checkout's), no doc types a headline figure by hand, and no headline result was measured under a
+default of the "deadpool" section that has changed since (issues "honest numbers", 45)."""
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -13,17 +16,93 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 import headlines  # noqa: E402
 
 
-def test_the_readme_block_is_what_the_current_results_render():
-    block = headlines.readme_block()
-    assert block is not None, "README.md has no headlines markers"
-    assert block == headlines.render(), (
-        "README.md's benchmark block differs from what benchmarks/results renders: run "
-        "`python benchmarks/headlines.py --write-readme` (never edit the block by hand)")
+def test_every_shown_headline_is_what_the_current_results_render():
+    assert headlines.readme_block() is not None, "README.md has no headlines markers"
+    assert headlines.report_block() is not None, "benchmarks/results/REPORT.md has no Headlines section"
+    problems = headlines.out_of_date()
+    assert not problems, "\n".join(problems) + "\n(never edit a block or a quote by hand)"
 
 
-def test_no_headline_result_was_measured_under_a_changed_default():
-    problems = headlines.stale()
-    assert not problems, "stale headline result(s), re-run them:\n" + "\n".join(problems)
+def _outside_quotes(text: str) -> str:
+    text = re.sub(re.escape(headlines.BEGIN) + ".*?" + re.escape(headlines.END), "", text, flags=re.S)
+    return headlines._QUOTE.sub("", text)
+
+
+def test_no_doc_types_a_headline_figure_by_hand():
+    # the figures a reader would copy: every x-fold speedup and 3-decimal ratio the headlines print
+    rendered = headlines.render() + "".join(q(headlines.sources()) for q in headlines.QUOTES.values())
+    figures = set(re.findall(r"\b\d+\.\dx\b", rendered)) | set(re.findall(r"\*\*(\d\.\d{3})\*\*", rendered))
+    assert figures
+    typed = [(os.path.relpath(path, headlines.REPO), f) for path in headlines.quoting_docs()
+             for f in figures if re.search(r"(?<![\d.])" + re.escape(f) + r"(?![\d])",
+                                           _outside_quotes(open(path).read()))]
+    assert not typed, ("headline figures typed by hand (quote them with <!-- headline:NAME --> markers, "
+                       f"headlines.QUOTES): {typed}")
+
+
+def _doc(digest: str | None, commit: str = "0123456789abcdef", dirty: bool = False) -> dict:
+    machine = {"git": {"commit": commit, "dirty": dirty}, "time_utc": "2026-12-03T15:24:09Z"}
+    if digest is not None:
+        machine["source_digest"] = {"deadpool_ext": digest}
+    return {"machine": machine}
+
+
+def test_a_figure_from_the_current_code_names_its_commit_and_date():
+    assert headlines.stamp(_doc("abc"), digest="abc") == "commit 0123456789, 2026-12-03, from the current code"
+    assert not headlines.is_stale(_doc("abc"), digest="abc")
+
+
+def test_a_figure_from_other_code_is_marked_stale():
+    text = headlines.stamp(_doc("abc", dirty=True), digest="def")
+    assert text.startswith("commit 0123456789 + uncommitted changes, 2026-12-03, **stale**")
+    assert "`abc`" in text and "def" not in text  # never the checkout's own digest: it changes at every commit
+    assert headlines.is_stale(_doc(None), digest="def")
+    assert "**stale**: no digest" in headlines.stamp(_doc(None), digest="def")
+
+
+def test_the_stamp_reaches_the_rendered_block(tmp_path):
+    doc = json.loads(open(os.path.join(headlines.RESULTS_DIR, "recovery.json")).read())
+    doc["machine"]["source_digest"] = {"deadpool_ext": headlines.checkout_digest()}
+    doc["machine"]["deadpool_defaults"] = headlines.deadpool_defaults()
+    (tmp_path / "recovery.json").write_text(json.dumps(doc))
+    [line] = [ln for ln in headlines.render(str(tmp_path)).splitlines() if ln.startswith("- **Recovery, GPT small")]
+    assert "from the current code" in line and "**stale**" not in line
+    doc["machine"]["source_digest"] = {"deadpool_ext": "0" * 16}
+    (tmp_path / "recovery.json").write_text(json.dumps(doc))
+    assert f"**stale**: `deadpool_ext` has changed since (digest `{'0' * 16}` then)" in headlines.render(str(tmp_path))
+    doc["machine"]["source_digest"] = {"deadpool_ext": headlines.checkout_digest()}
+    doc["machine"]["deadpool_defaults"]["hot_swap"]["in_place"] = False
+    (tmp_path / "recovery.json").write_text(json.dumps(doc))
+    assert "**stale**: measured under other defaults" in headlines.render(str(tmp_path))
+
+
+def test_quotes_are_rendered_and_unknown_ones_refused(tmp_path):
+    text = "before <!-- headline:recovery (old) -->0.50 s, typed<!-- /headline --> after"
+    new = headlines.requote(text)
+    [(name, body)] = headlines.quotes_in(new)
+    assert name == "recovery" and body == headlines.QUOTES["recovery"](headlines.sources())
+    assert new.startswith("before " + headlines.quote_begin("recovery")) and new.endswith(" after")
+    with pytest.raises(ValueError, match="unknown headline quote 'nope'; known: recovery"):
+        headlines.requote("<!-- headline:nope -->x<!-- /headline -->")
+    # no result: the quote says so instead of a figure
+    assert headlines.QUOTES["recovery"]({}) == "`benchmarks/results/recovery.md`: not measured yet"
+
+
+def test_docs_quote_the_recovery_headline():
+    quoted = {name for path in headlines.quoting_docs() for name, _ in headlines.quotes_in(open(path).read())}
+    assert "recovery" in quoted
+
+
+def test_a_headline_measured_under_a_changed_default_shows_as_stale():
+    # `stale()` names what to re-run (`headlines.py --check`, `python -m benchmarks.refresh`); until then the reader
+    # sees the figure marked, in the README and everywhere it is quoted
+    block = headlines.render()
+    for line in headlines.stale():
+        stem = line.split(":", 1)[0]
+        if stem == headlines.SIMULATE:
+            continue
+        shown = [ln for ln in block.splitlines() if f"`{stem}.md`" in ln]
+        assert shown and all("**stale**" in ln for ln in shown), f"{stem} is stale but not shown so: {line}"
 
 
 def test_a_changed_default_names_the_result_to_rerun(tmp_path):
