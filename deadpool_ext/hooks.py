@@ -12,6 +12,10 @@ Points, who fires them, and with which keyword arguments:
   :class:`~deadpool_ext.snapshot.state.RankStateAdapter`, read only).
 - ``BEFORE_RESTORE`` (every rank, main thread, before a memory-tier restore scans its buffers):
   ``generation`` (the hot-swap generation; 0 at job start), ``rank``.
+- ``BEFORE_SEAL`` (every rank, main thread, after a snapshot's tensors were chosen and before its copy is
+  handed to the writer, which copies, checksums and seals them): ``version``, ``rank``, ``snapshot`` (the
+  :class:`~deadpool_ext.snapshot.slots.PreparedSnapshot`; a test harness may replace its tensors, e.g. the chaos
+  harness's ``poison`` fault: values that pass every checksum).
 - ``AFTER_RESTORE`` (every rank, main thread, after a memory-tier restore put a version in place, before the
   next step): ``generation``, ``rank``, ``version``, ``state`` (as for ``AFTER_STEP``).
 
@@ -26,7 +30,8 @@ from typing import Any
 AFTER_STEP = "after_step"
 BEFORE_RESTORE = "before_restore"
 AFTER_RESTORE = "after_restore"
-POINTS = (AFTER_STEP, BEFORE_RESTORE, AFTER_RESTORE)
+BEFORE_SEAL = "before_seal"
+POINTS = (AFTER_STEP, BEFORE_RESTORE, AFTER_RESTORE, BEFORE_SEAL)
 
 _registry: dict[str, list[Callable[..., None]]] = {}  # process-wide: a harness registers once, for every generation
 

@@ -62,10 +62,12 @@ from ..rebuild import recover as protocol
 from ..rebuild.cause import Mode, recovery_mode
 from ..rebuild.context import context
 from ..rebuild.recover import driver
+from ..recovery.canary import KEY as CANARY_KEY
 from ..recovery.timeline import write_event
 from ..snapshot.manager import SnapshotManager
 from ..snapshot.state import RankStateAdapter
 from . import loaders as data_position
+from .canary import CanaryRollback, CanaryWatch
 
 log = logging.getLogger("deadpool_ext")
 
@@ -140,6 +142,8 @@ class ResilientRuntime(ABC):
                         else data_position.LoaderPositions())
         """The data position of the script's own DataLoaders (``loaders.py``); a framework that positions its
         loader itself claims it (``loaders.claim``)."""
+        self.canary = CanaryWatch(config.canary, rank)
+        """The numerical canary after every restore (``integrations/canary.py``)."""
         self.loop_owner: str | None = None
         """The loop that catches a failed step and calls :meth:`handle_failure` itself (``resilient_steps``,
         :class:`ResilientLoop`, the HF Trainer's, Lightning's); None: a plain loop, whose failed step a framework
@@ -216,13 +220,15 @@ class ResilientRuntime(ABC):
         if pos is not None:
             out[data_position.KEY] = pos
         out.update(self._internal_client_state())
+        out.update(self.canary.client_state())
         return out
 
     def _restore_client_state(self, state: dict[str, Any]) -> None:
         self.loaders.restore(state.get(data_position.KEY))
-        internal = self._restore_internal_client_state(state)
+        self.canary.restored(state)
+        internal = {*self._restore_internal_client_state(state), data_position.KEY, CANARY_KEY}
         if self._client_set:
-            self._client_set({k: v for k, v in state.items() if k != data_position.KEY and k not in internal})
+            self._client_set({k: v for k, v in state.items() if k not in internal})
 
     def _internal_client_state(self) -> dict[str, Any]:
         """The subclass's own entries of the client state (keys of its own, never the script's)."""
@@ -265,6 +271,7 @@ class ResilientRuntime(ABC):
             if self._trim_at_catch_up:
                 self._trim_at_catch_up = False
                 self._release_after_recovery("after catching up")
+        self.canary.after_step(self, step)  # after a restore: the step checked (a failure raises CanaryRollback)
         hooks.fire(hooks.AFTER_STEP, step=step, rank=self.rank, state=self.adapter)
 
     @property
@@ -356,6 +363,7 @@ class ResilientRuntime(ABC):
 
         hooks.fire(hooks.AFTER_RESTORE, generation=context().generation, rank=self.rank, version=version,
                    state=self.adapter)
+        self.canary.arm(self, version)
         log.info("resumed from in-memory snapshot of %s %d in %.2f s%s", self.step_name, version,
                  time.perf_counter() - t0, "".join(f", {k} {v}" for k, v in extra.items()))
         return version
@@ -397,7 +405,11 @@ class ResilientRuntime(ABC):
         handle to continue with (the same engine after an in-place swap, the factory's after a rebuild; never
         None), or None: the caller raises ``exc`` unchanged. ``same_objects``: the caller cannot take new objects
         (Lightning, the HF Trainer, ``resilient_steps``): only an in-place swap applies. After a rebuild this
-        runtime is closed; the handle belongs to the new world."""
+        runtime is closed; the handle belongs to the new world. A restored version that failed the numerical canary
+        (:class:`CanaryRollback`) is rolled back here: the next older version restored, the same handle returned."""
+        if isinstance(exc, CanaryRollback):
+            self.canary.roll_back(self, exc)
+            return self._handle()
         return driver().handle_failure(exc, RuntimeHooks(self), self.config.hot_swap,
                                        self.recovery_mode(same_objects=same_objects))
 

@@ -21,6 +21,7 @@ but bad record makes its base *refused* (``VersionInfo.problem``, one line), nev
 """
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -48,6 +49,10 @@ from .storage import Storage
 
 FORMAT = "deadpool-tier3/1"
 COMMIT = "deadpool_commit.json"
+QUARANTINE = "deadpool_quarantine.json"
+"""A base whose values failed the numerical canary after a restore (``integrations/canary.py``): never loaded
+again (:func:`load_candidates` refuses it); a later base of the same step, trained again from an older version,
+replaces the directory and the mark with it."""
 LATEST = "latest"
 _TAG = re.compile(r"^global_step([0-9]{1,18})$", re.ASCII)
 TAG_ALLOWED = "global_step<N> (N: 1 to 18 digits)"
@@ -275,6 +280,9 @@ def load_candidates(storage: Storage, *, key: bytes | None = None,
     the commit record and ``latest`` (then the older base is equally consistent). Bases whose record is
     refused are appended to ``refused`` (for the caller to report); a malformed ``latest`` raises."""
     versions = list_versions(storage, key=key)
+    for v in versions:
+        if v.complete and storage.exists(f"{v.tag}/{QUARANTINE}"):
+            v.commit, v.problem = None, f"{where(storage, f'{v.tag}/{QUARANTINE}')}: quarantined (numerical canary)"
     if refused is not None:
         refused.extend(v for v in versions if v.problem is not None)
     complete = [v for v in versions if v.complete]
@@ -282,6 +290,16 @@ def load_candidates(storage: Storage, *, key: bytes | None = None,
     if pin is not None and any(v.version == pin for v in complete):
         complete = [v for v in complete if v.version <= pin]
     return sorted(complete, key=lambda i: -i.version)
+
+
+def quarantine_base(storage: Storage, version: int, *, why: str) -> bool:
+    """Mark the base of ``version`` bad (:data:`QUARANTINE`, JSON) when storage holds one; whether it did."""
+    tag = version_tag(version)
+    if not storage.exists(tag):
+        return False
+    record = {"version": version, "why": why, "time": time.time()}
+    storage.write_bytes(f"{tag}/{QUARANTINE}", json.dumps(record).encode())
+    return True
 
 
 def checksum_stream(chunks: Any) -> tuple[int, str]:

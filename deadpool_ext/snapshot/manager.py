@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import hooks
 from ..cluster.topology import NodePlacement
 from ..config import DeadpoolConfig
 from ..memory.agent import claim_directory, ensure_agent
@@ -211,6 +212,7 @@ class SnapshotManager:
                 self._allocate(snap)
             kind, slot = "base", 0 if self.store.latest is None else 1 - self.store.latest[1]
         self._last_version = version
+        hooks.fire(hooks.BEFORE_SEAL, version=version, rank=self.rank, snapshot=snap)
         event = None
         if self._side is not None and _on_device(snap.tensors):
             event = self._side.ready()  # the version is complete on the compute stream; the copy starts after it

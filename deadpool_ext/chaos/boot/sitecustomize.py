@@ -14,6 +14,10 @@ def _install() -> None:
         from deadpool_ext.chaos.at_step import install
 
         install()
+    if os.environ.get("DEADPOOL_POISON"):
+        from deadpool_ext.chaos.poison import install as install_poison
+
+        install_poison()
     if os.environ.get("DEADPOOL_DUMP_STATE"):
         from deadpool_ext.chaos.dump import install as install_dump
 
