@@ -48,6 +48,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from gpu_check_analyse import (  # noqa: E402
+    MIN_ROUNDS,
+    MIN_STEPS,
     PARTS,
     SCHEMA_VERSION,
     bandwidth,
@@ -80,8 +82,10 @@ def parse_args(argv: Sequence[str] | None = None, env: dict[str, str] | None = N
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=4, help="micro-batches per optimizer step")
-    p.add_argument("--rounds", type=int, default=4, help="part a: measured rounds (after one warm-up round)")
-    p.add_argument("--steps-per-window", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=MIN_ROUNDS,
+                   help=f"part a: measured rounds (after one warm-up round); under {MIN_ROUNDS} no goal is judged")
+    p.add_argument("--steps-per-window", type=int, default=MIN_STEPS,
+                   help=f"part a: steps per window; under {MIN_STEPS} no goal is judged")
     p.add_argument("--replica", choices=("auto", "on", "off"), default="auto",
                    help="part a: the deadpool mode with a replica in a second process (auto: when shared memory "
                         "has room for it)")

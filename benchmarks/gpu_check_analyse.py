@@ -28,6 +28,9 @@ PART_TITLES = {
     "e": "tier-3 capture blocking from device memory",
 }
 GOALS = {"ratio": 1.005, "bandwidth_fraction": 0.80}
+MIN_ROUNDS, MIN_STEPS = 10, 8
+"""The project's measuring rule (bench_snapshot_overhead's RULE_MIN_ROUNDS / RULE_MIN_STEPS): fewer measured rounds
+or steps per window give figures, never a verdict on a goal."""
 SNAPSHOT_MODES = ("deadpool_t1", "deadpool")
 """``deadpool_t1``: tier 1 only (the replica switched off for the window); ``deadpool``: with the replica in the
 second process's memory (gloo side group)."""
@@ -76,9 +79,27 @@ def windows(blocks: list[dict[str, Any]]) -> dict[str, Any]:
             m["blocking_s"] = summarize([v for b in mine for v in b["blocking_s"]])
             m["blocking_fraction_of_step"] = ratio(m["blocking_s"]["median"], base)
             m["goal_ratio"] = GOALS["ratio"]
-            m["goal_met"] = m["window_ratio"] is not None and m["window_ratio"] <= GOALS["ratio"]
+            m.update(goal_verdict(m["window_ratio_ci90"], GOALS["ratio"], len(win),
+                                  min((b["steps"] for b in mine), default=0)))
         out["modes"][mode] = m
     return out
+
+
+def goal_verdict(ci: list[float] | None, goal: float, rounds: int, steps: int) -> dict[str, Any]:
+    """A ratio goal (lower is better) judged on the 90% CI of the median over rounds, never on the median alone:
+    met when the whole interval is at or under the goal, not met when it is all above, else not resolved. Under
+    :data:`MIN_ROUNDS` x :data:`MIN_STEPS`, or without an interval (one measured round), no verdict:
+    ``goal_met`` is None and ``goal_verdict`` says why."""
+    if not ci:
+        return {"goal_met": None, "goal_verdict": f"no verdict: {rounds} measured round(s) give no interval"}
+    if rounds < MIN_ROUNDS or steps < MIN_STEPS:
+        return {"goal_met": None, "goal_verdict": f"no verdict: {rounds} round(s) x {steps} step(s) measured, under "
+                                                  f"the rule of {MIN_ROUNDS} x {MIN_STEPS}"}
+    if ci[1] <= goal:
+        return {"goal_met": True, "goal_verdict": "met (the 90% CI's upper end is at or under the goal)"}
+    if ci[0] > goal:
+        return {"goal_met": False, "goal_verdict": "not met (the 90% CI's lower end is above the goal)"}
+    return {"goal_met": None, "goal_verdict": "not resolved (the 90% CI straddles the goal)"}
 
 
 def bandwidth(snapshot_bytes: int, copy_s: list[float], peak_gbs: float | None,
@@ -144,8 +165,9 @@ def summary_lines(doc: dict[str, Any]) -> list[str]:
             for mode in SNAPSHOT_MODES:
                 m = part["analysis"]["modes"].get(mode)
                 if m:
-                    head += (f"; {mode} window ratio {m['window_ratio']} (CI {m['window_ratio_ci90']}), blocking "
-                             f"median {m['blocking_s']['median']} s")
+                    head += (f"; {mode} window ratio {m['window_ratio']} (CI {m['window_ratio_ci90']}), goal "
+                             f"<= {m['goal_ratio']}: {m['goal_verdict']}, blocking median "
+                             f"{m['blocking_s']['median']} s")
         elif name == "b":
             head += f"; {part['snapshot_gbs']} GB/s = {part['fraction_of_peak']} of {part['pinned_peak_gbs']} GB/s"
         elif name == "c":

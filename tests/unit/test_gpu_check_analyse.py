@@ -46,16 +46,32 @@ def test_windows_pair_rounds_count_the_tail_and_ignore_warm_up():
     assert lo <= t1["window_ratio"] <= hi
     assert t1["blocking_s"]["n"] == 6 and t1["blocking_s"]["max"] == 0.02  # the warm-up's 5 s is not counted
     assert t1["tail_s"]["max"] == 0.2 and t1["windows_measured"] == 3
-    assert t1["goal_ratio"] == 1.005 and t1["goal_met"] is False
+    assert t1["goal_ratio"] == 1.005 and t1["goal_met"] is None  # 3 rounds x 2 steps: under the rule of 10 x 8
+    assert t1["goal_verdict"].startswith("no verdict: 3 round(s) x 2 step(s)")
     assert an["modes"]["none"]["window_ratio"] == pytest.approx(1.0) and "blocking_s" not in an["modes"]["none"]
     assert list(an["modes"]) == ["none", "deadpool_t1"]
     assert "CUDA events" in an["rule"]
 
 
-def test_windows_of_a_run_cut_short_have_no_interval_but_a_ratio():
+def test_windows_of_a_run_cut_short_have_no_interval_and_no_verdict():
+    # one measured round under the goal: a ratio, no interval, so no goal is called met (issue 45)
     an = ga.windows([_block(1, "none", 1.0), _block(1, "deadpool", 1.004, blocking=[0.001])])
     m = an["modes"]["deadpool"]
-    assert m["window_ratio"] == pytest.approx(1.004) and m["window_ratio_ci90"] is None and m["goal_met"]
+    assert m["window_ratio"] == pytest.approx(1.004) and m["window_ratio_ci90"] is None
+    assert m["goal_met"] is None and m["goal_verdict"] == "no verdict: 1 measured round(s) give no interval"
+
+
+@pytest.mark.parametrize("ci, met, verdict", [([0.998, 1.004], True, "met"), ([1.006, 1.02], False, "not met"),
+                                              ([1.0, 1.01], None, "not resolved")])
+def test_a_goal_is_judged_on_the_whole_interval(ci, met, verdict):
+    v = ga.goal_verdict(ci, 1.005, rounds=10, steps=8)
+    assert v["goal_met"] is met and v["goal_verdict"].startswith(verdict)
+
+
+def test_the_defaults_follow_the_rule_of_ten_rounds_of_eight_steps():
+    an = ga.windows([_block(r, m, 1.0 + (0.001 * (r % 3) if m == "deadpool" else 0.0), steps=(0.1,) * 8)
+                     for r in range(1, 11) for m in ("none", "deadpool")])
+    assert an["modes"]["deadpool"]["goal_met"] is True
 
 
 def test_bandwidth_is_a_fraction_of_the_peak_measured_in_the_same_run():
