@@ -71,6 +71,7 @@ class DeadpoolRuntime(ResilientRuntime):
             from .redo import StepRedo
 
             self.redo = StepRedo(engine, self, forward=engine.forward, backward=engine.backward, step=engine.step)
+        self.canary.watch_engine(engine)  # the loss backward gets, the gradient norm after a step (canary.py)
         log.info("deadpool_ext attached to DeepSpeed engine: ZeRO stage %d, dp=%d, snapshots %s",
                  self.zero_stage, engine.dp_world_size,
                  f"every {config.snapshot.interval} step(s), replication factor {config.replication.factor}"
