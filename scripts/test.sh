@@ -19,6 +19,17 @@ if ! command -v etcd >/dev/null 2>&1; then
     echo "[test] etcd is not installed: run 'sudo apt-get install etcd-server' (the etcd store tests need it)" >&2
   fi
 fi
+# The metrics endpoint is tested against a real Prometheus server (Debian's prometheus, started on loopback by
+# tests/integration/test_metrics_prometheus.py, which skips with one line where it is missing).
+if ! command -v prometheus >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing prometheus (Debian) for the metrics endpoint test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) \
+      >/dev/null
+  else
+    echo "[test] prometheus is not installed: run 'sudo apt-get install prometheus' (the metrics test needs it)" >&2
+  fi
+fi
 . .venv/bin/activate
 gate() {
   local name=$1 out

@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "size is known (two slots of the largest rank's size in /dev/shm per spare process while it "
                         "waits; its restore is that much faster); at-restore: made when it takes a node's place")
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port: the goodput ledger (productive and lost seconds by "
+                        "cause, recoveries, snapshots, spares; docs/operations.md); 0: any free port (logged). "
+                        "Default: no metrics endpoint")
+    p.add_argument("--metrics-addr", default=None,
+                   help="the address the metrics endpoint listens on (default: --host, where the stores listen: "
+                        "loopback on one host); a wildcard (0.0.0.0, ::) listens on every interface, only when "
+                        "given here")
     p.add_argument("--malloc-arena-max", type=int, default=DEFAULT_MALLOC_ARENA_MAX,
                    help="MALLOC_ARENA_MAX for the workers (glibc heap arenas): every hot-swap starts new communicator "
                         "threads, each of which would get an arena of its own, so a survivor's memory grows with "
@@ -168,10 +176,10 @@ def _resolve(host: str) -> list[tuple[int, tuple[Any, ...]]]:
     return list(out[0])
 
 
-def _host_error(host: str) -> str | None:
+def _host_error(host: str, flag: str = "--host") -> str | None:
     """Why ``--host`` cannot serve the stores, or None: it must be one of this host's own addresses (binding a
     socket to it is the test), never a wildcard that listens on every interface."""
-    wildcard = (f"--host {host!r}: a wildcard address listens on every interface; pass the address of the "
+    wildcard = (f"{flag} {host!r}: a wildcard address listens on every interface; pass the address of the "
                 "interface the stores should listen on (127.0.0.1, the default, when the job runs on one host)")
     if not host.strip():
         return wildcard
@@ -183,7 +191,7 @@ def _host_error(host: str) -> str | None:
     try:
         addresses = _resolve(host)
     except OSError as exc:
-        return f"--host {host}: cannot resolve it: {exc}"
+        return f"{flag} {host}: cannot resolve it: {exc}"
     last = "no address"
     for family, sockaddr in addresses:
         if family not in (socket.AF_INET, socket.AF_INET6):
@@ -196,8 +204,28 @@ def _host_error(host: str) -> str | None:
             return None
         except OSError as exc:
             last = exc.strerror or str(exc)
-    return (f"--host {host}: not an address of this host (binding to it fails: {last}); pass the address of one "
+    return (f"{flag} {host}: not an address of this host (binding to it fails: {last}); pass the address of one "
             "of this host's interfaces")
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is an address that listens on every interface (0.0.0.0, ::)."""
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _metrics_error(args: argparse.Namespace) -> str | None:
+    """Why ``--metrics-port`` / ``--metrics-addr`` cannot serve, or None. The address defaults to ``--host``; a
+    wildcard only when given (the launcher then warns that the endpoint is on every interface)."""
+    if args.metrics_port is None:
+        return "--metrics-addr needs --metrics-port PORT" if args.metrics_addr is not None else None
+    if not 0 <= args.metrics_port <= 65535:
+        return f"--metrics-port {args.metrics_port}: must be an integer in 0..65535 (0: any free port)"
+    if args.metrics_addr is None or is_wildcard(args.metrics_addr):
+        return None
+    return _host_error(args.metrics_addr, "--metrics-addr")
 
 
 def _script_error(path: str) -> str | None:
@@ -371,6 +399,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     host_error = _host_error(args.host)
     if host_error is not None:
         parser.error(host_error)
+    metrics_error = _metrics_error(args)
+    if metrics_error is not None:
+        parser.error(metrics_error)
     script_error = _script_error(args.script)
     if script_error is not None:
         parser.error(script_error)

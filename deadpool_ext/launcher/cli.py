@@ -33,7 +33,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 from ..cluster.assignment import Assignment, Worker
@@ -49,6 +49,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
     _script_error,
     build_parser,
     check_args,
+    is_wildcard,
     malloc_env,
     worker_arena_max,
 )
@@ -59,6 +60,7 @@ from .join import Joiner
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
 from .local import LocalNodes
+from .metrics import MetricsServer, private_timeline
 from .resize import repair_tick
 
 log = logging.getLogger("deadpool_ext.launcher")
@@ -113,6 +115,10 @@ class Supervisor:
         self._values: values.StoreValues | None = None
         self._started_at = time.time()   # the coordinator's first turn is judged late against it
         self.started = False  # every local worker spawned: errors from here on are the job's, not start-up's
+        self.metrics: MetricsServer | None = None
+        self._drop_timeline: Callable[[], None] | None = None
+        if getattr(args, "metrics_port", None) is not None and not args.timeline:  # the ledger reads a timeline
+            args.timeline, self._drop_timeline = private_timeline(self.job_id)
         try:
             self.timeline = open(args.timeline, "a") if args.timeline else None
         except OSError as exc:
@@ -202,6 +208,7 @@ class Supervisor:
                 self.server.start()
                 self.store_url = self.server.url
             self.nodes.store_url = self.store_url
+            self.serve_metrics()
             self.store = connect(self.store_url, self.token, self.job_id, STORE_TIMEOUT_S)
             if supports_leases(self.store) and self.joiner is None:
                 self.election = LeaderElection(
@@ -241,6 +248,17 @@ class Supervisor:
             return rc
         finally:
             self._shutdown()
+
+    def serve_metrics(self) -> None:
+        """``--metrics-port``: the goodput ledger on ``--metrics-addr`` (default ``--host``), before any worker."""
+        if getattr(self.args, "metrics_port", None) is None:
+            return
+        addr = self.args.metrics_addr or self.args.host
+        if is_wildcard(addr):
+            log.warning("--metrics-addr %s: the metrics endpoint listens on every interface, as asked", addr)
+        self.metrics = MetricsServer(addr, self.args.metrics_port, self.args.timeline, self.job_id)
+        port = self.metrics.start()
+        self.event(event="metrics", host_rank=self.args.host_rank, addr=addr, port=port)
 
     def _let_others_see_the_end(self) -> None:
         """A job that finished, on the store this launcher serves, with launchers on other hosts or machines that
@@ -385,8 +403,12 @@ class Supervisor:
         self.nodes.stop_all()
         if self.server is not None:
             self.server.stop()
+        if self.metrics is not None:
+            self.metrics.close()
         if self.timeline is not None:
             self.timeline.close()
+        if self._drop_timeline is not None:
+            self._drop_timeline()
 
 
 FINISHED_LINGER_S = 3.0

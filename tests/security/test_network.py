@@ -89,6 +89,44 @@ def test_c10d_store_refuses_an_address_of_another_machine() -> None:
         serve_c10d_store("192.0.2.254" if _external_ipv4() != "192.0.2.254" else "198.51.100.7", 2)
 
 
+# -- (a2) deadpool-run --metrics-port: the Prometheus endpoint ---------------------------------------------
+
+def _metrics_server(host: str, tmp_path: Path) -> tuple[Any, int]:
+    from deadpool_ext.launcher.metrics import MetricsServer
+
+    server = MetricsServer(host, 0, str(tmp_path / "timeline.jsonl"), "dp1")
+    return server, server.start()
+
+
+def test_metrics_endpoint_listens_only_on_the_given_address(tmp_path: Path) -> None:
+    """deadpool-run serves it on --metrics-addr, by default --host (loopback); the launcher's own listeners in a
+    real job are checked in tests/integration/test_metrics_prometheus.py."""
+    server, port = _metrics_server("127.0.0.1", tmp_path)
+    try:
+        assert listeners(port=port) == [("127.0.0.1", port)]
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        ext = _external_ipv4()
+        if ext is not None:
+            with pytest.raises(OSError):
+                socket.create_connection((ext, port), timeout=2).close()
+    finally:
+        server.close()
+    assert listeners(port=port) == []                      # closed with the launcher
+
+
+def test_metrics_endpoint_on_an_external_address_is_not_on_loopback(tmp_path: Path) -> None:
+    ext = _external_ipv4()
+    if ext is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    server, port = _metrics_server(ext, tmp_path)
+    try:
+        assert listeners(port=port) == [(ext, port)]
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        server.close()
+
+
 # -- (b) gloo's listeners ------------------------------------------------------------------------------
 
 _LISTENERS_OF_SELF = textwrap.dedent("""
