@@ -121,3 +121,17 @@ def test_bad_metrics_flags_are_refused_naming_the_flag(flags, error):
 def test_a_wildcard_metrics_address_only_when_asked_for():
     assert _check("--metrics-port", "9400").metrics_addr is None           # the launcher uses --host
     assert _check("--metrics-port", "9400", "--metrics-addr", "0.0.0.0").metrics_addr == "0.0.0.0"
+
+
+def test_the_grafana_dashboard_queries_only_metrics_the_endpoint_serves():
+    import re
+
+    from deadpool_ext.testing.launch import REPO
+
+    with open(f"{REPO}/docs/grafana/deadpool.json") as fh:
+        dash = json.load(fh)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]] + \
+        [a["expr"] for a in dash["annotations"]["list"]] + [v["query"] for v in dash["templating"]["list"]]
+    used = {m for e in exprs for m in re.findall(r"deadpool_[a-z_]+", e)}
+    served = {name for name, _ in _render([_start(), _snap(T0)], T0 + 1)}
+    assert used and used <= served, used - served
