@@ -320,6 +320,31 @@ class CanaryConfig:
         _integer("max_rollbacks", self.max_rollbacks, 0, 100)
 
 
+DEFAULT_GRACE_S = 25.0
+"""``preemption.grace_s`` (and ``deadpool-run --preempt-grace-s``) by default: 5 s short of the 30 s that Slurm
+(``KillWait``) and Kubernetes (``terminationGracePeriodSeconds``) leave between SIGTERM and SIGKILL by default, so
+that the processes exit and the launcher says its line before the SIGKILL."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PreemptionConfig:
+    """A SIGTERM (a preemption: Slurm, Kubernetes, a spot instance) drains the job instead of killing it: every rank
+    stops at the next step boundary, the newest version is persisted to tier 3 (``persist.url``), signed and
+    verified, and the job exits with status 75 (docs/operations.md)."""
+
+    enabled: bool = True
+    """Catch SIGTERM in the workers and drain; false: SIGTERM ends a worker at once, as without the extension."""
+    grace_s: float = DEFAULT_GRACE_S
+    """The budget from SIGTERM to the end of the job, in seconds: what is not persisted and verified within it is
+    not published. ``deadpool-run --preempt-grace-s`` overrides it. Keep it below the orchestrator's grace period
+    (Slurm ``KillWait``, Kubernetes ``terminationGracePeriodSeconds``)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            _fail("enabled", f"must be true or false, got {_show(self.enabled)}")
+        _seconds("grace_s", self.grace_s)
+
+
 NO_SPARE_POLICIES = ("fail", "wait", "shrink")
 
 
@@ -367,6 +392,7 @@ class DeadpoolConfig:
     differential: DifferentialConfig = field(default_factory=DifferentialConfig)
     persist: PersistConfig = field(default_factory=PersistConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
 
     def __post_init__(self) -> None:

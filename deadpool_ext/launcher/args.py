@@ -132,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prepare (default): a waiting spare makes and pre-faults its two snapshot slots once their "
                         "size is known (two slots of the largest rank's size in /dev/shm per spare process while it "
                         "waits; its restore is that much faster); at-restore: made when it takes a node's place")
+    p.add_argument("--preempt-grace-s", type=float, default=None,
+                   help="the budget after a SIGTERM (a preemption): every rank stops at its next step boundary, the "
+                        "step is persisted to tier 3 (persist.url / --save) and verified, and the job exits with "
+                        "status 75 and a line saying which step is safe (docs/operations.md). Default: the job's "
+                        "deadpool.preemption.grace_s (25 s); keep it below the orchestrator's grace period")
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port: the goodput ledger (productive and lost seconds by "
@@ -371,6 +376,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if 0 < args.progress_timeout_s <= args.heartbeat_s:
         parser.error(f"--progress-timeout-s ({args.progress_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}), or 0 (off)")
+    if args.preempt_grace_s is not None and not (math.isfinite(args.preempt_grace_s)
+                                                 and 0 < args.preempt_grace_s <= MAX_SECONDS):
+        parser.error(f"--preempt-grace-s {args.preempt_grace_s}: must be a finite number of seconds in "
+                     f"(0, {MAX_SECONDS}]")
     if args.detect_timeout_s <= args.heartbeat_s:
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")

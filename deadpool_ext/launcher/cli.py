@@ -55,6 +55,7 @@ from .args import (  # noqa: F401 - the command line's names, re-exported for ca
 )
 from .coordinator import Coordinator, publish
 from .decide import JOINED_HOST, CoordinatorState, Roster, Settings, taken_over
+from .drain import LauncherDrain
 from .hostlist import place_nodes
 from .join import Joiner
 from .lapse import LeaseLapse
@@ -108,6 +109,7 @@ class Supervisor:
             self.joiner = Joiner(args, self.job_id)
         self.nodes = LocalNodes(args, self.job_id, self.token, self.workers, self.local_nodes, self.event)
         self.lapse = LeaseLapse(self.nodes, args, self.event)
+        self.drain = LauncherDrain(getattr(args, "preempt_grace_s", None), args.host_rank, self.event)
         self.coordinator: Coordinator | None = None   # while this launcher holds the coordinator role
         self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
         self.hosts_seen: set[int] = set()   # every host whose launcher ever held its lease
@@ -368,13 +370,15 @@ class Supervisor:
         led_before = self.leader and self.election is None
         while True:
             self._sleep_until_child_exit(0.1)
+            if (rc := self._drain_turn()) is not None:
+                return rc
             try:
                 rc = self._host_tick()
             except StoreError as exc:
                 log.warning("host %d: %s", self.args.host_rank, exc)
                 continue
             if rc is not None:
-                return rc
+                return self._drain_end(stopped=rc == 1) if self.drain.active else rc
             if not self._leads():
                 led_before = False
                 continue
@@ -390,7 +394,46 @@ class Supervisor:
                 log.warning("coordinator: %s", exc)
                 continue
             if rc is not None:
-                return rc
+                return self._drain_end(stopped=rc == 1) if self.drain.active else rc
+
+    def _drain_turn(self) -> int | None:
+        """A preemption's drain (``drain.py``), first in every turn once the workers run: the request written (a
+        SIGTERM to this launcher) or read (another launcher's, a worker's); then, once this host's workers of the
+        current generation exited or the budget is spent, the final line and the exit status."""
+        if not self.started:
+            return None
+        try:
+            if not self.drain.tick(self.store, self.values):
+                return None
+        except StoreError as exc:  # the store gone for a moment: the next turn tries again, the budget runs
+            log.warning("drain: %s", exc)
+            if not self.drain.active:
+                return None
+        if self.coordinator is not None:
+            self.coordinator.draining = True
+        ranks, local, exits = self._drain_view()
+        if self.drain.over(ranks, local, exits, time.time()):
+            return self._drain_end()
+        return None
+
+    def _drain_view(self) -> tuple[tuple[str, ...], set[str], dict[str, int]]:
+        """The current generation's workers, this host's, and the exits of this host's processes."""
+        try:
+            published = self.values.get(keys.ASSIGNMENT, values.assignment)
+        except Exception as exc:  # the store gone: this host's processes still tell
+            log.debug("drain: %s", exc)
+            published = None
+        local = {w.worker_id for w in self.nodes.workers}
+        ranks = tuple(published.assignment.ranks) if published is not None else tuple(
+            wid for wid in local if self.nodes.procs.get(wid) is not None)
+        return ranks, local, self.nodes.exits()
+
+    def _drain_end(self, *, stopped: bool = False) -> int:
+        """The drain's end on this host: the line, the status; what is left (spares, a late worker) SIGKILLed."""
+        ranks, local, exits = self._drain_view()
+        rc = self.drain.end(self.values, ranks, local, exits, stopped=stopped)
+        self.nodes.kill_all()
+        return rc
 
     def _coordinate(self) -> int | None:
         """One turn of the coordinator (``coordinator.py``: observe -> decide -> act)."""
@@ -437,6 +480,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "host_plan", None):
         log.info("%s", args.host_plan)
     sup = Supervisor(args)
+
+    def on_sigterm(*_: Any) -> None:
+        # Once the workers run, a SIGTERM (a preemption) drains the job (launcher/drain.py); before, it ends the
+        # launcher as it always did.
+        if not sup.started:
+            sys.exit(143)
+        sup.drain.notice()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         return sup.run()
     except Exception as exc:

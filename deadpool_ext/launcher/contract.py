@@ -65,6 +65,9 @@ NO_SPARE_POLICY = "DEADPOOL_NO_SPARE_POLICY"
 """deadpool-run's --no-spare-policy (fail, wait, shrink): with shrink, restores may reshard (docs/elastic.md)."""
 SPARE_SLOTS = "DEADPOOL_SPARE_SLOTS"
 """deadpool-run's --spare-slots: ``prepare`` (a waiting spare makes its snapshot slots) or ``at-restore``."""
+PREEMPT_GRACE_S = "DEADPOOL_PREEMPT_GRACE_S"
+"""deadpool-run's --preempt-grace-s, when given: the drain budget after a SIGTERM (else the job's
+``deadpool.preemption.grace_s``: ``preempt/decide.py`` ``resolve_grace``)."""
 TIMELINE = "DEADPOOL_TIMELINE"
 """JSON-lines file the workers append recovery events to (``deadpool-run --timeline``)."""
 
@@ -98,6 +101,8 @@ class HotSwapEnv:
     """``--no-spare-policy`` when the launcher was given it, else None (the job's config then decides:
     :func:`deadpool_ext.launcher.keys.resolve_no_spare_policy`)."""
     spare_slots: str = "prepare"
+    preempt_grace_s: float | None = None
+    """``--preempt-grace-s`` when the launcher was given it, else None (the job's config then decides)."""
 
     def to_environ(self) -> dict[str, str]:
         env = {STORE: self.store_url, STORE_TOKEN: self.token, JOB_ID: self.job_id, WORKER_ID: self.worker_id,
@@ -107,6 +112,8 @@ class HotSwapEnv:
             env[NO_SPARE_POLICY] = self.no_spare_policy
         if self.shm_root:
             env[SHM_ROOT] = self.shm_root
+        if self.preempt_grace_s is not None:
+            env[PREEMPT_GRACE_S] = repr(float(self.preempt_grace_s))
         return env
 
     @classmethod
@@ -126,11 +133,12 @@ class HotSwapEnv:
         slots = environ.get(SPARE_SLOTS, "prepare")
         if slots not in SPARE_SLOT_MODES:
             raise LaunchEnvError(f"{SPARE_SLOTS}={slots!r}: allowed {list(SPARE_SLOT_MODES)}")
+        grace = _float(environ, PREEMPT_GRACE_S, 0.0) if environ.get(PREEMPT_GRACE_S) else None
         return cls(store_url=url, token=environ[STORE_TOKEN], job_id=environ[JOB_ID],
                    worker_id=environ[WORKER_ID], node=environ[NODE], role=role,
                    launcher_pid=_int(environ, LAUNCHER_PID, 0), heartbeat_s=_float(environ, HEARTBEAT_S, 0.5),
                    watch_s=_float(environ, WATCH_S, 0.5), shm_root=environ.get(SHM_ROOT) or None,
-                   no_spare_policy=policy, spare_slots=slots)
+                   no_spare_policy=policy, spare_slots=slots, preempt_grace_s=grace)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

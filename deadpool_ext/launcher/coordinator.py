@@ -51,6 +51,7 @@ from .decide import (
     Settings,
     decide,
 )
+from .drain import drained_observation
 from .final import stop_cause
 from .join import JOIN_POLL_S
 from .local import LocalNodes
@@ -89,6 +90,8 @@ class Coordinator:
         self.state, self.settings, self.reads, self.nodes, self.event = state, settings, reads, nodes, event
         self.fence_timeout_s = fence_timeout_s
         self.join_next = 0.0   # monotonic time of the next reading of the join requests
+        self.draining = False
+        """A preemption's drain is under way (``drain.py``): drained workers are done, spares' exits no failure."""
 
     @property
     def store(self) -> Any:
@@ -98,6 +101,8 @@ class Coordinator:
              resumed_grace_until: float | None = None) -> int | None:
         """One turn; the launcher's exit code when the job ends (0 finished, 1 stopped), else None."""
         obs = self.observe(hosts_seen, hosts_now, resumed_grace_until)
+        if self.draining:
+            obs = drained_observation(obs, self.state.assignment.ranks)
         dec = decide(self.state, obs, self.settings)
         for action in dec.actions:
             self.act(action)

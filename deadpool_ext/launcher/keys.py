@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..preempt import messages
 from . import values
 
 MARK = b"1"
@@ -65,6 +66,13 @@ JOB_FAST_PATHS = "config/fast_paths"
 not: a spare that saw no config before its script (a dict built in code) learns it here (``rebuild/fastpaths.py``)."""
 LAUNCHER_POLICY = "launcher/no_spare_policy"
 """``--no-spare-policy`` of the first launcher, for machines that join later."""
+DRAIN = "drain"
+"""A preemption was noticed (SIGTERM to a launcher or to a worker): every rank drains at its next step boundary
+(``preempt/``; the value: ``preempt/messages.py`` ``DrainRequest``)."""
+DRAINED = "drained"
+"""What the drain persisted and which step is safe, as rank 0 saw it (``preempt/messages.py`` ``DrainOutcome``)."""
+JOB_GRACE = "config/preempt_grace_s"
+"""``deadpool.preemption.grace_s`` of the job's config, written by rank 0 at attach."""
 
 GENERATIONS = "gen/"
 HEARTBEATS = "hb/"
@@ -136,6 +144,14 @@ SPECS: tuple[KeySpec, ...] = (
             "{'in_place', 'build_ahead', 'why'}", values.fast_paths),
     KeySpec(LAUNCHER_POLICY, "the first coordinator, when --no-spare-policy is given",
             "a machine joining with --join", "one of fail, wait, shrink", values.policy),
+    KeySpec(DRAIN, "a launcher on SIGTERM, or a worker's drain watcher on its own SIGTERM (first writer wins; "
+            "launcher/drain.py, preempt/worker.py)", "every worker's drain watcher, every launcher",
+            "{'requested_at', 'by'}", messages.drain_request),
+    KeySpec(DRAINED, "rank 0 once its drain is decided (integrations/deepspeed/drain.py)",
+            "every launcher (its final line, launcher/drain.py)",
+            "{'step', 'persisted', 'safe', 'url', 'seconds', 'why', 'nbytes', 'written_at'}", messages.drain_outcome),
+    KeySpec(JOB_GRACE, "rank 0 at attach (preempt/worker.py)", "every launcher without --preempt-grace-s",
+            "seconds", messages.grace_seconds),
 )
 BY_NAME = {s.name: s for s in SPECS}
 
@@ -301,7 +317,8 @@ def resolve_no_spare_policy(flag: str | None, job_config: str | None) -> NoSpare
 
 
 __all__ = [
-    "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
+    "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DRAIN", "DRAINED", "JOB_GRACE",
+    "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
     "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS",
     "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
     "TRAINED", "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value",

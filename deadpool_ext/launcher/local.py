@@ -50,7 +50,8 @@ class LocalNodes:
                               node=w.node, role=role, launcher_pid=os.getpid(), heartbeat_s=self.args.heartbeat_s,
                               watch_s=self.args.watch_s, shm_root=self.args.shm_root,
                               no_spare_policy=self.args.no_spare_policy or None,
-                              spare_slots=getattr(self.args, "spare_slots", "prepare")).to_environ())
+                              spare_slots=getattr(self.args, "spare_slots", "prepare"),
+                              preempt_grace_s=getattr(self.args, "preempt_grace_s", None)).to_environ())
         env.update({
             contract.LOCAL_RANK: str(w.local_index), contract.LOCAL_WORLD_SIZE: str(self.args.nproc_per_node),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1",

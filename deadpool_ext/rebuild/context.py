@@ -23,6 +23,7 @@ membership's assignment) and a reader finds the whole state in one place:
 - ``spare_warmups``, ``served_stores``, ``exit_registered``: start-up (``distributed.py``);
 - ``restore_follows``: a rebuild's factory runs with a restore from memory to follow (``rebuild/recover.py``);
 - ``first_batch``: the first engine's batch shape, which a resized world keeps (``integrations/deepspeed/batch.py``);
+- ``drain``: a preemption's drain, requested (a SIGTERM, the launcher's ``drain`` key) and done (``preempt/worker.py``);
 - ``recovery``: the recovery driver (``rebuild/recover.py``).
 
 No generation state is anywhere else. What stays in module globals is process-wide by nature, each with its reason
@@ -38,6 +39,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..preempt.state import DrainState
 from .notice import GenerationFence, Interrupts
 from .progress import Progress
 
@@ -110,6 +112,8 @@ class WorkerContext:
     first_batch: object | None = None
     """The first engine's batch shape, as an integration recorded it (DeepSpeed: ``integrations/deepspeed/batch.py``):
     a rebuild on a resized world keeps that global batch."""
+    drain: DrainState = field(default_factory=DrainState)
+    """A preemption's drain (``preempt/worker.py``): requested by a SIGTERM or the launcher, agreed, done."""
     _recovery: Recovery | None = None
 
     @property

@@ -28,6 +28,7 @@ from typing import Any
 from packaging.version import Version
 
 from ...config import DeadpoolConfig
+from ...rebuild.context import context
 from ..base import ResilientRuntime
 from . import checkpoint_calls
 from .checkpoint_engine import DeadpoolCheckpointEngine
@@ -84,6 +85,11 @@ class DeadpoolRuntime(ResilientRuntime):
         generation (``rebuild.notice``): that step is thrown away by the hot-swap anyway."""
         engine = self.engine
         runtime = self
+        if self.config.enabled:
+            from ...preempt.worker import install
+
+            install(self.config.preemption, self.rank)  # a SIGTERM drains the job (drain.py)
+        drain = context().drain
         if getattr(engine, "pipeline_parallelism", False):
             self._wrap_pipeline_step()
             return
@@ -97,11 +103,18 @@ class DeadpoolRuntime(ResilientRuntime):
                     return fn(*args, **kwargs)
             return call
 
-        engine.forward = stoppable(engine.forward)
+        forward = stoppable(engine.forward)
+
+        def drained_forward(*args: Any, **kwargs: Any) -> Any:
+            drain.exit_if_due()  # a drained process ends here, its script's bookkeeping of the step done
+            return forward(*args, **kwargs)
+
+        engine.forward = drained_forward
         engine.backward = stoppable(engine.backward)
         deepspeed_step = stoppable(engine.step)
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            drain.exit_if_due()
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary:
                 runtime._before_optimizer_step()
@@ -133,6 +146,10 @@ class DeadpoolRuntime(ResilientRuntime):
             self.snapshots.after_step()
         if self.persist is not None:
             self.persist.after_step()  # tier 3 (collective every persist.interval steps)
+        if context().drain.armed:
+            from .drain import at_boundary
+
+            at_boundary(self)  # a preemption's drain: persist this step when any rank was asked to (drain.py)
         self._report_to_monitor()
         self._after_snapshot()
 
@@ -190,6 +207,9 @@ class DeadpoolRuntime(ResilientRuntime):
         return out
 
     def _close(self) -> None:
+        from ...preempt.worker import disarm
+
+        disarm()  # training is over: a SIGTERM ends the process at once again
         if self.persist is not None:
             self.persist.close()  # tier 3: publish the base in flight (bounded)
 

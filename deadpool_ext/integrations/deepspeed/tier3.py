@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -114,6 +115,35 @@ class Tier3Persister:
                 log.warning("tier 3: base %s skipped: the previous base is still being written (raise the interval "
                             "or persist.max_mb_s); training does not wait for tier 3", version_tag(step))
             return False
+        job = self._capture(step, t0, deadline=time.time() + self.cfg.timeout_s)
+        self.writer.submit(job)
+        return True
+
+    def drain_save(self, step: int, deadline: float) -> tuple[BaseJob, threading.Event] | None:
+        """Collective (every rank, at a drain's step boundary: ``integrations/deepspeed/drain.py``): capture ``step``
+        as :meth:`save` does and write it at once through a writer of its own, unthrottled (training has stopped),
+        published by ``deadline`` or never. Returns the job and the event its end sets (``job.result``: the writer's
+        record; on the coordinator ``published`` and ``verify_s`` once it read back verified); None when a base
+        was still being written on some rank (it had the budget until now)."""
+        if self._busy_anywhere():
+            return None
+        job = self._capture(step, time.perf_counter(), deadline=deadline)
+        done = threading.Event()
+        release = job.on_done
+        writer = BaseWriter(self.storage, Throttle(0.0, False), keep_last=self.cfg.keep_last, key=self.key)
+
+        def finished(j: BaseJob) -> None:
+            if release is not None:
+                release(j)
+            done.set()  # the drain's writer thread is left waiting: its process ends next
+
+        job.on_done = finished
+        writer.submit(job)
+        return job, done
+
+    def _capture(self, step: int, t0: float, *, deadline: float) -> BaseJob:
+        """Collective: base ``step`` copied into host buffers through ``save_checkpoint`` (capture mode), as a job for
+        a writer (not submitted)."""
         tag = version_tag(step)
         if self.engine.global_rank == 0 and self.storage.exists(tag):
             # A base of this step from an earlier attempt (e.g. a run resumed from an older base): make it
@@ -144,12 +174,10 @@ class Tier3Persister:
                         root_files[name] = fh.read()
         job = BaseJob(version=step, tag=tag, rank=self.engine.global_rank,
                       world_size=torch.distributed.get_world_size(), coordinator=self.engine.global_rank == 0,
-                      files=files, layout=self._layout(), root_files=root_files,
-                      deadline=time.time() + self.cfg.timeout_s,
+                      files=files, layout=self._layout(), root_files=root_files, deadline=deadline,
                       on_done=lambda _job: self.pool.release(taken))
-        self.writer.submit(job)
         self.captures.append({"version": step, "capture_s": capture_s, "bytes": job.estimate})
-        return True
+        return job
 
     def _busy_anywhere(self) -> bool:
         """Collective: is the previous base still being written on any rank?"""
