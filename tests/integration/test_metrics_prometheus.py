@@ -5,7 +5,6 @@ seconds by cause equal to ``deadpool timeline``'s (the same ledger of the same e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
