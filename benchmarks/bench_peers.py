@@ -50,6 +50,7 @@ from common import (  # noqa: E402
     write_json,
     write_text,
 )
+from file_sync import fsync_tree  # noqa: E402
 
 MODES = ("none", "deadpool", "ds_default", "ds_decoupled", "dcp_async", "dlrover_flash")
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
@@ -172,8 +173,8 @@ class _Peers:
         elif mode == "dcp_async" and self.dcp_future is not None:
             self.dcp_future.result()
             self.dcp_future = None
-        if mode not in ("none", "deadpool"):
-            os.sync()  # this block's dirty pages must not be written back during another mode's block
+        if mode not in ("none", "deadpool") and mode in self.dirs:
+            fsync_tree(self.dirs[mode])  # this block's files durable inside it, and only those (not os.sync())
         return time.perf_counter() - t0
 
     def end(self, mode: str) -> None:

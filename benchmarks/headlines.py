@@ -39,6 +39,8 @@ END = "<!-- headlines:end -->"
 OVERHEAD = ("snapshot_overhead_small_n2", "snapshot_overhead_small_n4", "snapshot_overhead_medium_n2",
             "snapshot_overhead_medium_n4")
 """The overhead results the headlines read, in this order, where present (measured under the window rule)."""
+RECOMMENDED = "snapshot_overhead_recommended"
+"""The overhead users meet (issue 45): deadpool-run with a spare against plain DeepSpeed, whole process tree."""
 RECOVERY = "recovery"
 SIMULATE = "simulate"
 PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
@@ -77,7 +79,30 @@ def sources(results_dir: str = RESULTS_DIR) -> dict[str, dict[str, Any]]:
         doc = _load(stem, results_dir)
         if doc:
             out[stem] = doc
+    doc = _load(RECOMMENDED, results_dir)
+    if doc and doc.get("rule_met") and (doc.get("analysis") or {}).get("modes", {}).get("recommended"):
+        out[RECOMMENDED] = doc
     return out
+
+
+def _recommended_lines(doc: dict[str, Any]) -> list[str]:
+    an = doc["analysis"]
+    rec, off, base = an["modes"]["recommended"], an["modes"].get("off"), an["modes"]["plain"]
+    roles = {r: rec["cpu_s_per_step_by_role"].get(r, 0.0) - base["cpu_s_per_step_by_role"].get(r, 0.0)
+             for r in ("ranks", "launcher", "spare", "other")}
+    t = an.get("target_step_ratio") or {}
+    target = f" (target <= {t['target']}: {'met' if t.get('met') else 'not met'})" if t else ""
+    step = sentence(rec["window"], x_label="deadpool-run", y_label="plain")
+    cpu = sentence(rec["cpu"], x_label="deadpool-run", y_label="plain")
+    return [
+        f"- **Overhead as recommended, GPT {doc['size']} ({doc['params'] / 1e6:.0f}M), 2 ranks, ZeRO-3: `deadpool-run` "
+        f"with one spare built ahead, a snapshot every step, replica on the other node, against plain DeepSpeed "
+        f"(no extension)** (`{RECOMMENDED}.md`, {doc['rounds']} rounds of one job per mode, {doc['steps']}-step "
+        f"windows; {stamp(doc, stem=RECOMMENDED)}): step time {step}{target}; CPU of the whole process tree "
+        f"(kernel-counted: launcher, ranks, spare) {cpu}; the extra CPU per step: "
+        + ", ".join(f"{r} {1e3 * v:+.0f} ms" for r, v in roles.items())
+        + (f". Attached but off (the hooks alone): {sentence(off['window'], x_label='off', y_label='plain')}."
+           if off else ".")]
 
 
 def _overhead_lines(stem: str, doc: dict[str, Any]) -> list[str]:
@@ -224,6 +249,8 @@ def render(results_dir: str = RESULTS_DIR) -> str:
              "noisy and every ratio comes from runs interleaved in one job. Each figure names its commit and date, "
              "and says **stale** when the code it measured differs from this checkout's (`python -m "
              "benchmarks.refresh` re-measures every headline)."]
+    if RECOMMENDED in src:
+        lines += _recommended_lines(src[RECOMMENDED])
     for stem in OVERHEAD:
         if stem in src:
             lines += _overhead_lines(stem, src[stem])

@@ -3,7 +3,8 @@
 The measuring rule (issue "honest numbers"): each round runs a *window* of consecutive steps per mode, each step
 with its checkpoint. Every rank starts the window at a barrier; a rank's window ends when the last checkpoint of
 the window is complete on it (deadpool: committed, ``wait_idle``; DCP: the future resolved; the decoupled writer:
-flushed and committed; DeepSpeed's default engine and DCP and the decoupled writer: ``os.sync``; DLRover flash:
+flushed and committed; DeepSpeed's default engine and DCP and the decoupled writer: ``fsync`` of their own files
+(``os.sync`` before issue 45); DLRover flash:
 its copy into shared memory, synchronous). The job's window is the slowest rank's. A mode's figure is the ratio of
 its window to the window without checkpoints (``none``) of the same round, the median over rounds, with a
 percentile-bootstrap 90% CI over the rounds. Process CPU (every thread) is taken over the same window.

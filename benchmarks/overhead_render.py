@@ -30,6 +30,12 @@ def _paired_lines(paired: dict[str, Any]) -> list[str]:
                       "CPU deadpool / peer", "CPU 90% CI", "CPU verdict"], rows), ""]
 
 
+def _machine_wide_sync(doc: dict[str, Any]) -> bool:
+    """Results measured before issue 45 ended a file-writing peer's window with a machine-wide ``os.sync`` (they
+    record no ``file_sync``)."""
+    return doc.get("file_sync") is None
+
+
 def render_markdown(doc: dict[str, Any]) -> str:
     lines = ["# Snapshot overhead: a checkpoint every iteration, counted whole", ""]
     lines.append(f"Command: `{doc['command']}`  ")
@@ -45,7 +51,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += ["", "**The rule.** Each round runs a window of consecutive steps of every mode (the order rotates from "
               "round to round), each step with its checkpoint. Every rank starts a window at a barrier; the window "
               "ends when the last checkpoint in it is complete (deadpool: committed on every rank; DCP: the future "
-              "resolved; DeepSpeed's decoupled writer: flushed and committed; files: `os.sync`; DLRover flash: its "
+              "resolved; DeepSpeed's decoupled writer: flushed and committed; files: `fsync` of the mode's own files "
+              f"{'(`os.sync`, machine-wide, in this run)' if _machine_wide_sync(doc) else ''}; DLRover flash: its "
               "copy into shared memory, which is synchronous). The job's window is the slowest rank's. *Window "
               "ratio* = the window of a mode / the window of `none` in the same round, median over rounds, 90% CI "
               "by percentile bootstrap over the rounds. *CPU ratio*: the job's process CPU (every thread of every "

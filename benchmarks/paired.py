@@ -24,6 +24,8 @@ from common import bootstrap_median_ci, median
 
 BETTER, WORSE, NO_DIFFERENCE = "better", "worse", "no difference measured"
 LEVEL = 0.90
+MIN_ROUNDS = 3
+"""Fewer pairs give no interval, so no verdict: a bootstrap over two values is only their range."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +38,8 @@ class Comparison:
     """Per round, (X / base) / (Y / base): below 1.0, X cost less than Y in that round."""
     median: float | None
     ci: tuple[float, float] | None
-    """The percentile-bootstrap interval of the median over rounds, at :data:`LEVEL`; None under two rounds."""
+    """The percentile-bootstrap interval of the median over rounds, at :data:`LEVEL`; None under
+    :data:`MIN_ROUNDS` rounds."""
     verdict: str
     """:data:`BETTER`, :data:`WORSE` or :data:`NO_DIFFERENCE`."""
     x_faster_rounds: int
@@ -68,7 +71,8 @@ def verdict(ci: Sequence[float] | None) -> str:
 def compare_ratios(x: str, y: str, ratios: Iterable[float], *, resamples: int = 2000, seed: int = 0) -> Comparison:
     """The comparison from per-round ratios of ratios already paired (one value per round)."""
     vals = tuple(float(r) for r in ratios)
-    ci = bootstrap_median_ci(list(vals), level=LEVEL, resamples=resamples, seed=seed)
+    ci = bootstrap_median_ci(list(vals), level=LEVEL, resamples=resamples, seed=seed) \
+        if len(vals) >= MIN_ROUNDS else None
     ci_t = (float(ci[0]), float(ci[1])) if ci and ci[0] is not None and ci[1] is not None else None
     return Comparison(x=x, y=y, ratios=vals, median=median(vals), ci=ci_t, verdict=verdict(ci_t),
                       x_faster_rounds=sum(1 for v in vals if v < 1.0))
@@ -109,7 +113,7 @@ def sentence(c: Mapping[str, Any], *, x_label: str | None = None, y_label: str |
     x, y = x_label or c["x"], y_label or c["y"]
     ci = c.get("ci90")
     med = c.get("median")
-    ci_text = f"90% CI {ci[0]:.3f}-{ci[1]:.3f}; " if ci else "no interval: under two rounds; "
+    ci_text = f"90% CI {ci[0]:.3f}-{ci[1]:.3f}; " if ci else f"no interval: under {MIN_ROUNDS} rounds; "
     text = (f"{x} / {y}, paired per round, {med:.3f} ({ci_text}{x} faster in {c['x_faster_rounds']} of "
             f"{c['rounds']} rounds): **{c['verdict']}**" if med is not None else
             f"{x} / {y}: no round measured both: **{c['verdict']}**")
@@ -120,5 +124,5 @@ def sentence(c: Mapping[str, Any], *, x_label: str | None = None, y_label: str |
     return text
 
 
-__all__ = ["BETTER", "Comparison", "LEVEL", "NO_DIFFERENCE", "WORSE", "compare_blocks", "compare_ratios",
+__all__ = ["BETTER", "Comparison", "LEVEL", "MIN_ROUNDS", "NO_DIFFERENCE", "WORSE", "compare_blocks", "compare_ratios",
            "round_pairs", "sentence", "verdict"]

@@ -70,7 +70,8 @@ def test_warmup_and_rounds_missing_a_side_are_left_out():
     assert paired.round_pairs(blocks, "deadpool", "peer") == pytest.approx([11.0 / 12.0, 10.0 / 12.5])
 
 
-def test_one_round_gives_no_interval_and_no_verdict():
-    c = paired.compare_blocks(_blocks([{"none": 10.0, "deadpool": 10.0, "peer": 20.0}]), "deadpool", "peer")
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_under_three_rounds_there_is_no_interval_and_no_verdict(rounds):
+    c = paired.compare_blocks(_blocks([{"none": 10.0, "deadpool": 10.0, "peer": 20.0}] * rounds), "deadpool", "peer")
     assert c.ci is None and c.verdict == paired.NO_DIFFERENCE and not c.no_worse
-    assert "under two rounds" in paired.sentence(c.to_dict())
+    assert "no interval: under 3 rounds" in paired.sentence(c.to_dict())
