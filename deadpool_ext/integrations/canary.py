@@ -7,8 +7,11 @@ What it does, in the runtime's call order (every rank, main thread):
    step are learned into :class:`~deadpool_ext.recovery.canary.Bounds`, read as numbers lazily (at a snapshot,
    whose client state carries them as JSON under ``recovery.canary.KEY``, or at a check);
 2. after a restore (``ResilientRuntime._resume``: a restart, an in-place hot-swap, a rebuild, a rollback), the
-   restored version's bounds are armed for ``canary.steps`` steps; snapshots and tier-3 bases are held meanwhile,
-   so a poisoned version never overwrites the older one a rollback needs;
+   restored version's bounds are armed for ``canary.steps`` steps. After a restart's restore, snapshots and tier-3
+   bases are held meanwhile, so a poisoned version never overwrites the older one a rollback needs. After a
+   hot-swap they go on: the new placement's replicas come first (a second node lost inside the window would find
+   no copy of the restored version on the replaced node's peers), so a failed check there falls back only where an
+   older version is still in memory, and otherwise stops the job;
 3. each checked step: every rank judges its own values, then all ranks agree (one all-reduce MAX on the snapshot
    side group): a failure anywhere raises :class:`CanaryRollback` out of the step on every rank;
 4. the loop hands it to ``runtime.handle_failure`` (as any failure), which calls :meth:`CanaryWatch.roll_back`:
@@ -67,6 +70,7 @@ class CanaryWatch:
         self.armed: tuple[int, int, rules.Bounds] | None = None
         """(restored version, steps still to check, its bounds) while checking."""
         self.checked = 0
+        self._held = False
         self.quarantined: tuple[int, ...] = ()
 
     # -- what the framework hands in -----------------------------------------------------------------
@@ -91,8 +95,8 @@ class CanaryWatch:
 
     # -- every step ----------------------------------------------------------------------------------
     def holds(self) -> bool:
-        """Snapshots and tier-3 bases are held: the restored version is being checked."""
-        return self.armed is not None
+        """Snapshots and tier-3 bases are held: the version restored at a restart is being checked."""
+        return self.armed is not None and self._held
 
     def after_step(self, runtime: ResilientRuntime, step: int) -> None:
         """After each optimizer step and its snapshot hook: learn the step's values, or check them (collective on
@@ -112,6 +116,8 @@ class CanaryWatch:
         self.checked += 1
         if why is not None:
             self.armed = None
+            if self._held:
+                self._hold(runtime, False)
             write_event(event="canary_failed", rank=self.rank, version=version, step=step, why=why)
             raise CanaryRollback(version, step, why)
         self.bounds = rules.learn(self.bounds, loss_f, norm_f, self.config.window)
@@ -119,7 +125,8 @@ class CanaryWatch:
             self.armed = (version, left - 1, bounds)
             return
         self.armed = None
-        self._hold(runtime, False)
+        if self._held:
+            self._hold(runtime, False)
         if self.rank == 0:
             log.info("numerical canary: the %d step(s) after the restore of step %d are within %g x their recent "
                      "values; snapshots go on", self.config.steps, version, self.config.factor)
@@ -161,8 +168,12 @@ class CanaryWatch:
             from ..snapshot.quarantine import read_record
 
             self.quarantined = read_record(snapshots.store.dir, snapshots.job_id, self.rank)
+        from ..rebuild.context import context
+
         self.armed = (version, self.config.steps, self.bounds)
-        self._hold(runtime, True)
+        self._held = not context().in_hot_swap  # a hot-swap's new placement gets its replicas at once
+        if self._held:
+            self._hold(runtime, True)
         write_event(event="canary_armed", rank=self.rank, version=version, steps=self.config.steps,
                     recent_losses=len(self.bounds.losses), recent_grad_norms=len(self.bounds.grad_norms))
 
@@ -205,6 +216,7 @@ class CanaryWatch:
         assert snapshots is not None
         from ..snapshot.quarantine import mark_bad, write_record
 
+        snapshots.wait_idle()  # a snapshot taken after the restore (not held: a hot-swap) sealed before it is marked
         marked = mark_bad(snapshots.store.dir, snapshots.job_id, self.rank, version)
         write_record(snapshots.store.dir, snapshots.job_id, self.rank, self.quarantined)
         persist = getattr(runtime, "persist", None)

@@ -9,9 +9,11 @@ Each rank marks what it holds in its node's directory:
 - its own tier-1 slots and differential ring entries (``deadpool.<job>.snap|diff.r<rank>.<i>``);
 - the tier-2 replicas it holds for other ranks (``deadpool.<job>.replica|dreplica.r<src>.h<rank>b<buf>``).
 
-Every rank marks the same version at the same point (the verdict is agreed), so together they mark every copy
-in memory. The versions a rank quarantined are also kept in a small JSON record in its node's directory
-(``deadpool.<job>.quarantine.r<rank>.json``): a restarted process counts them (the crash-loop guard).
+A version newer than the failed one descends from it (snapshots taken during the check, or copies of a newer
+step not every rank had): those are marked too. Every rank marks the same version at the same point (the
+verdict is agreed), so together they mark every copy in memory. The versions a rank quarantined are also kept
+in a small JSON record in its node's directory (``deadpool.<job>.quarantine.r<rank>.json``): a restarted process
+counts them (the crash-loop guard).
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ _HELD = (REPLICA_KIND, "d" + REPLICA_KIND)
 
 
 def mark_bad(directory: str, job_id: str, rank: int, version: int) -> list[str]:
-    """Zero the MAGIC of every copy of ``version`` that ``rank`` holds in ``directory``; the files marked."""
+    """Zero the MAGIC of every copy of ``version``, and of any newer version (taken from it), that ``rank`` holds
+    in ``directory``; the files marked."""
     marked: list[str] = []
     if not os.path.isdir(directory):
         return marked
@@ -51,7 +54,7 @@ def mark_bad(directory: str, job_id: str, rank: int, version: int) -> list[str]:
             continue
         try:
             meta, _ = probe_slot(seg.buf, verify=False)
-            if meta is not None and int(meta["version"]) == version:
+            if meta is not None and int(meta["version"]) >= version:
                 seg.buf[fmt.MAGIC_SLICE] = bytes(fmt.MAGIC_SLICE.stop)
                 marked.append(fname)
         finally:

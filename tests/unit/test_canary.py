@@ -117,13 +117,14 @@ def test_mark_bad_marks_own_slots_and_held_replicas_of_the_version_only(tmp_path
     d = str(tmp_path)
     files = {"deadpool.j.snap.r1.0": 6, "deadpool.j.snap.r1.1": 5, "deadpool.j.replica.r0.h1b0": 6,
              "deadpool.j.replica.r0.h1b1": 5, "deadpool.j.snap.r0.0": 6, "deadpool.j.replica.r1.h0b0": 6,
-             "deadpool.other.snap.r1.0": 6}
+             "deadpool.other.snap.r1.0": 6, "deadpool.j.diff.r1.3": 7, "deadpool.j.diff.r1.2": 4}
     for name, v in files.items():
         _blob(d, name, v, 1)
     marked = mark_bad(d, "j", 1, 6)
-    assert marked == ["deadpool.j.replica.r0.h1b0", "deadpool.j.snap.r1.0"]
+    assert marked == ["deadpool.j.diff.r1.3", "deadpool.j.replica.r0.h1b0", "deadpool.j.snap.r1.0"]
     after = {name: _version_of(d, name) for name in files}
-    assert after == {**files, "deadpool.j.snap.r1.0": None, "deadpool.j.replica.r0.h1b0": None}
+    assert after == {**files, "deadpool.j.snap.r1.0": None, "deadpool.j.replica.r0.h1b0": None,
+                     "deadpool.j.diff.r1.3": None}  # a newer version (taken from the failed one) too
     assert read_record(d, "j", 1) == ()
     write_record(d, "j", 1, (6, 5, 6))
     assert read_record(d, "j", 1) == (5, 6) and read_record(d, "j", 0) == ()
