@@ -12,7 +12,9 @@ It reads the same events as ``deadpool timeline`` and splits each hot-swap with 
 - ``rebuild``, ``restore``, ``recompute``: the row's ``rebuild_s``, ``restore_s``, ``recompute_s``;
 - ``startup``       the launcher's ``start`` -> the first step any process finished (the first ``first_step``
                     event, ``rebuild/progress.py``); ``shutdown``: the last ``trained`` event -> ``finished``;
-- ``straggler``, ``preemption``: the ``lost_s`` of the events :data:`LOSS_EVENTS` names;
+- ``straggler``     the ``lost_s`` of ``straggler`` events (:data:`LOSS_EVENTS`);
+- ``preemption``    a drain (``deadpool-run`` on SIGTERM, issue 46 part 3): its ``drain`` event (``requested_at``) ->
+                    the launcher's ``drained`` event, which ends the job;
 - ``other``         what a recovery's interval holds beyond its known phases (a phase its events lack).
 
 A recovery's interval runs from its failure to its ``caught_up``; one still under way at ``end`` runs to ``end``,
@@ -48,11 +50,13 @@ FIRST_STEP = "first_step"
 """A process finished its first optimizer step (``rebuild/progress.py``): the job's start-up ends at the first."""
 STRAGGLER = "straggler"
 """A rank named a straggler (issue 46, part 1): counted; its ``lost_s``, if any, is the ``straggler`` cause's."""
-QUARANTINED = "quarantined"
-"""A version quarantined by the numerical canary (issue 46, part 2): counted."""
-PREEMPTED = "preempted"
-"""A preemption (issue 46, part 3): its ``lost_s``, if any, is the ``preemption`` cause's."""
-LOSS_EVENTS = {STRAGGLER: "straggler", PREEMPTED: "preemption"}
+QUARANTINE_EVENTS = ("canary_rollback", "canary_stop")
+"""The numerical canary's events (issue 46, part 2, ``integrations/canary.py``): the versions they name (``version``,
+and a rollback's ``quarantined`` list) are the versions quarantined."""
+DRAIN, DRAINED = "drain", "drained"
+"""A preemption's drain (issue 46, part 3, ``launcher/drain.py``): requested, then over (the launcher's
+``drained`` ends the job; a worker's own ``drained`` event does not)."""
+LOSS_EVENTS = {STRAGGLER: "straggler"}
 """Events whose ``lost_s`` (seconds, ending at the event's ``time``) the ledger books under a cause."""
 END_EVENTS = ("finished", "stopped")
 
@@ -188,7 +192,8 @@ def ledger(events: Iterable[dict[str, Any]], now: float) -> Ledger:
     if start_ev is None:
         return Ledger(start=None, end=now, ended=False, wall_s=0.0, productive_s=0.0, lost_s=lost, recoveries={})
     start = float(start_ev["time"])
-    ends = [float(e["time"]) for e in events if e.get("event") in END_EVENTS]
+    ends = [float(e["time"]) for e in events if e.get("event") in END_EVENTS
+            or (e.get("event") == DRAINED and e.get("source") == "launcher")]
     ended = bool(ends)
     end = max(start, min(ends) if ended else now)
     intervals: list[tuple[float, float]] = []
@@ -233,6 +238,9 @@ def ledger(events: Iterable[dict[str, Any]], now: float) -> Ledger:
     trained = [float(e["time"]) for e in events if e.get("event") == "trained"]
     if ended and trained:
         book_interval("shutdown", max(max(trained), prev_hi), end)
+    drains = [float(e.get("requested_at") or e["time"]) for e in events if e.get("event") == DRAIN]
+    if drains:
+        book_interval("preemption", min(drains), end)
     for e in events:
         cause = LOSS_EVENTS.get(str(e.get("event")))
         if cause is not None and isinstance(e.get("lost_s"), (int, float)) and e["lost_s"] > 0:
@@ -244,7 +252,7 @@ def ledger(events: Iterable[dict[str, Any]], now: float) -> Ledger:
                   lost_s=lost, recoveries=recoveries, snapshot=snapshot_figures(snaps),
                   spares_available=spares_available(events), generation=_generation(events),
                   stragglers_named=sum(1 for e in events if e.get("event") == STRAGGLER),
-                  versions_quarantined=sum(1 for e in events if e.get("event") == QUARANTINED))
+                  versions_quarantined=len(quarantined_versions(events)))
 
 
 def snapshot_figures(snaps: Iterable[Mapping[str, Any]]) -> SnapshotFigures:
@@ -265,6 +273,16 @@ def snapshot_figures(snaps: Iterable[Mapping[str, Any]]) -> SnapshotFigures:
     committed = [int(e["committed"]) for e in newest.values() if isinstance(e.get("committed"), int)]
     return SnapshotFigures(blocking_s=top("blocking_s"), nbytes=sum(sizes) if sizes else None,
                            commit_lag_s=top("commit_lag_s"), committed=min(committed) if committed else None)
+
+
+def quarantined_versions(events: Iterable[Mapping[str, Any]]) -> set[int]:
+    """Every version the numerical canary quarantined (its events are per rank: each version counted once)."""
+    out: set[int] = set()
+    for e in events:
+        if e.get("event") in QUARANTINE_EVENTS:
+            named = [e.get("version"), *(e.get("quarantined") or [])]
+            out |= {int(v) for v in named if isinstance(v, int)}
+    return out
 
 
 def spares_available(events: Iterable[Mapping[str, Any]]) -> int:
@@ -299,4 +317,5 @@ def format_ledger(led: Ledger) -> str:
 
 
 __all__ = ["CAUSES", "FIRST_STEP", "LOSS_EVENTS", "Ledger", "SNAPSHOT", "SnapshotFigures", "TIERS", "failure_cause",
-           "format_ledger", "free_parts", "ledger", "restore_tier", "snapshot_figures", "spares_available", "uncovered"]
+           "format_ledger", "free_parts", "ledger", "quarantined_versions", "restore_tier", "snapshot_figures",
+           "spares_available", "uncovered"]

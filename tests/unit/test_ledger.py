@@ -136,12 +136,21 @@ def test_a_stopped_job_ends_its_wall_time_at_the_stop():
 def test_straggler_and_preemption_seconds_come_from_their_events_and_never_overlap_a_recovery():
     ev = [_start(), *_swap(1, T0 + 10.0),
           {"event": "straggler", "time": T0 + 13.0, "rank": 2, "lost_s": 4.0},   # 9..13: overlaps the swap 10..13.1
-          {"event": "preempted", "time": T0 + 30.0, "lost_s": 2.5},
-          {"event": "quarantined", "time": T0 + 20.0, "version": 7},
-          {"event": "finished", "time": T0 + 31.0}]
+          {"event": "drain", "time": T0 + 28.6, "requested_at": T0 + 28.5, "by": "SIGTERM", "host_rank": 0,
+           "source": "launcher"},
+          {"event": "drained", "time": T0 + 30.5, "step": 40, "source": "worker"},    # a worker's: not the end
+          {"event": "drained", "time": T0 + 31.0, "status": 75, "source": "launcher"}]
     led = ledger(ev, now=T0 + 99)
+    assert led.ended and led.wall_s == pytest.approx(31.0)
     assert led.lost_s["straggler"] == pytest.approx(1.0) and led.lost_s["preemption"] == pytest.approx(2.5)
-    assert led.stragglers_named == 1 and led.versions_quarantined == 1 and _balanced(led)
+    assert led.stragglers_named == 1 and _balanced(led)
+
+
+def test_versions_quarantined_are_counted_once_whatever_the_ranks():
+    ev = [_start()] + [{"event": "canary_rollback", "rank": r, "version": 6, "quarantined": [6], "time": T0 + 5}
+                       for r in (0, 1)] + \
+        [{"event": "canary_stop", "rank": r, "version": 5, "time": T0 + 6} for r in (0, 1)]
+    assert ledger(ev, now=T0 + 10).versions_quarantined == 2
 
 
 def test_the_shutdown_after_the_last_loop_ended_is_lost():
@@ -203,7 +212,7 @@ def _timelines(draw):
         drop = draw(st.sets(st.sampled_from(["survivor", "spare", "assignment"]), max_size=2))  # not written yet
         ev += [e for e in swap if e.get("role", e["event"]) not in drop]
         t += draw(st.floats(0.1, 10))
-    for name in ("straggler", "preempted", "trained"):
+    for name in ("straggler", "drain", "trained"):
         if draw(st.booleans()):
             ev.append({"event": name, "time": T0 + draw(st.floats(0, 40)), "lost_s": draw(st.floats(0, 10))})
     if draw(st.booleans()):
