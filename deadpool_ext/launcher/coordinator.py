@@ -101,8 +101,7 @@ class Coordinator:
              resumed_grace_until: float | None = None) -> int | None:
         """One turn; the launcher's exit code when the job ends (0 finished, 1 stopped), else None."""
         obs = self.observe(hosts_seen, hosts_now, resumed_grace_until)
-        if self.draining:
-            obs = drained_observation(obs, self.state.assignment.ranks)
+        obs = drained_observation(obs, self.state.assignment.ranks, draining=self.draining)
         dec = decide(self.state, obs, self.settings)
         for action in dec.actions:
             self.act(action)

@@ -29,19 +29,20 @@ from .decide import Observation
 log = logging.getLogger("deadpool_ext.launcher")
 
 
-def drained_observation(obs: Observation, ranks: Collection[str]) -> Observation:
-    """A coordinator's observation during a drain (pure): an active worker that exited with
-    :data:`~deadpool_ext.preempt.decide.PREEMPTED_EXIT` is done (its drain ended it; its heartbeat stops), a spare's
-    exit is dropped (a SIGTERM sent to every process of the job ends the spares: not a dead spare to replace)."""
+def drained_observation(obs: Observation, ranks: Collection[str], *, draining: bool) -> Observation:
+    """A coordinator's observation with the drain's exits read as such (pure): an active worker that exited with
+    :data:`~deadpool_ext.preempt.decide.PREEMPTED_EXIT` is done, never failed (its drain ended it, and it may end
+    before this launcher reads the request); while ``draining``, a spare's exit is dropped too (a SIGTERM sent to
+    every process of the job ends the spares: not a dead spare to replace)."""
     exits: dict[str, int] = {}
     done = set(obs.done)
     for wid, rc in obs.exits.items():
-        if wid not in ranks:
-            continue
-        if rc == decide.PREEMPTED_EXIT:
+        if wid in ranks and rc == decide.PREEMPTED_EXIT:
             done.add(wid)
-        else:
+        elif wid in ranks or not draining:
             exits[wid] = rc
+    if exits == obs.exits and done == obs.done:
+        return obs
     return dataclasses.replace(obs, exits=exits, done=frozenset(done))
 
 

@@ -47,6 +47,8 @@ class Agreement:
 
     requested_at: float
     deadline: float
+    by_rank: int
+    """The lowest rank that had a request of its own (a SIGTERM, or the store's request it read)."""
 
 
 def install(config: PreemptionConfig, rank: int) -> None:
@@ -130,21 +132,22 @@ def _watch(st: DrainState, hs: Any) -> None:
             time.sleep(WATCH_S)
 
 
-def agree(st: DrainState, device: Any) -> Agreement | None:
+def agree(st: DrainState, device: Any, rank: int = 0) -> Agreement | None:
     """Collective, every rank at every optimizer-step boundary while armed: whether any rank has a drain request,
-    with the earliest request time and deadline among them (MAX over the negated times)."""
+    with the earliest request time and deadline among them and the lowest rank that had one (MAX over negations)."""
     import torch
     import torch.distributed as dist
 
     deadline = st.deadline()
-    mine = [1.0, -deadline, -(st.requested_at or 0.0)] if deadline is not None else [0.0, -math.inf, -math.inf]
+    mine = ([1.0, -deadline, -(st.requested_at or 0.0), -float(rank)] if deadline is not None
+            else [0.0, -math.inf, -math.inf, -math.inf])
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         t = torch.tensor(mine, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         mine = [float(x) for x in t.tolist()]
     if mine[0] <= 0:
         return None
-    return Agreement(requested_at=-mine[2], deadline=-mine[1])
+    return Agreement(requested_at=-mine[2], deadline=-mine[1], by_rank=int(-mine[3]))
 
 
 __all__ = ["Agreement", "DrainState", "agree", "disarm", "install"]

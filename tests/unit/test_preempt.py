@@ -134,9 +134,12 @@ def test_a_malformed_drain_value_is_refused_naming_its_key(key, decoder, raw):
 
 def test_a_drained_worker_is_done_and_a_spares_exit_no_failure():
     obs = Observation(now=1.0, exits={"node0.0": 75, "node1.0": -9, "spare0.0": -15}, done=frozenset({"node2.0"}))
-    seen = drained_observation(obs, ("node0.0", "node1.0", "node2.0"))
+    seen = drained_observation(obs, ("node0.0", "node1.0", "node2.0"), draining=True)
     assert dict(seen.exits) == {"node1.0": -9}       # a real failure during the drain is still one
     assert seen.done == frozenset({"node0.0", "node2.0"})
+    before = drained_observation(obs, ("node0.0", "node1.0", "node2.0"), draining=False)
+    assert dict(before.exits) == {"node1.0": -9, "spare0.0": -15}   # no drain seen yet: a lost spare is one
+    assert before.done == frozenset({"node0.0", "node2.0"})         # exit 75 is a drain's, seen or not
 
 
 def test_this_hosts_part_is_over_when_its_workers_of_the_generation_exited():

@@ -40,7 +40,7 @@ def at_boundary(runtime: Any) -> decide.Outcome | None:
     st = context().drain
     if not st.armed or st.outcome is not None:
         return None
-    agreed = agree(st, runtime.engine.device)
+    agreed = agree(st, runtime.engine.device, runtime.rank)
     if agreed is None:
         return None
     outcome = _drain(runtime, agreed)
@@ -74,6 +74,7 @@ def _drain(runtime: Any, agreed: Agreement) -> decide.Outcome:
     engine, rank, st = runtime.engine, runtime.rank, context().drain
     step = runtime.step_counter()
     if rank == 0:
+        _tell_launcher(agreed, st.by if agreed.by_rank == rank else "")
         log.warning("drain: every rank stopped at step %d (%.1f s after the request; %.1f s of the budget left)", step,
                     time.time() - agreed.requested_at, agreed.deadline - time.time())
     if runtime.snapshots is not None:
@@ -117,6 +118,25 @@ def _drain(runtime: Any, agreed: Agreement) -> decide.Outcome:
     if rank == 0:
         _report(outcome, nbytes, st.by)
     return outcome
+
+
+def _tell_launcher(agreed: Agreement, by: str) -> None:
+    """Rank 0, before any rank can end: the request in the store if no watcher wrote it yet (a SIGTERM to a worker
+    is agreed at the next boundary, possibly before its watcher's next turn), so every launcher drains too."""
+    m = context().membership
+    if m is None:
+        return
+    from ...launcher import keys
+
+    if not by:  # the request was another rank's: named by its worker (one line per drain, at rank 0)
+        a = m.assignment
+        who = [w for w, r in a.ranks.items() if r == agreed.by_rank] if a is not None else []
+        by = f"SIGTERM to worker {who[0]}" if who else f"SIGTERM to rank {agreed.by_rank}"
+    req = messages.DrainRequest(agreed.requested_at, by)
+    try:
+        m.store.compare_set(keys.DRAIN, None, json.dumps(req.to_json()).encode())
+    except Exception as exc:  # the launchers still read the drained workers' exit status
+        log.warning("drain: could not record the request in the store: %s", exc)
 
 
 def _report(outcome: decide.Outcome, nbytes: int, by: str) -> None:
