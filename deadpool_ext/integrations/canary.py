@@ -139,6 +139,9 @@ class CanaryWatch:
             return None if verdict.ok else verdict.why
         from ..cluster.comm import allgather_json
 
+        # The writer thread's replication and commit use the same side group: its snapshot in flight (one is taken
+        # while a hot-swap's restore is checked) completes first, so the two threads' collectives never interleave.
+        snapshots.wait_idle()
         whys = allgather_json(None if verdict.ok else f"rank {self.rank}: {verdict.why}", group=snapshots.group)
         failed = [w for w in whys if w]
         return failed[0] if failed else None

@@ -47,12 +47,15 @@ from .skeleton import (
 )
 
 __all__ = [
-    "MAGIC", "SnapshotFormatError", "CorruptSnapshotError", "TensorEntry", "flatten_state", "unflatten_state",
+    "MAGIC", "QUARANTINED", "SnapshotFormatError", "CorruptSnapshotError", "TensorEntry", "flatten_state",
+    "unflatten_state",
     "plan_layout", "build_header", "tensor_checksum", "bytes_checksum", "read_header", "deserialize", "verify_blob",
     "StreamVerifier", "DTYPES", "DTYPE_NAMES", "ENUM_TYPES", "MAX_DEPTH", "MAX_NDIM", "MAX_HEADER_BYTES", "PLACEHOLDER",
 ]
 
 MAGIC = b"DPSNAP01"
+QUARANTINED = b"DPQUAR01"
+"""MAGIC replaced by this: a sealed copy the numerical canary quarantined (``snapshot/quarantine.py``), never used."""
 FORMAT_NAME = "deadpool-snapshot"
 FORMAT_VERSION = 1
 CHECKSUM_ALGO = "xxh3_64"

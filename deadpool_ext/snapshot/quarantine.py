@@ -2,8 +2,9 @@
 ``integrations/canary.py`` acts): every rank marks the copies of it that it holds as bad, so that no rank reports
 it to a restore again and the agreement (``plan.choose_version``) can only choose an older version.
 
-Marking a copy bad is the writer's own first step (``slots.SlotWriter.invalidate``): its MAGIC zeroed. A restore's
-scan then sees it as torn and never lists it; the next snapshot into that slot or buffer overwrites it as usual.
+Marking a copy bad replaces its MAGIC with ``format.QUARANTINED``: a restore's scan then refuses it ("quarantined by
+the numerical canary", ``slots.probe_slot``) and never lists it; the next snapshot into that slot or buffer
+invalidates and overwrites it as usual.
 Each rank marks what it holds in its node's directory:
 
 - its own tier-1 slots and differential ring entries (``deadpool.<job>.snap|diff.r<rank>.<i>``);
@@ -55,7 +56,7 @@ def mark_bad(directory: str, job_id: str, rank: int, version: int) -> list[str]:
         try:
             meta, _ = probe_slot(seg.buf, verify=False)
             if meta is not None and int(meta["version"]) >= version:
-                seg.buf[fmt.MAGIC_SLICE] = bytes(fmt.MAGIC_SLICE.stop)
+                seg.buf[fmt.MAGIC_SLICE] = fmt.QUARANTINED
                 marked.append(fname)
         finally:
             seg.close()

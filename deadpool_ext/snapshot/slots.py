@@ -205,6 +205,8 @@ def probe_slot(buf: Any, *, verify: bool, restorable: bool = False) -> tuple[dic
     next source, and never fails later, once it was chosen."""
     if not any(bytes(buf[:fmt.PREFIX_LEN])) and not _any_nonzero(buf):
         return None, None
+    if bytes(buf[fmt.MAGIC_SLICE]) == fmt.QUARANTINED:
+        return None, "quarantined by the numerical canary"
     try:
         header = fmt.read_header(buf)
         if verify:

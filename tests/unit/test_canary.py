@@ -125,6 +125,14 @@ def test_mark_bad_marks_own_slots_and_held_replicas_of_the_version_only(tmp_path
     after = {name: _version_of(d, name) for name in files}
     assert after == {**files, "deadpool.j.snap.r1.0": None, "deadpool.j.replica.r0.h1b0": None,
                      "deadpool.j.diff.r1.3": None}  # a newer version (taken from the failed one) too
+    from deadpool_ext.memory.shm import ShmSegment
+    from deadpool_ext.snapshot.slots import probe_slot
+
+    seg = ShmSegment.open("deadpool.j.snap.r1.0", root=d)
+    try:
+        assert probe_slot(seg.buf, verify=True) == (None, "quarantined by the numerical canary")
+    finally:
+        seg.close()
     assert read_record(d, "j", 1) == ()
     write_record(d, "j", 1, (6, 5, 6))
     assert read_record(d, "j", 1) == (5, 6) and read_record(d, "j", 0) == ()
