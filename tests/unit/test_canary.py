@@ -212,3 +212,67 @@ def test_watch_off_keeps_nothing():
     w.arm(_Runtime(), 3)  # type: ignore[arg-type]
     w.after_step(_Runtime(), 4)  # type: ignore[arg-type]
     assert w.client_state() == {} and not w.holds()
+
+
+class _Snapshots:
+    def __init__(self, directory: str) -> None:
+        self.store = type("S", (), {"dir": directory})()
+        self.job_id = "j"
+        self.active = True
+        self.group = None
+
+    def wait_idle(self) -> None:
+        pass
+
+
+class _Restoring(_Runtime):
+    """A runtime whose restore gives ``versions`` in turn (0: nothing left)."""
+
+    def __init__(self, directory: str, versions: list[int]) -> None:
+        super().__init__()
+        self.snapshots = _Snapshots(directory)  # type: ignore[assignment]
+        self._versions = versions
+        self.restored_version = 0
+
+    def _resume(self) -> int:
+        self.restored_version = self._versions.pop(0)
+        return self.restored_version or 99
+
+
+def test_roll_back_restores_the_next_older_version_then_the_guard_stops(tmp_path, monkeypatch):
+    from deadpool_ext.config import CanaryConfig
+    from deadpool_ext.integrations import canary as watch_mod
+    from deadpool_ext.integrations.canary import CanaryRollback, CanaryStop, CanaryWatch
+    from deadpool_ext.snapshot.quarantine import read_record
+
+    events: list[dict] = []
+    monkeypatch.setattr(watch_mod, "write_event", lambda **e: events.append(e))
+    d = str(tmp_path)
+    rt = _Restoring(d, [5, 4])
+    w = CanaryWatch(CanaryConfig(max_rollbacks=2), rank=0)
+    assert w.roll_back(rt, CanaryRollback(6, 7, "loss nan")) == 5  # type: ignore[arg-type]
+    assert w.roll_back(rt, CanaryRollback(5, 6, "loss nan")) == 4  # type: ignore[arg-type]
+    assert [(e["event"], e["restored_version"]) for e in events] == [("canary_rollback", 5), ("canary_rollback", 4)]
+    with pytest.raises(CanaryStop) as stop:  # a third failed version: max_rollbacks 2
+        w.roll_back(rt, CanaryRollback(4, 5, "loss nan"))  # type: ignore[arg-type]
+    assert stop.value.code == rules.CANARY_EXIT == 6 and "\n" not in stop.value.line
+    assert events[-1]["event"] == "canary_stop" and events[-1]["quarantined"] == [4, 5, 6]
+    assert read_record(d, "j", 0) == (4, 5, 6)
+    # a restarted process counts them: its first failure stops at once
+    w2 = CanaryWatch(CanaryConfig(max_rollbacks=2), rank=0)
+    w2.arm(rt, 3)  # type: ignore[arg-type]
+    with pytest.raises(CanaryStop):
+        w2.roll_back(_Restoring(d, [2]), CanaryRollback(3, 4, "loss nan"))  # type: ignore[arg-type]
+
+
+def test_roll_back_with_nothing_older_in_memory_stops(tmp_path, monkeypatch):
+    from deadpool_ext.config import CanaryConfig
+    from deadpool_ext.integrations import canary as watch_mod
+    from deadpool_ext.integrations.canary import CanaryRollback, CanaryStop, CanaryWatch
+
+    events: list[dict] = []
+    monkeypatch.setattr(watch_mod, "write_event", lambda **e: events.append(e))
+    w = CanaryWatch(CanaryConfig(), rank=0)
+    with pytest.raises(CanaryStop) as stop:
+        w.roll_back(_Restoring(str(tmp_path), [0]), CanaryRollback(6, 7, "loss nan"))  # type: ignore[arg-type]
+    assert stop.value.code == 6 and [e["event"] for e in events] == ["canary_stop"]
