@@ -71,6 +71,9 @@ class CanaryWatch:
         """(restored version, steps still to check, its bounds) while checking."""
         self.checked = 0
         self._held = False
+        self.device: Any = None
+        """Where the agreement's flag lives (the engine's device; None: nothing watched, no agreement)."""
+        self._first_failed = 0
         self.quarantined: tuple[int, ...] = ()
 
     # -- what the framework hands in -----------------------------------------------------------------
@@ -86,6 +89,7 @@ class CanaryWatch:
 
         engine.backward = watched
         self.grad_norm = getattr(engine, "get_global_grad_norm", None)
+        self.device = engine.device
 
     def observe_loss(self, loss: Any) -> None:
         """A micro-batch's loss (a tensor or a number); a step's loss is the mean of its micro-batches'."""
@@ -133,18 +137,24 @@ class CanaryWatch:
         write_event(event="canary_passed", rank=self.rank, version=version, step=step)
 
     def _agree(self, runtime: ResilientRuntime, verdict: rules.Verdict) -> str | None:
-        """Every rank's verdict, agreed: None (all passed) or the first failure's reason (every rank learns it)."""
-        snapshots = runtime.snapshots
-        if snapshots is None:
-            return None if verdict.ok else verdict.why
-        from ..cluster.comm import allgather_json
+        """Every rank's verdict, agreed (one all-reduce MIN on the training's default group, on the engine's device:
+        never the snapshot side group, whose collectives the writer thread issues meanwhile): None when every rank
+        passed, else why (the lowest failing rank's own reason there, its rank elsewhere)."""
+        import torch.distributed as dist
 
-        # The writer thread's replication and commit use the same side group: its snapshot in flight (one is taken
-        # while a hot-swap's restore is checked) completes first, so the two threads' collectives never interleave.
-        snapshots.wait_idle()
-        whys = allgather_json(None if verdict.ok else f"rank {self.rank}: {verdict.why}", group=snapshots.group)
-        failed = [w for w in whys if w]
-        return failed[0] if failed else None
+        self._first_failed = 0
+        if self.device is None or not dist.is_initialized():  # nothing watched (on every rank alike): local only
+            return None if verdict.ok else verdict.why
+        import torch
+
+        world = dist.get_world_size()
+        flag = torch.tensor([world if verdict.ok else self.rank], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        first = int(flag.item())
+        if first >= world:
+            return None
+        self._first_failed = first
+        return f"rank {self.rank}: {verdict.why}" if first == self.rank else f"rank {first}'s check failed"
 
     # -- what travels with each snapshot -------------------------------------------------------------
     def client_state(self) -> dict[str, Any]:
@@ -206,7 +216,7 @@ class CanaryWatch:
             version = exc.version
         if not runtime.restored_version or version >= exc.version:
             self._stop(runtime, exc, rules.no_older_line(exc.version, exc.step, exc.why), marked)
-        if self.rank == 0:
+        if self.rank == self._first_failed:  # the line where the reason is known
             log.warning("numerical canary: step %d after the restore of step %d failed (%s); step %d quarantined in "
                         "every tier, step %d restored instead (%d of canary.max_rollbacks %d)", exc.step, exc.version,
                         exc.why, exc.version, version, len(self.quarantined), self.config.max_rollbacks)
@@ -219,7 +229,14 @@ class CanaryWatch:
         assert snapshots is not None
         from ..snapshot.quarantine import mark_bad, write_record
 
-        snapshots.wait_idle()  # a snapshot taken after the restore (not held: a hot-swap) sealed before it is marked
+        # A snapshot taken after the restore (not held: a hot-swap) is sealed before the marks; one waiting for a
+        # framework's post after its step (snapshot/late.py) never gets it: the step failed.
+        if snapshots.late is not None:
+            snapshots.late.drop()
+        try:
+            snapshots.wait_idle()
+        except Exception as exc:  # that snapshot failed: nothing of it is sealed, nothing to mark
+            log.debug("numerical canary: the snapshot in flight at the rollback failed: %s", exc)
         marked = mark_bad(snapshots.store.dir, snapshots.job_id, self.rank, version)
         write_record(snapshots.store.dir, snapshots.job_id, self.rank, self.quarantined)
         persist = getattr(runtime, "persist", None)
@@ -234,7 +251,7 @@ class CanaryWatch:
     def _stop(self, runtime: ResilientRuntime, exc: CanaryRollback, line: str, marked: list[str]) -> None:
         from ..rebuild.context import context
 
-        if self.rank == 0:
+        if self.rank == self._first_failed:
             log.error("%s", line)
         write_event(event="canary_stop", rank=self.rank, version=exc.version, step=exc.step, why=exc.why,
                     quarantined=list(self.quarantined), marked=len(marked), exit_status=rules.CANARY_EXIT)

@@ -219,7 +219,7 @@ class _Snapshots:
         self.store = type("S", (), {"dir": directory})()
         self.job_id = "j"
         self.active = True
-        self.group = None
+        self.late = None
 
     def wait_idle(self) -> None:
         pass
