@@ -30,6 +30,17 @@ if ! command -v prometheus >/dev/null 2>&1; then
     echo "[test] prometheus is not installed: run 'sudo apt-get install prometheus' (the metrics test needs it)" >&2
   fi
 fi
+# The Slurm tests (tests/multihost/test_slurm.py) run a real slurmctld and slurmd's (Debian's slurm-wlm, with munge)
+# on the namespace hosts; they skip with one line where it is not installed.
+if ! command -v slurmctld >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[test] installing slurm-wlm and munge (Debian) for the Slurm tests"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge) \
+      >/dev/null
+  else
+    echo "[test] slurm-wlm is not installed: run 'sudo apt-get install slurm-wlm munge' (the Slurm tests need it)" >&2
+  fi
+fi
 . .venv/bin/activate
 gate() {
   local name=$1 out

@@ -68,6 +68,9 @@ log = logging.getLogger("deadpool_ext.launcher")
 
 STORE_TIMEOUT_S = 10.0
 """Request timeout of the launcher's store client: an answer slower than this is an outage (the lease decides)."""
+LEADER_STORE_WAIT_S = 60.0
+"""How long a follower waits for host 0's embedded store to answer: srun and a hostfile's ssh start every launcher
+at once, so the followers' first connect may come before host 0 listens."""
 
 
 class Supervisor:
@@ -211,7 +214,7 @@ class Supervisor:
                 self.store_url = self.server.url
             self.nodes.store_url = self.store_url
             self.serve_metrics()
-            self.store = connect(self.store_url, self.token, self.job_id, STORE_TIMEOUT_S)
+            self.store = self._connect()
             if supports_leases(self.store) and self.joiner is None:
                 self.election = LeaderElection(
                     cast(LeaseStore, self.store),
@@ -273,6 +276,26 @@ class Supervisor:
             return
         log.info("job finished: the store stays up %.0f s for the other launchers to read it", FINISHED_LINGER_S)
         time.sleep(FINISHED_LINGER_S)
+
+    def _connect(self) -> Any:
+        """The job's store; a follower on host 0's embedded store retries a refused connect (host 0 not listening
+        yet) for up to :data:`LEADER_STORE_WAIT_S`."""
+        from ..store import connect
+
+        waits = self.server is None and self.store_url.startswith("dp://")
+        deadline = time.monotonic() + LEADER_STORE_WAIT_S
+        while True:
+            try:
+                return connect(self.store_url, self.token, self.job_id, STORE_TIMEOUT_S)
+            except StoreAuthError:
+                raise
+            except StoreError as exc:
+                if not waits:
+                    raise
+                if time.monotonic() > deadline:
+                    raise StoreError(f"{exc} (waited {LEADER_STORE_WAIT_S:g}s for host 0's launcher to serve it)"
+                                     ) from exc
+                time.sleep(0.2)
 
     def _campaign_first(self) -> None:
         """Host 0 takes the coordinator role before the first assignment (a lease left by an earlier launcher of

@@ -1,5 +1,6 @@
 """The namespace test bed as pytest fixtures: ``host_bed(n)`` makes n hosts (``deadpool_ext.testing.hosts``) and an
-etcd cluster of 3 members on their bridge, and tears everything down after the test, failed or not."""
+etcd cluster of 3 members on their bridge, and tears everything down after the test, failed or not;
+``slurm_bed(n)``: a real Slurm on such a bed (``deadpool_ext.testing.slurm``), n compute nodes and a controller."""
 from __future__ import annotations
 
 import secrets
@@ -7,6 +8,7 @@ import secrets
 import pytest
 
 from deadpool_ext.testing.hosts import HostBed, missing_requirements
+from deadpool_ext.testing.slurm import SlurmBed, missing_slurm
 
 
 @pytest.fixture
@@ -29,3 +31,25 @@ def host_bed(tmp_path):
     finally:
         for bed in beds:
             bed.close()
+
+
+@pytest.fixture
+def slurm_bed(host_bed, tmp_path):
+    """``slurm_bed(n)``: munged and slurmctld on a control host, one slurmd per compute host (n of them), on a
+    host bed of n + 1 hosts with its etcd cluster; stopped after the test, failed or not (the bed after it)."""
+    beds: list[SlurmBed] = []
+
+    def make(nodes: int) -> SlurmBed:
+        why = missing_slurm()
+        if why is not None:
+            pytest.skip(f"Slurm bed: {why} (CI installs slurm-wlm and munge)")
+        slurm = SlurmBed(host_bed(nodes + 1), nodes=nodes, workdir=str(tmp_path))
+        beds.append(slurm)
+        slurm.start()
+        return slurm
+
+    try:
+        yield make
+    finally:
+        for slurm in beds:
+            slurm.stop()
