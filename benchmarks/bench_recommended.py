@@ -33,7 +33,7 @@ from recommended_analyse import MODES, analyze, render_markdown  # noqa: E402
 
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
 ALL_MODES = (*MODES, "on_torchrun")
-SIZES = {"small": {"micro_batch": 2, "rounds": 10, "steps": 8, "warmup_steps": 3, "job_timeout_s": 900},
+SIZES = {"small": {"micro_batch": 2, "rounds": 10, "steps": 8, "warmup_steps": 3, "job_timeout_s": 420},
          "tiny": {"micro_batch": 4, "rounds": 2, "steps": 2, "warmup_steps": 2, "job_timeout_s": 300}}
 
 
@@ -58,6 +58,7 @@ def worker(args: argparse.Namespace) -> int:
         config = json.load(fh)
     seed_everything(args.seed)
     model = build_gpt(args.size)
+    n_params = count_parameters(model)  # before ZeRO-3 partitions them (a rank then holds empty placeholders)
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
     rank = dist.get_rank()
     with open(role_file(role_dir, os.getpid()), "w") as fh:
@@ -94,7 +95,7 @@ def worker(args: argparse.Namespace) -> int:
     t1, cpu1, roles1 = time.perf_counter(), cgroup.usage_s(), read_role_cpu(cgroup, role_dir)
     if rank == 0:
         result = {"mode": args.mode, "attached": attached, "world_size": dist.get_world_size(),
-                  "params": count_parameters(model), "steps": args.steps, "step_s": steps, "window_s": t1 - t0,
+                  "params": n_params, "steps": args.steps, "step_s": steps, "window_s": t1 - t0,
                   "cpu_s": cpu1 - cpu0, "cpu_by_role_s": {k: roles1.get(k, 0.0) - roles0.get(k, 0.0)
                                                           for k in set(roles0) | set(roles1)},
                   "snapshots_active": bool(attached and runtime.snapshots.active)}
@@ -157,7 +158,12 @@ def run_one(args: argparse.Namespace, size: dict[str, Any], rnd: int, mode: str,
     t0 = time.time()
     try:
         with JobCgroup.create(f"deadpool_bench_{tag}") as cg:
-            env = base_env({CGROUP_ENV: cg.path, "CROSS_SIZE": "1", "CROSS_RANK": "0", "LOCAL_SIZE": "2"})
+            # no LOCAL_SIZE: DeepSpeed's CPU shared-memory allreduce stays off in every mode (deadpool-run does not
+            # set it), so all modes reduce over gloo alike; and its /dev/shm buffers are not there for another
+            # job's cleanup to remove mid-run (testing.launch.sweep_deepspeed_shm unlinks every new deepspeed_*)
+            env = base_env({CGROUP_ENV: cg.path})
+            for key in ("LOCAL_SIZE", "CROSS_SIZE", "CROSS_RANK"):
+                env.pop(key, None)
             res = run_job(cg.wrap(cmd), timeout_s=size["job_timeout_s"], env=env)
             entry["cpu_source"] = cg.source
     finally:

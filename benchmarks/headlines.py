@@ -90,6 +90,8 @@ def _recommended_lines(doc: dict[str, Any]) -> list[str]:
     rec, off, base = an["modes"]["recommended"], an["modes"].get("off"), an["modes"]["plain"]
     roles = {r: rec["cpu_s_per_step_by_role"].get(r, 0.0) - base["cpu_s_per_step_by_role"].get(r, 0.0)
              for r in ("ranks", "launcher", "spare", "other")}
+    ncpu = (doc.get("machine") or {}).get("cpu_count")
+    used = base["cpu_s_per_step"] / (ncpu * base["window_s_per_step"]) if ncpu and base["window_s_per_step"] else None
     t = an.get("target_step_ratio") or {}
     target = f" (target <= {t['target']}: {'met' if t.get('met') else 'not met'})" if t else ""
     step = sentence(rec["window"], x_label="deadpool-run", y_label="plain")
@@ -101,6 +103,8 @@ def _recommended_lines(doc: dict[str, Any]) -> list[str]:
         f"windows; {stamp(doc, stem=RECOMMENDED)}): step time {step}{target}; CPU of the whole process tree "
         f"(kernel-counted: launcher, ranks, spare) {cpu}; the extra CPU per step: "
         + ", ".join(f"{r} {1e3 * v:+.0f} ms" for r, v in roles.items())
+        + (f" (`plain` kept {used:.0%} of the host's {ncpu} cores busy: added work partly replaces waiting, so this "
+           "CPU ratio is a lower bound)" if used and used > 0.85 else "")
         + (f". Attached but off (the hooks alone): {sentence(off['window'], x_label='off', y_label='plain')}."
            if off else ".")]
 

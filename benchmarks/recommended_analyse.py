@@ -115,6 +115,14 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append("- where the recommended setup's extra CPU per step goes (medians, against `plain`): "
                      + ", ".join(f"{r} {v:+.3f} s" for r, v in extra.items()) + f"; in all {total:+.3f} s "
                      f"({fmt_pct(total / an['modes'][BASE]['cpu_s_per_step'], 1)} of plain's).")
+    ncpu = (doc.get("machine") or {}).get("cpu_count")
+    base = an["modes"].get(BASE)
+    if ncpu and base and base["window_s_per_step"]:
+        used = base["cpu_s_per_step"] / (ncpu * base["window_s_per_step"])
+        lines.append(f"- `plain`'s process tree used {fmt_pct(used, 0)} of the host's {ncpu} cores over its windows"
+                     + (": the cores are nearly saturated, so work a mode adds partly takes the place of time the "
+                        "ranks would otherwise spend waiting, and the CPU ratio is a lower bound of the work added "
+                        "(on a host with idle cores it would show whole)" if used > 0.85 else "") + ".")
     if off:
         lines.append(f"- the hooks alone (`off`): window {off['window']['median']:.3f}, CPU {off['cpu']['median']:.3f} "
                      "of plain's.")

@@ -51,6 +51,17 @@ class Current:
 
 
 CURRENT: tuple[Current, ...] = (
+    Current("snapshot_overhead_recommended", "recommended",
+            "overhead as recommended: deadpool-run + spare vs plain DeepSpeed, whole process tree",
+            "Issue 45: GPT small, ZeRO-3, 2 ranks; 10 rounds of one fresh job per mode (order rotating): plain "
+            "DeepSpeed with no extension (torchrun), attached but off (torchrun -m deadpool_ext.run, snapshots "
+            "inactive), and deadpool-run --nnodes 2 --spare-nodes 1 (spare built ahead, a snapshot every step, "
+            "replica on the other node); 8-step windows after 3 warm-up steps; CPU of the whole process tree from "
+            "a cgroup made for each job (launcher, ranks, spare, helpers), split by process; every ratio paired "
+            "with plain round by round (paired.py).",
+            companions=("snapshot_overhead_recommended_logs",),
+            note="Run with `--out /tmp/rec_small` and copied here; DeepSpeed's CPU shared-memory allreduce off in "
+                 "every mode (no LOCAL_SIZE), as under deadpool-run."),
     Current("snapshot_overhead_small_n2", "snapshot_overhead", "overhead counted whole: small, 2 ranks, every peer",
             "Issue 'honest numbers': GPT small, ZeRO-3, 2 CPU ranks on 2 simulated nodes (replica on), the shipped "
             "defaults with a snapshot every step; 10 interleaved rounds of 8-step windows of none / deadpool / "
