@@ -244,8 +244,7 @@ class CanaryWatch:
         if storage is not None and self.rank == 0:
             from ..persist.layout import quarantine_base
 
-            if quarantine_base(storage, version, why="numerical canary"):
-                marked.append(f"tier 3 global_step{version}")
+            marked += [f"tier 3 step {v}" for v in quarantine_base(storage, version, why="numerical canary")]
         return marked
 
     def _stop(self, runtime: ResilientRuntime, exc: CanaryRollback, line: str, marked: list[str]) -> None:

@@ -292,14 +292,17 @@ def load_candidates(storage: Storage, *, key: bytes | None = None,
     return sorted(complete, key=lambda i: -i.version)
 
 
-def quarantine_base(storage: Storage, version: int, *, why: str) -> bool:
-    """Mark the base of ``version`` bad (:data:`QUARANTINE`, JSON) when storage holds one; whether it did."""
-    tag = version_tag(version)
-    if not storage.exists(tag):
-        return False
-    record = {"version": version, "why": why, "time": time.time()}
-    storage.write_bytes(f"{tag}/{QUARANTINE}", json.dumps(record).encode())
-    return True
+def quarantine_base(storage: Storage, version: int, *, why: str) -> list[int]:
+    """Mark the bases of ``version`` and of every newer step (trained from it) bad (:data:`QUARANTINE`, JSON); the
+    steps marked."""
+    marked = []
+    for name in storage.listdir(""):
+        v = parse_tag(name)
+        if v is not None and v >= version:
+            record = {"version": version, "why": why, "time": time.time()}
+            storage.write_bytes(f"{name}/{QUARANTINE}", json.dumps(record).encode())
+            marked.append(v)
+    return sorted(marked)
 
 
 def checksum_stream(chunks: Any) -> tuple[int, str]:

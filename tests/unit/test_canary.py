@@ -149,9 +149,10 @@ def test_quarantined_tier3_base_is_not_a_load_candidate(tmp_path, monkeypatch):
     versions = [layout.VersionInfo(v, layout.version_tag(v), {"total_bytes": 1}) for v in (4, 6)]
     monkeypatch.setattr(layout, "list_versions", lambda storage, key=None: versions)
     monkeypatch.setattr(layout, "read_latest", lambda storage: None)
-    assert not layout.quarantine_base(storage, 5, why="test")  # no base of step 5: nothing marked
+    os.makedirs(tmp_path / "global_step4")
+    assert layout.quarantine_base(storage, 5, why="test") == []  # no base of step 5 or newer: nothing marked
     os.makedirs(tmp_path / "global_step6")
-    assert layout.quarantine_base(storage, 6, why="test")
+    assert layout.quarantine_base(storage, 6, why="test") == [6]
     refused: list = []
     assert [v.version for v in layout.load_candidates(storage, refused=refused)] == [4]
     assert [v.version for v in refused] == [6] and "quarantined" in refused[0].problem
