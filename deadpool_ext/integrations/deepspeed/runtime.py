@@ -133,6 +133,7 @@ class DeadpoolRuntime(ResilientRuntime):
         take_model_step = engine._take_model_step
 
         def step(*args: Any, **kwargs: Any) -> Any:
+            context().drain.exit_if_due()  # a drained pipeline ends at its next optimizer step
             self._before_optimizer_step()
             out = take_model_step(*args, **kwargs)
             self._after_optimizer_step()
