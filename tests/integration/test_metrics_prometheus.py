@@ -4,6 +4,7 @@ the recovery: the recoveries counter at 1, seconds lost, goodput below 1, lost +
 seconds by cause equal to ``deadpool timeline``'s (the same ledger of the same events)."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import signal
@@ -15,6 +16,7 @@ import urllib.request
 import pytest
 
 from deadpool_ext.chaos.at_step import ENV, StepFault, harness_env
+from deadpool_ext.commands import timeline as timeline_command
 from deadpool_ext.recovery.ledger import CAUSES, ledger
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.launch import free_port, run_job, wait_for_step
@@ -69,7 +71,7 @@ def prometheus(tmp_path):
             proc.wait()
 
 
-def test_prometheus_scrapes_the_ledger_through_a_hot_swap(tmp_path, shm_root, prometheus):
+def test_prometheus_scrapes_the_ledger_through_a_hot_swap(tmp_path, shm_root, prometheus, capsys):
     prom, target = prometheus
     marker = str(tmp_path / "hold")
     job = dprun_job(tmp_path, shm_root, nnodes=2, spares=1, iters=HOLD_STEP + 2, name="metrics",
@@ -113,10 +115,16 @@ def test_prometheus_scrapes_the_ledger_through_a_hot_swap(tmp_path, shm_root, pr
     total = seen["productive"] + sum(lost.values())  # type: ignore[operator,arg-type]
     assert abs(total - seen["wall"]) <= 0.01 * seen["wall"], (total, seen)  # type: ignore[operator]
     assert (seen["spares"], seen["stragglers"], seen["quarantined"]) == (0, 0, 0) and seen["snapshot_bytes"], seen
-    # the recovery's seconds are deadpool timeline's: the ledger of the finished job's timeline books the same
+    # the recovery's seconds are deadpool timeline's: its phases of the finished job, and its ledger
     final = ledger(read_events(job.timeline), time.time())
     for cause in ("startup", "detect", "spare_wait", "communicators", "rebuild", "restore", "recompute"):
         assert lost[cause] == pytest.approx(final.lost_s[cause], abs=1e-6), (cause, lost, final.lost_s)
+    capsys.readouterr()
+    assert timeline_command.run(argparse.Namespace(path=job.timeline, json=True, ledger=False)) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    for cause in ("detect", "restore", "recompute"):
+        assert lost[cause] == pytest.approx(row[f"{cause}_s"], abs=1e-6), (cause, lost, row)
+    assert lost["spare_wait"] + lost["communicators"] == pytest.approx(row["agree_s"], abs=1e-6), (lost, row)
     # the endpoint listened on the launcher's --host only (loopback), beside its store
     got = [tuple(x) for x in seen["listeners"]]  # type: ignore[union-attr]
     assert ("127.0.0.1", target) in got and all(addr == "127.0.0.1" for addr, _ in got), got
