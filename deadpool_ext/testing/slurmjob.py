@@ -78,13 +78,15 @@ def run_sbatch(slurm: SlurmBed, workdir: str, script: Sequence[str], metrics: st
                name: str, launcher_flags: Sequence[str] = (), store: str = "etcd",
                fault: Callable[[SlurmBed, SlurmRun], None] | None = None, fault_step: int = 4,
                timeout_s: float = 300, sbatch_options: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               end_states: Sequence[str] = DONE_STATES) -> SlurmRun:
+               end_states: Sequence[str] = DONE_STATES, batch_script: str = SBATCH_SCRIPT) -> SlurmRun:
     """Submit ``script`` (the training script and its arguments, writing ``metrics``) with the docs' sbatch script
     on ``nodes`` nodes, ``spares`` of them spares; ``fault(slurm, run)`` once the metrics reach ``fault_step``;
-    then wait for the job to end (one of ``end_states``)."""
+    then wait for the job to end (one of ``end_states``). ``batch_script``: another sbatch script (a benchmark's
+    reference), given ``launcher_flags`` then ``script``, without the timeline flag."""
     timeline = os.path.join(workdir, f"{name}.timeline.jsonl")
     out = os.path.join(workdir, f"{name}.slurm.out")
-    argv = [SBATCH_SCRIPT, "--timeline", timeline, *launcher_flags, *script]
+    argv = ([SBATCH_SCRIPT, "--timeline", timeline] if batch_script == SBATCH_SCRIPT else [batch_script]) + \
+        [*launcher_flags, *script]
     t_submit = time.time()
     job_id = slurm.sbatch(argv, env=job_env(slurm, spares=spares, store=store, extra=env),
                           options=("--nodes", str(nodes), "--output", out, "--chdir", REPO, "--job-name", name,
