@@ -33,6 +33,7 @@ from recommended_analyse import MODES, analyze, render_markdown  # noqa: E402
 
 BASE_CONFIG = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
 ALL_MODES = (*MODES, "on_torchrun")
+PHASE_STATS = ("copy_cpu_s", "seal_cpu_s", "replicate_cpu_s", "commit_cpu_s", "blocking_s")
 SIZES = {"small": {"micro_batch": 2, "rounds": 10, "steps": 8, "warmup_steps": 3, "job_timeout_s": 420},
          "tiny": {"micro_batch": 4, "rounds": 2, "steps": 2, "warmup_steps": 2, "job_timeout_s": 300}}
 
@@ -86,6 +87,8 @@ def worker(args: argparse.Namespace) -> int:
     if attached and runtime.snapshots.active:
         runtime.snapshots.wait_idle()
     cgroup = JobCgroup.from_env()
+    snapping = bool(attached and runtime.snapshots.active)
+    n_snaps = len(runtime.snapshots.timings.copy_s) if snapping else 0
     dist.barrier()
     cpu0, roles0, t0 = cgroup.usage_s(), read_role_cpu(cgroup, role_dir), time.perf_counter()
     steps = [step() for _ in range(args.steps)]
@@ -93,16 +96,28 @@ def worker(args: argparse.Namespace) -> int:
         runtime.snapshots.wait_idle()  # the window's last snapshot committed inside it
     dist.barrier()
     t1, cpu1, roles1 = time.perf_counter(), cgroup.usage_s(), read_role_cpu(cgroup, role_dir)
+    phases: dict[str, float | None] = {}
+    floor = None
+    if snapping:
+        # where a rank's snapshot CPU goes (the worker thread's phases, medians over the window's snapshots), and
+        # the floor: one copy, one checksum pass, one replica exchange of the same bytes (collective, after the
+        # window: outside what was counted)
+        from bench_snapshot_overhead import _cpu_floor
+        from common import median
+
+        st = runtime.snapshots.timings
+        phases = {k: median(list(getattr(st, k))[n_snaps:]) for k in PHASE_STATS}
+        floor = _cpu_floor(runtime.snapshots, runtime.adapter, dist, torch)
     if rank == 0:
         result = {"mode": args.mode, "attached": attached, "world_size": dist.get_world_size(),
                   "params": n_params, "steps": args.steps, "step_s": steps, "window_s": t1 - t0,
                   "cpu_s": cpu1 - cpu0, "cpu_by_role_s": {k: roles1.get(k, 0.0) - roles0.get(k, 0.0)
                                                           for k in set(roles0) | set(roles1)},
-                  "snapshots_active": bool(attached and runtime.snapshots.active)}
+                  "snapshots_active": snapping, "snapshot_phases_rank0": phases,
+                  "cpu_floor_rank0": floor}
         with open(args.result_file, "w") as fh:
             json.dump(result, fh)
     dist.barrier()
-    del torch
     return 0
 
 

@@ -63,6 +63,24 @@ def analyze(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             m["window"] = compare_blocks(blocks, mode, BASE, base=BASE, key="window_s").to_dict()
             m["cpu"] = compare_blocks(blocks, mode, BASE, base=BASE, key="cpu_s").to_dict()
         out["modes"][mode] = m
+    recs = [j["result"] for j in rounds if j["mode"] == "recommended" and j.get("result")]
+    floors = [r["cpu_floor_rank0"]["total_cpu_s"] for r in recs if r.get("cpu_floor_rank0")]
+    base = out["modes"].get(BASE)
+    if floors and base and "recommended" in out["modes"]:
+        world = recs[0].get("world_size") or 2
+        floor = median(floors)
+        floor_ratio = (base["cpu_s_per_step"] + world * floor) / base["cpu_s_per_step"]
+        cpu = out["modes"]["recommended"]["cpu"]
+        out["cpu_floor"] = {
+            "floor_cpu_s_per_rank": floor, "world_size": world,
+            "parts_s": {k: median([r["cpu_floor_rank0"][k] for r in recs if r.get("cpu_floor_rank0")])
+                        for k in ("copy_cpu_s", "checksum_cpu_s", "exchange_cpu_s")},
+            "floor_ratio": floor_ratio, "target": floor_ratio + 0.02,
+            "met": bool(cpu["ci90"]) and cpu["ci90"][1] <= floor_ratio + 0.02,
+            "phases_rank0_s": {k: median([r["snapshot_phases_rank0"][k] for r in recs
+                                          if (r.get("snapshot_phases_rank0") or {}).get(k) is not None])
+                               for k in ("copy_cpu_s", "seal_cpu_s", "replicate_cpu_s", "commit_cpu_s",
+                                         "blocking_s")}}
     rec = out["modes"].get("recommended", {}).get("window")
     if rec:
         ci = rec["ci90"]
@@ -115,6 +133,19 @@ def render_markdown(doc: dict[str, Any]) -> str:
         lines.append("- where the recommended setup's extra CPU per step goes (medians, against `plain`): "
                      + ", ".join(f"{r} {v:+.3f} s" for r, v in extra.items()) + f"; in all {total:+.3f} s "
                      f"({fmt_pct(total / an['modes'][BASE]['cpu_s_per_step'], 1)} of plain's).")
+    fl = an.get("cpu_floor")
+    if fl:
+        ph, parts = fl["phases_rank0_s"], fl["parts_s"]
+        lines.append(f"- target: tree CPU at most 2 points above `plain` plus the floor (one copy, one checksum pass, "
+                     f"one replica exchange per rank per step, measured in the same jobs: x{fl['floor_ratio']:.3f}, "
+                     f"so <= x{fl['target']:.3f} on the CI's upper end): **{'met' if fl['met'] else 'not met'}**. "
+                     f"Floor per rank: copy {1e3 * (parts['copy_cpu_s'] or 0):.0f} ms, checksum "
+                     f"{1e3 * (parts['checksum_cpu_s'] or 0):.0f} ms, exchange "
+                     f"{1e3 * (parts['exchange_cpu_s'] or 0):.0f} ms. Rank 0's snapshot worker per snapshot (CPU): "
+                     + ", ".join(f"{k.removesuffix('_cpu_s')} {1e3 * v:.1f} ms" for k, v in ph.items()
+                                 if v is not None and k != "blocking_s")
+                     + f"; the training thread blocked {1e3 * (ph.get('blocking_s') or 0):.1f} ms per snapshot; "
+                     "heartbeats and the store are the launcher's share above, the spare's polling the spare's.")
     ncpu = (doc.get("machine") or {}).get("cpu_count")
     base = an["modes"].get(BASE)
     if ncpu and base and base["window_s_per_step"]:
