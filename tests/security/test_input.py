@@ -358,7 +358,8 @@ def _refusal(flags: list[str], says: str, *also: str, script: str | None = None,
     return pytest.param(flags, says, also, script, env, one_line, id=id)
 
 
-_DURATION_FLAGS = ("--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s", "--suspect-age-s")
+_DURATION_FLAGS = ("--heartbeat-s", "--watch-s", "--detect-timeout-s", "--spare-wait-s", "--suspect-age-s",
+                   "--preempt-grace-s")
 _SLURM = ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST")
 _REFUSALS = [
     *(_refusal(["--nnodes", "1", "--host", host], f"--host {host!r}: a wildcard address", "interface", id=name)
