@@ -435,7 +435,7 @@ class Supervisor:
         if self.coordinator is not None:
             self.coordinator.draining = True
         ranks, local, exits = self._drain_view()
-        if self.drain.over(ranks, local, exits, time.time()):
+        if self.drain.over(ranks, local, exits, time.time(), self.values):
             return self._drain_end()
         return None
 

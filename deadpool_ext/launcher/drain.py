@@ -33,7 +33,9 @@ def drained_observation(obs: Observation, ranks: Collection[str], *, draining: b
     """A coordinator's observation with the drain's exits read as such (pure): an active worker that exited with
     :data:`~deadpool_ext.preempt.decide.PREEMPTED_EXIT` is done, never failed (its drain ended it, and it may end
     before this launcher reads the request); while ``draining``, a spare's exit is dropped too (a SIGTERM sent to
-    every process of the job ends the spares: not a dead spare to replace)."""
+    every process of the job ends the spares: not a dead spare to replace), and so is a host whose lease lapsed
+    (its launcher ended once its workers drained, possibly before its workers' exits were read here: under Slurm
+    every launcher is signalled, and each leaves when its part is done)."""
     exits: dict[str, int] = {}
     done = set(obs.done)
     for wid, rc in obs.exits.items():
@@ -41,9 +43,10 @@ def drained_observation(obs: Observation, ranks: Collection[str], *, draining: b
             done.add(wid)
         elif wid in ranks or not draining:
             exits[wid] = rc
-    if exits == obs.exits and done == obs.done:
+    hosts_now = obs.hosts_now | obs.hosts_seen if draining else obs.hosts_now
+    if exits == obs.exits and done == obs.done and hosts_now == obs.hosts_now:
         return obs
-    return dataclasses.replace(obs, exits=exits, done=frozenset(done))
+    return dataclasses.replace(obs, exits=exits, done=frozenset(done), hosts_now=hosts_now)
 
 
 def local_workers_exited(ranks: Collection[str], local: Collection[str], exits: Mapping[str, int]) -> bool:
@@ -95,9 +98,20 @@ class LauncherDrain:
                         req.by, self.grace.seconds, self.grace.source)
         return True
 
-    def over(self, ranks: Collection[str], local: Collection[str], exits: Mapping[str, int], now: float) -> bool:
-        """Whether this launcher's part of the drain is over: its workers exited, or the budget is spent."""
-        return local_workers_exited(ranks, local, exits) or (self.deadline is not None and now >= self.deadline)
+    def over(self, ranks: Collection[str], local: Collection[str], exits: Mapping[str, int], now: float,
+             reads: values.StoreValues | None = None) -> bool:
+        """Whether this launcher's part of the drain is over: its workers exited, or the budget is spent. A launcher
+        that holds no rank (only spares, as the spare nodes of a Slurm allocation do) waits for the job's outcome
+        (rank 0's ``drained``) in ``reads``, so that its line, too, says which step is safe."""
+        if self.deadline is not None and now >= self.deadline:
+            return True
+        if reads is None or any(wid in local for wid in ranks):
+            return local_workers_exited(ranks, local, exits)
+        try:
+            return reads.get(keys.DRAINED, messages.drain_outcome) is not None
+        except Exception as exc:  # the store gone for a moment: the deadline ends the wait
+            log.debug("%s: %s", keys.DRAINED, exc)
+            return False
 
     def end(self, reads: values.StoreValues, ranks: Collection[str], local: Collection[str],
             exits: Mapping[str, int], *, stopped: bool = False) -> int:

@@ -61,16 +61,19 @@ def missing_slurm() -> str | None:
 
 
 def slurm_conf(tag: str, workdir: str, run_dir: str, munge_socket: str, nodes: Sequence[tuple[str, str]],
-               ctl: tuple[str, str], cpus: int = 2, timers: Mapping[str, int] | None = None) -> str:
+               ctl: tuple[str, str], cpus: int = 2, timers: Mapping[str, int] | None = None,
+               cred_expire_s: int | None = None, grace_time_s: int = 0) -> str:
     """The bed's slurm.conf (pure): ``nodes`` and ``ctl`` are (name, address); logs and state under ``workdir``,
-    slurmd's spool (its sockets) under ``run_dir``."""
+    slurmd's spool (its sockets) under ``run_dir``. ``cred_expire_s``: also how long a requeued job waits before it
+    may start again (None: Slurm's 120 s); ``grace_time_s``: partition ``main``'s preemption GraceTime."""
     t = {**SLURM_TIMERS, **(timers or {})}
     names = ",".join(n for n, _ in nodes)
     lines = [
         f"ClusterName=dp{tag}",
         f"SlurmctldHost={ctl[0]}({ctl[1]})",
         f"SlurmctldPort={CTLD_PORT}", f"SlurmdPort={SLURMD_PORT}",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
+        "AuthType=auth/munge", "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}" + (f",cred_expire={cred_expire_s}" if cred_expire_s else ""),
         "SlurmUser=root", "SlurmdUser=root",
         f"StateSaveLocation={workdir}/state",
         f"SlurmdSpoolDir={run_dir}/spool/%n",
@@ -86,7 +89,8 @@ def slurm_conf(tag: str, workdir: str, run_dir: str, munge_socket: str, nodes: S
         *(f"{k}={v}" for k, v in t.items()),
         *(f"NodeName={n} NodeAddr={a} CPUs={cpus} Sockets=1 CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory=1000 "
           "State=UNKNOWN" for n, a in nodes),
-        f"PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP PriorityTier=1",
+        f"PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 "
+        f"GraceTime={grace_time_s}",
         f"PartitionName=urgent Nodes={names} Default=NO MaxTime=INFINITE State=UP PriorityTier=2",
     ]
     return "\n".join(lines) + "\n"
@@ -100,6 +104,10 @@ class SlurmBed:
     nodes: int
     workdir: str
     timers: dict[str, int] = field(default_factory=dict)
+    cred_expire_s: int | None = None
+    """Slurm's credential lifetime, which is also how long a requeued job waits (None: Slurm's default, 120 s)."""
+    grace_time_s: int = 0
+    """Partition ``main``'s preemption GraceTime (Slurm's default 0: SIGTERM, then SIGKILL after KillWait)."""
     munged: subprocess.Popen[bytes] | None = None
     ctld: subprocess.Popen[bytes] | None = None
     slurmd: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -160,7 +168,8 @@ class SlurmBed:
         nodes = [(self.node(i), self.bed.addr(i)) for i in range(self.nodes)]
         with open(self.conf, "w") as fh:
             fh.write(slurm_conf(self.bed.tag, self.dir, self.run_dir, self.munge_socket, nodes,
-                                (self.ctl_name, self.bed.addr(self.ctl_host)), timers=self.timers))
+                                (self.ctl_name, self.bed.addr(self.ctl_host)), timers=self.timers,
+                                cred_expire_s=self.cred_expire_s, grace_time_s=self.grace_time_s))
         with open(os.path.join(self.dir, "cgroup.conf"), "w") as fh:
             fh.write("CgroupPlugin=cgroup/v1\n")   # autodetect finds no cgroup file system in a host's namespace
         try:

@@ -39,6 +39,7 @@ class SlurmRun:
     metrics: dict[int, float]
     events: list[dict[str, Any]]
     output_path: str
+    timeline: str = ""
     t_fault: float | None = None
     t_submit: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -91,7 +92,7 @@ def run_sbatch(slurm: SlurmBed, workdir: str, script: Sequence[str], metrics: st
     job_id = slurm.sbatch(argv, env=job_env(slurm, spares=spares, store=store, extra=env),
                           options=("--nodes", str(nodes), "--output", out, "--chdir", REPO, "--job-name", name,
                                    *sbatch_options))
-    run = SlurmRun(job_id, {}, {}, [], out, t_submit=t_submit)
+    run = SlurmRun(job_id, {}, {}, [], out, timeline=timeline, t_submit=t_submit)
     deadline = time.monotonic() + timeout_s
     try:
         if fault is not None:

@@ -35,15 +35,16 @@ def host_bed(tmp_path):
 
 @pytest.fixture
 def slurm_bed(host_bed, tmp_path):
-    """``slurm_bed(n)``: munged and slurmctld on a control host, one slurmd per compute host (n of them), on a
-    host bed of n + 1 hosts with its etcd cluster; stopped after the test, failed or not (the bed after it)."""
+    """``slurm_bed(n, **settings)``: munged and slurmctld on a control host, one slurmd per compute host (n of
+    them; ``settings``: SlurmBed's fields), on a host bed of n + 1 hosts with its etcd cluster; stopped after the
+    test, failed or not (the bed after it)."""
     beds: list[SlurmBed] = []
 
-    def make(nodes: int) -> SlurmBed:
+    def make(nodes: int, **settings) -> SlurmBed:
         why = missing_slurm()
         if why is not None:
             pytest.skip(f"Slurm bed: {why} (CI installs slurm-wlm and munge)")
-        slurm = SlurmBed(host_bed(nodes + 1), nodes=nodes, workdir=str(tmp_path))
+        slurm = SlurmBed(host_bed(nodes + 1), nodes=nodes, workdir=str(tmp_path), **settings)
         beds.append(slurm)
         slurm.start()
         return slurm

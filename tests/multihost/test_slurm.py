@@ -3,16 +3,25 @@
 fourth node the spare), and what Slurm does to a job leaves the losses of a run without failure, bit for bit."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from deadpool_ext.chaos.at_step import ENV, harness_env
+from deadpool_ext.preempt.decide import PREEMPTED_EXIT
+from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.baselines import BASELINES
 from deadpool_ext.testing.slurm import SlurmBed
 from deadpool_ext.testing.slurmjob import SlurmRun, run_sbatch
+from deadpool_ext.testing.wait import wait_until
 from tests.multihost.jobs import LEADER_TTL_S, run_hosts, training_job
 
 pytestmark = pytest.mark.slow
 
 NODES, SPARES = 4, 1
+CRED_EXPIRE_S = 5
+"""The bed's credential lifetime: also how long Slurm holds a requeued job before it may start again (its default,
+120 s, is the bench's and docs/slurm.md's figure)."""
 
 
 def baseline(host_bed, tmp_path) -> dict[int, float]:
@@ -27,11 +36,14 @@ def baseline(host_bed, tmp_path) -> dict[int, float]:
     return BASELINES.get(training_job(tmp_path, name="base"), run)
 
 
-def submit(slurm: SlurmBed, tmp_path, name: str, **kw) -> SlurmRun:
+def submit(slurm: SlurmBed, tmp_path, name: str, *, script_args: tuple[str, ...] = (),
+           launcher_flags: tuple[str, ...] = (), **kw) -> SlurmRun:
     job = training_job(tmp_path, nnodes=NODES - SPARES, name=name)
+    job = job.replace(args=(*job.args, *script_args))
     assert job.metrics is not None
     return run_sbatch(slurm, str(tmp_path), job.script_argv(), job.metrics, nodes=NODES, spares=SPARES, name=name,
-                      launcher_flags=("--leader-ttl-s", str(LEADER_TTL_S), "--detect-timeout-s", "8"), **kw)
+                      launcher_flags=("--leader-ttl-s", str(LEADER_TTL_S), "--detect-timeout-s", "8",
+                                      *launcher_flags), **kw)
 
 
 def replaced(res: SlurmRun) -> list[dict[str, str]]:
@@ -81,3 +93,37 @@ def test_node_set_down(host_bed, slurm_bed, tmp_path):
     assert res.job["NodeList"] == slurm.hostlist([0, 1, 3]), res.tail()
     assert (res.job["JobState"], res.job["ExitCode"]) == ("FAILED", "137:0"), res.tail()
     assert [e for e in res.events if e.get("event") == "finished"], res.tail()
+
+
+def test_preempted_by_a_higher_priority_partition_then_requeued(host_bed, slurm_bed, tmp_path):
+    """A job of the ``urgent`` partition (a higher PriorityTier, PreemptMode=REQUEUE) needs every node while the
+    training job is held after step 4: Slurm SIGTERMs the training job's step, the launchers drain it (the newest
+    step persisted to tier 3 and verified, exit 75 within KillWait), Slurm requeues it, and the requeued run, the
+    same command line (its ``--load`` names the directory its ``--save`` writes), resumes from that step by
+    itself: the losses of both runs together are the uninterrupted run's, bit for bit."""
+    base = baseline(host_bed, tmp_path)
+    slurm = slurm_bed(NODES, cred_expire_s=CRED_EXPIRE_S)
+    ckpt, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+
+    def preempt(s: SlurmBed, run: SlurmRun) -> None:
+        wait_until(lambda: os.path.exists(hold), 60, "rank 0 held after step 4")
+        s.cmd("sbatch", "--parsable", "--partition", "urgent", "--nodes", str(NODES), "--output", "/dev/null",
+              "--wrap", "true")
+        wait_until(lambda: any(e.get("event") == "drain" for e in read_events(run.timeline)), 60,
+                   "the launchers' drain after Slurm's SIGTERM")
+        open(hold + ".release", "w").close()
+
+    res = submit(slurm, tmp_path, "preempted", fault=preempt, fault_step=3,
+                 script_args=("--save", ckpt, "--load", ckpt), launcher_flags=("--preempt-grace-s", "6"),
+                 env=harness_env({ENV: f"hold@step=4,rank=0,marker={hold}"}),
+                 end_states=("COMPLETED", "FAILED", "CANCELLED"))
+    assert (res.job["JobState"], res.job["Restarts"]) == ("COMPLETED", "1"), res.tail()
+    starts = [e for e in res.events if e.get("event") == "start"]
+    assert [e["job_id"] for e in starts] == [f"slurm{res.job_id}", f"slurm{res.job_id}r1"], starts
+    drained = [e for e in res.events if e.get("event") == "drained" and e.get("source") == "launcher"]
+    assert {e["status"] for e in drained} == {PREEMPTED_EXIT}, drained
+    assert {(e["safe"], e["persisted"]) for e in drained if e["step"] is not None} == {(drained[0]["safe"],) * 2}
+    safe = drained[0]["safe"]
+    assert safe is not None and 4 <= safe < 10, drained
+    assert res.metrics == base, res.tail()
+    assert not [e for e in res.events if e.get("event") == "assignment"], res.tail()   # no node was replaced
