@@ -61,3 +61,17 @@ def test_the_benchmarks_restored_is_the_first_step_past_the_one_before_the_fault
             {"step": 2, "time": 9.0}, {"step": 3, "time": 10.0}, {"step": 4, "time": 11.0}]   # a relaunch redoes 2-3
     assert restored_after(recs, 3.5) == {"last_step_before": 3, "restored_s": 7.5}
     assert restored_after(recs[:3], 3.5) == {"last_step_before": 3, "restored_s": None}
+
+
+def test_the_docs_sbatch_script_is_the_file_the_suite_runs():
+    """docs/slurm.md shows scripts/slurm/deadpool.sbatch as it is (the Slurm tests submit the file itself)."""
+    import os
+
+    from deadpool_ext.testing.launch import REPO
+    from deadpool_ext.testing.slurmjob import SBATCH_SCRIPT
+
+    with open(SBATCH_SCRIPT) as fh:
+        script = fh.read()
+    with open(os.path.join(REPO, "docs", "slurm.md")) as fh:
+        doc = fh.read()
+    assert "```bash\n" + script + "```" in doc
