@@ -84,6 +84,9 @@ def slurm_conf(tag: str, workdir: str, run_dir: str, munge_socket: str, nodes: S
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MpiDefault=none",
         "SwitchType=switch/none", "SelectType=select/linear", "SchedulerType=sched/builtin",
+        # the main scheduling loop every 2 s (Slurm's default, 60 s, can hold a requeued job that long after its
+        # begin time)
+        "SchedulerParameters=sched_interval=2",
         "SlurmdParameters=config_overrides", "ReturnToService=1", "JobRequeue=1",
         "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
         *(f"{k}={v}" for k, v in t.items()),
