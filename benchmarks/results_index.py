@@ -224,6 +224,12 @@ CURRENT: tuple[Current, ...] = (
             "dry: the job stops (fail), waits for repaired nodes (wait) or goes on with fewer data-parallel "
             "replicas and grows back (shrink); DeadPool hot-swap at fixed intervals, plus 16-node replicas and the "
             "whole-job restart policies at 4 spares; seeds 0-2 x 20 trials x 30 days."),
+    Current("preempt", "preempt", "SIGTERM -> verified version -> bit-identical --load resume",
+            "Issue 46, part 3: GPT tiny, ZeRO-3, deadpool-run 2 nodes + 1 spare, --preempt-grace-s 30; 25 trials, "
+            "each a SIGTERM landed from inside the job (mid-backward, during a snapshot copy, during a throttled "
+            "tier-3 write, during a hot-swap's restore, to one worker only) at a random step: SIGTERM -> verified "
+            "commit record p50/p100 against the 30 s budget, exit status 75, the base verified, and a --load "
+            "relaunch's losses against an uninterrupted run's, bit for bit."),
     Current("REPORT", "report", "all of the above with figures",
             "Everything above in one page with figures, rendered from the current results by "
             "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,
