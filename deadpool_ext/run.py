@@ -133,6 +133,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with start_up_failure_said():  # a spare whose build ahead fails says why (rebuild/spare.py)
         code = _run_script(module, args[0] if module is None else None, script_args,
                            verdict_wait_s=cfg.hot_swap.assignment_timeout_s if cfg is not None else None)
+    from .preempt.worker import disarm
+
+    disarm()  # the script returned: a SIGTERM from here on (the launcher ending the job) ends the process at once
     if code == 0:
         # The script finished: under deadpool-run, say so before the interpreter shuts down (tearing down a
         # framework's groups and threads can take seconds without heartbeats, which the launcher would otherwise
