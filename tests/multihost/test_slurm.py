@@ -95,25 +95,36 @@ def test_node_set_down(host_bed, slurm_bed, tmp_path):
     assert [e for e in res.events if e.get("event") == "finished"], res.tail()
 
 
-def test_preempted_by_a_higher_priority_partition_then_requeued(host_bed, slurm_bed, tmp_path):
-    """A job of the ``urgent`` partition (a higher PriorityTier, PreemptMode=REQUEUE) needs every node while the
-    training job is held after step 4: Slurm SIGTERMs the training job's step, the launchers drain it (the newest
-    step persisted to tier 3 and verified, exit 75 within KillWait), Slurm requeues it, and the requeued run, the
-    same command line (its ``--load`` names the directory its ``--save`` writes), resumes from that step by
-    itself: the losses of both runs together are the uninterrupted run's, bit for bit."""
+@pytest.mark.parametrize("how", [
+    "preempted",
+    pytest.param("scancel", marks=pytest.mark.full_matrix(
+        covered_by="the preempted case (the same drain and requeue; here the batch script requeues on exit 75)")),
+])
+def test_drained_by_slurm_then_requeued(host_bed, slurm_bed, tmp_path, how):
+    """``preempted``: a job of the ``urgent`` partition (a higher PriorityTier, PreemptMode=REQUEUE) needs every
+    node while the training job is held after step 4; ``scancel``: ``scancel --signal=TERM`` at that point (not
+    ``--full``: that signals srun too, which answers a SIGTERM by killing the step at once, no drain).
+    Slurm SIGTERMs the training job's step, the launchers drain it (the newest step persisted to tier 3 and
+    verified, exit 75 within KillWait), the job is requeued (by Slurm for a preemption, by the sbatch script on 75
+    for the signal), and the requeued run, the same command line (its ``--load`` names the directory its ``--save``
+    writes), resumes from that step by itself: the losses of both runs together are the uninterrupted run's, bit
+    for bit."""
     base = baseline(host_bed, tmp_path)
     slurm = slurm_bed(NODES, cred_expire_s=CRED_EXPIRE_S)
     ckpt, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
 
     def preempt(s: SlurmBed, run: SlurmRun) -> None:
         wait_until(lambda: os.path.exists(hold), 60, "rank 0 held after step 4")
-        s.cmd("sbatch", "--parsable", "--partition", "urgent", "--nodes", str(NODES), "--output", "/dev/null",
-              "--wrap", "true")
+        if how == "scancel":
+            s.cmd("scancel", "--signal=TERM", run.job_id)
+        else:
+            s.cmd("sbatch", "--parsable", "--partition", "urgent", "--nodes", str(NODES), "--output", "/dev/null",
+                  "--wrap", "true")
         wait_until(lambda: any(e.get("event") == "drain" for e in read_events(run.timeline)), 60,
                    "the launchers' drain after Slurm's SIGTERM")
         open(hold + ".release", "w").close()
 
-    res = submit(slurm, tmp_path, "preempted", fault=preempt, fault_step=3,
+    res = submit(slurm, tmp_path, how, fault=preempt, fault_step=3,
                  script_args=("--save", ckpt, "--load", ckpt), launcher_flags=("--preempt-grace-s", "6"),
                  env=harness_env({ENV: f"hold@step=4,rank=0,marker={hold}"}),
                  end_states=("COMPLETED", "FAILED", "CANCELLED"))
