@@ -47,7 +47,7 @@ from common import add_output_args, machine_info, render_only, save_result  # no
 from deadpool_ext.recovery.timeline import phases  # noqa: E402
 from deadpool_ext.testing.hosts import HostBed, missing_requirements  # noqa: E402
 from deadpool_ext.testing.launch import read_metrics  # noqa: E402
-from deadpool_ext.testing.slurm import SLURM_TIMERS, SlurmBed, missing_slurm  # noqa: E402
+from deadpool_ext.testing.slurm import SCHEDULER_PARAMETERS, SLURM_TIMERS, SlurmBed, missing_slurm  # noqa: E402
 from deadpool_ext.testing.slurmjob import SlurmRun, run_sbatch  # noqa: E402
 
 MODES = ("deadpool", "relaunch")
@@ -205,7 +205,9 @@ def render(doc: dict[str, Any]) -> str:
              f"Command: `{doc['command']}`  ",
              f"Machine: {m.get('cpu_count')} CPUs, git {(m.get('git') or {}).get('commit', '')[:10]}, "
              f"{m.get('time_utc')}; total wall {doc['wall_s']:.0f} s.", "",
-             f"Setup: Slurm 22.05 on the namespace bed ({timers}); GPT {doc['size']}, ZeRO-3, 3 nodes x 1 process, "
+             f"Setup: Slurm 22.05 on the namespace bed ({timers}; SchedulerParameters "
+             f"{doc.get('scheduler') or 'default (sched_interval=60)'}; cred_expire "
+             f"{doc.get('cred_expire_s') or 'default (120 s)'}); GPT {doc['size']}, ZeRO-3, 3 nodes x 1 process, "
              f"micro-batch {doc['micro_batch']}; node {VICTIM}'s slurmd and every process on it SIGKILLed after step "
              f"{doc['kill_step']} of {doc['kill_step'] + doc['steps_after']}. Times from the SIGKILL; medians with "
              "each run in brackets; the modes alternated run by run, each on a fresh bed. Fault-free step time "
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                *(argv or sys.argv[1:])]),
                            "machine": machine_info(), "size": args.size, "micro_batch": args.micro_batch,
                            "kill_step": args.kill_step, "steps_after": args.steps_after,
-                           "slurm_timers": dict(SLURM_TIMERS), "modes": list(MODES),
+                           "slurm_timers": dict(SLURM_TIMERS), "scheduler": SCHEDULER_PARAMETERS,
+                           "cred_expire_s": None, "modes": list(MODES),
                            "runs": {m: [] for m in MODES}}
     with tempfile.TemporaryDirectory(prefix="bench_slurm_") as work:
         print("[bench] reference (deadpool script, no fault)", flush=True)

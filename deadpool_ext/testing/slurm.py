@@ -32,7 +32,7 @@ from typing import Any
 
 from .hosts import HostBed, HostBedError
 
-__all__ = ["SlurmBed", "SlurmBedError", "missing_slurm", "SLURM_TIMERS"]
+__all__ = ["SlurmBed", "SlurmBedError", "missing_slurm", "SLURM_TIMERS", "SCHEDULER_PARAMETERS"]
 
 _DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue", "scancel")
 START_DEADLINE_S = 30.0
@@ -46,6 +46,11 @@ SLURM_TIMERS = {"SlurmdTimeout": 6, "SlurmctldTimeout": 10, "MessageTimeout": 5,
 """Timers of the bed's slurm.conf (seconds). ``SlurmdTimeout``: a node whose slurmd does not answer is DOWN after
 this (Debian's default 300 s: a test would wait minutes); ``KillWait``: between the SIGTERM and the SIGKILL of a
 cancelled or preempted job (its grace time)."""
+
+
+SCHEDULER_PARAMETERS = "sched_interval=2"
+"""The main scheduling loop every 2 s (Slurm's default, 60 s, can hold a requeued job that long after its begin
+time)."""
 
 
 class SlurmBedError(HostBedError):
@@ -84,9 +89,7 @@ def slurm_conf(tag: str, workdir: str, run_dir: str, munge_socket: str, nodes: S
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none", "MpiDefault=none",
         "SwitchType=switch/none", "SelectType=select/linear", "SchedulerType=sched/builtin",
-        # the main scheduling loop every 2 s (Slurm's default, 60 s, can hold a requeued job that long after its
-        # begin time)
-        "SchedulerParameters=sched_interval=2",
+        f"SchedulerParameters={SCHEDULER_PARAMETERS}",
         "SlurmdParameters=config_overrides", "ReturnToService=1", "JobRequeue=1",
         "PreemptType=preempt/partition_prio", "PreemptMode=REQUEUE",
         *(f"{k}={v}" for k, v in t.items()),
