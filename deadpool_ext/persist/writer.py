@@ -145,7 +145,9 @@ class BaseWriter:
         """Drain (bounded), then stop the thread. Returns False if a base was still in flight at the deadline."""
         drained = self.wait_idle(timeout_s)
         self._q.put(None)
-        self._thread.join(timeout=5.0)
+        # a base still in flight at the deadline is left to its daemon thread (it is never published once its own
+        # deadline passes); joining it would only add a wait
+        self._thread.join(timeout=5.0 if drained else 0.0)
         return drained
 
     # -- writer thread --------------------------------------------------------------------------------

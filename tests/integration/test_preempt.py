@@ -98,3 +98,26 @@ def test_sigterm_to_one_worker_only_drains_the_whole_job_without_a_swap(tmp_path
     storage = open_storage(ckpt, create=False)
     info = [v for v in list_versions(storage) if v.version == rank0["step"]]
     assert len(info) == 1 and info[0].commit is not None and verify_version(storage, info[0]) == []
+
+
+def test_a_budget_too_short_publishes_nothing_partial_and_says_what_is_safe(tmp_path, shm_root):
+    """A base is being written (throttled to 0.2 MiB/s: seconds) when the SIGTERM comes with a 1 s budget: the
+    drain cannot write its step; nothing half-written is published (no commit record anywhere), the job still ends
+    with 75 and the outcome says no step is safe on tier 3."""
+    config = make_config(tmp_path, deadpool={"snapshot": {"interval": 1}, "replication": {"factor": 1},
+                                             "persist": {"interval": 2, "max_mb_s": 0.2, "adaptive": False}})
+    ckpt = os.path.join(str(tmp_path), "ckpt")
+    job = _job(tmp_path, shm_root, "short", config, ckpt).replace(launcher_flags=("--preempt-grace-s", "1"))
+
+    def sigterm_launcher(proc) -> None:
+        wait_for_step(job.metrics, 3, timeout_s=JOB_TIMEOUT_S, proc=proc)
+        proc.send_signal(signal.SIGTERM)
+
+    res, _, events = _run(tmp_path, job, "short", sigterm_launcher)
+    assert res.returncode == PREEMPTED_EXIT, res.output[-4000:]
+    launcher = [e for e in events if e.get("event") == "drained" and e.get("source") == "launcher"]
+    assert len(launcher) == 1 and launcher[0]["persisted"] is None and launcher[0]["safe"] is None, events
+    rank0 = [e for e in events if e.get("event") == "drained" and e.get("source") != "launcher"]
+    assert all(e["persisted"] is None for e in rank0), rank0   # none, or one that says it wrote nothing
+    storage = open_storage(ckpt, create=False)
+    assert [v.version for v in list_versions(storage) if v.commit is not None] == []

@@ -90,6 +90,9 @@ def _drain(runtime: Any, agreed: Agreement) -> decide.Outcome:
         rate = max(rates) * MiB if rates else None
     budget = decide.budget_verdict(agreed.deadline - time.time(), need, rate)
     plan = decide.plan_persist(step, url=url if persist is not None else None, newest_base=newest, budget=budget)
+    if plan.action == "none" and persist is not None and persist.writer.busy:
+        plan = decide.PersistPlan("none", "the budget was too short: it went on a base that tier 3 was still "
+                                          "writing (persist.interval's), which stays unpublished")
     code = _all_min(PLAN_CODES[plan.action], engine.device)  # the most cautious plan of any rank
     action = {v: k for k, v in PLAN_CODES.items()}[code]
     why = plan.why if action == plan.action else "another rank's plan: " + ("tier 3 already holds it" if code == 1

@@ -212,7 +212,8 @@ class DeadpoolRuntime(ResilientRuntime):
 
         disarm()  # training is over: a SIGTERM ends the process at once again
         if self.persist is not None:
-            self.persist.close()  # tier 3: publish the base in flight (bounded)
+            # tier 3: publish the base in flight (bounded); after a drain the budget is spent: no wait
+            self.persist.close(0.0 if context().drain.outcome is not None else None)
 
 
 # -- an in-place hot-swap: the interrupted step abandoned --------------------------------------------------------------

@@ -191,15 +191,16 @@ class Tier3Persister:
                 "zero_stage": int(e.zero_optimization_stage()), "global_steps": int(e.global_steps),
                 "global_samples": int(e.global_samples)}
 
-    def close(self) -> bool:
-        """Wait (bounded by ``persist.timeout_s``) for the base in flight; True when nothing was left unwritten."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Wait (bounded by ``timeout_s``, default ``persist.timeout_s``) for the base in flight; True when nothing was
+        left unwritten. A drained process passes 0: its budget is spent, an unfinished base stays unpublished."""
         if self._closed:
             return True
         self._closed = True
-        drained = self.writer.close(self.cfg.timeout_s)
+        wait_s = self.cfg.timeout_s if timeout_s is None else timeout_s
+        drained = self.writer.close(wait_s)
         if not drained:
-            log.error("tier 3: the last base was not written within persist.timeout_s=%s s; it stays unpublished",
-                      self.cfg.timeout_s)
+            log.error("tier 3: the last base was not written within %s s; it stays unpublished", wait_s)
         shutil.rmtree(self.stage, ignore_errors=True)
         return drained
 
