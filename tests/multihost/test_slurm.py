@@ -138,3 +138,23 @@ def test_drained_by_slurm_then_requeued(host_bed, slurm_bed, tmp_path, how):
     assert safe is not None and 4 <= safe < 10, drained
     assert res.metrics == base, res.tail()
     assert not [e for e in res.events if e.get("event") == "assignment"], res.tail()   # no node was replaced
+
+
+@pytest.mark.full_matrix(covered_by="test_node_lost_whole (a node lost with a spare left); the no-spare decisions: "
+                                    "tests/unit/test_decide.py")
+def test_more_nodes_lost_than_spares(host_bed, slurm_bed, tmp_path):
+    """Nodes 1 and 2 lost at once with one spare: the spare takes one, none is left for the other, and under the
+    default --no-spare-policy fail the job stops (cause out_of_spares, not a script error); the steps trained
+    before the loss are the uninterrupted run's. Slurm ends the job as failed."""
+    base = baseline(host_bed, tmp_path)
+    slurm = slurm_bed(NODES)
+
+    def two_nodes(s: SlurmBed, _run: SlurmRun) -> None:
+        s.kill_node(1)
+        s.kill_node(2)
+
+    res = submit(slurm, tmp_path, "twolost", fault=two_nodes)
+    [stopped] = [e for e in res.events if e.get("event") == "stopped"]
+    assert stopped["cause"] == "out_of_spares", stopped
+    assert res.job["JobState"] == "FAILED", res.tail()
+    assert res.metrics and all(res.metrics[s] == base[s] for s in res.metrics), res.tail()
