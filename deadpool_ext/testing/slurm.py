@@ -65,6 +65,20 @@ def missing_slurm() -> str | None:
     return None
 
 
+def sweep_stale_run_dirs() -> list[str]:
+    """Remove the :data:`RUN_ROOT` directories of beds that are gone (a run killed before its teardown: its
+    daemons died with its namespaces, ``hosts.sweep_stale``); returns their tags."""
+    from .hosts import RECORDS
+
+    gone = []
+    if os.path.isdir(RUN_ROOT):
+        for tag in os.listdir(RUN_ROOT):
+            if not os.path.exists(os.path.join(RECORDS, f"{tag}.json")):
+                shutil.rmtree(os.path.join(RUN_ROOT, tag), ignore_errors=True)
+                gone.append(tag)
+    return gone
+
+
 def slurm_conf(tag: str, workdir: str, run_dir: str, munge_socket: str, nodes: Sequence[tuple[str, str]],
                ctl: tuple[str, str], cpus: int = 2, timers: Mapping[str, int] | None = None,
                cred_expire_s: int | None = None, grace_time_s: int = 0) -> str:
@@ -163,6 +177,7 @@ class SlurmBed:
         if self.bed.n_hosts < self.nodes + 1:
             raise SlurmBedError(f"a Slurm bed of {self.nodes} nodes needs {self.nodes + 1} hosts (one controller); "
                                 f"the bed has {self.bed.n_hosts}")
+        sweep_stale_run_dirs()
         self.dir = os.path.join(self.workdir, f"slurm-{self.bed.tag}")
         os.makedirs(os.path.join(self.dir, "state"), mode=0o700, exist_ok=True)
         for i in range(self.nodes):

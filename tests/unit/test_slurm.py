@@ -75,3 +75,17 @@ def test_the_docs_sbatch_script_is_the_file_the_suite_runs():
     with open(os.path.join(REPO, "docs", "slurm.md")) as fh:
         doc = fh.read()
     assert "```bash\n" + script + "```" in doc
+
+
+def test_a_dead_beds_run_directory_is_swept(tmp_path, monkeypatch):
+    from deadpool_ext.testing import hosts, slurm
+
+    records, run = tmp_path / "records", tmp_path / "run"
+    records.mkdir()
+    (records / "live.json").write_text("{}")
+    for tag in ("live", "dead"):
+        (run / tag / "munge").mkdir(parents=True)
+    monkeypatch.setattr(hosts, "RECORDS", str(records))
+    monkeypatch.setattr(slurm, "RUN_ROOT", str(run))
+    assert slurm.sweep_stale_run_dirs() == ["dead"]
+    assert sorted(p.name for p in run.iterdir()) == ["live"]
