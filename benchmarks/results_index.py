@@ -60,8 +60,11 @@ CURRENT: tuple[Current, ...] = (
             "a cgroup made for each job (launcher, ranks, spare, helpers), split by process; every ratio paired "
             "with plain round by round (paired.py).",
             companions=("snapshot_overhead_recommended_logs",),
-            note="Run with `--out /tmp/rec_small` and copied here; DeepSpeed's CPU shared-memory allreduce off in "
-                 "every mode (no LOCAL_SIZE), as under deadpool-run."),
+            note="Re-measured with the floor by `python -m benchmarks.refresh --only snapshot_overhead_recommended` "
+                 "(rounds 1-5 under other engineers' load: window/step up to 3.2 s, then 1.2-1.3 s); the first run, "
+                 "without the floor and under lighter load from round 4 (step 1.023 [0.891, 1.036], CPU 1.025 "
+                 "[1.014, 1.033]), is `archive/snapshot_overhead_recommended_20261205.*`. DeepSpeed's CPU "
+                 "shared-memory allreduce off in every mode (no LOCAL_SIZE), as under deadpool-run."),
     Current("snapshot_overhead_small_n2", "snapshot_overhead", "overhead counted whole: small, 2 ranks, every peer",
             "Issue 'honest numbers': GPT small, ZeRO-3, 2 CPU ranks on 2 simulated nodes (replica on), the shipped "
             "defaults with a snapshot every step; 10 interleaved rounds of 8-step windows of none / deadpool / "
@@ -241,6 +244,8 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "snapshot_overhead_recommended_20261205": "the first run of the recommended setup's overhead (issue 45), "
+                                              "before the floor was measured in its jobs",
     **{f"{stem}_steponly": "timed each step without the checkpoint work still running after it (the rule before "
                            "issue 'honest numbers'); superseded by the window rule"
        for stem in ("snapshot_overhead", "snapshot_overhead_medium_ab", "snapshot_overhead_small_n2",
