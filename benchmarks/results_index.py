@@ -233,6 +233,13 @@ CURRENT: tuple[Current, ...] = (
             "tier-3 write, during a hot-swap's restore, to one worker only) at a random step: SIGTERM -> verified "
             "commit record p50/p100 against the 30 s budget, exit status 75, the base verified, and a --load "
             "relaunch's losses against an uninterrupted run's, bit for bit."),
+    Current("slurm", "slurm", "node down under a real Slurm: deadpool spare vs requeue + relaunch",
+            "Issue 47: GPT small, ZeRO-3, 3 nodes x 1 process on the namespace Slurm bed (slurmctld, slurmd per "
+            "host, munge); one node's slurmd and processes SIGKILLed after step 3: node down -> every rank "
+            "restored for deadpool-run's spare (sbatch --nodes 4) against Slurm's requeue + relaunch with --load, "
+            "modes alternated on fresh beds; the losses of both against an uninterrupted run.",
+            note="two runs per mode, one shared the 2 cores with a test run (deadpool 15.2 vs 34.1 s): re-run for "
+                 "a quiet spread"),
     Current("REPORT", "report", "all of the above with figures",
             "Everything above in one page with figures, rendered from the current results by "
             "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,
