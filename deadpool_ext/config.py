@@ -345,6 +345,32 @@ class PreemptionConfig:
         _seconds("grace_s", self.grace_s)
 
 
+@dataclass(kw_only=True, slots=True)
+class StragglerConfig:
+    """Stragglers (docs/operations.md, "Stragglers"): a node whose ranks work longer per step, outside collectives,
+    than the other nodes' median by ``factor`` over ``window_s`` seconds is named; with ``action`` swap it is
+    replaced by a spare in place. ``deadpool-run --straggler-action/-factor/-window`` win over these."""
+
+    action: str = "report"
+    """``report`` (name it: a WARNING line, the timeline's ``straggler`` event, the metrics), ``swap`` (also replace
+    its node by a spare through the failed-node path; never with no spare left, at most once per window) or
+    ``off``."""
+    factor: float = 2.0
+    """How many times the other nodes' median busy time per step a node's must reach to be named."""
+    window_s: float = 30.0
+    """The window the busy times are measured over, in seconds; a node is named at most once per window."""
+
+    def __post_init__(self) -> None:
+        from .launcher.straggler import ACTIONS, setting_error
+
+        if not isinstance(self.action, str) or self.action not in ACTIONS:
+            _fail("action", f"must be one of {', '.join(ACTIONS)}; got {_show(self.action)}")
+        why = setting_error(None, self.factor, None)
+        if why is not None:
+            _fail("factor", why)
+        _seconds("window_s", self.window_s)
+
+
 NO_SPARE_POLICIES = ("fail", "wait", "shrink")
 
 
@@ -394,6 +420,7 @@ class DeadpoolConfig:
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     canary: CanaryConfig = field(default_factory=CanaryConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
     def __post_init__(self) -> None:
         if self.job_id is not None and not (isinstance(self.job_id, str)

@@ -161,9 +161,11 @@ class ResilientRuntime(ABC):
         self.snapshots: SnapshotManager | None = (
             SnapshotManager(adapter, config, placement_for(config, worker_env())) if config.enabled else None)
         m = context().membership
-        if m is not None and rank == 0 and config.elastic.no_spare_policy is not None:
-            with contextlib.suppress(Exception):  # the launcher's flag, if given, wins anyway
-                m.store.set_json(keys.JOB_POLICY, config.elastic.no_spare_policy)
+        if m is not None and rank == 0:
+            with contextlib.suppress(Exception):  # the launcher's flags, if given, win anyway
+                if config.elastic.no_spare_policy is not None:
+                    m.store.set_json(keys.JOB_POLICY, config.elastic.no_spare_policy)
+                m.store.set_json(keys.JOB_STRAGGLER, keys.straggler_value(config.straggler))
         atexit.register(self.close)
 
     # -- what a framework supplies ------------------------------------------------------------------------

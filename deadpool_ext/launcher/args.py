@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 from ..memory.shm import SHM_ROOT
 from ..store.base import parse_store_url
 from .contract import MALLOC_ARENA_MAX
+from .straggler import setting_error
 
 MAX_NODES = 65536
 MAX_PROCS_PER_NODE = 1024
@@ -137,6 +138,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "step is persisted to tier 3 (persist.url / --save) and verified, and the job exits with "
                         "status 75 and a line saying which step is safe (docs/operations.md). Default: the job's "
                         "deadpool.preemption.grace_s (25 s); keep it below the orchestrator's grace period")
+    p.add_argument("--straggler-action", default=None,
+                   help="a node slower than the others' median (its ranks' time per step outside collectives, by "
+                        "--straggler-factor over --straggler-window seconds): report (name it: log, timeline, "
+                        "metrics), swap (also replace it by a spare in place, never with no spare left, at most once "
+                        "per window) or off. Default: the job's deadpool.straggler.action, else report")
+    p.add_argument("--straggler-factor", type=float, default=None,
+                   help="how many times the other nodes' median a node's busy time per step must reach to be named "
+                        "(> 1; default: deadpool.straggler.factor, else 2)")
+    p.add_argument("--straggler-window", type=float, default=None, metavar="SECONDS",
+                   help="the window busy times are measured over, and the least time between two evictions "
+                        "(default: deadpool.straggler.window_s, else 30)")
     p.add_argument("--timeline", default=None, help="JSON lines of failures and recovery phases")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port: the goodput ledger (productive and lost seconds by "
@@ -380,6 +392,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                                                  and 0 < args.preempt_grace_s <= MAX_SECONDS):
         parser.error(f"--preempt-grace-s {args.preempt_grace_s}: must be a finite number of seconds in "
                      f"(0, {MAX_SECONDS}]")
+    for flag, value, why in (
+            ("--straggler-action", args.straggler_action, setting_error(args.straggler_action, None, None)),
+            ("--straggler-factor", args.straggler_factor, setting_error(None, args.straggler_factor, None)),
+            ("--straggler-window", args.straggler_window, setting_error(None, None, args.straggler_window))):
+        if why is not None:
+            parser.error(f"{flag} {value}: {why.split(', got ')[0]}")
     if args.detect_timeout_s <= args.heartbeat_s:
         parser.error(f"--detect-timeout-s ({args.detect_timeout_s}) must be longer than --heartbeat-s "
                      f"({args.heartbeat_s}): a healthy worker would be declared hung between two heartbeats")

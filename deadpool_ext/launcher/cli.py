@@ -181,8 +181,10 @@ class Supervisor:
         state = CoordinatorState(assignment=assignment, roster=roster, last_turn=self._started_at)
         # on etcd, the host's key vanishes at the latest one lease after its launcher's last renewal
         fence_s = max(15.0, 1.5 * self.args.leader_ttl_s) if self.election is not None else 15.0
+        flags = (getattr(self.args, "straggler_action", None), getattr(self.args, "straggler_factor", None),
+                 getattr(self.args, "straggler_window", None))
         self.coordinator = Coordinator(state, self.settings(), self.values, self.nodes, self.event,
-                                       fence_timeout_s=fence_s)
+                                       fence_timeout_s=fence_s, straggler_flags=flags)
         return self.coordinator
 
     # -- main loop ----------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ The launcher holding the coordinator role calls :meth:`Coordinator.turn` every l
    collective (``suspect/``), a fatal report, the job's
    no-spare policy, join requests once a second, ``repaired/`` while the world is shrunk; the hosts' leases come
    from the launcher's own turn);
-2. **decide** (``decide.py``, pure): the rules, giving the next state and the actions;
+2. **decide** (``decide.py``, pure): the rules, giving the next state and the actions; before it, the straggler
+   rule (``straggler.py``, pure, its state kept here) over the same heartbeats: its lines and events carried out,
+   and a node it evicts handed to ``decide`` as failed (``Observation.evict``);
 3. **act** (:meth:`Coordinator.act`): each action carried out in order: store writes, fences (this host's
    processes killed directly, another host's through ``fence/<node>`` and its acknowledgement), timeline events,
    log lines. The decision's state is kept once every action is carried out: a store that refuses one leaves the
@@ -16,6 +18,7 @@ The launcher holding the coordinator role calls :meth:`Coordinator.turn` every l
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -55,6 +58,7 @@ from .drain import drained_observation
 from .final import stop_cause
 from .join import JOIN_POLL_S
 from .local import LocalNodes
+from .straggler import StragglerSettings, StragglerState, judge, resolve
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -86,9 +90,18 @@ class Coordinator:
     the store it reads and writes, this host's processes, and the way to another host's (a remote fence)."""
 
     def __init__(self, state: CoordinatorState, settings: Settings, reads: values.StoreValues, nodes: LocalNodes,
-                 event: Callable[..., None], *, fence_timeout_s: float = 15.0) -> None:
+                 event: Callable[..., None], *, fence_timeout_s: float = 15.0,
+                 straggler_flags: tuple[str | None, float | None, float | None] = (None, None, None)) -> None:
         self.state, self.settings, self.reads, self.nodes, self.event = state, settings, reads, nodes, event
         self.fence_timeout_s = fence_timeout_s
+        self.straggler_flags = straggler_flags
+        """``--straggler-action``, ``--straggler-factor``, ``--straggler-window`` (None: not given)."""
+        self.straggler = StragglerState()
+        self.straggler_settings: StragglerSettings | None = (
+            resolve(*straggler_flags, None) if None not in straggler_flags else None)
+        """Resolved once the job's ``config/straggler`` is read (or every flag was given); the flags and defaults
+        meanwhile."""
+        self.straggler_next = 0.0   # monotonic time of the next reading of config/straggler
         self.join_next = 0.0   # monotonic time of the next reading of the join requests
         self.draining = False
         """A preemption's drain is under way (``drain.py``): drained workers are done, spares' exits no failure."""
@@ -102,6 +115,7 @@ class Coordinator:
         """One turn; the launcher's exit code when the job ends (0 finished, 1 stopped), else None."""
         obs = self.observe(hosts_seen, hosts_now, resumed_grace_until)
         obs = drained_observation(obs, self.state.assignment.ranks, draining=self.draining)
+        obs = self.stragglers(obs)
         dec = decide(self.state, obs, self.settings)
         for action in dec.actions:
             self.act(action)
@@ -132,6 +146,32 @@ class Coordinator:
                            job_policy=None if self.settings.policy_flag else job_policy(reads),
                            joins=joins, repaired=repaired, resumed_grace_until=resumed_grace_until, reports=reports,
                            trained=trained)
+
+    def stragglers(self, obs: Observation) -> Observation:
+        """The straggler rule's turn (``straggler.py``) over this turn's heartbeats: its lines and events carried out
+        now, a node it evicts handed to ``decide`` as failed. Not while a drain or a wait for a spare holds the
+        job."""
+        st = self.state
+        if self.draining or st.awaiting is not None:
+            return obs
+        settings = self.straggler_settings
+        if settings is None:
+            job = None
+            if time.monotonic() >= self.straggler_next:   # read once a second until rank 0 wrote it
+                self.straggler_next = time.monotonic() + 1.0
+                try:
+                    job = self.reads.get(keys.JOB_STRAGGLER, values.straggler_config)
+                except Exception as exc:  # the store unreachable: the flags and defaults meanwhile
+                    log.debug("%s: %s", keys.JOB_STRAGGLER, exc)
+            settings = resolve(*self.straggler_flags, job)
+            if job is not None:
+                self.straggler_settings = settings
+        spares = [n for n in st.assignment.spares if n not in st.dead_spares]
+        verdict = judge(self.straggler, obs.beats, st.assignment, spares, obs.now, settings)
+        self.straggler = verdict.state
+        for action in verdict.actions:
+            self.act(action)
+        return dataclasses.replace(obs, evict=verdict.evict) if verdict.evict else obs
 
     def join_requests(self) -> tuple[JoinRequest, ...]:
         """The requests not judged yet, each with the answer given before (a coordinator before this one's)."""

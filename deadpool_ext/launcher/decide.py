@@ -17,7 +17,7 @@ One turn, in order:
 4. detection: exits, lost hosts (a lapsed lease), heartbeat age (with a grace after a late turn or a stalled
    store: ``hangs.store_stalled``), a survivor's report of a failed collective (``suspect/``: a quiet peer is
    failed after ``Settings.suspect_age_s`` instead of the detection timeout, :meth:`_Turn.by_report`), hangs by
-   progress (``hangs.stalled``); dead spares;
+   progress (``hangs.stalled``); dead spares; with none of these, a straggler evicted (``straggler.py``);
 5. no failure: grow a shrunk world to a repaired or joined node once it has formed (``hangs.not_formed``);
 6. a failure after the job's work is done finishes it (``done.py``); any other: the failed nodes fenced, and the
    next generation: spares take the failed nodes' ranks (``membership.replace_failed``); with none left, the
@@ -60,8 +60,7 @@ from .hangs import not_formed, prepared_spares, spare_lost_line, stalled, store_
 
 TURN_GAP_S = 1.0
 """A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
-JOINED_HOST = -1
-"""The host index of a joined node (it is none of the job's --hosts: never among the hosts whose lease lapsed)."""
+JOINED_HOST = -1  # a joined node's host index: none of the job's --hosts (never among those whose lease lapsed)
 REPORT_AGES = 2.0
 """A survivor's report of a failed collective counts for this many ``suspect_age_s`` after the coordinator read it:
 a lost host's ranks were last heard before the report, so they are failed within that; a report that explained
@@ -206,6 +205,7 @@ class Observation:
     reports: Mapping[str, values.Report] = field(default_factory=dict)
     """Worker -> its newest report of a failed collective (``suspect/``, decoded; a bad one is absent)."""
     trained: Mapping[str, values.Trained] = field(default_factory=dict)  # worker -> its loop's end (trained/)
+    evict: Mapping[str, str] = field(default_factory=dict)  # worker -> why: a straggler's node (straggler.py)
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class _Turn:
             return
         if self.finished_or_fatal():
             return
-        failed = self.detect()
+        failed = self.detect() or {w: why for w, why in self.obs.evict.items() if w in self.state.assignment.ranks}
         if not failed:
             self.grow()
             return

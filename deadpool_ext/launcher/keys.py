@@ -61,6 +61,8 @@ FATAL = "fatal"
 DEAD_SPARES = "dead_spares"
 JOB_POLICY = "config/no_spare_policy"
 """``deadpool.elastic.no_spare_policy`` of the job's config, written by rank 0 at attach."""
+JOB_STRAGGLER = "config/straggler"
+"""``deadpool.straggler`` of the job's config (action, factor, window_s), written by rank 0 at attach."""
 JOB_FAST_PATHS = "config/fast_paths"
 """Whether the section the job's engine attached with keeps the in-place swap and a spare's build-ahead on, and why
 not: a spare that saw no config before its script (a dict built in code) learns it here (``rebuild/fastpaths.py``)."""
@@ -102,7 +104,7 @@ SPECS: tuple[KeySpec, ...] = (
             "survivors' heartbeat threads (rebuild/worker.py) and the generation's rendezvous (dead key)",
             "marker: generation g - 1 is dead"),
     KeySpec(HEARTBEATS, "each worker's heartbeat thread (rebuild/worker.py)", "coordinator (hang detection)",
-            "{'t', 'step', 'step_at', 'coll', 'still_s'} (rebuild/progress.py)", values.heartbeat),
+            "{'t', 'step', 'step_at', 'coll', 'still_s', 'pace'} (rebuild/progress.py)", values.heartbeat),
     KeySpec(EXITS, "the launcher that ran the worker, for every exit", "coordinator",
             "{'rc': exit status (negative: the signal), 'time'}", values.exit_rc),
     KeySpec(DONE, "a worker whose training finished", "coordinator (completion; no hang while it shuts down)",
@@ -139,6 +141,8 @@ SPECS: tuple[KeySpec, ...] = (
             "spares preparing their slots", "an int: the rank's slot bytes", values.slot_size),
     KeySpec(JOB_POLICY, "rank 0 at attach (integrations/base.py)", "coordinator (no_spare_policy)",
             "one of fail, wait, shrink", values.policy),
+    KeySpec(JOB_STRAGGLER, "rank 0 at attach (integrations/base.py)", "coordinator (launcher/straggler.py)",
+            "{'action', 'factor', 'window_s'}", values.straggler_config),
     KeySpec(JOB_FAST_PATHS, "rank 0 at attach, before its engine is built (integrations/deepspeed)",
             "spares and late joiners that saw no config before the script (rebuild/fastpaths.py)",
             "{'in_place', 'build_ahead', 'why'}", values.fast_paths),
@@ -245,6 +249,11 @@ def heartbeat_value(sample: dict[str, Any]) -> dict[str, Any]:
     return {"t": time.time(), **sample}
 
 
+def straggler_value(config: Any) -> dict[str, Any]:
+    """``JOB_STRAGGLER``: the job's ``deadpool.straggler`` section (a ``config.StragglerConfig``)."""
+    return {"action": config.action, "factor": float(config.factor), "window_s": float(config.window_s)}
+
+
 def exit_value(rc: int) -> dict[str, Any]:
     return {"rc": int(rc), "time": time.time()}
 
@@ -319,10 +328,12 @@ def resolve_no_spare_policy(flag: str | None, job_config: str | None) -> NoSpare
 __all__ = [
     "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DRAIN", "DRAINED", "JOB_GRACE",
     "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
-    "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOIN_ANSWERS", "JOIN_REQUESTS",
+    "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOB_STRAGGLER", "JOIN_ANSWERS",
+    "JOIN_REQUESTS",
     "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
     "TRAINED", "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value",
-    "fast_paths_value", "fatal_value", "fence", "fenced", "generation", "heartbeat", "heartbeat_value", "host",
+    "fast_paths_value", "fatal_value", "straggler_value", "fence", "fenced", "generation", "heartbeat",
+    "heartbeat_value", "host",
     "join_answer", "join_answer_value", "join_request", "join_request_value", "node_keys", "repaired", "repaired_value",
     "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "trained",
     "trained_value", "worker_keys",

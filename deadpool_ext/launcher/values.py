@@ -146,8 +146,8 @@ def _names(key: str, field: str, v: object) -> list[str]:
 
 # -- one decoder per key -------------------------------------------------------------------------------------
 def heartbeat(key: str, raw: bytes) -> dict[str, Any]:
-    """``hb/<worker>``: ``{"t", "step", "step_at", "coll", "still_s"}`` (``rebuild/progress.py``), or a bare time
-    from an older worker. Extra fields are kept (a newer worker's)."""
+    """``hb/<worker>``: ``{"t", "step", "step_at", "coll", "still_s", "pace"}`` (``rebuild/progress.py``), or a bare
+    time from an older worker. Extra fields are kept (a newer worker's)."""
     beat = decode_json(key, raw)
     if not isinstance(beat, dict):
         return {"t": _num(key, "t", beat), "step": -1, "step_at": 0.0, "coll": False, "still_s": 0.0}
@@ -156,6 +156,12 @@ def heartbeat(key: str, raw: bytes) -> dict[str, Any]:
         out[field] = _num(key, field, beat.get(field))
     if not isinstance(beat.get("coll"), bool):
         raise _fail(key, "'coll' must be true or false", beat.get("coll"))
+    if "pace" in beat:  # [steps, step seconds, collective seconds, measured] (rebuild/progress.py; stragglers)
+        p = beat["pace"]
+        if not isinstance(p, list) or len(p) != 4 or not isinstance(p[3], bool):
+            raise _fail(key, "'pace' must be [steps, step seconds, collective seconds, measured]", p)
+        out["pace"] = [_int(key, "pace steps", p[0], 0, 2**53), _num(key, "pace step seconds", p[1]),
+                       _num(key, "pace collective seconds", p[2]), p[3]]
     if "prepared" in beat:  # a waiting spare's engine, built ahead for [rank, world size]
         p = beat["prepared"]
         if not isinstance(p, list) or len(p) != 2:
@@ -243,6 +249,20 @@ def trained(key: str, raw: bytes) -> Trained:
     return Trained(_int(key, "generation", d.get("generation"), 0, 1 << 31),
                    _int(key, "step", d.get("step"), 0, 1 << 62),
                    None if committed is None else _int(key, "committed", committed, 0, 1 << 62))
+
+
+def straggler_config(key: str, raw: bytes) -> dict[str, Any]:
+    """``config/straggler``: ``{"action", "factor", "window_s"}``, each as ``deadpool.straggler`` allows it."""
+    from .straggler import setting_error
+
+    v = _obj(key, decode_json(key, raw))
+    out = {"action": v.get("action"), "factor": v.get("factor"), "window_s": v.get("window_s")}
+    for name, why in (("action", setting_error(out["action"], None, None)),
+                      ("factor", setting_error(None, out["factor"], None)),
+                      ("window_s", setting_error(None, None, out["window_s"]))):
+        if why is not None or out[name] is None:
+            raise _fail(key, f"{name!r} " + (why or "is missing").split(", got ")[0], v.get(name))
+    return out
 
 
 def policy(key: str, raw: bytes) -> str:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import progress
 from .context import context
 
 log = logging.getLogger("deadpool_ext")
@@ -347,7 +348,10 @@ class SwappableGroup(dist.ProcessGroup):
 
 def _forward(name: str) -> Any:
     def call(self: SwappableGroup, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self._inner_for(name, args, kwargs), name)(*args, **kwargs)
+        inner = self._inner_for(name, args, kwargs)
+        if self.kind == "gloo" and threading.get_ident() == progress.MAIN:  # the training thread's waits, timed
+            return progress.timed(getattr(inner, name), args, kwargs)
+        return getattr(inner, name)(*args, **kwargs)
     call.__name__ = name
     return call
 
