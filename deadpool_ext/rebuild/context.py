@@ -100,6 +100,10 @@ class WorkerContext:
     spare_times: dict[str, float] = field(default_factory=dict)
     """A spare's phases, for its ``recover`` timeline event: process start, engine build start and length, the
     assignment, ready to join, communicators joined."""
+    rank_watch: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
+    """While a spare builds ahead: the roots ``rebuild/rank_reads.py`` sorts a rank read's callers by."""
+    rank_reads: list[str] = field(default_factory=list)
+    """Where code outside DeepSpeed and deadpool_ext read the rank of a spare building ahead (file:line)."""
     swap_mode: str = "live"
     swappable_groups: list[weakref.ReferenceType[SwappableGroup]] = field(default_factory=list)
     interrupts: Interrupts = field(default_factory=Interrupts)

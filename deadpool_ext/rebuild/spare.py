@@ -15,12 +15,16 @@ defaults):
    it for that node's ranks, ``launcher/decide.py``);
 2. the script runs up to its engine: ``deepspeed.initialize`` builds it alone, as a spare after an assignment
    always did (``integrations/deepspeed``);
-3. :func:`await_assignment` (at the end of ``register``, i.e. of ``deepspeed.initialize``): the ``spare_ready``
-   timeline event (prologue and engine build, each timed), then the wait. Assigned the ranks it built for: the
-   join is pending (``pending_live``) and the script's ``resume()`` joins the survivors and restores
-   (``Recovery.join_survivors``). Assigned other ranks (it shadowed another node, or the world changed size): the
-   process starts again from its first line (:func:`start_again`, one log line), which is the path of a spare
-   that never built ahead.
+3. :func:`await_assignment` (in ``register``, i.e. at the end of ``deepspeed.initialize``, before the runtime is
+   made): the ``spare_ready`` timeline event (prologue and engine build, each timed; whether it can take any
+   node's ranks, and if not what blocks it: the one start-up line), then the wait. :func:`takeover` (pure) decides
+   how it takes its assignment. The ranks it built for (``as_built``), or another rank of the same world
+   (``relabel``: the process's groups (``rebuild/swap.py`` :func:`relabel`) and the framework's objects
+   (:class:`Relabel`, ``integrations/deepspeed/takeover.py``) set to the new rank, in well under a millisecond):
+   the join is pending (``pending_live``) and the script's ``resume()`` joins the survivors and restores the
+   assigned rank's state, RNG included (``Recovery.join_survivors``). Otherwise (a blocker, another world size, a
+   resize): the process starts again from its first line (:func:`start_again`, one log line naming why), which is
+   the path of a spare that never built ahead.
 
 A spare that cannot build ahead (the key off on a memory-tight host, the in-place swap off or unsupported, no node
 to shadow) waits before its script, as before, and says why in one line. A spare that saw no config before its
@@ -42,6 +46,7 @@ from ..cluster.assignment import Assignment
 from ..cluster.membership import prepared_rank, shadowed_node
 from ..launcher import keys, values
 from ..recovery.timeline import write_event
+from . import rank_reads
 from .context import context
 from .fastpaths import NO_CONFIG, FastPaths, at_attach, from_record, spare_line
 
@@ -114,6 +119,7 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, f
     ctx.progress.prepared = (rank, a.world_size)
     export_world(a, rank, shadow)  # the world as the shadowed node's process sees it
     init_solo(rank, a.world_size, timeout_s)
+    rank_reads.start()  # what of the script keeps this rank: it would block taking another (rank_reads.py)
     log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
              "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
     return True
@@ -166,34 +172,95 @@ def _published(m: Membership, wait_s: float) -> values.Published | None:
         time.sleep(0.05)
 
 
-def await_assignment() -> None:
-    """Step 3 of the module's call order; a no-op in any process but a spare built ahead."""
+@dataclass(frozen=True, slots=True)
+class Relabel:
+    """What a framework integration offers a spare built ahead for one rank, to take another rank of the same world
+    in place (``integrations/deepspeed/takeover.py``)."""
+
+    why_not: str | None
+    """What of the framework's objects holds the build-time rank and cannot be set again (None: nothing)."""
+    apply: Callable[[int], None]
+    """Sets the framework's objects to the new rank (the process's groups already answer it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Takeover:
+    """How a spare built ahead takes its assignment (:func:`takeover`)."""
+
+    how: str
+    """``as_built`` (the rank it built for), ``relabel`` (another rank of the same world, in place) or
+    ``start_again`` (the process again from the script's first line, :func:`start_again`)."""
+    rank: int
+    why: str = ""
+    """``start_again``: why not in place."""
+
+
+def takeover(a: Assignment, worker_id: str, built: BuiltAhead, blocker: str | None) -> Takeover:
+    """How the spare ``worker_id``, its engine built ahead as ``built``, takes assignment ``a`` (pure). ``blocker``:
+    what keeps its objects on the build-time rank (:class:`Relabel`'s ``why_not``, or the process groups')."""
+    rank = a.ranks[worker_id]
+    if matches(a, worker_id, built):
+        return Takeover("as_built", rank)
+    if a.resized:
+        why = "the world was resized (elastic)"
+    elif a.world_size != built.world_size:
+        why = f"the world has {a.world_size} ranks, its engine was built for {built.world_size}"
+    elif blocker is not None:
+        why = blocker
+    else:
+        return Takeover("relabel", rank)
+    return Takeover("start_again", rank, why)
+
+
+def await_assignment(relabel: Relabel | None = None) -> None:
+    """Step 3 of the module's call order; a no-op in any process but a spare built ahead. ``relabel``: the
+    framework's offer to take another rank of the same world in place (None: it cannot)."""
     ctx = context()
     built, m = ctx.built_ahead, ctx.membership
     if built is None or m is None:
         return
+    from . import swap
+
     now = time.time()
     times = ctx.spare_times
     engine_at = times.get("engine_started_at", now)
     times.update(built_ahead=True, prologue_s=round(engine_at - times.get("started_at", engine_at), 3),
                  engine_s=round(now - engine_at, 3), ready_at=now)
+    read = rank_reads.stop()
+    blocker = (read or swap.relabel_refusal(built.world_size)
+               or (relabel.why_not if relabel is not None else "the framework offers no relabel of its objects"))
     write_event(event="spare_ready", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
-                node=built.node, pid=os.getpid(), prologue_s=times["prologue_s"], engine_s=times["engine_s"])
+                node=built.node, pid=os.getpid(), prologue_s=times["prologue_s"], engine_s=times["engine_s"],
+                any_rank=blocker is None, why_not=blocker)
     log.info("spare %s: engine built ahead for rank %d of %d (script up to its engine %.1f s, engine %.1f s); "
-             "waiting for an assignment", m.worker_id, built.rank, built.world_size, times["prologue_s"],
-             times["engine_s"])
+             "waiting for an assignment; %s", m.worker_id, built.rank, built.world_size, times["prologue_s"],
+             times["engine_s"], "it takes any node's ranks in place" if blocker is None else
+             f"another node's ranks start it again from the script's first line: {blocker}")
     a = m.join(built.generation + 1, timeout_s=None, while_waiting=built.while_waiting)
     ctx.built_ahead = None
     ctx.progress.prepared = None
     times["assigned_at"] = time.time()
-    if matches(a, m.worker_id, built):
+    t = takeover(a, m.worker_id, built, blocker)
+    if t.how == "relabel":
+        times["relabelled_from"] = built.rank
+        assert relabel is not None
+        from .worker import export_world
+
+        swap.relabel(t.rank)
+        export_world(a, t.rank, a.nodes[m.worker_id])
+        relabel.apply(t.rank)
+        times["relabel_s"] = round(time.time() - times["assigned_at"], 4)
+        log.info("generation %d: rank %d of %d; this spare built its engine for rank %d and relabelled it: it joins "
+                 "the survivors now", a.generation, t.rank, a.world_size, built.rank)
+    if t.how in ("as_built", "relabel"):
         ctx.pending_live = (a, m.worker_id, built.timeout_s)
-        log.info("generation %d: rank %d of %d, the rank this spare built its engine for: it joins the survivors now",
-                 a.generation, built.rank, built.world_size)
+        if t.how == "as_built":
+            log.info("generation %d: rank %d of %d, the rank this spare built its engine for: it joins the survivors "
+                     "now", a.generation, built.rank, built.world_size)
         return
-    log.warning("spare %s: assigned rank %d of %d in generation %d, but its engine was built for rank %d of %d: it "
-                "starts again from the script's first line for its assignment", m.worker_id,
-                a.ranks[m.worker_id], a.world_size, a.generation, built.rank, built.world_size)
+    log.warning("spare %s: assigned rank %d of %d in generation %d, but its engine was built for rank %d of %d (%s): "
+                "it starts again from the script's first line for its assignment", m.worker_id, t.rank, a.world_size,
+                a.generation, built.rank, built.world_size, t.why)
     start_again()
 
 

@@ -38,7 +38,9 @@ Call order (every rank of a generation):
    (``rebuild/worker.py`` ``_check_same_groups``) first compares every rank's list of groups (a mismatch is an
    error naming both lists, never a hang).
 
-Ranks keep their rank through a swap (the spare takes the failed node's ranks); a rank change is refused.
+Ranks keep their rank through a swap (the spare takes the failed node's ranks); a rank change is refused, except
+a spare's, before it goes live: built solo for one rank, it may take another of the same world (:func:`relabel`,
+when :func:`relabel_refusal` finds every group it is in spanning the world).
 """
 from __future__ import annotations
 
@@ -327,6 +329,13 @@ class SwappableGroup(dist.ProcessGroup):
     def size(self) -> int:
         return self._size
 
+    def rank(self) -> int:  # torch's is fixed at construction; :func:`relabel` changes this one
+        if context().rank_watch is not None:  # a spare building ahead: who reads its rank (rank_reads.py)
+            from .rank_reads import note
+
+            note()
+        return self._rank
+
     def getBackendName(self) -> str:  # noqa: N802 - torch's name
         return BACKEND
 
@@ -476,6 +485,35 @@ def go_live(store: Any, generation: int, rank: int, check: Any = None) -> int:
         if g is default and check is not None:
             check()
     context().graveyard.reap()  # the dead generations' communicators: see Graveyard (rebuild/context.py)
+    return n
+
+
+def relabel_refusal(world_size: int) -> str | None:
+    """Why this process's groups cannot take another rank of the same world (None: they can): every group it is in
+    must span the whole world in rank order (then a group's rank is the global rank), and no group may exist that it
+    is not in (torch counts every ``new_group``, also one this rank is not a member of)."""
+    world = dist.distributed_c10d._world
+    full = list(range(world_size))
+    numbered = sum(1 for g in world.pg_map if str(world.pg_names.get(g, "")).isdigit())
+    if world.group_count != numbered or any(g not in world.pg_names for g in world.pg_group_ranks):
+        return (f"{max(1, world.group_count - numbered)} process group(s) were made without this rank (a subgroup "
+                "of the world: model, pipeline or expert parallelism)")
+    for g, ranks in world.pg_group_ranks.items():
+        if sorted(ranks.items()) != list(zip(full, full)):
+            return f"process group {world.pg_names[g]!r} spans ranks {sorted(ranks)}, not the whole world"
+    return None
+
+
+def relabel(rank: int) -> int:
+    """A spare built solo for one rank takes ``rank`` of the same world (``rebuild/spare.py``): every swappable
+    group answers ``rank`` from now on (their inner communicators are solo until :func:`go_live`). Call only when
+    :func:`relabel_refusal` is None. Returns how many groups were relabelled."""
+    n = 0
+    for g in groups():
+        g._rank = rank
+        if isinstance(g.inner, _Solo):
+            g.inner.rank = rank
+        n += 1
     return n
 
 

@@ -143,14 +143,32 @@ def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
     assert metrics == base
     row = phases(events)[0]
     assert row["survivor_pids"] == sorted([pids["node0.0"], pids["node1.0"]])
-    # The spare had built its engine for node1's rank 1: assigned rank 2, it started again from the script's first
-    # line in the same process (pid kept), built for rank 2 after the assignment, and the losses are still exact.
-    [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == 1]
-    assert assigned["built_ahead"] == {"node2": False}
-    assert row["spare_built_ahead"] is False and row["spare_prologue_s"] is not None
+    # The spare had built its engine for node1's rank 1: assigned rank 2, it relabelled that engine in place (no
+    # start from the script's first line: same pid, built ahead), and the losses are still exact.
     [spare] = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
     [ready] = [e for e in events if e.get("event") == "spare_ready"]
     assert ready["rank"] == 1 and spare["rank"] == 2 and spare["pid"] == ready["pid"] == row["spare_pids"][0]
+    assert spare["relabelled_from"] == 1 and row["spare_built_ahead"] is True
+
+
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))
+def test_spare_takes_a_node_it_did_not_shadow_in_place(tmp_path, shm_root, stage):
+    """Issue 44: the spare builds its engine ahead for node1's rank 1; node0 (rank 0, the metrics writer) is killed.
+    The spare takes rank 0 with the engine it built for rank 1, relabelled (``integrations/deepspeed/takeover.py``),
+    without starting its script again, restores rank 0's state from a survivor's replica, and the losses equal an
+    uninterrupted run bit for bit."""
+    base = baseline(tmp_path, shm_root, stage)
+    res, metrics, events, pids = dprun(tmp_path, shm_root, stage=stage, faults=[(4, "node0.0", signal.SIGKILL)],
+                                       name="anynode")
+    assert res.returncode == 0, res.output[-4000:]
+    assert metrics == base
+    [ready] = [e for e in events if e.get("event") == "spare_ready"]
+    assert (ready["rank"], ready["node"], ready["any_rank"]) == (1, "node1", True), ready
+    [spare] = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert (spare["rank"], spare["relabelled_from"], spare["restored_from"]) == (0, 1, "peer"), spare
+    assert spare["pid"] == ready["pid"] and spare["built_ahead"] is True
+    row = phases(events)[0]
+    assert row["replaced"] == {"node0": "spare0"} and row["survivor_pids"] == sorted([pids["node1.0"], pids["node2.0"]])
 
 
 def test_rank_alive_but_not_progressing_is_detected_by_progress(tmp_path, shm_root):

@@ -18,7 +18,7 @@ from deadpool_ext.cluster.membership import (
 )
 from deadpool_ext.launcher import values
 from deadpool_ext.launcher.hangs import prepared_spares
-from deadpool_ext.rebuild.spare import BuiltAhead, matches
+from deadpool_ext.rebuild.spare import BuiltAhead, matches, takeover
 
 
 def _job(nodes=3, spares=2, nproc=1):
@@ -117,3 +117,84 @@ def test_a_resized_generation_never_lets_a_built_spare_join_as_it_is():
     new = replace_failed(a, workers, {"node1"})
     assert matches(new, "spare0.0", built)
     assert not matches(replace(new, grown=("extra0",)), "spare0.0", built)
+
+
+def test_a_spare_built_for_one_rank_takes_another_of_the_same_world_in_place_unless_something_blocks_it():
+    """Issue 44: the spare built for node1's rank 1 takes node2's rank 2 (or node0's rank 0) by relabelling its
+    engine; only a blocker its framework or groups name, another world size or a resize start it again."""
+    from dataclasses import replace
+
+    workers, a = _job(nodes=3, spares=1)
+    built = BuiltAhead(rank=1, world_size=3, generation=0, node="node1", timeout_s=60.0)
+    assert takeover(replace_failed(a, workers, {"node1"}), "spare0.0", built, "anything").how == "as_built"
+    for failed, rank in (("node2", 2), ("node0", 0)):
+        t = takeover(replace_failed(a, workers, {failed}), "spare0.0", built, None)
+        assert (t.how, t.rank, t.why) == ("relabel", rank, "")
+    t = takeover(replace_failed(a, workers, {"node2"}), "spare0.0", built, "pipeline parallelism (each stage ...)")
+    assert (t.how, t.rank, t.why) == ("start_again", 2, "pipeline parallelism (each stage ...)")
+    other = BuiltAhead(rank=1, world_size=4, generation=0, node="node1", timeout_s=60.0)
+    t = takeover(replace_failed(a, workers, {"node2"}), "spare0.0", other, None)
+    assert t.how == "start_again" and t.why == "the world has 3 ranks, its engine was built for 4"
+    t = takeover(replace(replace_failed(a, workers, {"node2"}), grown=("extra0",)), "spare0.0", built, None)
+    assert t.how == "start_again" and "resized" in t.why
+
+
+def _frames(*places):
+    """Fake frames, innermost first: (file, line) each."""
+    from types import SimpleNamespace
+
+    frame = None
+    for path, line in reversed(places):
+        frame = SimpleNamespace(f_code=SimpleNamespace(co_filename=path), f_lineno=line, f_back=frame)
+    return frame
+
+
+def test_who_read_the_rank_is_the_first_caller_outside_torch_and_the_standard_library():
+    from deadpool_ext.rebuild.rank_reads import caller_outside
+
+    roots = (("/v/torch/", "/usr/lib/python3.11/"), ("/v/deepspeed/", "/r/deadpool_ext/"),
+             ("/r/deadpool_ext/training/",))
+    user = _frames(("/v/torch/distributed/c10d.py", 9), ("/v/torch/utils/data/distributed.py", 70), ("/j/train.py", 12))
+    assert caller_outside(user, *roots) == "/j/train.py:12"
+    ds = _frames(("/v/torch/distributed/c10d.py", 9), ("/v/deepspeed/runtime/engine.py", 5), ("/j/train.py", 30))
+    assert caller_outside(ds, *roots) is None  # DeepSpeed's reads are relabelled (takeover.py)
+    demo = _frames(("<frozen os>", 1), ("/usr/lib/python3.11/os.py", 3), ("/r/deadpool_ext/training/pretrain.py", 7))
+    assert caller_outside(demo, *roots) == "/r/deadpool_ext/training/pretrain.py:7"  # the demo is a user's script
+
+
+def test_a_script_reading_its_rank_from_the_environment_while_the_spare_builds_is_named(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+
+    from deadpool_ext.rebuild import rank_reads
+
+    script = tmp_path / "train.py"
+    script.write_text("import os\n\n\ndef rank():\n    return int(os.environ['RANK'])\n")
+    spec = importlib.util.spec_from_file_location("train_under_test", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    monkeypatch.setenv("RANK", "1")
+    rank_reads.start()
+    try:
+        assert os.environ.get("LOCAL_RANK", "0") is not None  # not watched: the same on every node's process i
+        assert mod.rank() == 1 and mod.rank() == 1
+    finally:
+        line = rank_reads.stop()
+    assert line == f"the script read its rank before deepspeed.initialize returned, at {script}:5", line
+    assert type(os.environ) is os._Environ and rank_reads.stop() is None
+
+
+def test_reading_every_variable_is_no_read_of_the_rank(monkeypatch):
+    """``os.environ.items()``, ``copy()`` (a library scanning for its own variables, a subprocess's environment)
+    read RANK's value too, but nobody keeps it as a rank."""
+    import os
+
+    from deadpool_ext.rebuild import rank_reads
+
+    monkeypatch.setenv("RANK", "1")
+    rank_reads.start()
+    try:
+        assert dict(os.environ.items())["RANK"] == "1" and os.environ.copy()["RANK"] == "1"
+        assert [v for k, v in os.environ.items() if k == "RANK"] == ["1"]
+    finally:
+        assert rank_reads.stop() is None

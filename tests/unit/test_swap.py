@@ -132,6 +132,31 @@ def test_solo_world_builds_groups_and_answers_locally():
         assert t.tolist() == [4.0] and dist.get_world_size() == 4 and dist.get_rank() == 2
 
 
+def test_a_solo_world_relabelled_answers_the_new_rank_everywhere_and_a_partial_subgroup_blocks_it():
+    """Issue 44: a spare built solo as rank 1 of 3 takes rank 0: every group (the default and a whole-world
+    subgroup) answers 0, and the swap to the generation's communicators accepts it. A group made without this rank
+    (a model- or pipeline-parallel subgroup) blocks the relabel, named in one line."""
+    with _own_world():
+        swap.use()
+        swap.set_mode("solo")
+        dist.init_process_group(swap.BACKEND, store=swap.SoloStore(3), rank=1, world_size=3)
+        sub = dist.new_group()
+        assert swap.relabel_refusal(3) is None
+        assert swap.relabel(0) == 2
+        assert dist.get_rank() == 0 and dist.get_rank(group=sub) == 0 and dist.get_world_size() == 3
+        out = torch.zeros(3)
+        dist.all_gather_single(out, torch.tensor([5.0]), group=sub)  # solo: every rank sent what this one holds
+        assert out.tolist() == [5.0, 5.0, 5.0]
+        dist.new_group(ranks=[1, 2])  # without this process (now rank 0)
+        assert "1 process group(s) were made without this rank" in swap.relabel_refusal(3)
+    with _own_world():
+        swap.use()
+        swap.set_mode("solo")
+        dist.init_process_group(swap.BACKEND, store=swap.SoloStore(4), rank=1, world_size=4)
+        dist.new_group(ranks=[0, 1])
+        assert "spans ranks [0, 1], not the whole world" in swap.relabel_refusal(4)
+
+
 def test_torch_outside_the_supported_range_is_named(monkeypatch):
     assert swap.unsupported() is None  # the pinned torch
     monkeypatch.setattr(torch, "__version__", "2.99.0")

@@ -15,7 +15,7 @@ from ...distributed import on_spare_wait
 from ...logs import configure_logging
 from ...persist.layout import use_file_names
 from ...rebuild.context import context
-from ...rebuild.spare import await_assignment, publish_fast_paths
+from ...rebuild.spare import Relabel, await_assignment, publish_fast_paths
 from ...rebuild.worker import on_teardown
 from .names import deepspeed_file_names
 from .rebuild import reset_deepspeed_comm_state
@@ -46,10 +46,15 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     from .batch import record
 
     record(engine)
+    if context().built_ahead is not None:
+        # a spare that built this engine ahead of any failure waits here for its assignment (rebuild/spare.py),
+        # before the runtime exists: assigned another data-parallel rank, the engine is relabelled first
+        # (takeover.py), so all the runtime reads from the rank (snapshots, placement, canary) is the new rank's
+        from . import takeover
+
+        await_assignment(Relabel(why_not=takeover.refusal(engine), apply=lambda rank: takeover.relabel(engine, rank)))
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
-    # a spare that built this engine ahead of any failure waits here for its assignment (rebuild/spare.py)
-    await_assignment()
     return runtime
 
 
