@@ -581,8 +581,8 @@ class _Turn:
         ready = spares_ready(self.state.assignment, new, list(self.state.roster.workers),
                              prepared_spares(self.obs.beats))
         self.actions += [Say(f"node {failed} is replaced by spare {spare}, " + (
-            "whose engine was built ahead for its ranks" if ready.get(failed) else "built ahead for other ranks or not"
-            " at all: it relabels its engine in place, or builds one now")) for failed, spare in sorted(new.replaced.items())]
+            "whose engine was built ahead for its ranks" if ready.get(failed) else "built ahead for other ranks or "
+            "not at all: it relabels its engine or builds one")) for failed, spare in sorted(new.replaced.items())]
         self.publish(new, {"event": "assignment", "generation": new.generation, "replaced": new.replaced,
                            "shrunk": list(new.shrunk), "world_size": new.world_size, "built_ahead": ready,
                            "spares_left": list(new.spares), "host_rank": self.settings.host_rank})
