@@ -209,6 +209,7 @@ class LoaderPositions:
         self._index: dict[int, int] = {}
         self._live: list[Position] = []
         self._loaders: list[Any] = []  # the newest DataLoader of each dataset (its generators at a snapshot)
+        self._iters: list[tuple[_Tracked, Callable[[Any], Iterator[Any]]] | None] = []  # the newest iterator, its maker
         self._restored: list[tuple[Position, list[str]]] | None = None
         self._pending: dict[int, tuple[Position, list[str]]] = {}
         self._epoch_shift: dict[int, int] = {}
@@ -244,6 +245,7 @@ class LoaderPositions:
             self._datasets.append(loader.dataset)
             self._live.append(Position())
             self._loaders.append(loader)
+            self._iters.append(None)
         self._loaders[idx] = loader
         pending = self._pending.pop(idx, None)
         if pending is not None:
@@ -251,7 +253,9 @@ class LoaderPositions:
         else:
             it, pos = self._fresh(idx, loader, make)
         self._live[idx] = pos
-        return _Tracked(it, pos, self)
+        tracked = _Tracked(it, pos, self)
+        self._iters[idx] = (tracked, make)
+        return tracked
 
     def _fresh(self, idx: int, loader: Any, make: Callable[[Any], Iterator[Any]]) -> tuple[Iterator[Any], Position]:
         before = self._live[idx]
@@ -345,7 +349,23 @@ class LoaderPositions:
         # loaders it cannot see): a collate function's or dataset's draws before that forward count, as they did.
         if self._settle_rng is not None:
             self._settle_rng()
+        self._reposition_unused()
         return len(restored)
+
+    def _reposition_unused(self) -> None:
+        """An iterator made before the restore and not drawn from yet (DeepSpeed's own loader: the pipeline engine's
+        ``RepeatingLoader`` iterates it inside ``deepspeed.initialize``, before the script's ``load_checkpoint``) is
+        positioned in place: the object the engine holds now hands out the uninterrupted run's next batches."""
+        for idx in sorted(self._pending):
+            held = self._iters[idx] if idx < len(self._iters) else None
+            if held is None:
+                continue
+            tracked, make = held
+            if tracked._pos is not self._live[idx] or tracked._pos.drawn or tracked._pos.exhausted:
+                continue  # drawn from already (positioning it would repeat batches): the next iterator is positioned
+            it, pos = self._positioned(idx, self._loaders[idx], make, *self._pending.pop(idx))
+            tracked._it, tracked._pos = it, pos
+            self._live[idx] = pos
 
     def unsure_lines(self, *, steps_done: int) -> list[str]:
         """What a restore could not put back as the uninterrupted run had it (said once, at the first snapshot):
@@ -368,9 +388,11 @@ class LoaderPositions:
         return lines
 
 
-def process_tracker(settle_rng: Callable[[], None]) -> LoaderPositions:
+def process_tracker(settle_rng: Callable[[], None] | None = None) -> LoaderPositions:
     """The process's loader tracker (held by the DataLoader patch, so a runtime rebuilt in this process keeps the
-    loaders' history), its patch applied. Without the patch (an uninstalled checkout, another torch): a tracker
+    loaders' history), its patch applied. Called before the framework builds its engine too (with no runtime yet:
+    ``settle_rng`` None), so that the loaders an engine iterates while it is built (DeepSpeed's ``training_data=``)
+    are tracked from their first iterator. Without the patch (an uninstalled checkout, another torch): a tracker
     that sees no loader, logged."""
     try:
         from .. import patches  # patches/, mapped in at install (package_dir)
@@ -387,7 +409,8 @@ def process_tracker(settle_rng: Callable[[], None]) -> LoaderPositions:
     if tracker is None:
         tracker = LoaderPositions(settle_rng)
         patch.set_tracker(tracker)
-    tracker.set_settle(settle_rng)
+    if settle_rng is not None:
+        tracker.set_settle(settle_rng)
     patch.apply()
     return tracker
 

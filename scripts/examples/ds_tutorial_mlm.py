@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import deepspeed
 import torch
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
             step += 1
             if metrics is not None:
                 metrics.write(json.dumps({"step": step, "loss": loss.item(),
-                                          "global_steps": int(engine.global_steps)}) + "\n")
+                                          "global_steps": int(engine.global_steps), "time": time.time()}) + "\n")
                 metrics.flush()
             if step % args.save_interval == 0:
                 engine.save_checkpoint(args.save_dir, client_state={"step": step})

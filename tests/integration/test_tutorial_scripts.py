@@ -23,6 +23,7 @@ from tests.integration.helpers import JOB_TIMEOUT_S, kill_at
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/examples/ds_tutorial_mlm.py"
+PIPE = "scripts/examples/ds_tutorial_pipe.py"
 
 
 def _section(shm_root: str) -> str:
@@ -30,7 +31,8 @@ def _section(shm_root: str) -> str:
                        "local": {"shm_root": shm_root, "simulate_nodes": 2}})
 
 
-def _run(tmp_path, name: str, args: list[str], *, shm_root: str | None = None, kill_after: int | None = None):
+def _run(tmp_path, name: str, args: list[str], *, shm_root: str | None = None, kill_after: int | None = None,
+         script: str = SCRIPT):
     """The script under torchrun (2 ranks); with ``shm_root``: the section added and the runner in front, one
     restart allowed; ``kill_after``: rank 1 SIGKILLed right after that optimizer step."""
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
@@ -42,7 +44,7 @@ def _run(tmp_path, name: str, args: list[str], *, shm_root: str | None = None, k
     inject = kill_at(kill_after) if kill_after is not None else None
     if inject is not None:
         env.update(inject.env(os.path.join(str(tmp_path), f"{name}.fault")))
-    job = Job(launcher="torchrun", script=SCRIPT, wrap="deadpool_ext.run" if shm_root is not None else None,
+    job = Job(launcher="torchrun", script=script, wrap="deadpool_ext.run" if shm_root is not None else None,
               nproc_per_node=2, port=free_port(), max_restarts=1 if kill_after is not None else 0, args=tuple(full),
               env_vars=env)
     res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(),
@@ -93,12 +95,12 @@ def test_a_tutorial_loop_that_loads_nothing_is_told_how_to_restore(tmp_path, shm
 
 
 def _dprun(tmp_path, shm_root: str, name: str, args: list[str], *, env: dict | None = None,
-           kill_after_step: int | None = None):
+           kill_after_step: int | None = None, script: str = SCRIPT):
     """The script under deadpool-run (2 nodes of 1 worker, 1 spare: ``test_existing_jobs._dprun``), the section added
     to its in-code config (nothing names a file)."""
     full = [*args, "--save-dir", os.path.join(str(tmp_path), f"{name}.ckpt"), "--deadpool-section",
             json.dumps({"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
-    res, losses, events, pids = existing_jobs._dprun(tmp_path, shm_root, name, SCRIPT, full, env=env,
+    res, losses, events, pids = existing_jobs._dprun(tmp_path, shm_root, name, script, full, env=env,
                                                      kill_after_step=kill_after_step)
     assert res.returncode == 0, res.output[-4000:]
     return losses, events, pids
@@ -125,6 +127,54 @@ def test_a_tutorial_loop_survives_a_hot_swap_unchanged(tmp_path, shm_root, varia
             {at_step.ENV: StepFault("kill", 4, 1, marker).render()}))
     else:
         losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, kill_after_step=3)
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
+    redone = [e for e in events if e.get("event") == "continued" and e.get("how") == "redo_in_place"]
+    assert [e["pid"] for e in redone] == [pids["node0.0"]], redone
+    spare = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
+    assert len(spare) == 1 and spare[0]["pid"] not in pids.values(), spare
+    assert set(losses) == set(range(1, 11)) and losses == ref
+
+
+def test_a_tutorial_pipeline_job_restarts_from_memory_through_load_checkpoint(tmp_path, shm_root):
+    """``ds_tutorial_pipe.py``: a 2-stage ``PipelineModule`` fed by DeepSpeed's own loader (``training_data=``, a
+    ``RepeatingLoader`` the engine iterates before the script's ``load_checkpoint``), dropout on both stages,
+    ``train_batch()`` in a plain loop. Rank 1 SIGKILLed in step 5's optimizer step, the disk holding the script's
+    save of step 3:
+    after the torchrun restart ``load_checkpoint`` returns memory's step, and the engine's iterator, made at
+    ``deepspeed.initialize``, is positioned where the uninterrupted run's was (the epoch ends after step 8). Every
+    loss bit for bit."""
+    args = ["--steps", "10", "--save-interval", "3"]
+    ref, _, _ = _run(tmp_path, "ref", args, script=PIPE)
+    assert sorted(ref) == list(range(1, 11))
+    losses, events, rows = _run(tmp_path, "restart", args, shm_root=shm_root, kill_after=5, script=PIPE)
+    # step 5's loss is never printed: the last stage dies in that step's optimizer step, before train_batch
+    # broadcasts the loss; both stages' step 5 is committed, so the restart goes on at 6, nothing redone
+    assert sorted(losses) == [s for s in range(1, 11) if s != 5], sorted(losses)
+    assert losses == {s: v for s, v in ref.items() if s != 5}
+    assert all(r["step"] == r["global_steps"] for r in rows), rows
+    loaded = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
+    assert len(loaded) == 2 and {e["disk_step"] for e in loaded} == {3}, loaded
+    positioned = [e for e in events if e.get("event") == "data_position"]
+    assert len(positioned) == 2, positioned
+
+
+@pytest.mark.parametrize("fault", matrix(["after_step", "mid_step"], ci=["mid_step"]))
+def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_root, fault):
+    """``ds_tutorial_pipe.py`` under deadpool-run with a spare: the plain ``train_batch()`` loop survives a lost
+    stage. The survivor keeps its process and engine; the interrupted ``train_batch`` is redone inside DeepSpeed's
+    own call from its recorded micro-batches and RNG; the spare builds its stage ahead, restores through the script's
+    ``load_checkpoint`` and its DeepSpeed loader continues at the right batch. ``after_step``: rank 1 killed
+    in-process right after its optimizer step 4; ``mid_step``: SIGKILLed from outside once rank 0 logged step 3.
+    Every loss bit for bit against the script without the section."""
+    args = ["--steps", "10", "--save-interval", "2"]
+    ref, _, _ = _run(tmp_path, "ref", args, script=PIPE)
+    if fault == "after_step":
+        marker = os.path.join(str(tmp_path), "fault.marker")
+        losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, script=PIPE, env=at_step.harness_env(
+            {at_step.ENV: StepFault("kill", 4, 1, marker).render()}))
+    else:
+        losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, script=PIPE, kill_after_step=3)
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node0.0"], True)], survivors
     redone = [e for e in events if e.get("event") == "continued" and e.get("how") == "redo_in_place"]

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from deadpool_ext import patches
 from deadpool_ext.integrations.deepspeed.checkpoint_calls import follows, rebase
+from deadpool_ext.integrations.deepspeed.pipe_redo import BatchRecord, batch_redo_plan
 from deadpool_ext.integrations.deepspeed.redo import Micro, StepRecord, apply_accessor, loss_accessor, redo_plan
 from deadpool_ext.integrations.loaders import LoaderPositions, Position, next_epoch
 
@@ -82,6 +83,37 @@ def test_a_restored_loader_hands_out_the_uninterrupted_runs_batches(tracked, kin
     assert t.apply_restored() == 1
     after = _epochs(loader, 8)  # the script counts its epochs from 0 again
     assert all(torch.equal(a, b) for a, b in zip(after, full[done:done + 8], strict=True))
+
+
+@pytest.mark.parametrize("done", [5, 7])  # mid-epoch, the epoch's end
+def test_an_iterator_made_before_the_restore_is_positioned_in_place(tracked, done):
+    """DeepSpeed's own loader: the pipeline engine's ``RepeatingLoader`` iterates it inside ``deepspeed.initialize``,
+    before the script's ``load_checkpoint``. That iterator, not drawn from yet, is positioned in place at the restore
+    (the object the engine holds hands out the uninterrupted run's next batches); one drawn from is left alone."""
+    def fresh():
+        torch.manual_seed(0)
+        t = LoaderPositions(settle_rng=lambda: None)
+        tracked.set_tracker(t)
+        loader = _loader("global")
+        return t, loader, iter(loader)
+
+    t, loader, it = fresh()
+    full = [next(it) for _ in range(done)]
+    pos, rng = t.position(), torch.get_rng_state()
+    rest = list(it)
+    if not rest:  # the epoch ended: the next epoch's iterator
+        rest = list(iter(loader))
+    t, loader, it = fresh()  # the restarted process: its engine made the iterator already
+    torch.set_rng_state(rng)
+    t.restore(pos)
+    assert t.apply_restored() == 1
+    got = list(it) or list(iter(loader))
+    assert len(got) == len(rest) and all(torch.equal(a, b) for a, b in zip(got, rest, strict=True)), full
+    t, loader, it = fresh()
+    next(it)  # drawn from before the restore: left alone, the next iterator is positioned
+    t.restore(pos)
+    t.apply_restored()
+    assert t._pending
 
 
 def test_a_claimed_tracker_records_and_positions_nothing(tracked):
@@ -158,3 +190,17 @@ def test_what_the_recorded_calls_can_redo():
     recs[1].micros[0].loss = ("none", "computed by the script")
     assert "computed by the script" in redo_plan(recs, 4)
     assert redo_plan([], 4) == "nothing was recorded"
+
+
+def test_what_the_recorded_train_batch_calls_can_redo():
+    recs = [BatchRecord(after=4, rng=torch.get_rng_state()), BatchRecord(after=5, rng=torch.get_rng_state())]
+    assert batch_redo_plan(recs, 4) is None and batch_redo_plan(recs, 5) is None
+    assert "older than the oldest step recorded" in batch_redo_plan(recs, 3)
+    assert batch_redo_plan([], 4) == "nothing was recorded"
+    # the interrupted call: redone when its step is not restored; its step restored, only if it had its loss
+    failed = BatchRecord(after=6, rng=torch.get_rng_state())
+    assert batch_redo_plan(recs, 5, failed) is None and batch_redo_plan([], 6, failed) is None
+    assert "interrupted before it had the step's loss" in batch_redo_plan([], 7, failed)
+    failed.done = True
+    assert batch_redo_plan([], 7, failed) is None
+    assert "older than the oldest" in batch_redo_plan([], 5, failed)

@@ -96,6 +96,10 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
     if dp_config is not None and dp_config.enabled and isinstance(ds_config, dict):
         ds_config = _keep_global_batch(ds_config, dp_config, kwargs, args)
     _quiet_zero3_init()
+    if dp_config is not None and dp_config.enabled:
+        from .. import loaders
+
+        loaders.process_tracker()  # the loaders DeepSpeed iterates while building (training_data=) tracked too
     import time
 
     context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build

@@ -117,23 +117,116 @@ def redo_plan(records: list[StepRecord], restored: int) -> str | None:
     return None
 
 
-class StepRedo:
+class Redo:
+    """What both redo flavours share: the ``save_checkpoint`` wrapper, the guard around a wrapped call, the recovery
+    by the runtime's one failure path, the refusal line and the skipped save. A subclass records its calls
+    (``records``: one entry per optimizer step, ``.after`` the engine's step counter before it), says before the
+    recovery what of the failed call to keep (:meth:`_failed_part`) and why a redo is impossible (:meth:`_plan`),
+    and redoes (:meth:`_redo_then`)."""
+
+    def __init__(self, engine: Any, runtime: Any) -> None:
+        self.engine, self.runtime = engine, runtime
+        self.records: list[Any] = []
+        self._redone = 0
+        self._failed_at = 0
+        self._save = engine.save_checkpoint
+        engine.save_checkpoint = self._guarded(self._do_save)
+
+    def _trim(self) -> None:
+        """Keep the steps newer than the newest committed version (the oldest a restore can give)."""
+        snapshots = getattr(self.runtime, "snapshots", None)
+        committed = getattr(snapshots, "committed_version", None) if snapshots is not None else None
+        if committed:
+            self.records = [r for r in self.records if r.after >= int(committed)]
+
+    def _do_save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``save_checkpoint`` (collective): a lost peer during it is recovered, the steps after the restored one
+        redone, and the save made again."""
+        return self._save(*args, **kwargs)
+
+    # -- the guard ------------------------------------------------------------------------------------------
+    def _guarded(self, do: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            pending: tuple[int, Any] | None = None
+            while True:
+                try:
+                    if pending is not None:
+                        return self._redo_then(do, args, kwargs, *pending)
+                    return do(args, kwargs)
+                except Exception as exc:
+                    pending = self._recover(exc, do)
+                    if pending is None:
+                        raise
+        return call
+
+    def _recover(self, exc: Exception, do: Callable[..., Any]) -> tuple[int, Any] | None:
+        """Recover in place (the runtime decides, by cause); the restored step and what of the failed call the redo
+        needs, or None: not recovered (the caller raises ``exc``)."""
+        rt = self.runtime
+        if rt.loop_owner is not None or rt.recovery_mode(same_objects=True).name != "IN_PLACE":
+            return None  # a loop that handles failures itself (resilient_steps, a framework's), or no in-place swap
+        failed_at = int(self.engine.global_steps)
+        self._failed_at = failed_at
+        failed, why = self._failed_part(do, failed_at)
+        if why is not None:
+            self._refuse(why, failed_at)
+            return None
+        if rt.handle_failure(exc, same_objects=True) is None:
+            return None
+        restored = int(self.engine.global_steps)
+        why = self._plan(restored)
+        if why is not None:
+            self._refuse(why, restored)
+            return None
+        return restored, failed
+
+    def _failed_part(self, do: Callable[..., Any], failed_at: int) -> tuple[Any, str | None]:
+        raise NotImplementedError
+
+    def _plan(self, restored: int) -> str | None:
+        raise NotImplementedError
+
+    def _redo_then(self, do: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], restored: int,
+                   failed: Any) -> Any:
+        raise NotImplementedError
+
+    def _refuse(self, why: str, step: int) -> None:
+        log.error("a lost peer interrupted step %d, and the plain loop cannot be carried through it in place (%s). "
+                  "Fix: return the loss from the model's forward (engine(batch) or its .loss), or loop with `for "
+                  "step in resilient_steps(engine, loader, max_steps=N)` (deadpool_ext.steps)", step + 1, why)
+        write_event(event="redo_refused", rank=int(self.engine.global_rank), step=step, why=why)
+
+    def _redone_say(self, micros: int, restored: int, call: str) -> None:
+        self._redone += 1
+        log.info("in-place recovery: %d micro-batch(es) after step %d redone through DeepSpeed's own calls; the "
+                 "loop's %s call goes on", micros, restored, call)
+        write_event(event="continued", framework="deepspeed", how="redo_in_place", step=restored, micros=micros,
+                    rank=int(self.engine.global_rank))
+
+    def _save_skipped(self, do: Callable[..., Any], restored: int) -> bool:
+        """After a redo: the interrupted call was a save of a step the spare restored (so it will not save now;
+        made again here it would wait for a collective nobody joins): not made again, said."""
+        if do != self._do_save or restored < self._failed_at:
+            return False
+        at = int(self.engine.global_steps)
+        log.warning("save_checkpoint at step %d was interrupted by the lost peer and is not made again (step %d "
+                    "is restored from memory on every rank; the script's next save writes a newer one)", at, restored)
+        write_event(event="save_skipped", rank=int(self.engine.global_rank), step=at)
+        return True
+
+
+class StepRedo(Redo):
     """See the module docstring."""
 
     def __init__(self, engine: Any, runtime: Any, *, forward: Callable[..., Any], backward: Callable[..., Any],
                  step: Callable[..., Any]) -> None:
-        self.engine, self.runtime = engine, runtime
+        super().__init__(engine, runtime)
         self._forward, self._backward, self._step = forward, backward, step
         self.records: list[StepRecord] = []
         self._out: Any = None  # the newest forward's output (what the next backward's loss comes from)
-        self._redone = 0
-        self._failed_at = 0
-        self._said_unredoable = False
         engine.forward = self._guarded(self._do_forward)
         engine.backward = self._guarded(self._do_backward)
         engine.step = self._guarded(self._do_step)
-        self._save = engine.save_checkpoint
-        engine.save_checkpoint = self._guarded(self._do_save)
 
     # -- recording ----------------------------------------------------------------------------------------
     def _current(self) -> StepRecord:
@@ -142,13 +235,6 @@ class StepRedo:
             self.records.append(StepRecord(after=after))
             self._trim()
         return self.records[-1]
-
-    def _trim(self) -> None:
-        """Keep the steps newer than the newest committed version (the oldest a restore can give)."""
-        snapshots = getattr(self.runtime, "snapshots", None)
-        committed = getattr(snapshots, "committed_version", None) if snapshots is not None else None
-        if committed:
-            self.records = [r for r in self.records if r.after >= int(committed)]
 
     def _do_forward(self, args: tuple[Any, ...], kwargs: dict[str, Any], redo: Micro | None = None) -> Any:
         if redo is None:
@@ -182,62 +268,22 @@ class StepRedo:
             micro.stepped = True
         return out
 
-    def _do_save(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``save_checkpoint`` (collective): a lost peer during it is recovered, the steps after the restored one
-        redone, and the save made again."""
-        return self._save(*args, **kwargs)
-
-    # -- the guard ------------------------------------------------------------------------------------------
-    def _guarded(self, do: Callable[..., Any]) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            pending: tuple[int, Micro | None] | None = None
-            while True:
-                try:
-                    if pending is not None:
-                        return self._redo_then(do, args, kwargs, *pending)
-                    return do(args, kwargs)
-                except Exception as exc:
-                    pending = self._recover(exc, do)
-                    if pending is None:
-                        raise
-        return call
-
-    def _recover(self, exc: Exception, do: Callable[..., Any]) -> tuple[int, Micro | None] | None:
-        """Recover in place (the runtime decides, by cause); the restored step and the micro-batch of the failed
-        call, or None: not recovered (the caller raises ``exc``)."""
-        rt = self.runtime
-        if rt.loop_owner is not None or rt.recovery_mode(same_objects=True).name != "IN_PLACE":
-            return None  # a loop that handles failures itself (resilient_steps, a framework's), or no in-place swap
-        failed_at = int(self.engine.global_steps)
-        self._failed_at = failed_at
+    # -- the redo -------------------------------------------------------------------------------------------
+    def _failed_part(self, do: Callable[..., Any], failed_at: int) -> tuple[Micro | None, str | None]:
         rec = self.records[-1] if self.records and self.records[-1].after == failed_at else None
         micro = rec.micros[-1] if rec is not None and rec.micros else None
         if micro is not None and do == self._do_forward:
             assert rec is not None
             rec.micros.pop()  # the failed forward is done again, from its recorded RNG, after the redo
         unreachable = [m.loss[1] for r in self.records for m in r.micros if m.loss is not None and m.loss[0] == "none"]
-        if unreachable:
-            self._refuse(f"the loss was {unreachable[0]}", failed_at)
-            return None
-        if rt.handle_failure(exc, same_objects=True) is None:
-            return None
-        restored = int(self.engine.global_steps)
-        why = redo_plan(self.records, restored)
-        if why is not None:
-            self._refuse(why, restored)
-            return None
-        return restored, micro
+        return micro, (f"the loss was {unreachable[0]}" if unreachable else None)
 
-    def _refuse(self, why: str, step: int) -> None:
-        log.error("a lost peer interrupted step %d, and the plain loop cannot be carried through it in place (%s). "
-                  "Fix: return the loss from the model's forward (engine(batch) or its .loss), or loop with `for "
-                  "step in resilient_steps(engine, loader, max_steps=N)` (deadpool_ext.steps)", step + 1, why)
-        write_event(event="redo_refused", rank=int(self.engine.global_rank), step=step, why=why)
+    def _plan(self, restored: int) -> str | None:
+        return redo_plan(self.records, restored)
 
     def _redo_then(self, do: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], restored: int,
                    failed: Micro | None) -> Any:
         """Every recorded call after ``restored`` again, then the failed call itself."""
-        at = int(self.engine.global_steps)
         settle = getattr(self.runtime, "settle_rng", None)
         if callable(settle):
             settle()  # each forward below sets its own recorded RNG
@@ -258,19 +304,8 @@ class StepRedo:
                     break  # the failed call is this micro-batch's step: done below
                 if m.stepped:
                     self._do_step((), {}, redo=m)
-        self._redone += 1
-        log.info("in-place recovery: %d micro-batch(es) after step %d redone through DeepSpeed's forward, backward "
-                 "and step; the loop's %s call goes on", micros, restored, do.__name__.removeprefix("_do_"))
-        write_event(event="continued", framework="deepspeed", how="redo_in_place", step=restored, micros=micros,
-                    rank=int(self.engine.global_rank))
-        if do == self._do_save and restored >= self._failed_at:
-            # The save came after the restored step: the spare restored that step and goes on with the next batch, so
-            # it will not save now; made again here it would wait for a collective nobody joins. The state is in
-            # memory (committed), and the script's next save_checkpoint writes a newer one.
-            log.warning("save_checkpoint at step %d was interrupted by the lost peer and is not made again (step %d "
-                        "is restored from memory on every rank; the script's next save writes a newer one)", at,
-                        restored)
-            write_event(event="save_skipped", rank=int(self.engine.global_rank), step=at)
+        self._redone_say(micros, restored, do.__name__.removeprefix("_do_"))
+        if self._save_skipped(do, restored):
             return None
         if failed is not None and do == self._do_forward:
             self._current().micros.append(failed)

@@ -8,7 +8,8 @@ Call order (every rank) is the :class:`~deadpool_ext.integrations.base.Resilient
    can restore from the memory tiers and returns the step to continue from (0 for a fresh start).
 3. The training loop calls ``engine.step()`` as usual; the wrapped step waits for an in-flight snapshot copy
    just before the optimizer overwrites the tensors being copied, and schedules the next snapshot right after.
-   A pipeline engine (``PipelineModule``) steps inside ``train_batch``: its ``_take_model_step`` is wrapped.
+   A pipeline engine (``PipelineModule``) steps inside ``train_batch``: its ``_take_model_step`` is wrapped (under
+   the in-place swap the step's snapshot waits for the call's end, when it has the loss: ``pipe_redo.py``).
 4. Hot-swap: ``engine.deadpool.set_rebuild(build_engine)``; around a step,
    ``engine = engine.deadpool.handle_failure(exc)`` (the same engine in place, else the new one; None: raise).
 5. ``runtime.close()`` at the end (or at interpreter exit): drains the background worker and tier 3.
@@ -66,12 +67,17 @@ class DeadpoolRuntime(ResilientRuntime):
         # from memory when memory holds a newer version (checkpoint_calls.py).
         self.checkpoint_calls = checkpoint_calls.CheckpointCalls(engine, self)
         self.redo: Any = None
-        if self._in_place and not getattr(engine, "pipeline_parallelism", False):
+        if self._in_place:
             # A plain loop (no resilient_steps, ResilientLoop or framework loop) survives a lost peer unchanged: the
-            # interrupted step is redone inside DeepSpeed's own calls (redo.py).
-            from .redo import StepRedo
+            # interrupted step is redone inside DeepSpeed's own calls (redo.py; a pipeline's train_batch: pipe_redo.py).
+            if getattr(engine, "pipeline_parallelism", False):
+                from .pipe_redo import BatchRedo
 
-            self.redo = StepRedo(engine, self, forward=engine.forward, backward=engine.backward, step=engine.step)
+                self.redo = BatchRedo(engine, self)
+            else:
+                from .redo import StepRedo
+
+                self.redo = StepRedo(engine, self, forward=engine.forward, backward=engine.backward, step=engine.step)
         self.canary.watch_engine(engine)  # the loss backward gets, the gradient norm after a step (canary.py)
         log.info("deadpool_ext attached to DeepSpeed engine: ZeRO stage %d, dp=%d, snapshots %s",
                  self.zero_stage, engine.dp_world_size,
@@ -136,7 +142,10 @@ class DeadpoolRuntime(ResilientRuntime):
             context().drain.exit_if_due()  # a drained pipeline ends at its next optimizer step
             self._before_optimizer_step()
             out = take_model_step(*args, **kwargs)
-            self._after_optimizer_step()
+            if self.redo is not None:
+                self.redo.step_taken()  # its snapshot once train_batch has the loss (pipe_redo.py)
+            else:
+                self._after_optimizer_step()
             return out
 
         engine._take_model_step = step
