@@ -227,6 +227,19 @@ CURRENT: tuple[Current, ...] = (
             "dry: the job stops (fail), waits for repaired nodes (wait) or goes on with fewer data-parallel "
             "replicas and grows back (shrink); DeadPool hot-swap at fixed intervals, plus 16-node replicas and the "
             "whole-job restart policies at 4 spares; seeds 0-2 x 20 trials x 30 days."),
+    Current("simulate_stragglers", "simulate_stragglers",
+            "simulated goodput with stragglers (kept / evicted) and preemptions (killed / drained)",
+            "Issue 46, part 5: simulated (not measured) goodput at 16,384 GPUs (deadpool_ext/sim/stragglers.py): "
+            "straggler episodes (rate per node-day x slowdown, both typed-in assumptions, swept) kept vs evicted "
+            "into spares one window after their onset at the calibrated hot-swap + restore cost (recovery.json), "
+            "with 21 and 4 spares; preemptions per day killed (half a tier-3 interval recomputed) vs drained "
+            "(preempt.json's fixed cost + the write); 20 trials x 30 days per row."),
+    Current("straggler", "straggler", "a throttled node swapped for a spare vs kept",
+            "Issue 46, part 1: GPT tiny, ZeRO-1, deadpool-run 2 nodes + 1 spare; after step 20 node1's worker in a "
+            "cgroup of 0.1 of one core (CFS quota) until it exits or the job ends; --straggler-action swap vs "
+            "report (named, kept), alternating, 4 rounds: onset -> named / swap published / training again, "
+            "throughput before, during and after, onset -> last step paired per round, the losses of both "
+            "compared."),
     Current("preempt", "preempt", "SIGTERM -> verified version -> bit-identical --load resume",
             "Issue 46, part 3: GPT tiny, ZeRO-3, deadpool-run 2 nodes + 1 spare, --preempt-grace-s 30; 25 trials, "
             "each a SIGTERM landed from inside the job (mid-backward, during a snapshot copy, during a throttled "
