@@ -15,6 +15,10 @@ Issue "Hot-swap", item 8. GPT small (~25M) and medium (~125M), DeepSpeed ZeRO-3 
                 committed: ``latest`` names it) rank 1 is SIGKILLed; torchrun fails the job; the benchmark
                 relaunches the same command with ``--load CKPT`` at once (no scheduler delay) and waits for
                 the first completed step.
+* ``node0``, ``node2`` (``--per-node``, the default; issue 44) the ``hotswap`` job killing each other active node in
+                turn: the spare built its engine for node1's rank, so here it takes another rank (relabelled in
+                place, ``integrations/deepspeed/takeover.py``). Per node min / median / max, the worst node as the
+                headline, the expected value (uniform failures) and the best beside it (``recovery_nodes.py``).
 * ``reference`` (``--reference-sizes``) the baseline command without checkpointing and without a fault: the
                 loss trajectory of an uninterrupted run.
 
@@ -70,6 +74,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, machine_info, write_json, write_text  # noqa: E402
 from recovery_analyse import TARGET_E2E_S, TARGET_SPEEDUP, analyze_size  # noqa: E402
+from recovery_nodes import analyze_nodes  # noqa: E402
 from recovery_render import _f, render_markdown  # noqa: E402
 from recovery_run import (  # noqa: E402
     DEFAULTS,
@@ -85,6 +90,9 @@ from recovery_run import (  # noqa: E402
     run_hotswap,
     run_reference,
 )
+
+OTHER_NODES = [f"node{i}" for i in range(NNODES) if f"node{i}.0" != KILL_WORKER]
+"""The active nodes the ``--per-node`` runs kill besides the ``hotswap`` runs' node1 (issue 44)."""
 
 
 def slim(run: dict[str, Any]) -> dict[str, Any]:
@@ -145,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--unready", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the default path killing a node the spare did not build its engine for (node2: "
                         "the spare starts again from the script's first line)")
+    p.add_argument("--per-node", action=argparse.BooleanOptionalAction, default=True,
+                   help="kill each active node in turn (the hotswap runs kill node1, the node the spare shadows; "
+                        "node0 and node2 runs beside them, issue 44); replaces --unready")
     p.add_argument("--rebuild", action=argparse.BooleanOptionalAction, default=True,
                    help="also run the hot-swap with hot_swap.in_place false (every rank rebuilds its engine)")
     p.add_argument("--force-hotswap", action="store_true",
@@ -187,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"end_to_end_s": TARGET_E2E_S, "speedup": TARGET_SPEEDUP},
         "settings": {"nnodes": NNODES, "nproc_per_node": NPROC_PER_NODE, "spare_nodes": SPARE_NODES,
                      "killed": {"hotswap": KILL_WORKER, "unready": UNREADY_WORKER,
+                                "per_node": [f"{n}.0" for n in OTHER_NODES] if args.per_node else [],
                                 "baseline": f"RANK={KILL_RANK}"},
                      "kill_delay_frac": args.kill_delay_frac, "seed": args.seed,
                      "settle_s": args.settle_s, "settle_busy": args.settle_busy},
@@ -218,13 +230,14 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {"settings": d, "seq_len": seq, "model": {"layers": layers, "hidden": hidden,
                                                                               "heads": heads},
                                      "runs": {"hotswap": [], "unready": [], "rebuild": [], "baseline": [],
-                                              "reference": None}}
+                                              "per_node": {}, "reference": None}}
             doc["sizes"][size] = entry
             size_scratch = os.path.join(scratch, size)  # metrics files are appended to: never share them across sizes
             os.makedirs(size_scratch, exist_ok=True)
             try:
-                kinds = ["hotswap", *(["unready"] if args.unready else []), *(["rebuild"] if args.rebuild else []),
-                         "baseline"]
+                others = OTHER_NODES if args.per_node else []
+                kinds = ["hotswap", *others, *(["unready"] if args.unready and not args.per_node else []),
+                         *(["rebuild"] if args.rebuild else []), "baseline"]
                 for i in range(d["repeats"]):
                     # Rotate the order so slow drift of the shared machine does not favour one side.
                     order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
@@ -239,11 +252,16 @@ def main(argv: list[str] | None = None) -> int:
                             # hotswap: today's default (hot_swap.in_place true; the spare built ahead for the killed
                             # node); unready: the same, another node killed; rebuild: every rank rebuilds
                             mode = {"hot_swap": {"in_place": kind != "rebuild"}}
+                            victim = (UNREADY_WORKER if kind == "unready" else f"{kind}.0" if kind in others
+                                      else None)
                             dk = {**d, "deadpool": {**d.get("deadpool", {}), **mode},
-                                  **({"kill_worker": UNREADY_WORKER} if kind == "unready" else {})}
+                                  **({"kill_worker": victim} if victim else {})}
                             res = run_hotswap(size, dk, size_scratch, f"{kind}_r{i}", args, logs)
                             res["kind"] = kind
-                        entry["runs"][kind].append(slim(res))
+                        if kind in others:
+                            entry["runs"]["per_node"].setdefault(kind, []).append(slim(res))
+                        else:
+                            entry["runs"][kind].append(slim(res))
                         _print_run(size, res)
                         _save(doc, entry, size, json_path, md_path, t_start)
                 if size in [s for s in args.reference_sizes.split(",") if s]:
@@ -281,6 +299,7 @@ def analyse_entry(size: str, entry: dict[str, Any]) -> dict[str, Any]:
     for other in ("rebuild", "unready"):
         if entry["runs"].get(other):
             an[other] = analyze_size(size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][other]}})
+    an["per_node"] = analyze_nodes(entry, KILL_WORKER.split(".")[0])
     return an
 
 
@@ -304,7 +323,7 @@ def _print_run(size: str, r: dict[str, Any]) -> None:
     if r.get("raw_s") is None:
         return
     extra = ""
-    if r["kind"] in ("hotswap", "unready", "rebuild") and r.get("phases"):
+    if r["kind"] in ("hotswap", "unready", "rebuild", *OTHER_NODES) and r.get("phases"):
         ph = r["phases"]
         extra = " phases " + " ".join(f"{k[:-2]} {_f(ph.get(k))}" for k in
                                       ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s", "restore_s",

@@ -16,6 +16,7 @@ if HERE not in sys.path:  # imported from outside benchmarks/: common.py and the
     sys.path.insert(0, HERE)
 from common import fmt_bytes, fmt_s, md_table, median  # noqa: E402
 from recovery_analyse import TARGET_SPEEDUP, raw_speedup_ceiling, ready_to_redo  # noqa: E402
+from recovery_nodes import render_nodes  # noqa: E402
 from recovery_run import KILL_WORKER  # noqa: E402
 
 
@@ -71,6 +72,7 @@ def render_markdown(doc: dict[str, Any]) -> str:
             L.append("")
         if not an:
             continue
+        L += render_nodes(an.get("per_node"))
         hs, bl = an["hotswap"], an["baseline"]
         rd = an.get("ready") or ready_to_redo(
             [r for r in entry["runs"]["hotswap"] if not r.get("failed")],
