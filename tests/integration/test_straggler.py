@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from deadpool_ext.recovery.ledger import ledger
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.baselines import BASELINES
 from deadpool_ext.testing.jobs import Job
@@ -33,8 +34,13 @@ THROTTLE_AT = 6
 """The step after which the throttle starts (past the start-up: the first steps are slow on every rank)."""
 
 
-def straggler_job(tmp_path, shm_root, *, name: str, iters: int, spares: int = 1, action: str | None = None) -> Job:
-    config = make_config(tmp_path, stage=STAGE, deadpool={"local": {"shm_root": shm_root}})
+def straggler_job(tmp_path, shm_root, *, name: str, iters: int, spares: int = 1, action: str | None = None,
+                  config_action: str | None = None) -> Job:
+    """``action``: ``--straggler-action``; ``config_action``: the job's ``deadpool.straggler.action`` instead."""
+    section: dict = {"local": {"shm_root": shm_root}}
+    if config_action is not None:
+        section["straggler"] = {"action": config_action}
+    config = make_config(tmp_path, stage=STAGE, deadpool=section)
     flags = ["--straggler-window", str(WINDOW_S), "--straggler-factor", "2"]
     if action is not None:
         flags += ["--straggler-action", action]
@@ -72,8 +78,10 @@ def run_throttled(tmp_path, job: Job, workers: list[str], *, until: str, timeout
 
 
 def test_throttled_node_is_swapped_for_the_spare_with_identical_losses(tmp_path, shm_root):
+    """The action comes from the job's config (``deadpool.straggler.action: swap``, written to the store by rank 0
+    and read by the coordinator); the window and factor from the flags."""
     iters = 60
-    job = straggler_job(tmp_path, shm_root, name="swap", iters=iters, action="swap")
+    job = straggler_job(tmp_path, shm_root, name="swap", iters=iters, config_action="swap")
 
     def run_base(base: Job) -> dict[int, float]:
         res = run_job(base.argv(), timeout_s=300, env=base.env())
@@ -85,12 +93,18 @@ def test_throttled_node_is_swapped_for_the_spare_with_identical_losses(tmp_path,
     assert res.returncode == 0, res.output[-4000:]
     [named] = events_of(job, "straggler")
     assert (named["node"], named["decision"], named["action"]) == ("node1", "evicted", "swap"), named
+    assert "deadpool.straggler.action" in named["why"], named   # the config's key, not a flag, chose swap
     assert named["ratio"] >= 2 and named["time"] > seen["throttled_at"], named
     [failure] = events_of(job, "failure")
     assert failure["failed"]["node1.0"]["why"].startswith("straggler: "), failure
     [assigned] = [e for e in events_of(job, "assignment") if e.get("generation") == 1]
     assert assigned["replaced"] == {"node1": "spare0"}, assigned
     assert metrics == base   # bit for bit: the spare restored node1's rank from memory
+    # the goodput ledger (what deadpool timeline prints and the metrics serve): the straggler's seconds and a
+    # recovery of cause straggler
+    led = ledger(read_events(job.timeline), time.time())
+    assert led.stragglers_named == 1 and led.lost_s["straggler"] > 0, led
+    assert [c for (c, _), n in led.recoveries.items() for _ in range(n)] == ["straggler"], led.recoveries
 
 
 @pytest.mark.full_matrix(covered_by="tests/unit/test_straggler.py::test_a_slow_node_is_named_once_per_window_with_the_"

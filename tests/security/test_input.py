@@ -390,6 +390,10 @@ _REFUSALS = [
         (["--nnodes", "abc"], "--nnodes"))),
     *(_refusal(["--nnodes", "1", "--detect-timeout-s", "5", flag, value], flag, "seconds", id=f"{flag}={value}")
       for flag in _DURATION_FLAGS for value in ("nan", "inf", "-1", "1e9")),
+    *(_refusal(["--nnodes", "1", flag, value], f"{flag} {shown}: must be", id=f"{flag}={value}")
+      for flag, value, shown in (("--straggler-action", "evict", "evict"), ("--straggler-factor", "1", "1.0"),
+                                 ("--straggler-factor", "nan", "nan"), ("--straggler-window", "0", "0.0"),
+                                 ("--straggler-window", "inf", "inf"), ("--straggler-window", "-5", "-5.0"))),
     *(_refusal(["--nnodes", "1", *flags], "", needle, id=f"multi-host-{i}") for i, (flags, needle) in enumerate((
         (["--leader-ttl-s", "1"], "--leader-ttl-s 1: must be an integer in 2..3600"),
         (["--progress-timeout-s", "-1"], "--progress-timeout-s -1.0: must be a finite number of seconds"),

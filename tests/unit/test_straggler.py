@@ -236,3 +236,18 @@ def test_heartbeat_schema_checks_the_pace():
     for bad in (b'[3, 1.5, 0.5]', b'[3, 1.5, 0.5, 1]', b'[-1, 1.5, 0.5, true]', b'[3, "x", 0.5, true]'):
         with pytest.raises(BadValue, match="pace"):
             heartbeat("hb/w", b'{"t": 1, "step": 2, "step_at": 1, "coll": false, "still_s": 0, "pace": ' + bad + b"}")
+
+
+def test_an_evicted_node_is_never_taken_back_under_its_name():
+    """An evicted node stays in the roster: a join by its name is refused (a repaired machine joins as a new spare
+    under a new name, and the rule judges it once it trains)."""
+    from deadpool_ext.cluster.assignment import Worker
+    from deadpool_ext.launcher.decide import Roster, join_refusal
+
+    roster = Roster(workers=(Worker("node0.0", "node0", 0), Worker("node1.0", "node1", 0),
+                             Worker("spare0.0", "spare0", 0)),
+                    active_nodes=("node0", "node1"), spare_nodes=("spare0",),
+                    node_host={"node0": 0, "node1": 0, "spare0": 0})
+    why = join_refusal("node1", b'{"nproc": 1, "time": 1}', roster, 1)
+    assert why is not None and "taken by a node of this job" in why
+    assert join_refusal("node1b", b'{"nproc": 1, "time": 1}', roster, 1) is None
