@@ -108,15 +108,20 @@ class Progress:
 def timed(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """A collective issued by the training thread (``swap.py``'s gloo groups), its time added to the pace: a
     synchronous one (its options' ``asyncOp`` false) is waited for here, where it is timed, instead of right after
-    in torch's Python API (which then finds it complete). An asynchronous one, or one without options (send, recv),
-    is timed up to its return only: the caller waits where it chooses. NCCL's waits are the device's, not the
-    host's: NCCL groups are not timed."""
+    in torch's Python API (which then finds it complete). An asynchronous one (ZeRO-3's prefetching all-gathers) is
+    timed up to its return, and its work handed back as a ``timed_work.TimedWork`` whose ``wait`` on the training
+    thread is timed too; one without options (send, recv) up to its return only. NCCL's waits are the device's, not
+    the host's: NCCL groups are not timed."""
     t0 = time.perf_counter()
     work = op(*args, **kwargs)
     flags = [f for a in (*args, *kwargs.values()) if isinstance(f := getattr(a, "asyncOp", None), bool)]
     if work is not None and flags and not flags[0]:
         work.wait()
     _progress().note_wait(time.perf_counter() - t0)
+    if work is not None and flags and flags[0]:
+        from .timed_work import TimedWork
+
+        return TimedWork(work)
     return work
 
 

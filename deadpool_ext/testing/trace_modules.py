@@ -109,6 +109,7 @@ LEAVES: dict[str, str] = {
     "deadpool_ext.cluster.netif": "gloo's listening interface",
     "deadpool_ext.rebuild.context": "the process's state: fields, no control flow",
     "deadpool_ext.rebuild.progress": "what a heartbeat reports",
+    "deadpool_ext.rebuild.timed_work": "an asynchronous collective's wait, timed for the pace",
     "deadpool_ext.snapshot.priority": "the snapshot thread's CPU priority",
     "deadpool_ext.integrations.importhook": "after-import callbacks",
 }
