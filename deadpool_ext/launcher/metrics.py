@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..recovery.ledger import CAUSES, FAILURE_CAUSES, SNAPSHOT, TIERS, Ledger, ledger
+from ..recovery.ledger import CAUSES, FAILURE_CAUSES, PACE, SNAPSHOT, TIERS, Ledger, ledger
 
 log = logging.getLogger("deadpool_ext.launcher")
 
@@ -38,7 +38,7 @@ RECOVERY_CAUSES = tuple(dict.fromkeys([label for _, label in FAILURE_CAUSES] + [
 class TimelineTail:
     """The events of a timeline file as it grows. A scrape may come while a process writes a line: only whole
     lines are taken, the rest waits. Every event is kept but ``snapshot`` ones (newest per rank, plus the
-    first), so memory follows the job's failures, not its length."""
+    first) and ``pace`` ones (the newest), so memory follows the job's failures, not its length."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -79,6 +79,8 @@ class TimelineTail:
             return
         if event.get("event") == SNAPSHOT:
             self.snapshots[event.get("rank")] = event
+        elif event.get("event") == PACE:   # once per straggler window: only the newest counts
+            self.snapshots[PACE] = event
         else:
             self.events.append(event)
 
@@ -121,7 +123,19 @@ def families(led: Ledger, job_id: str, bad_lines: int = 0) -> list[Any]:
             gauge("deadpool_snapshot_committed_version", "the newest version committed on every rank",
                   snap.committed),
             gauge("deadpool_spares_available", "spare nodes waiting to take a failed node's place",
-                  led.spares_available)]
+                  led.spares_available),
+            gauge("deadpool_step_seconds", "wall seconds per step over the last straggler window (the median "
+                                           "node's)", led.pace.step_s),
+            gauge("deadpool_slowest_node_ratio", "the slowest node's busy time per step (outside collectives) over "
+                                                 "the other nodes' median, last window (the straggler rule's ratio)",
+                  led.pace.slowest_ratio)]
+    busy = GaugeMetricFamily("deadpool_busy_seconds", "seconds per step outside collectives over the last straggler "
+                                                      "window: the median node's and the slowest node's",
+                             labels=["which"])
+    for which, value in (("median", led.pace.busy_median_s), ("slowest", led.pace.busy_max_s)):
+        if value is not None:
+            busy.add_metric([which], value)
+    out.append(busy)
     for name, doc, value in (("deadpool_stragglers_named", "ranks named stragglers", led.stragglers_named),
                              ("deadpool_versions_quarantined", "versions the numerical canary quarantined",
                               led.versions_quarantined),

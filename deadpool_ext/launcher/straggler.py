@@ -140,6 +140,8 @@ class StragglerState:
     """Active worker -> its pace samples of this generation, the newest last, pruned to the window (+ one older)."""
     named_at: Mapping[str, float] = field(default_factory=dict)
     """Node -> when it was last named (once per window)."""
+    paced_at: float = -math.inf
+    """When the last ``pace`` event was written (once per window)."""
     last_eviction: float = -math.inf
     evicted: frozenset[str] = frozenset()
     said: frozenset[str] = frozenset()
@@ -226,6 +228,24 @@ def slow_nodes(state: StragglerState, a: Assignment, now: float, s: StragglerSet
     return sorted((p for p in whole if p.node in named), key=lambda p: -p.ratio)
 
 
+PACE_SLOWEST = 3
+"""Nodes a ``pace`` event lists by name (the slowest): its size does not grow with the job."""
+
+
+def pace_event(paces: Sequence[NodePace], generation: int, window_s: float, now: float) -> Event:
+    """The job's pace over the last window, once per window (the timeline; the metrics' ``deadpool_step_seconds``
+    and ``deadpool_busy_seconds``): the median step, the median and largest busy time per step, and the slowest
+    nodes with their ratio to the others' median."""
+    busy = sorted(p.busy_s for p in paces)
+    slowest = sorted(paces, key=lambda p: -p.busy_s)[:PACE_SLOWEST]
+    return Event({"event": "pace", "generation": generation, "window_s": window_s, "nodes": len(paces),
+                  "step_s": round(statistics.median(p.step_s for p in paces), 6),
+                  "busy_median_s": round(statistics.median(busy), 6), "busy_max_s": round(busy[-1], 6),
+                  "slowest": [{"node": p.node, "busy_s": round(p.busy_s, 6),
+                               "ratio": round(p.ratio, 3) if math.isfinite(p.ratio) else None} for p in slowest],
+                  "time": now})
+
+
 def judge(state: StragglerState, beats: Mapping[str, Mapping[str, Any]], a: Assignment, spares_left: Sequence[str],
           now: float, s: StragglerSettings) -> Verdict:
     """One turn of the rule (the module's docstring): the next state, the lines and events, and the workers to
@@ -243,9 +263,14 @@ def judge(state: StragglerState, beats: Mapping[str, Mapping[str, Any]], a: Assi
                 "collective (no swappable gloo group: hot_swap.in_place off, or NCCL's waits, which are the "
                 "device's), so a slow rank cannot be told from the ranks waiting for it")))
         return Verdict(state, tuple(actions))
+    if now - state.paced_at >= s.window_s:
+        whole = node_paces(state, a, now - s.window_s, now, s.min_steps)
+        if whole and len(whole) >= 2:
+            state = dataclasses.replace(state, paced_at=now)
+            actions.append(pace_event(whole, a.generation, s.window_s, now))
     named = slow_nodes(state, a, now, s)
     if not named:
-        return Verdict(state)
+        return Verdict(state, tuple(actions))
     nodes = len(set(a.nodes.values()))
     if 2 * len(named) >= nodes and nodes > 2:
         if "majority" not in state.said:
@@ -256,7 +281,7 @@ def judge(state: StragglerState, beats: Mapping[str, Mapping[str, Any]], a: Assi
         return Verdict(state, tuple(actions))
     p = named[0]
     if now - state.named_at.get(p.node, -math.inf) < s.window_s:
-        return Verdict(state)
+        return Verdict(state, tuple(actions))
     lost = min(s.window_s, p.steps * max(0.0, p.busy_s - p.median_s))
     what = (f"node {p.node} (rank{'s' if len(p.ranks) > 1 else ''} {', '.join(map(str, p.ranks))}) is a straggler: "
             f"{p.busy_s:.3f} s of work per step outside collectives over the last {s.window_s:g} s ({p.steps} "
@@ -290,5 +315,5 @@ def judge(state: StragglerState, beats: Mapping[str, Mapping[str, Any]], a: Assi
     return Verdict(state, tuple(actions), evict)
 
 
-__all__ = ["ACTIONS", "NodePace", "Sample", "StragglerSettings", "StragglerState", "Verdict", "judge", "resolve",
-           "setting_error", "slow_nodes", "window_pace"]
+__all__ = ["ACTIONS", "NodePace", "Sample", "StragglerSettings", "StragglerState", "Verdict", "judge", "pace_event",
+           "resolve", "setting_error", "slow_nodes", "window_pace"]

@@ -56,6 +56,9 @@ and a rollback's ``quarantined`` list) are the versions quarantined."""
 DRAIN, DRAINED = "drain", "drained"
 """A preemption's drain (issue 46, part 3, ``launcher/drain.py``): requested, then over (the launcher's
 ``drained`` ends the job; a worker's own ``drained`` event does not)."""
+PACE = "pace"
+"""The job's pace over the last straggler window (``launcher/straggler.py``, once per window): only the newest
+counts (:class:`PaceFigures`)."""
 LOSS_EVENTS = {STRAGGLER: "straggler"}
 """Events whose ``lost_s`` (seconds, ending at the event's ``time``) the ledger books under a cause."""
 END_EVENTS = ("finished", "stopped")
@@ -76,6 +79,33 @@ class SnapshotFigures:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PaceFigures:
+    """The newest ``pace`` event: the job's step and its nodes' busy time (outside collectives) per step."""
+
+    step_s: float | None = None
+    """The median node's wall seconds per step over the window."""
+    busy_median_s: float | None = None
+    busy_max_s: float | None = None
+    slowest_ratio: float | None = None
+    """The slowest node's busy time over the other nodes' median (the straggler rule's ratio)."""
+
+
+def pace_figures(events: Iterable[Mapping[str, Any]]) -> PaceFigures:
+    """The newest ``pace`` event's figures (none: all None)."""
+    newest = max((e for e in events if e.get("event") == PACE), key=lambda e: float(e["time"]), default=None)
+    if newest is None:
+        return PaceFigures()
+
+    def num(v: Any) -> float | None:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+    slowest = newest.get("slowest")
+    first = slowest[0] if isinstance(slowest, list) and slowest and isinstance(slowest[0], dict) else {}
+    return PaceFigures(step_s=num(newest.get("step_s")), busy_median_s=num(newest.get("busy_median_s")),
+                       busy_max_s=num(newest.get("busy_max_s")), slowest_ratio=num(first.get("ratio")))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Ledger:
     """Where the seconds of ``[start, end]`` went."""
 
@@ -91,6 +121,7 @@ class Ledger:
     recoveries: Mapping[tuple[str, str], int]
     """(cause, tier) -> recoveries that caught up (:data:`FAILURE_CAUSES`' labels, :data:`TIERS`)."""
     snapshot: SnapshotFigures = field(default_factory=SnapshotFigures)
+    pace: PaceFigures = field(default_factory=PaceFigures)
     spares_available: int = 0
     stragglers_named: int = 0
     versions_quarantined: int = 0
@@ -107,6 +138,7 @@ class Ledger:
                 "productive_s": self.productive_s, "goodput": self.goodput, "lost_s": dict(self.lost_s),
                 "recoveries": [{"cause": c, "tier": t, "count": n} for (c, t), n in sorted(self.recoveries.items())],
                 "snapshot": {k: getattr(self.snapshot, k) for k in SnapshotFigures.__slots__},
+                "pace": {k: getattr(self.pace, k) for k in PaceFigures.__slots__},
                 "spares_available": self.spares_available, "stragglers_named": self.stragglers_named,
                 "versions_quarantined": self.versions_quarantined, "generation": self.generation}
 
@@ -249,7 +281,7 @@ def ledger(events: Iterable[dict[str, Any]], now: float) -> Ledger:
 
     wall = end - start
     return Ledger(start=start, end=end, ended=ended, wall_s=wall, productive_s=uncovered(start, end, intervals),
-                  lost_s=lost, recoveries=recoveries, snapshot=snapshot_figures(snaps),
+                  lost_s=lost, recoveries=recoveries, snapshot=snapshot_figures(snaps), pace=pace_figures(events),
                   spares_available=spares_available(events), generation=_generation(events),
                   stragglers_named=sum(1 for e in events if e.get("event") == STRAGGLER),
                   versions_quarantined=len(quarantined_versions(events)))

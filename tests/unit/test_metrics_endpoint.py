@@ -133,5 +133,28 @@ def test_the_grafana_dashboard_queries_only_metrics_the_endpoint_serves():
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]] + \
         [a["expr"] for a in dash["annotations"]["list"]] + [v["query"] for v in dash["templating"]["list"]]
     used = {m for e in exprs for m in re.findall(r"deadpool_[a-z_]+", e)}
-    served = {name for name, _ in _render([_start(), _snap(T0)], T0 + 1)}
+    served = {name for name, _ in _render([_start(), _snap(T0), _pace(T0, 0.1, 1.0)], T0 + 1)}
     assert used and used <= served, used - served
+
+
+def _pace(t: float, busy_max: float, ratio: float) -> dict:
+    return {"event": "pace", "generation": 0, "window_s": 30.0, "nodes": 4, "step_s": busy_max + 0.01,
+            "busy_median_s": 0.1, "busy_max_s": busy_max, "time": t,
+            "slowest": [{"node": "node2", "busy_s": busy_max, "ratio": ratio}]}
+
+
+def test_the_newest_pace_is_served_and_the_tail_keeps_only_it(tmp_path):
+    """The straggler rule's pace (once per window, launcher/straggler.py): the step, the median and slowest busy
+    time per step, the slowest node's ratio; absent until the first window."""
+    got = _render([_start()], T0 + 1)
+    assert ("deadpool_step_seconds", ()) not in got and ("deadpool_slowest_node_ratio", ()) not in got
+    got = _render([_start(), _pace(T0 + 30, 0.2, 2.0), _pace(T0 + 60, 0.45, 4.5)], T0 + 61)
+    assert got[("deadpool_step_seconds", ())] == pytest.approx(0.46)
+    assert got[("deadpool_slowest_node_ratio", ())] == 4.5
+    assert got[("deadpool_busy_seconds", (("which", "median"),))] == 0.1
+    assert got[("deadpool_busy_seconds", (("which", "slowest"),))] == 0.45
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in [_start(), *(_pace(T0 + 30 * i, 0.2, 2.0)
+                                                                      for i in range(1, 50))]))
+    tail = TimelineTail(str(path))
+    assert [e["event"] for e in tail.read()] == ["start", "pace"] and tail.read()[-1]["time"] == T0 + 30 * 49

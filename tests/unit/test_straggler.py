@@ -65,7 +65,13 @@ def drive(job: Job, seconds: float, settings: sg.StragglerSettings, state: sg.St
 
 
 def events(actions) -> list[dict]:
-    return [a.fields for a in actions if isinstance(a, Event)]
+    """The straggler events among the actions."""
+    return [a.fields for a in actions if isinstance(a, Event) and a.fields["event"] == "straggler"]
+
+
+def said(actions) -> list:
+    """Every action but the once-a-window ``pace`` events."""
+    return [a for a in actions if not (isinstance(a, Event) and a.fields["event"] == "pace")]
 
 
 def test_a_slow_node_is_named_once_per_window_with_the_seconds_the_job_lost():
@@ -88,7 +94,7 @@ def test_a_slow_node_is_named_once_per_window_with_the_seconds_the_job_lost():
 def test_not_judged_before_a_whole_window_of_the_generation():
     job = Job(assignment(), {"node0.0": 0.1, "node1.0": 0.4, "node2.0": 0.1})
     _, actions, _ = drive(job, WINDOW - 1, sg.StragglerSettings(window_s=WINDOW))
-    assert not actions
+    assert not said(actions)
 
 
 def test_uniform_slowdown_names_no_one():
@@ -96,7 +102,7 @@ def test_uniform_slowdown_names_no_one():
     state, actions, _ = drive(job, 2 * WINDOW, sg.StragglerSettings(window_s=WINDOW, action="swap"))
     job.busy = {w: 0.9 for w in job.busy}   # every node 9x slower at once
     _, actions, evictions = drive(job, 3 * WINDOW, sg.StragglerSettings(window_s=WINDOW, action="swap"), state)
-    assert not actions and not evictions
+    assert not said(actions) and not evictions
 
 
 def test_a_slow_majority_is_the_job_not_a_straggler():
@@ -111,7 +117,7 @@ def test_a_slow_majority_is_the_job_not_a_straggler():
 def test_noise_below_the_factor_names_no_one():
     job = Job(assignment(3), {"node0.0": 0.1, "node1.0": 0.18, "node2.0": 0.1})
     _, actions, _ = drive(job, 3 * WINDOW, sg.StragglerSettings(window_s=WINDOW))
-    assert not actions
+    assert not said(actions)
 
 
 def test_two_nodes_compared_with_each_other_not_with_their_mean():
@@ -160,10 +166,10 @@ def test_a_new_generation_starts_its_window_afresh():
                     nodes={"node0.0": "node0", "spare0.0": "spare0", "node2.0": "node2"}, spares=())
     job2 = Job(a1, {"node0.0": 0.1, "spare0.0": 0.1, "node2.0": 0.1})
     v = sg.judge(state, job2.beats(), a1, (), job.t, s)
-    assert v.state.generation == 1 and v.state.evicted == {"node1"} and not v.actions
+    assert v.state.generation == 1 and v.state.evicted == {"node1"} and not said(v.actions)
     job2.t = job.t
     _, actions, evictions = drive(job2, 2 * WINDOW, s, v.state, spares=())
-    assert not actions and not evictions
+    assert not said(actions) and not evictions
 
 
 def test_unmeasured_collectives_are_said_once_and_judge_nothing():
@@ -175,7 +181,7 @@ def test_unmeasured_collectives_are_said_once_and_judge_nothing():
 def test_off_does_nothing():
     job = Job(assignment(3), {"node0.0": 0.1, "node1.0": 0.5, "node2.0": 0.1})
     _, actions, evictions = drive(job, 2 * WINDOW, sg.StragglerSettings(window_s=WINDOW, action="off"))
-    assert not actions and not evictions
+    assert not said(actions) and not evictions
 
 
 def test_window_pace_needs_steps_in_the_window():
@@ -210,7 +216,7 @@ def test_a_node_slow_in_one_half_of_the_window_only_is_not_named():
     [whole] = [p for p in sg.node_paces(state, a, job.t - WINDOW, job.t, 3) or () if p.node == "node1"]
     assert whole.ratio >= s.factor
     v = sg.judge(state, {}, a, ("spare0",), job.t, s)
-    assert not v.actions and not v.evict
+    assert not said(v.actions) and not v.evict
 
 
 def test_resolve_flag_over_job_over_default():
@@ -251,3 +257,14 @@ def test_an_evicted_node_is_never_taken_back_under_its_name():
     why = join_refusal("node1", b'{"nproc": 1, "time": 1}', roster, 1)
     assert why is not None and "taken by a node of this job" in why
     assert join_refusal("node1b", b'{"nproc": 1, "time": 1}', roster, 1) is None
+
+
+def test_the_pace_is_written_once_per_window_whatever_the_job():
+    job = Job(assignment(5), {f"node{i}.0": 0.1 for i in range(5)} | {"node3.0": 0.3})
+    _, actions, _ = drive(job, 4 * WINDOW, sg.StragglerSettings(window_s=WINDOW))
+    paces = [a.fields for a in actions if isinstance(a, Event) and a.fields["event"] == "pace"]
+    assert len(paces) == 3 and all(b["time"] - a["time"] >= WINDOW for a, b in zip(paces, paces[1:]))
+    p = paces[-1]
+    assert p["nodes"] == 5 and p["busy_median_s"] == pytest.approx(0.1) and p["busy_max_s"] == pytest.approx(0.3)
+    assert p["step_s"] == pytest.approx(0.3) and len(p["slowest"]) == sg.PACE_SLOWEST
+    assert p["slowest"][0]["node"] == "node3" and p["slowest"][0]["ratio"] == pytest.approx(3.0)
