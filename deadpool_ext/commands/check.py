@@ -104,6 +104,13 @@ def _turns_on(cfg: Any) -> list[str]:
     if cfg.hot_swap.enabled:
         out.append("hot-swap under deadpool-run (depends on the launch: spares from --spare-nodes replace failed "
                    "nodes in-process; under torchrun a failure restarts every worker, which restore from tiers 1-2)")
+    st = cfg.straggler
+    if st.action != "off":
+        out.append(f"stragglers under deadpool-run: a node {st.factor:g}x slower than the others' median over "
+                   f"{st.window_s:g} s is " + ("named and replaced by a spare in place (never with no spare left, "
+                                               "at most once per window)" if st.action == "swap" else
+                                               "named (log, timeline, metrics), not replaced")
+                   + " (deadpool-run's --straggler-* flags win)")
     return out
 
 

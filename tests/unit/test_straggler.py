@@ -268,3 +268,17 @@ def test_the_pace_is_written_once_per_window_whatever_the_job():
     assert p["nodes"] == 5 and p["busy_median_s"] == pytest.approx(0.1) and p["busy_max_s"] == pytest.approx(0.3)
     assert p["step_s"] == pytest.approx(0.3) and len(p["slowest"]) == sg.PACE_SLOWEST
     assert p["slowest"][0]["node"] == "node3" and p["slowest"][0]["ratio"] == pytest.approx(3.0)
+
+
+def test_deadpool_check_says_what_the_straggler_section_does():
+    from deadpool_ext.commands.check import _turns_on
+    from deadpool_ext.config import DeadpoolConfig
+
+    def line(section: dict) -> list[str]:
+        return [x for x in _turns_on(DeadpoolConfig.from_dict({"straggler": section})) if x.startswith("stragglers")]
+
+    [swap] = line({"action": "swap", "window_s": 10})
+    assert "2x slower" in swap and "over 10 s" in swap and "replaced by a spare" in swap
+    [report] = line({})
+    assert "named" in report and "not replaced" in report and "over 30 s" in report
+    assert line({"action": "off"}) == []
