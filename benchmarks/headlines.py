@@ -42,6 +42,8 @@ OVERHEAD = ("snapshot_overhead_small_n2", "snapshot_overhead_small_n4", "snapsho
 RECOMMENDED = "snapshot_overhead_recommended"
 """The overhead users meet (issue 45): deadpool-run with a spare against plain DeepSpeed, whole process tree."""
 RECOVERY = "recovery"
+RECOVERY_NODES = "recovery_nodes"
+"""bench_recovery --per-node: every active node killed in turn; its headline is the worst node (issue 44)."""
 SIMULATE = "simulate"
 PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
 MEASURED_CODE = "deadpool_ext"
@@ -75,7 +77,7 @@ def sources(results_dir: str = RESULTS_DIR) -> dict[str, dict[str, Any]]:
         if doc and any((e.get("analysis") or {}).get("rule") == "window" and e.get("rule_met")
                        for e in (doc.get("sizes") or {}).values()):
             out[stem] = doc
-    for stem in (RECOVERY, SIMULATE):
+    for stem in (RECOVERY_NODES, RECOVERY, SIMULATE):
         doc = _load(stem, results_dir)
         if doc:
             out[stem] = doc
@@ -165,6 +167,29 @@ def _recovery_lines(doc: dict[str, Any]) -> list[str]:
             + ", ".join(f"{k[:-2]} {_s(ph.get(k))}" for k in ("detect_s", "assign_s", "spare_s", "communicators_s",
                                                               "rebuild_s", "restore_s"))
             + f". Losses bit-identical to the relaunched run: {an.get('losses_identical')}.")
+    return lines
+
+
+def _recovery_nodes_lines(doc: dict[str, Any]) -> list[str]:
+    lines = []
+    for size, e in (doc.get("sizes") or {}).items():
+        pn = (e.get("analysis") or {}).get("per_node") or {}
+        if "worst" not in pn:
+            continue
+        nodes = pn["nodes"]
+        per = ", ".join(f"{n} {_s(r['restored_s']['median'])} ({_s(r['restored_s']['min'])}-"
+                        f"{_s(r['restored_s']['max'])}, {'/'.join(sorted(set(r['takeover'])))})"
+                        for n, r in nodes.items())
+        ok = all(r["losses_identical"] for r in nodes.values())
+        lines.append(
+            f"- **Recovery, GPT {size}, every node killed in turn** (default path, 3 nodes + 1 spare that built its "
+            f"engine for node1; `{RECOVERY_NODES}.md`, {min(r['runs'] for r in nodes.values())} run(s) per node; "
+            f"{stamp(doc, stem=RECOVERY_NODES)}): kill to every rank restored, **worst node {pn['worst']} "
+            f"{_s(pn['worst_s'])}, {pn.get('speedup_worst') or 0:.1f}x** relaunch + load's "
+            f"{_s(pn['baseline_restored_s'])} in the same run; expected under a uniformly drawn failure "
+            f"{_s(pn['expected_s'])} ({pn.get('speedup_expected') or 0:.1f}x); best node {pn['best']} "
+            f"{_s(pn['best_s'])} ({pn.get('speedup_best') or 0:.1f}x). Per node, median (min-max, how the spare took "
+            f"over): {per}. Losses bit-identical on every run: {ok}.")
     return lines
 
 
@@ -258,6 +283,8 @@ def render(results_dir: str = RESULTS_DIR) -> str:
     for stem in OVERHEAD:
         if stem in src:
             lines += _overhead_lines(stem, src[stem])
+    if RECOVERY_NODES in src:
+        lines += _recovery_nodes_lines(src[RECOVERY_NODES])
     if RECOVERY in src:
         lines += _recovery_lines(src[RECOVERY])
     if SIMULATE in src:

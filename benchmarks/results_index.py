@@ -115,6 +115,16 @@ CURRENT: tuple[Current, ...] = (
             companions=("recovery_logs",),
             note="Run in the checkout with the default `--out`; the JSON was then re-analysed with `--rerender` "
                  "after a fix of the rerender path (no job re-run)."),
+    Current("recovery_nodes", "recovery", "SIGKILL -> restored on every node in turn (issue 44): worst, expected, best",
+            "GPT small, ZeRO-3, 3 nodes + 1 spare (built ahead for node1), the default config: each active node's "
+            "worker SIGKILLed mid-step in turn, 3 runs per node, beside the rebuild path and kill + relaunch + "
+            "DeepSpeed load_checkpoint in the same run (bench_recovery.py --per-node, the default); per node min / "
+            "median / max of kill -> every rank restored and of kill -> next step, how the spare took the ranks "
+            "(as built, relabelled in place, started again), losses against the relaunched and an uninterrupted run; "
+            "the worst node is the headline, the expected value and the best beside it.",
+            companions=("recovery_nodes_logs",),
+            note="`python benchmarks/bench_recovery.py --sizes small --repeats 3 --settle-s 20 --name recovery_nodes`; "
+                 "the host was shared with two other engineers' test runs (load average up to 4 on 2 cores)."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
