@@ -26,6 +26,11 @@ defaults):
    resize): the process starts again from its first line (:func:`start_again`, one log line naming why), which is
    the path of a spare that never built ahead.
 
+The spare's life as timeline events (``deadpool timeline`` reads them): ``spare_ready`` (built ahead, waiting; whether
+it can take any node's ranks), ``spare_assigned`` (how: ``as_built``, ``relabel`` or ``start_again``, and why),
+then the ``recover`` event of role ``spare`` once it joined the survivors and restored; ``spare_failed`` (its build
+failed before any assignment) and the launcher's ``spare_lost`` end it early.
+
 A spare that cannot build ahead (the key off on a memory-tight host, the in-place swap off or unsupported, no node
 to shadow) waits before its script, as before, and says why in one line. A spare that saw no config before its
 script (a dict built in code) waits first for the job's engine to attach and say what its section holds
@@ -252,6 +257,8 @@ def await_assignment(relabel: Relabel | None = None) -> None:
         times["relabel_s"] = round(time.time() - times["assigned_at"], 4)
         log.info("generation %d: rank %d of %d; this spare built its engine for rank %d and relabelled it: it joins "
                  "the survivors now", a.generation, t.rank, a.world_size, built.rank)
+    write_event(event="spare_assigned", worker=m.worker_id, generation=a.generation, rank=t.rank,
+                built_rank=built.rank, how=t.how, why=t.why or None, relabel_s=times.get("relabel_s"))
     if t.how in ("as_built", "relabel"):
         ctx.pending_live = (a, m.worker_id, built.timeout_s)
         if t.how == "as_built":

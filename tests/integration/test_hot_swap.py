@@ -167,6 +167,8 @@ def test_spare_takes_a_node_it_did_not_shadow_in_place(tmp_path, shm_root, stage
     [spare] = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
     assert (spare["rank"], spare["relabelled_from"], spare["restored_from"]) == (0, 1, "peer"), spare
     assert spare["pid"] == ready["pid"] and spare["built_ahead"] is True
+    [assigned] = [e for e in events if e.get("event") == "spare_assigned"]
+    assert (assigned["how"], assigned["built_rank"], assigned["rank"]) == ("relabel", 1, 0), assigned
     row = phases(events)[0]
     assert row["replaced"] == {"node0": "spare0"} and row["survivor_pids"] == sorted([pids["node1.0"], pids["node2.0"]])
 
