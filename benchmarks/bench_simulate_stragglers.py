@@ -17,6 +17,7 @@ Writes ``simulate_stragglers.json`` and ``.md`` into ``--out`` (default benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -30,7 +31,14 @@ sys.path.insert(0, REPO)
 from deadpool_ext.sim.calibration import calibrate  # noqa: E402
 from deadpool_ext.sim.costs import derive  # noqa: E402
 from deadpool_ext.sim.params import Params  # noqa: E402
-from deadpool_ext.sim.stragglers import SOURCES, PreemptionModel, StragglerModel, simulate, swap_s  # noqa: E402
+from deadpool_ext.sim.stragglers import (  # noqa: E402
+    SOURCES,
+    PreemptionModel,
+    StragglerModel,
+    calibrated,
+    simulate,
+    swap_s,
+)
 
 GPUS = 16_384
 RATES = (0.0005, 0.002, 0.01)
@@ -46,12 +54,14 @@ def run(quick: bool) -> dict[str, Any]:
     base = cal.apply(Params()).with_overrides({"cluster.gpus": GPUS, "sim.trials": 4 if quick else 20,
                                                "sim.horizon_days": 10.0 if quick else 30.0})
     d = derive(base)
+    model, detect_source = calibrated(StragglerModel(), RESULTS_DIR)
     rows = []
     for spares in SPARES:
         p = base.with_overrides({"cluster.spare_nodes": spares})
         for rate in RATES:
             for slow in SLOWDOWNS:
-                r = simulate(p, StragglerModel(rate_per_node_day=rate, slowdown=slow), PreemptionModel())
+                r = simulate(p, dataclasses.replace(model, rate_per_node_day=rate, slowdown=slow), PreemptionModel(),
+                             detect_source=detect_source)
                 s = r["stragglers"]
                 rows.append({"spares": spares, "rate_per_node_day": rate, "slowdown": slow,
                              **{k: s[k] for k in ("goodput_keep", "goodput_evict", "gained", "episodes",
@@ -68,9 +78,9 @@ def run(quick: bool) -> dict[str, Any]:
             "swap_s": swap_s(d), "swap_parts": {"hotswap_s": d.hotswap_s, "restore_fixed_s": d.restore_fixed_s,
                                                 "peer_fetch_s": d.peer_fetch_s, "iteration_s": d.iteration_s},
             "storage_write_s": d.storage_write_s, "restart_s": d.restart_s, "storage_read_s": d.storage_read_s,
-            "model": {"factor": StragglerModel().factor, "detect_s": StragglerModel().detect_s,
-                      "duration_h": StragglerModel().duration_h},
-            "calibration": cal.to_dict(), "sources": SOURCES, "stragglers": rows, "preemptions": pre}
+            "model": {"factor": model.factor, "detect_s": model.detect_s, "duration_h": model.duration_h},
+            "calibration": cal.to_dict(), "sources": {**SOURCES, "stragglers.detect_s": detect_source},
+            "stragglers": rows, "preemptions": pre}
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -83,10 +93,10 @@ def render(doc: dict[str, Any]) -> str:
         f"An eviction stops the job for **{r['swap_s']:.1f} s**: hot-swap {sp['hotswap_s']:.2f} s + restore "
         f"{sp['restore_fixed_s']:.2f} s (measured: calibrated from `benchmarks/results/recovery.json`) + the lost "
         f"node's share from its peer {sp['peer_fetch_s']:.2f} s (bandwidth) + one iteration {sp['iteration_s']:g} s. "
-        f"The rule names a straggler {m['detect_s']:g} s after its onset (its window, an upper bound: "
-        "`benchmarks/results/straggler.json` measured about 0.7-0.8 of it) when its slowdown is at least "
-        f"{m['factor']:g}x; episodes last {m['duration_h']:g} h on average if kept (assumption). Evicted nodes are "
-        "away for `cluster.node_repair_h` (24 h); with no spare in the pool the straggler is kept.", "",
+        f"The rule names a straggler {m['detect_s']:.1f} s after its onset (the default 30 s window x the fraction "
+        "of it `benchmarks/results/straggler.json` measured from the onset to the naming) when its slowdown is at "
+        f"least {m['factor']:g}x; episodes last {m['duration_h']:g} h on average if kept (assumption). Evicted nodes "
+        "are away for `cluster.node_repair_h` (24 h); with no spare in the pool the straggler is kept.", "",
         "## Stragglers: goodput kept vs evicted", "",
         md_table(["spares", "episodes / node-day (assumed)", "slowdown (assumed)", "episodes", "evictions",
                   "kept: no spare", "goodput kept", "goodput evicted", "gained"],

@@ -129,10 +129,13 @@ def event_models(args: argparse.Namespace):
 
 
 def run_events(args: argparse.Namespace, params) -> int:
-    from ..sim.stragglers import simulate
+    from ..sim.stragglers import calibrated, simulate
 
     m, pre = event_models(args)
-    r = simulate(params, m, pre)
+    source = None
+    if not args.no_calibrate and not any(x.strip().startswith("stragglers.detect_s") for x in args.set):
+        m, source = calibrated(m, args.results_dir or _default_results_dir())
+    r = simulate(params, m, pre, detect_source=source)
     if args.json:
         print(json.dumps(r, indent=1))
         return 0
@@ -140,7 +143,7 @@ def run_events(args: argparse.Namespace, params) -> int:
     print(f"{r['gpus']} GPUs, {r['nodes']} nodes, {r['spares']} spares, {params.sim.trials} trials x "
           f"{params.sim.horizon_days:g} days")
     print(f"stragglers: {m.rate_per_node_day:g} per node-day, {m.slowdown:g}x for {m.duration_h:g} h on average; "
-          f"evicted after {m.detect_s:g} s when >= {m.factor:g}x, each swap {st['swap_s']:.1f} s")
+          f"evicted after {m.detect_s:.1f} s when >= {m.factor:g}x, each swap {st['swap_s']:.1f} s")
     print(f"  goodput kept {st['goodput_keep']:.4f}, evicted {st['goodput_evict']:.4f}: {st['gained']:+.4f} "
           f"({st['evictions']:.1f} evictions, {st['kept_no_spare']:.1f} kept for want of a spare, per trial)")
     print(f"preemptions: {pre.rate_per_day:g} per day; killed {pr['cost_kill_s']:.0f} s each (half of a "

@@ -46,8 +46,8 @@ SOURCES: dict[str, str] = {
                            "swept 1.5-4",
     "stragglers.duration_h": "ASSUMPTION (typed in): an episode lasts until its node is drained and repaired",
     "stragglers.factor": "deadpool.straggler.factor's default (launcher/straggler.py)",
-    "stragglers.detect_s": "deadpool.straggler.window_s's default, 30 s: an upper bound (benchmarks/results/"
-                           "straggler.json measured the naming at about 0.7-0.8 of the window)",
+    "stragglers.detect_s": "deadpool.straggler.window_s's default, 30 s (uncalibrated: an upper bound; calibrated: "
+                           "x the fraction of the window benchmarks/results/straggler.json measured to the naming)",
     "swap_s": "derived: costs.hotswap_fixed_s/hotswap_unready_s + costs.restore_fixed_s (calibrated from "
               "benchmarks/results/recovery.json) + the peer fetch of one node's share (bandwidth.peer_network_gbs) "
               "+ one iteration (workload.iteration_s)",
@@ -96,6 +96,38 @@ class PreemptionModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo <= v <= hi:
                 raise SimParamError(f"preemption.{name}: must be a number in [{lo:g}, {hi:g}], got {v!r}")
+
+
+STRAGGLER_FILE = "straggler.json"
+"""The measured straggler benchmark (``benchmarks/bench_straggler.py``) in the results directory."""
+
+
+def measured_detect_fraction(results_dir: str) -> tuple[float, str] | None:
+    """Onset -> named over the rule's window, as ``straggler.json`` measured it (the median over its rounds), and
+    where it came from; None when the file or its figures are absent."""
+    import json
+    import os
+
+    path = os.path.join(results_dir, STRAGGLER_FILE)
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        named, window = float(doc["summary"]["named_s"]), float(doc["args"]["window"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (math.isfinite(named) and math.isfinite(window) and 0 < named and 0 < window):
+        return None
+    return min(1.0, named / window), f"benchmarks/results/{STRAGGLER_FILE}: summary.named_s / args.window"
+
+
+def calibrated(m: StragglerModel, results_dir: str | None) -> tuple[StragglerModel, str]:
+    """``m`` with ``detect_s`` = the window x the measured fraction (when measured), and the source said."""
+    got = measured_detect_fraction(results_dir) if results_dir else None
+    if got is None:
+        return m, SOURCES["stragglers.detect_s"]
+    fraction, source = got
+    return (dataclasses.replace(m, detect_s=m.detect_s * fraction),
+            f"{m.detect_s:g} s window x {fraction:.2f} measured ({source})")
 
 
 def swap_s(d: Derived) -> float:
@@ -173,8 +205,10 @@ def preemption_cost_s(d: Derived, p: PreemptionModel, drain: bool) -> float:
     return restart + (p.drain_fixed_s + d.storage_write_s if drain else p.persist_interval_min * 60.0 / 2.0)
 
 
-def simulate(params: Params, m: StragglerModel, p: PreemptionModel) -> dict[str, Any]:
-    """Both policies of each, over ``params.sim.trials`` traces of ``params.sim.horizon_days``."""
+def simulate(params: Params, m: StragglerModel, p: PreemptionModel, *,
+             detect_source: str | None = None) -> dict[str, Any]:
+    """Both policies of each, over ``params.sim.trials`` traces of ``params.sim.horizon_days``. ``detect_source``:
+    where ``m.detect_s`` came from, when not the default (:func:`calibrated`)."""
     d = derive(params)
     horizon = params.sim.horizon_days * 86_400.0
     repair_s = params.cluster.node_repair_h * 3600.0
@@ -199,9 +233,9 @@ def simulate(params: Params, m: StragglerModel, p: PreemptionModel) -> dict[str,
         "preemption": {**dataclasses.asdict(p), "cost_kill_s": kill, "cost_drain_s": drain,
                        "goodput_kill": max(0.0, 1.0 - per_day * kill), "goodput_drain": max(0.0, 1.0 - per_day * drain),
                        "gained": per_day * (kill - drain)},
-        "sources": SOURCES,
+        "sources": {**SOURCES, **({"stragglers.detect_s": detect_source} if detect_source else {})},
     }
 
 
-__all__ = ["PreemptionModel", "SOURCES", "StragglerModel", "episodes", "preemption_cost_s", "simulate",
-           "straggler_trial", "swap_s"]
+__all__ = ["PreemptionModel", "SOURCES", "StragglerModel", "calibrated", "episodes", "measured_detect_fraction",
+           "preemption_cost_s", "simulate", "straggler_trial", "swap_s"]

@@ -99,3 +99,13 @@ def test_deadpool_simulate_stragglers(capsys):
     assert out["stragglers"]["gained"] > 0 and out["preemption"]["gained"] > 0
     args = p.parse_args(["--stragglers", "--no-calibrate", "--set", "stragglers.nope=1"])
     assert command.run(args) == 2
+
+
+def test_detection_is_calibrated_from_the_measured_straggler_benchmark(tmp_path):
+    from deadpool_ext.sim.stragglers import calibrated
+
+    m = StragglerModel(detect_s=30.0)
+    assert calibrated(m, str(tmp_path)) == (m, m and calibrated(m, None)[1])   # no file: the default, said
+    (tmp_path / "straggler.json").write_text(json.dumps({"summary": {"named_s": 3.5}, "args": {"window": 5.0}}))
+    got, source = calibrated(m, str(tmp_path))
+    assert got.detect_s == pytest.approx(21.0) and "straggler.json" in source
