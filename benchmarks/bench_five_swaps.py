@@ -6,12 +6,15 @@ Issue "The spare ready before the failure", part 4. GPT small (ZeRO-3, 3 ranks, 
 the waiting spare has built its engine (its ``spare_ready`` timeline event), the worker that holds rank 1 is
 SIGKILLed mid-step; the spare, which shadows the node holding rank 1, takes it; then a new machine joins
 (``deadpool-run --join joinN`` with the job's store, job id and token), becomes the spare and builds ahead for
-rank 1 in its turn.
+rank 1 in its turn. ``--kill-ranks`` (default ``1,2,0``, issue 44) picks the rank whose holder each swap kills, in
+turn: a different node each time, so two swaps in three the spare takes ranks it did not build for (relabelled in
+place, ``integrations/deepspeed/takeover.py``); ``--kill-ranks 1`` is the earlier run (always the shadowed node).
 
 Per swap, from the job's timeline: kill -> every rank restored (detect + agree + rebuild + restore), whether the
-spare had built for the killed node (the ``assignment`` event), and kill -> the next completed step. The survivors
-(node0.0, node2.0) keep their processes throughout: their RSS just before the first kill and at the last sample
-before the last step completed. A machine joins once the previous swap is over (its redone step completed): on this
+spare had built for the killed node (the ``assignment`` event), how it took the ranks (``spare_assigned``: as built,
+relabelled, started again), and kill -> the next completed step. Survivors keep their processes: each worker alive
+at the end, its RSS just before the first kill it survived while training and at the last sample before the last
+step completed. A machine joins once the previous swap is over (its redone step completed): on this
 2-core host its start would otherwise compete with a recovery it is not part of. The losses against an
 uninterrupted run of the same script, bit for bit.
 
@@ -40,7 +43,6 @@ if REPO not in sys.path:
 
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_gpt.py")
 BASE = os.path.join(REPO, "configs", "gpt_tiny_zero3_cpu.json")
-SURVIVORS = ("node0.0", "node2.0")
 TARGET_RESTORED_S, TARGET_MEMORY = 1.0, 1.05
 
 
@@ -103,8 +105,10 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:
         mons.insert(0, Monitor(proc.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
-        holder = "node1.0"
+        holders = {r: f"node{r}.0" for r in range(3)}
         for i, step in enumerate(kills):
+            rank = a.kill_ranks[i % len(a.kill_ranks)]
+            holder = holders[rank]
             while len(_events(timeline, "spare_ready")) < i + 1:  # the current spare has built its engine
                 if proc.poll() is not None or time.time() > deadline:
                     raise RuntimeError(f"swap {i + 1}: no spare built ahead before the deadline")
@@ -115,7 +119,8 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
             kill = wait_and_kill(proc, deadline, mon, metrics, step, 0.5, holder)
             append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
                                     "pid": kill["killed_pid"], "worker": holder})
-            out["swaps"].append({"killed": holder, "t_kill": kill["t_kill"], "after_step": step,
+            out["swaps"].append({"killed": holder, "rank": rank, "t_kill": kill["t_kill"], "after_step": step,
+                                 "training": sorted(w for w in holders.values() if w != holder),
                                  "rss_before": {k: v for m in mons for k, v in m.rss_at(kill["t_kill"]).items()}})
             print(f"[bench] swap {i + 1}: SIGKILLed {holder} after step {step}", flush=True)
             while not [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]:
@@ -123,7 +128,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                     raise RuntimeError(f"swap {i + 1}: no assignment")
                 time.sleep(0.05)
             [assigned] = [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]
-            holder = f"{assigned['replaced'][holder.split('.')[0]]}.0"
+            holders[rank] = f"{assigned['replaced'][holder.split('.')[0]]}.0"
             if i + 1 < len(kills):
                 # The machine joins once the swap is over (the redone step completed): on this 2-core host its start
                 # would otherwise compete with the recovery it is not part of (a joining machine is another host).
@@ -158,14 +163,21 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
         last_pre = max((r["step"] for r in recs if r["time"] <= sw["t_kill"]), default=0)
         nxt = next((r for r in recs if r["time"] > sw["t_kill"] and r["step"] > last_pre), None)
         [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == i + 1] or [{}]
+        how = [e.get("how") for e in events if e.get("event") == "spare_assigned" and e.get("generation") == i + 1]
         sw.update(restored_s=sum(parts) if None not in parts else None, raw_s=nxt["time"] - sw["t_kill"] if nxt
                   else None, built_ahead=all((assigned.get("built_ahead") or {"?": False}).values()),
+                  how=how[0] if how else None,
                   phases={k: row.get(k) for k in ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s",
                                                   "restore_s")})
     t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
     last = {k: v for m in mons for k, v in m.rss_at(t_last).items()}
-    out["rss_end"] = {k: last.get(k) for k in SURVIVORS}
-    out["rss_first"] = {k: (out["swaps"][0]["rss_before"].get(k) if out["swaps"] else None) for k in SURVIVORS}
+    killed = {sw["killed"] for sw in out["swaps"]}
+    first: dict[str, Any] = {}
+    for sw in out["swaps"]:  # each worker's RSS before the first kill it survived while training
+        for k in sw["training"]:
+            first.setdefault(k, sw["rss_before"].get(k))
+    out["rss_end"] = {k: last.get(k) for k in first if k not in killed}
+    out["rss_first"] = {k: v for k, v in first.items() if k not in killed}
     return out
 
 
@@ -185,7 +197,7 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     swaps = run_["swaps"]
     step = run_["normal_step_s"]
     growth = {k: (run_["rss_end"][k] / run_["rss_first"][k]) if run_["rss_end"].get(k) and run_["rss_first"].get(k)
-              else None for k in SURVIVORS}
+              else None for k in run_["rss_first"]}
     losses = {int(k): v for k, v in run_["losses"].items()}
     each = [s.get("restored_s") for s in swaps]
     done = [x for x in each if x is not None]
@@ -193,7 +205,8 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     worst = max((g for g in growth.values() if g), default=None)
     return {
         "swaps": len(swaps), "restored_each_s": each, "raw_each_s": [s.get("raw_s") for s in swaps],
-        "built_ahead_each": [s.get("built_ahead") for s in swaps], "normal_step_s": step,
+        "built_ahead_each": [s.get("built_ahead") for s in swaps], "how_each": [s.get("how") for s in swaps],
+        "normal_step_s": step,
         "survivor_rss_growth": growth,
         "losses_identical": bool(losses) and set(losses) == set(ref) and all(ref[k] == v for k, v in losses.items()),
         "targets": {
@@ -215,17 +228,19 @@ def render(doc: dict[str, Any]) -> str:
     lines = [f"# {doc['title']}", "", f"Measured {doc['date']} with `{doc['command']}` ({doc['wall_s']:.0f} s) on "
              f"{doc['machine'].get('cpu_count', '?')} CPUs, GPT {doc['size']}. "
              + (__doc__ or "").split("\n\n")[1].replace("\n", " "), "",
-             "| swap | killed | spare built for it | kill -> every rank restored (s) | kill -> next step (s) | "
-             "detect | assign | spare | comms | restore |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| swap | killed | spare built for it | spare took it by | kill -> every rank restored (s) | "
+             "kill -> next step (s) | detect | assign | spare | comms | restore |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, s in enumerate(run_["swaps"]):
         ph = s.get("phases") or {}
-        lines.append(f"| {i + 1} | {s['killed']} | {s.get('built_ahead')} | {f(s.get('restored_s'))} | "
+        lines.append(f"| {i + 1} | {s['killed']} | {s.get('built_ahead')} | {s.get('how') or '-'} | "
+                     f"{f(s.get('restored_s'))} | "
                      f"{f(s.get('raw_s'))} | " + " | ".join(f(ph.get(k)) for k in ("detect_s", "assign_s", "spare_s",
                                                                                       "communicators_s", "restore_s"))
                      + " |")
     g = an["survivor_rss_growth"]
     lines += ["", f"One normal step: {f(an['normal_step_s'])} s. Survivors' RSS at the end over their RSS just before "
-              "the first kill: " + ", ".join(f"{k} x{f(v, 3)}" for k, v in g.items())
+              "the first kill they survived while training: " + ", ".join(f"{k} x{f(v, 3)}" for k, v in g.items())
               + f". Losses bit-identical to an uninterrupted run: {an['losses_identical']}.", "",
               "Targets: " + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'}" for k, t in an["targets"].items())
               + f" (restored at most {TARGET_RESTORED_S} s and next step at most one step + {TARGET_RESTORED_S} s "
@@ -239,13 +254,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="small", choices=("tiny", "small"))
     p.add_argument("--first-kill", type=int, default=3)
     p.add_argument("--gap", type=int, default=3, help="steps between two kills")
+    p.add_argument("--kill-ranks", default="1,2,0",
+                   help="the rank whose holder each swap kills, in turn (default: a different node each time)")
     p.add_argument("--timeout-s", type=float, default=900.0)
     add_output_args(p, "five_swaps")
     a = p.parse_args(argv)
     if a.render_only:
         return render_only(a.render_only, render)
-    if a.swaps < 1 or a.first_kill < 3 or a.gap < 2:
-        p.error("--swaps >= 1, --first-kill >= 3 and --gap >= 2")
+    try:
+        a.kill_ranks = [int(r) for r in a.kill_ranks.split(",")]
+    except ValueError:
+        p.error(f"--kill-ranks: comma-separated ranks 0-2, got {a.kill_ranks!r}")
+    if a.swaps < 1 or a.first_kill < 3 or a.gap < 2 or not all(0 <= r <= 2 for r in a.kill_ranks):
+        p.error("--swaps >= 1, --first-kill >= 3, --gap >= 2 and --kill-ranks within 0-2")
     t0 = time.time()
     logs = os.path.join(a.out, f"{a.name}_logs")
     os.makedirs(logs, exist_ok=True)

@@ -131,6 +131,15 @@ CURRENT: tuple[Current, ...] = (
             "(--join) and becomes the next spare; per swap kill -> restored and -> next step from the timeline, "
             "the survivors' RSS before the first kill and at the last step, losses against an uninterrupted run.",
             companions=("five_swaps_logs",)),
+    Current("five_swaps_any_node", "five_swaps", "five consecutive hot-swaps killing a different node each time",
+            "Issue 44: bench_five_swaps.py with --kill-ranks 1,2,0 (the default): GPT small, ZeRO-3, 3 nodes + 1 "
+            "spare; five SIGKILLs of the holder of rank 1, 2, 0, 1, 2 in turn, each spare replaced by a joining "
+            "machine that builds ahead for rank 1, so three of five swaps take ranks the spare did not build for "
+            "(relabelled in place); per swap how the spare took the ranks, kill -> restored and -> next step, each "
+            "survivor's RSS from the first kill it survived while training to the end, losses against an "
+            "uninterrupted run.",
+            companions=("five_swaps_any_node_logs",),
+            note="Run on a host shared with two other engineers' test runs (load average about 4 on 2 cores)."),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
