@@ -282,3 +282,14 @@ def test_deadpool_check_says_what_the_straggler_section_does():
     [report] = line({})
     assert "named" in report and "not replaced" in report and "over 30 s" in report
     assert line({"action": "off"}) == []
+
+
+def test_the_median_of_the_others_is_the_brute_force_one():
+    import random
+    import statistics
+
+    rng = random.Random(46)
+    for n in range(2, 40):
+        values = sorted(rng.random() for _ in range(n))
+        for i in range(n):
+            assert sg._median_without(values, i) == pytest.approx(statistics.median(values[:i] + values[i + 1:]))
