@@ -434,6 +434,9 @@ class DeadpoolConfig:
         if self.key_env != DEFAULT_KEY_ENV and not os.environ.get(self.key_env):
             _fail("key_env", f"names {self.key_env}, which is not set (or empty) in this process's environment; set "
                   f"it on every rank, or remove key_env to use {DEFAULT_KEY_ENV} (unset: no key)")
+        if self.straggler.action == "swap" and not self.hot_swap.enabled:
+            _fail("straggler.action", "swap replaces a slow node by a spare through the hot-swap, which "
+                  "hot_swap.enabled false turns off (an eviction would end the job): use report, or enable it")
         if self.differential.enabled and self.snapshot.interval != 1:
             _fail("differential.enabled", "differentials chain consecutive steps: snapshot.interval must be 1 "
                   f"(it is {self.snapshot.interval}); use differential.base_interval for the base interval")

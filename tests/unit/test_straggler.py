@@ -293,3 +293,11 @@ def test_the_median_of_the_others_is_the_brute_force_one():
         values = sorted(rng.random() for _ in range(n))
         for i in range(n):
             assert sg._median_without(values, i) == pytest.approx(statistics.median(values[:i] + values[i + 1:]))
+
+
+def test_swap_without_the_hot_swap_is_refused_naming_the_key():
+    from deadpool_ext.config import ConfigError, DeadpoolConfig
+
+    with pytest.raises(ConfigError, match="straggler.action: swap replaces a slow node"):
+        DeadpoolConfig.from_dict({"straggler": {"action": "swap"}, "hot_swap": {"enabled": False}})
+    assert DeadpoolConfig.from_dict({"straggler": {"action": "report"}, "hot_swap": {"enabled": False}})
