@@ -1,11 +1,13 @@
 """Stragglers (issue 46, part 1): which node is slow, and whether it is swapped for a spare (pure: no clock, store,
-process or thread; the coordinator's shell calls :func:`judge` once a turn with what the heartbeats said).
+process or thread; the coordinator's shell calls :func:`judge` every turn with what the heartbeats said; a worker's
+pace is sampled, and the rule run, at most every ``window_s / SAMPLES_PER_WINDOW`` seconds).
 
 What tells a straggler. In synchronous training every rank takes the same wall time per step: each waits for the
 slowest in its collectives. What differs is the time a rank spends *outside* collectives, its **busy** time per
 step: the slow rank computes longer and waits least, the others wait for it. Every worker reports its pace in its
 heartbeat (``rebuild/progress.py``: running totals of steps, their wall seconds and the training thread's seconds
-inside collectives, timed by ``rebuild/swap.py``'s gloo groups), so over the last ``window_s`` seconds the
+inside collectives, timed by ``rebuild/swap.py``'s gloo groups and ``rebuild/timed_work.py`` for the waits of
+asynchronous ones), so over the last ``window_s`` seconds the
 coordinator has each rank's busy seconds per step: ``(wall - collectives) / steps``.
 
 The rule, per node (a node is what a spare replaces; its busy time is its slowest rank's):
@@ -25,6 +27,9 @@ The rule, per node (a node is what a spare replaces; its busy time is its slowes
 6. an evicted node is fenced (its processes killed) and recorded in :attr:`StragglerState.evicted`; it is never
    taken back under its name (the coordinator refuses a join by a node name of the job). A repaired machine comes
    back as a new spare (``deadpool-run --join NEWNAME``) and is judged by this rule again once it trains.
+
+Once per window, named or not, a ``pace`` event (:func:`pace_event`) gives the job's step and its nodes' busy
+times (the metrics' ``deadpool_step_seconds``, ``deadpool_busy_seconds``, ``deadpool_slowest_node_ratio``).
 
 Actions: ``off`` (nothing), ``report`` (the default: named in the log, the timeline's ``straggler`` event and the
 metrics), ``swap`` (named, then evicted under the guards). ``deadpool-run --straggler-action/--straggler-factor/
