@@ -30,5 +30,21 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(format_table(rows) if rows else "no hot-swaps recorded")
+    for line in straggler_lines(events):
+        print(line)
     print(format_ledger(ledger(events, time.time())))
     return 0
+
+
+def straggler_lines(events: list[dict], most: int = 10) -> list[str]:
+    """The straggler rule's namings (``launcher/straggler.py``), the last ``most`` of them, one line each."""
+    named = [e for e in events if e.get("event") == "straggler"]
+    out = [f"stragglers named: {len(named)}" + (f" (the last {most})" if len(named) > most else "")] if named else []
+    t0 = next((float(e["time"]) for e in events if e.get("event") == "start"), None)
+    for e in named[-most:]:
+        at = f"+{float(e['time']) - t0:.1f} s" if t0 is not None else f"at {e.get('time')}"
+        num = {k: (f"{float(e[k]):.1f}" if isinstance(e.get(k), (int, float)) else "?")
+               for k in ("ratio", "window_s", "lost_s")}
+        out.append(f"  {at}: node {e.get('node')} ({num['ratio']}x the others' median over {num['window_s']} s, "
+                   f"{e.get('steps')} steps, the job waited {num['lost_s']} s): {e.get('decision')}, {e.get('why')}")
+    return out

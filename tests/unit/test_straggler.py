@@ -301,3 +301,15 @@ def test_swap_without_the_hot_swap_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="straggler.action: swap replaces a slow node"):
         DeadpoolConfig.from_dict({"straggler": {"action": "swap"}, "hot_swap": {"enabled": False}})
     assert DeadpoolConfig.from_dict({"straggler": {"action": "report"}, "hot_swap": {"enabled": False}})
+
+
+def test_deadpool_timeline_lists_the_namings():
+    from deadpool_ext.commands.timeline import straggler_lines
+
+    events = [{"event": "start", "time": 100.0}] + [
+        {"event": "straggler", "time": 130.0 + i, "node": "node1", "ratio": 4.25, "window_s": 30.0, "steps": 12,
+         "lost_s": 9.5, "decision": "named", "why": "action report (default): named only"} for i in range(12)]
+    lines = straggler_lines(events)
+    assert lines[0] == "stragglers named: 12 (the last 10)" and len(lines) == 11
+    assert lines[1].startswith("  +32.0 s: node node1 (4.2x") and "waited 9.5 s): named" in lines[1]
+    assert straggler_lines([{"event": "start", "time": 1.0}]) == []
