@@ -151,7 +151,7 @@ def test_sigstop_hang_is_detected_and_swapped(tmp_path, shm_root):
     assert spare["relabelled_from"] == 1 and row["spare_built_ahead"] is True
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[3]))
+@pytest.mark.parametrize("stage", matrix([0, 1, 2, 3], ci=[3]))  # ZeRO 0-2: test_takeover.py's relabel in CI (1)
 def test_spare_takes_a_node_it_did_not_shadow_in_place(tmp_path, shm_root, stage):
     """Issue 44: the spare builds its engine ahead for node1's rank 1; node0 (rank 0, the metrics writer) is killed.
     The spare takes rank 0 with the engine it built for rank 1, relabelled (``integrations/deepspeed/takeover.py``),

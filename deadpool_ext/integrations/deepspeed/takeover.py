@@ -9,7 +9,8 @@ node's ranks starts again from its script's first line (seconds: imports, model,
 What DeepSpeed (0.19) keeps from the rank, found by building one engine per rank and comparing every attribute
 (each relabelled below, or a reason in :func:`refusal`):
 
-- every stage: ``engine.global_rank`` (``engine.py`` ``_set_distributed_vars``);
+- every stage: ``engine.global_rank`` (``engine.py`` ``_set_distributed_vars``), ``save_non_zero_checkpoint`` and
+  ``save_zero_checkpoint`` (``_configure_checkpointing``: which ranks write the checkpoint's files);
 - ZeRO-1/2 (``stage_1_and_2.py`` ``__init__``): ``groups_padding``, ``params_in_partition``,
   ``params_not_in_partition``, ``first_offset`` (from ``get_partition_info`` with the rank's ``partition_id``),
   ``is_param_in_current_partition``, each low-precision parameter's ``_hp_mapping`` (``_link_all_hp_params``) and
@@ -84,6 +85,7 @@ def relabel(engine: Any, rank: int) -> None:
     import torch.distributed as dist
 
     engine.global_rank = rank
+    _relabel_checkpoint_writers(engine)
     if getattr(engine, "training_dataloader", None) is not None:
         sampler = _sampler_of(engine)
         sampler.rank = dist.get_rank(group=engine.data_parallel_group)
@@ -92,6 +94,20 @@ def relabel(engine: Any, rank: int) -> None:
         _relabel_zero12(engine.optimizer)
     elif stage == 3:
         _relabel_zero3(engine)
+
+
+def _relabel_checkpoint_writers(engine: Any) -> None:
+    """``engine.py`` ``_configure_checkpointing``: which ranks write the model states file and the ZeRO files."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    dp_rank = groups._get_sequence_data_parallel_rank()
+    rank = engine.local_rank if engine.use_node_local_storage() else dp_rank
+    engine.save_non_zero_checkpoint = bool(
+        engine.checkpoint_engine.is_data_parallel_writer(rank)
+        or (engine.zero_optimization_partition_weights() and engine.is_first_weights_partition_group()))
+    if hasattr(engine.optimizer, "dp_process_group"):
+        engine.save_zero_checkpoint = dist.get_rank(group=engine.optimizer.dp_process_group) == dp_rank
 
 
 def _relabel_zero12(opt: Any) -> None:
