@@ -376,12 +376,21 @@ def _recovery_quote(src: dict[str, dict[str, Any]]) -> str:
             f"({rd.get('speedup') or 0:.1f}x faster than relaunch + load's {_s(rd.get('baseline_s'))}; kill -> next "
             f"step {_s(hs['raw_s']['median'])}, one normal step + {_s(hs['minus_step_s']['median'])}; the first step "
             f"after the swap {_s(hs.get('first_step_time_after_s'))} against a normal step's "
-            f"{_s(hs.get('normal_step_s'))}), {_s(un.get('hotswap_s'))} when the spare had built for another node, "
+            f"{_s(hs.get('normal_step_s'))}), {_s(un.get('hotswap_s'))} when the spare had built for another node"
+            f"{' (before it could relabel its engine)' if RECOVERY_NODES in src else ''}, "
             f"{_s(rb.get('hotswap_s'))} on the rebuild path")
     if (md.get("hotswap") or {}).get("n"):
         text += (f"; GPT medium {_s(md['ready'].get('hotswap_s'))} (restore "
                  f"{_s(md['hotswap']['phases_median'].get('restore_s'))} of it), "
                  f"{md['ready'].get('speedup') or 0:.1f}x")
+    nodes = src.get(RECOVERY_NODES)
+    pn = ((((nodes or {}).get("sizes") or {}).get("small") or {}).get("analysis") or {}).get("per_node") or {}
+    if "worst" in pn:
+        text += (f". Every node killed in turn (`benchmarks/results/{RECOVERY_NODES}.md`, "
+                 f"{stamp(nodes or {}, stem=RECOVERY_NODES)}): worst node {pn['worst']} {_s(pn['worst_s'])} "
+                 f"({pn.get('speedup_worst') or 0:.1f}x relaunch + load's {_s(pn['baseline_restored_s'])} in that "
+                 f"run), expected {_s(pn['expected_s'])}, best node {pn['best']} {_s(pn['best_s'])}; the spare "
+                 "relabels its engine for the nodes it did not build for")
     return text + "."
 
 
