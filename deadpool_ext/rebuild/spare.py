@@ -217,9 +217,11 @@ def takeover(a: Assignment, worker_id: str, built: BuiltAhead, blocker: str | No
     return Takeover("start_again", rank, why)
 
 
-def await_assignment(relabel: Relabel | None = None) -> None:
+def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], object] | None = None) -> None:
     """Step 3 of the module's call order; a no-op in any process but a spare built ahead. ``relabel``: the
-    framework's offer to take another rank of the same world in place (None: it cannot)."""
+    framework's offer to take another rank of the same world in place (None: it cannot). ``prepare``: what the
+    runtime made after the wait does that depends on no rank (the node's memory directory and agent), done before
+    it; a failure there is logged and left to the runtime, which does it again."""
     ctx = context()
     built, m = ctx.built_ahead, ctx.membership
     if built is None or m is None:
@@ -241,6 +243,12 @@ def await_assignment(relabel: Relabel | None = None) -> None:
              "waiting for an assignment; %s", m.worker_id, built.rank, built.world_size, times["prologue_s"],
              times["engine_s"], "it takes any node's ranks in place" if blocker is None else
              f"another node's ranks start it again from the script's first line: {blocker}")
+    if prepare is not None:
+        try:
+            prepare()
+        except Exception as exc:  # the runtime does it again after the assignment, and raises there
+            log.warning("spare %s: preparing its node's memory before the assignment failed (%s); the runtime does "
+                        "it after", m.worker_id, exc)
     a = m.join(built.generation + 1, timeout_s=None, while_waiting=built.while_waiting)
     ctx.built_ahead = None
     ctx.progress.prepared = None

@@ -51,9 +51,23 @@ from .stats import SnapshotStats
 from .tier1 import TierOneStore
 from .writer import ABANDON_AFTER_S, COMMITTING, Job, SnapshotWorkerError, SnapshotWriter
 
-__all__ = ["ABANDON_AFTER_S", "COMMITTING", "SnapshotManager", "SnapshotWorkerError"]
+__all__ = ["ABANDON_AFTER_S", "COMMITTING", "SnapshotManager", "SnapshotWorkerError", "prepare_node"]
 
 log = logging.getLogger("deadpool_ext")
+
+
+def prepare_node(config: DeadpoolConfig, placement: NodePlacement) -> str:
+    """This node's memory directory (0700, never through a symlink, refused if another user made it), claimed for
+    the job and watched by the node's agent (local rank 0). Idempotent; what :class:`SnapshotManager` does first,
+    and what a spare does before its assignment (``rebuild/spare.py``: nothing of it depends on the rank, and the
+    agent's start, a process, is then off the recovery's critical path). Returns the directory."""
+    directory = job_shm_dir(placement.shm_root, placement.job_id, placement.node)
+    ensure_private_dir(directory)
+    if placement.first_on_node:
+        keep = float(config.local.keep_after_exit_s)
+        claim_directory(directory, placement.launcher_pid, keep_s=keep)
+        ensure_agent(directory, placement.launcher_pid, keep_s=keep)
+    return directory
 
 
 class SnapshotManager:
@@ -67,12 +81,7 @@ class SnapshotManager:
         if placement.shm_root != config.local.shm_root and self.rank == 0:
             log.info("shared memory root %s set by deadpool-run (config says %s)", placement.shm_root,
                      config.local.shm_root)
-        self.dir = job_shm_dir(placement.shm_root, self.job_id, self.node)
-        ensure_private_dir(self.dir)  # 0700, never through a symlink, refused if another user made it
-        if placement.first_on_node:
-            keep = float(config.local.keep_after_exit_s)
-            claim_directory(self.dir, placement.launcher_pid, keep_s=keep)
-            ensure_agent(self.dir, placement.launcher_pid, keep_s=keep)
+        self.dir = prepare_node(config, placement)
         timeout = timedelta(seconds=max(config.replication.timeout_s, config.recovery.timeout_s))
         # Snapshot traffic never shares a communicator with training collectives (which may be NCCL); swappable
         # (in-place hot-swap) when the default group is.

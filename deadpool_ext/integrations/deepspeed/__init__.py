@@ -50,9 +50,13 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
         # a spare that built this engine ahead of any failure waits here for its assignment (rebuild/spare.py),
         # before the runtime exists: assigned another data-parallel rank, the engine is relabelled first
         # (takeover.py), so all the runtime reads from the rank (snapshots, placement, canary) is the new rank's
+        from ...launcher.contract import worker_env
+        from ...snapshot.manager import prepare_node
+        from ..base import placement_for
         from . import takeover
 
-        await_assignment(Relabel(why_not=takeover.refusal(engine), apply=lambda rank: takeover.relabel(engine, rank)))
+        await_assignment(Relabel(why_not=takeover.refusal(engine), apply=lambda rank: takeover.relabel(engine, rank)),
+                         prepare=(lambda: prepare_node(cfg, placement_for(cfg, worker_env()))) if cfg.enabled else None)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
     return runtime
