@@ -101,8 +101,8 @@ def resolve(flag_action: str | None, flag_factor: float | None, flag_window_s: f
     def pick(flag: Any, key: str, default: Any) -> tuple[Any, str]:
         if flag is not None:
             return flag, "--straggler-" + key.replace("_s", "").replace("_", "-")
-        if job.get(key) is not None:
-            return job[key], f"deadpool.straggler.{key}"
+        if job.get(key) is not None:   # rank 0 writes the whole section: its defaults are the defaults
+            return job[key], f"deadpool.straggler.{key}" if job[key] != default else "default"
         return default, "default"
 
     action, source = pick(flag_action, "action", DEFAULT_ACTION)

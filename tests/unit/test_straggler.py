@@ -225,6 +225,7 @@ def test_resolve_flag_over_job_over_default():
     assert (s.action, s.factor, s.window_s, s.source) == ("swap", 3.0, 5.0, "deadpool.straggler.action")
     s = sg.resolve("report", None, None, {"action": "swap"})
     assert (s.action, s.source) == ("report", "--straggler-action")
+    assert sg.resolve(None, None, None, {"action": "report", "factor": 2.0, "window_s": 30.0}).source == "default"
 
 
 @pytest.mark.parametrize("bad", [dict(action="evict"), dict(factor=1.0), dict(factor=math.nan), dict(factor=True),
