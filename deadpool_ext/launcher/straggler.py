@@ -193,15 +193,13 @@ def observe(state: StragglerState, beats: Mapping[str, Mapping[str, Any]], a: As
     return dataclasses.replace(state, history=history)
 
 
-_AT = operator.attrgetter("at")
-
-
 def window_pace(samples: Sequence[Sample], start: float, end: float,
                 min_steps: int) -> tuple[float, float, int] | None:
     """(busy seconds per step, wall seconds per step, steps) between the newest samples at or before ``start`` and
     ``end``, or None: the history does not reach back to ``start`` yet, or holds fewer than ``min_steps`` steps
     in between."""
-    i, j = bisect.bisect_right(samples, start, key=_AT), bisect.bisect_right(samples, end, key=_AT)
+    at = operator.attrgetter("at")
+    i, j = bisect.bisect_right(samples, start, key=at), bisect.bisect_right(samples, end, key=at)
     if i == 0 or j == 0:
         return None
     b, n = samples[i - 1], samples[j - 1]
