@@ -295,6 +295,9 @@ ARCHIVE_NOTES: dict[str, str] = {
     "recovery_medium_2026-11-30": "GPT medium, the same: before the in-place default",
     "inplace_swap_single_trim": "the in-place swap before the catch-up trim and bounded heap arenas (code 85a462f): "
                                 "survivor RSS x1.08-1.13 over 5 swaps (single-step peaks); rebuild 1.49 -> 0.016 s",
+    "recovery_nodes_agent_on_path": "the first per-node run (issue 44, code 509c3c2): the spare started its node "
+                                    "agent after its assignment (0.10-0.17 s on the critical path); worst node 1.17 s, "
+                                    "6.0x; superseded by recovery_nodes",
     "recovery": "first full run (small x2 + medium baseline), code 24a8763c",
     "recovery_code80fb1043": "run of deadpool_ext 80fb1043",
     "recovery_small_rerun": "rerun of 80fb1043 (small)",
