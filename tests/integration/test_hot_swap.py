@@ -158,10 +158,16 @@ def test_spare_takes_a_node_it_did_not_shadow_in_place(tmp_path, shm_root, stage
     without starting its script again, restores rank 0's state from a survivor's replica, and the losses equal an
     uninterrupted run bit for bit."""
     base = baseline(tmp_path, shm_root, stage)
+    csv = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "anynode"}
     res, metrics, events, pids = dprun(tmp_path, shm_root, stage=stage, faults=[(4, "node0.0", signal.SIGKILL)],
-                                       name="anynode")
+                                       name="anynode", csv_monitor=csv)
     assert res.returncode == 0, res.output[-4000:]
     assert metrics == base
+    # DeepSpeed's monitor, open on rank 0 only, was opened by the spare once it became rank 0: the rows after the
+    # swap follow a second header (its new writer) and go on to the last step
+    rows = (tmp_path / "csv" / "anynode" / "Train_Samples_lr.csv").read_text().splitlines()
+    heads = [i for i, r in enumerate(rows) if r.startswith("step,")]
+    assert len(heads) == 2 and heads[1] < len(rows) - 1 and len(rows) >= len(heads) + ITERS, rows
     [ready] = [e for e in events if e.get("event") == "spare_ready"]
     assert (ready["rank"], ready["node"], ready["any_rank"]) == (1, "node1", True), ready
     [spare] = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]

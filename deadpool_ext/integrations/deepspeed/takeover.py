@@ -10,7 +10,8 @@ What DeepSpeed (0.19) keeps from the rank, found by building one engine per rank
 (each relabelled below, or a reason in :func:`refusal`):
 
 - every stage: ``engine.global_rank`` (``engine.py`` ``_set_distributed_vars``), ``save_non_zero_checkpoint`` and
-  ``save_zero_checkpoint`` (``_configure_checkpointing``: which ranks write the checkpoint's files);
+  ``save_zero_checkpoint`` (``_configure_checkpointing``: which ranks write the checkpoint's files), the monitor's
+  writers (``monitor/monitor.py`` ``MonitorMaster``: opened on rank 0 only; made anew for a relabel to rank 0);
 - ZeRO-1/2 (``stage_1_and_2.py`` ``__init__``): ``groups_padding``, ``params_in_partition``,
   ``params_not_in_partition``, ``first_offset`` (from ``get_partition_info`` with the rank's ``partition_id``),
   ``is_param_in_current_partition``, each low-precision parameter's ``_hp_mapping`` (``_link_all_hp_params``) and
@@ -49,8 +50,6 @@ def refusal(engine: Any) -> str | None:
         return "MoE layers (expert-parallel groups hold a subset of the ranks)"
     if engine.zero_cpu_offload() or _offloads_params(engine):
         return "ZeRO offload (the offloaded partitions and their swap files are laid out for one rank)"
-    if getattr(getattr(engine, "monitor", None), "enabled", False):
-        return "a monitor (tensorboard, wandb, csv, comet) is set up on rank 0 only"
     if getattr(engine, "training_dataloader", None) is not None and not _sampler_of(engine):
         return "DeepSpeed's data loader (training_data=) has a sampler other than a DistributedSampler"
     stage = int(engine.zero_optimization_stage())
@@ -86,6 +85,14 @@ def relabel(engine: Any, rank: int) -> None:
 
     engine.global_rank = rank
     _relabel_checkpoint_writers(engine)
+    monitor = getattr(engine, "monitor", None)
+    if rank == 0 and getattr(monitor, "enabled", False) and not any(
+            getattr(monitor, w, None) is not None for w in ("tb_monitor", "wandb_monitor", "csv_monitor",
+                                                             "comet_monitor")):
+        # MonitorMaster opens its writers on rank 0 only (monitor/monitor.py); on other ranks they stay shut
+        from deepspeed.monitor.monitor import MonitorMaster
+
+        engine.monitor = MonitorMaster(engine._config.monitor_config)
     if getattr(engine, "training_dataloader", None) is not None:
         sampler = _sampler_of(engine)
         sampler.rank = dist.get_rank(group=engine.data_parallel_group)
