@@ -24,11 +24,11 @@ ITERS = 10
 
 
 def dprun_job(tmp_path, shm_root, *, stage=3, nnodes=3, spares=1, iters=ITERS, name="run", extra=(), env=None,
-              **cfg) -> Job:
+              nproc=1, **cfg) -> Job:
     """The tiny GPT job under deadpool-run: ``nnodes`` nodes of 1 worker, ``spares`` spares. ``env``: extra
     environment of the job (e.g. ``chaos.at_step.harness_env(...)``); ``cfg``: DeepSpeed config overrides."""
     config = make_config(tmp_path, stage=stage, deadpool={"local": {"shm_root": shm_root}}, **cfg)
-    return Job(script="scripts/pretrain_gpt.py", nnodes=nnodes, nproc_per_node=1, spare_nodes=spares,
+    return Job(script="scripts/pretrain_gpt.py", nnodes=nnodes, nproc_per_node=nproc, spare_nodes=spares,
                shm_root=shm_root, timeline=os.path.join(str(tmp_path), f"{name}.timeline.jsonl"),
                launcher_flags=tuple(extra), config=config, args=("--train-iters", str(iters)),
                metrics=os.path.join(str(tmp_path), f"{name}.jsonl"), env_vars=dict(env or {}))
@@ -107,6 +107,26 @@ def test_sigkill_hot_swap_identical_losses(tmp_path, shm_root, stage):
     [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == 1]
     assert assigned["built_ahead"] == {"node1": True}
     assert row["spare_built_ahead"] is True and row["spare_s"] is not None and row["communicators_s"] is not None
+
+
+@pytest.mark.full_matrix(covered_by="test_spare_takes_a_node_it_did_not_shadow_in_place[3] (one process a node) "
+                                    "and tests/unit/test_spare_ahead.py (each process of a spare takes the rank of "
+                                    "its local index)")
+def test_each_process_of_a_spare_relabels_for_its_local_index(tmp_path, shm_root):
+    """Two processes a node (6 ranks): the spare's processes built for node1's ranks 2 and 3 take node2's 4 and 5,
+    each relabelled in place, and the losses equal an uninterrupted 6-rank run bit for bit."""
+    def run(job: Job) -> dict[int, float]:
+        res, metrics, _, _ = run_dprun(tmp_path, job, name="base_nproc2")
+        assert res.returncode == 0, res.output[-3000:]
+        return metrics
+
+    base = BASELINES.get(dprun_job(tmp_path, shm_root, spares=0, nproc=2, name="base_nproc2"), run)
+    job = dprun_job(tmp_path, shm_root, nproc=2, name="nproc2")
+    res, metrics, events, _ = run_dprun(tmp_path, job, faults=[(4, "node2.0", signal.SIGKILL)], name="nproc2")
+    assert res.returncode == 0, res.output[-4000:]
+    assert metrics == base
+    assigned = sorted((e["built_rank"], e["rank"], e["how"]) for e in events if e.get("event") == "spare_assigned")
+    assert assigned == [(2, 4, "relabel"), (3, 5, "relabel")], assigned
 
 
 def row_fault(events: list[dict]) -> float:
