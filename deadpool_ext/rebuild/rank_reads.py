@@ -12,7 +12,8 @@ every swappable group (``SwappableGroup.rank``, which ``dist.get_rank`` calls), 
 from ``os.environ`` (its class swapped for a recording subclass meanwhile, and swapped back at :func:`stop`). A read
 whose first caller outside torch and the standard library is in DeepSpeed or deadpool_ext (but not its demo
 training scripts) is not recorded: those are relabelled (``integrations/deepspeed/takeover.py``) or read the rank
-again when used.
+again when used. Not seen: a read through a copy of the environment (``dict(os.environ)``, ``os.environ.copy()``,
+then indexed), which cannot be told from a library scanning every variable; and a rank computed by native code.
 """
 from __future__ import annotations
 

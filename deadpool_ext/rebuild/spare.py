@@ -24,7 +24,9 @@ defaults):
    the join is pending (``pending_live``) and the script's ``resume()`` joins the survivors and restores the
    assigned rank's state, RNG included (``Recovery.join_survivors``). Otherwise (a blocker, another world size, a
    resize): the process starts again from its first line (:func:`start_again`, one log line naming why), which is
-   the path of a spare that never built ahead.
+   the path of a spare that never built ahead. The wait is inside ``deepspeed.initialize`` on purpose: a script
+   reads its rank from the engine (or ``dist.get_rank()``) right after it returns, so the relabel must come
+   first; returning a spare's engine before its assignment would hand the script the build-time rank.
 
 The spare's life as timeline events (``deadpool timeline`` reads them): ``spare_ready`` (built ahead, waiting; whether
 it can take any node's ranks), ``spare_assigned`` (how: ``as_built``, ``relabel`` or ``start_again``, and why),
