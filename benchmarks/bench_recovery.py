@@ -299,7 +299,9 @@ def analyse_entry(size: str, entry: dict[str, Any]) -> dict[str, Any]:
     for other in ("rebuild", "unready"):
         if entry["runs"].get(other):
             an[other] = analyze_size(size, {**entry, "runs": {**entry["runs"], "hotswap": entry["runs"][other]}})
-    an["per_node"] = analyze_nodes(entry, KILL_WORKER.split(".")[0])
+    per_node = analyze_nodes(entry, KILL_WORKER.split(".")[0])
+    if per_node is not None:  # results without --per-node runs keep their analysis as it was
+        an["per_node"] = per_node
     return an
 
 
