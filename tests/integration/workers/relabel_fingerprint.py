@@ -1,7 +1,7 @@
 """A DeepSpeed engine built *solo* (a spare's local build) for one rank of a 3-rank world, and what of it depends on
 the rank: every attribute of the engine, its optimizer and its parameters' ``ds_*`` / ``_hp_mapping`` fields that is
 a number, a string or a tensor's shape and place in its storage (values are left out: the restore from memory
-overwrites them).
+overwrites them), and the rank of the DistributedSampler of DeepSpeed's own loader (``training_data=``).
 
 argv: ZeRO stage, the rank to build for, output JSON, then the ranks to relabel to in turn (none: the engine as
 built). Writes {"built": fingerprint} or {"<rank>": fingerprint of the engine relabelled to it, ...} and "refusal":
@@ -37,6 +37,9 @@ def fingerprint(engine) -> dict:
                 continue
             if not isinstance(v, torch.nn.Module):
                 walk(v, f"{name}.{k}")
+    loader = getattr(engine, "training_dataloader", None)
+    if loader is not None:  # DeepSpeed's own loader (training_data=): its DistributedSampler's rank
+        seen["loader.sampler"] = f"{loader.data_sampler.rank} of {loader.data_sampler.num_replicas}"
     for n, p in engine.module.named_parameters():
         for k, v in vars(p).items():
             if k == "_hp_mapping" and v is not None:
@@ -65,7 +68,8 @@ def main() -> None:
         cfg = json.load(fh)
     cfg["zero_optimization"] = {"stage": stage}
     cfg.pop("deadpool", None)
-    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters())
+    data = torch.utils.data.TensorDataset(torch.arange(48))  # DeepSpeed's own loader over it (training_data=)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, model_parameters=model.parameters(), training_data=data)
     result = {"refusal": takeover.refusal(engine), "groups": swap.relabel_refusal(3)}
     if not targets:
         result["built"] = fingerprint(engine)
