@@ -110,5 +110,5 @@ def stop() -> str | None:
     reads, ctx.rank_reads = ctx.rank_reads, []
     if not reads:
         return None
-    more = f" (and {len(reads) - 1} more place(s))" if len(reads) > 1 else ""
-    return f"the script read its rank before deepspeed.initialize returned, at {reads[0]}{more}"
+    more = f" (and {len(reads) - 3} more place(s))" if len(reads) > 3 else ""
+    return f"the script read its rank before deepspeed.initialize returned, at {', '.join(reads[:3])}{more}"
