@@ -61,6 +61,10 @@ def refusal(engine: Any) -> str | None:
         return "bf16 at stage 0 (BF16_Optimizer partitions its masters by rank)"
     if stage == 3 and getattr(engine.optimizer, "zero_hpz_partition_size", 1) > 1:
         return "ZeRO++ hierarchical partitioning (zero_hpz_partition_size > 1: node-local groups)"
+    quantized = [k for k in ("zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                             "zero_quantized_gradients") if getattr(engine, k, lambda: False)()]
+    if quantized:  # not checked against DeepSpeed's own build for another rank (tests/integration/test_takeover.py)
+        return f"ZeRO++ quantized communication ({', '.join(quantized)}), not verified for a relabel"
     return None
 
 
