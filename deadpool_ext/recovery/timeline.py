@@ -103,7 +103,7 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                "assign_s": (assigned - detected) if assigned else None,
                "spare_s": (join_at - assigned) if join_at and assigned else None,
                "communicators_s": (live - max(assigned, join_at)) if live and assigned and join_at else None,
-               "spare_built_ahead": spare.get("built_ahead"),
+               "spare_built_ahead": spare.get("built_ahead"), "spare_relabelled_from": spare.get("relabelled_from"),
                "spare_prologue_s": prologue, "spare_engine_s": engine,
                "rebuild_s": (engine_ready - pg_ready) if engine_ready and pg_ready else None,
                "restore_s": (restored - engine_ready) if restored and engine_ready else None,
@@ -117,7 +117,8 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The phases, one generation per line; ``agree`` is shown as its parts (assign, spare, comms), and the spare's
-    prologue and engine build, with whether they happened before the failure (``ahead``) or after it."""
+    prologue and engine build, with whether they happened before the failure (``ahead``) or after it, and the rank
+    it built for when it relabelled its engine for another (``from r1``)."""
     head = (f"{'gen':>3} {'report':>7} {'detect':>7} {'assign':>7} {'spare':>7} {'comms':>7} {'rebuild':>8} "
             f"{'restore':>8} {'recompute':>9} {'total':>7}  spare's prologue + engine     replaced")
     lines = [head, "-" * len(head)]
@@ -129,7 +130,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         ahead = r.get("spare_built_ahead")
         build = ("" if r.get("spare_prologue_s") is None else
                  f"{r['spare_prologue_s']:.2f} + {r.get('spare_engine_s') or 0:.2f} s "
-                 f"{'ahead' if ahead else 'after'}")
+                 f"{'ahead' if ahead else 'after'}"
+                 + ("" if r.get("spare_relabelled_from") is None else f", from r{r['spare_relabelled_from']}"))
         lines.append(f"{r['generation']:>3} {fmt(r.get('reported_s'))} {fmt(r['detect_s'])} {fmt(r.get('assign_s'))} "
                      f"{fmt(r.get('spare_s'))} {fmt(r.get('communicators_s'))} {fmt(r['rebuild_s']):>8} "
                      f"{fmt(r['restore_s']):>8} {fmt(r['recompute_s']):>9} {fmt(r['total_s'])}  {build:<28} "

@@ -63,3 +63,11 @@ def test_deadpool_timeline_names_the_spares_phases():
     table = format_table(phases(_swap(True)) + phases(_swap(False))).splitlines()
     assert table[0].split()[:7] == ["gen", "report", "detect", "assign", "spare", "comms", "rebuild"]
     assert "3.10 + 1.40 s ahead" in table[2] and "3.10 + 1.40 s after" in table[3]
+
+
+def test_a_spare_that_relabelled_its_engine_says_the_rank_it_built_for():
+    events = _swap(True)
+    events[-1]["relabelled_from"] = 1  # built ahead for rank 1, took rank 2 (issue 44)
+    [row] = phases(events)
+    assert row["spare_relabelled_from"] == 1 and row["spare_built_ahead"] is True
+    assert "3.10 + 1.40 s ahead, from r1" in format_table([row]).splitlines()[2]
