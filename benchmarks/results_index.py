@@ -255,6 +255,10 @@ CURRENT: tuple[Current, ...] = (
             "into spares one window after their onset at the calibrated hot-swap + restore cost (recovery.json), "
             "with 21 and 4 spares; preemptions per day killed (half a tier-3 interval recomputed) vs drained "
             "(preempt.json's fixed cost + the write); 20 trials x 30 days per row."),
+    Current("straggler_rule", "straggler_rule", "the straggler rule's cost per coordinator turn, 256-16,384 ranks",
+            "Issue 46, part 1: one judge() turn in which the rule runs over a full window (8 ranks a node, one node "
+            "three times slower), 15 turns per size, in one process; each turn checked to evict the slow node "
+            "alone."),
     Current("straggler", "straggler", "a throttled node swapped for a spare vs kept",
             "Issue 46, part 1: GPT tiny, ZeRO-1, deadpool-run 2 nodes + 1 spare; after step 20 node1's worker in a "
             "cgroup of 0.1 of one core (CFS quota) until it exits or the job ends; --straggler-action swap vs "

@@ -316,13 +316,9 @@ def test_deadpool_timeline_lists_the_namings():
     assert straggler_lines([{"event": "start", "time": 1.0}]) == []
 
 
-def test_the_rule_over_16384_ranks_stays_well_inside_a_coordinator_turn_gap():
-    """2,048 nodes of 8 ranks, a window's samples each: one run of the rule must stay far below the 1 s that the
-    coordinator takes for a stalled store (decide.TURN_GAP_S); it was O(nodes^2) once."""
-    import time as clock
-
-    from deadpool_ext.launcher.decide import TURN_GAP_S
-
+def test_the_rule_over_16384_ranks_names_the_slow_node_alone():
+    """2,048 nodes of 8 ranks, a window's samples each: the rule names node7 alone. What a turn costs at this size
+    is measured in benchmarks/bench_straggler_rule.py (results/straggler_rule.md), not here."""
     a = assignment(2048, nproc=8)
     s = sg.StragglerSettings(window_s=30.0, action="swap")
     gap = s.window_s / sg.SAMPLES_PER_WINDOW
@@ -331,8 +327,5 @@ def test_the_rule_over_16384_ranks_stays_well_inside_a_coordinator_turn_gap():
         busy = 3.0 if a.nodes[w] == "node7" else 1.0
         history[w] = tuple(sg.Sample(k * gap, k, 3.0 * k, (3.0 - busy) * k, True) for k in range(18))
     state = sg.StragglerState(generation=0, history=history)
-    t0 = clock.perf_counter()
     v = sg.judge(state, {}, a, ("spare0",), 17 * gap, s)
-    took = clock.perf_counter() - t0
     assert sorted({w.split(".")[0] for w in v.evict}) == ["node7"]
-    assert took < TURN_GAP_S / 2, took
