@@ -24,7 +24,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule
 from torch.utils.data import TensorDataset
 
-FEATURES, CLASSES, HIDDEN = 16, 4, 32
+FEATURES, CLASSES = 16, 4
 
 
 def dataset(n: int, seed: int) -> TensorDataset:
@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gas", type=int, default=2, help="micro-batches per step")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--dataset-size", type=int, default=64)
+    p.add_argument("--hidden", type=int, default=32, help="width of the hidden layers")
     p.add_argument("--save-dir", default="checkpoints")
     p.add_argument("--save-interval", type=int, default=4)
     p.add_argument("--seed", type=int, default=1138)
@@ -59,9 +60,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.deadpool_section:
         ds_config["deadpool"] = json.loads(args.deadpool_section)
-    layers = [LayerSpec(torch.nn.Linear, FEATURES, HIDDEN), LayerSpec(torch.nn.ReLU),
-              LayerSpec(torch.nn.Dropout, 0.1), LayerSpec(torch.nn.Linear, HIDDEN, HIDDEN), LayerSpec(torch.nn.ReLU),
-              LayerSpec(torch.nn.Dropout, 0.1), LayerSpec(torch.nn.Linear, HIDDEN, CLASSES)]
+    hidden = args.hidden
+    layers = [LayerSpec(torch.nn.Linear, FEATURES, hidden), LayerSpec(torch.nn.ReLU),
+              LayerSpec(torch.nn.Dropout, 0.1), LayerSpec(torch.nn.Linear, hidden, hidden), LayerSpec(torch.nn.ReLU),
+              LayerSpec(torch.nn.Dropout, 0.1), LayerSpec(torch.nn.Linear, hidden, CLASSES)]
     net = PipelineModule(layers=layers, loss_fn=torch.nn.CrossEntropyLoss(), num_stages=2,
                          partition_method="parameters", activation_checkpoint_interval=0)
     engine, _, _, _ = deepspeed.initialize(args=args, model=net, model_parameters=[q for q in net.parameters()

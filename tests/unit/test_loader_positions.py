@@ -9,9 +9,16 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from deadpool_ext import patches
-from deadpool_ext.integrations.deepspeed.checkpoint_calls import follows, rebase
+from deadpool_ext.integrations.deepspeed.checkpoint_calls import follows, newest_saved, rebase
 from deadpool_ext.integrations.deepspeed.pipe_redo import BatchRecord, batch_redo_plan
-from deadpool_ext.integrations.deepspeed.redo import Micro, StepRecord, apply_accessor, loss_accessor, redo_plan
+from deadpool_ext.integrations.deepspeed.redo import (
+    Micro,
+    StepRecord,
+    apply_accessor,
+    loss_accessor,
+    redo_plan,
+    step_call_done,
+)
 from deadpool_ext.integrations.loaders import LoaderPositions, Position, next_epoch
 
 
@@ -190,6 +197,28 @@ def test_what_the_recorded_calls_can_redo():
     recs[1].micros[0].loss = ("none", "computed by the script")
     assert "computed by the script" in redo_plan(recs, 4)
     assert redo_plan([], 4) == "nothing was recorded"
+
+
+def test_a_restore_rebases_the_client_state_of_the_newest_save_at_or_before_its_step():
+    """A save at step N follows the snapshot of step N: restored to 2, the record published by the save at 2 wins
+    over the snapshot's (none, or the save at 0); restored to 3 after saves at 2 and 4 (the save at 4 rolled back),
+    the one at 2; every record newer: the oldest of them."""
+    at = lambda n: {"saved": {"step": n}, "at": {"global_steps": n}}  # noqa: E731
+    assert newest_saved([at(0), at(2)], 2) == at(2)
+    assert newest_saved([at(4), at(2)], 3) == at(2)
+    assert newest_saved([at(6), at(4)], 3) == at(4)
+    assert newest_saved([], 3) is None
+    saved = newest_saved([at(2)], 2)
+    assert saved is not None and rebase(saved["saved"], saved["at"], {"global_steps": 2}) == ({"step": 2}, ["step"])
+
+
+def test_a_step_call_that_failed_after_its_optimizer_step_is_not_made_again():
+    """engine.step() began at step 9: failed with the counter at 10 (in its snapshot's replica exchange) and step 10
+    restored: done, not made again (it would step on no gradients); step 9 restored, or the counter unmoved (a
+    failure inside the optimizer step): redone."""
+    assert step_call_done(9, 10, 10)
+    assert not step_call_done(9, 10, 9)
+    assert not step_call_done(9, 9, 9)
 
 
 def test_what_the_recorded_train_batch_calls_can_redo():

@@ -100,6 +100,13 @@ class StepRecord:
     micros: list[Micro] = field(default_factory=list)
 
 
+def step_call_done(before: int, failed_at: int, restored: int) -> bool:
+    """An ``engine.step()`` that failed with the engine's step counter at ``failed_at`` (``before`` when the call
+    began) needs no redo when its optimizer step ran (the counter moved: the failure came after it, in the step's
+    snapshot exchange or persist) and that step is the one restored (pure)."""
+    return failed_at > before and restored >= failed_at
+
+
 def redo_plan(records: list[StepRecord], restored: int) -> str | None:
     """Why the recorded calls cannot bring a survivor restored to ``restored`` back to where it was (pure); None:
     they can (every step after ``restored`` recorded, each loss reachable)."""
@@ -224,6 +231,7 @@ class StepRedo(Redo):
         self._forward, self._backward, self._step = forward, backward, step
         self.records: list[StepRecord] = []
         self._out: Any = None  # the newest forward's output (what the next backward's loss comes from)
+        self._step_before = -1  # the engine's step counter when the newest step() call began
         engine.forward = self._guarded(self._do_forward)
         engine.backward = self._guarded(self._do_backward)
         engine.step = self._guarded(self._do_step)
@@ -263,6 +271,7 @@ class StepRedo(Redo):
     def _do_step(self, args: tuple[Any, ...], kwargs: dict[str, Any], redo: Micro | None = None) -> Any:
         rec = self._current()
         micro = redo if redo is not None else (rec.micros[-1] if rec.micros else None)
+        self._step_before = int(self.engine.global_steps)
         out = self._step(*args, **kwargs)
         if micro is not None:
             micro.stepped = True
@@ -312,4 +321,6 @@ class StepRedo(Redo):
             return self._do_forward(args, kwargs, redo=failed)
         if failed is not None and do == self._do_backward:
             return self._do_backward(args, kwargs, redo=failed)
+        if do == self._do_step and step_call_done(self._step_before, self._failed_at, restored):
+            return None  # what DeepSpeed's step returns; made again it would step on no gradients
         return do(args, kwargs)
