@@ -92,6 +92,9 @@ SLOT_SIZES = "slots/"
 TRAINED = "trained/"
 """``trained/<worker>``: the worker's training loop ended (its last step, and the version committed on every rank
 then): a node lost after every rank's did fails nothing (``decide.py`` ``work_done``)."""
+CLIENT_STATES = "client_state/"
+"""``client_state/<rank>``: the client state the rank's script last gave ``save_checkpoint``, for a spare whose
+restored snapshot was taken before that save (a save at step N follows the snapshot of step N)."""
 SUSPECTS = "suspect/"
 """``suspect/<worker>``: a survivor's report that a collective of its generation failed (the coordinator then fails
 a peer whose heartbeat went quiet after a short age instead of the full detection timeout: ``decide.py``)."""
@@ -112,6 +115,9 @@ SPECS: tuple[KeySpec, ...] = (
     KeySpec(TRAINED, "a worker whose training loop ended, its last snapshot drained (integrations/base.py "
             "mark_trained)", "coordinator (a node lost after the job's work is done: decide.py work_done)",
             "{'generation', 'step', 'committed'}", values.trained),
+    KeySpec(CLIENT_STATES, "each rank at its script's save_checkpoint (integrations/deepspeed/checkpoint_calls.py)",
+            "a spare whose load_checkpoint is served from a snapshot older than the script's newest save",
+            "{'saved': the client state's JSON-able part, 'at': the engine's counters}", values.client_state),
     KeySpec(FAILURES, "a worker whose recovery failed in generation g", "people (deadpool inspect / a store dump)",
             "{'time', 'error'}: the key is failed/<generation>/<worker>"),
     KeySpec(SUSPECTS, "a worker whose step's collective failed, before it waits for the verdict (rebuild/recover.py)",
@@ -223,6 +229,10 @@ def join_answer(name: str) -> str:
 
 def slot_size(rank: int) -> str:
     return _key(SLOT_SIZES, int(rank))
+
+
+def client_state(rank: int) -> str:
+    return _key(CLIENT_STATES, int(rank))
 
 
 def suspect(worker: str) -> str:

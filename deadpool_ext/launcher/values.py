@@ -329,6 +329,38 @@ def slot_size(key: str, raw: bytes) -> int:
     return _int(key, "value", decode_json(key, raw), 1, MAX_SLOT_BYTES)
 
 
+MAX_CLIENT_STATE_BYTES = (64 << 10) + 1024
+"""A script's saved client state as JSON (``checkpoint_calls.MAX_CLIENT_BYTES``) and the counters beside it."""
+CLIENT_STATE_DEPTH = 16
+"""Deepest nesting of a script's client state (its own dicts and lists inside the record's two levels)."""
+COUNTER_NAMES = ("global_steps", "micro_steps", "global_samples")
+"""The engine counters a client-state record names (``integrations/deepspeed/checkpoint_calls.py`` COUNTERS)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ClientState:
+    """``client_state/<rank>``: the client state the rank's script last gave ``save_checkpoint`` (JSON-able part)
+    and the engine's counters then."""
+
+    saved: dict[str, Any]
+    at: dict[str, int]
+
+
+def client_state(key: str, raw: bytes) -> ClientState:
+    """``client_state/<rank>``: ``{"saved": object, "at": {counter: int}}`` (counters among
+    :data:`COUNTER_NAMES`, ``global_steps`` required); nothing else."""
+    d = _obj(key, decode_json(key, raw, MAX_CLIENT_STATE_BYTES, CLIENT_STATE_DEPTH))
+    extra = sorted(set(d) - {"saved", "at"})
+    if extra:
+        raise _fail(key, "unknown field(s) (allowed: saved, at)", extra)
+    saved = _obj(key, d.get("saved"))
+    at = _obj(key, d.get("at"))
+    unknown = sorted(set(at) - set(COUNTER_NAMES))
+    if unknown or "global_steps" not in at:
+        raise _fail(key, f"'at' must name global_steps and at most {', '.join(COUNTER_NAMES)}", sorted(at))
+    return ClientState(saved, {c: _int(key, f"at.{c}", v, 0, 1 << 62) for c, v in at.items()})
+
+
 def host_index(key: str) -> int | None:
     """``host/<i>``'s index, None for a key that is not one (a lease of a launcher that is not ours)."""
     tail = key.split("/", 1)[-1]

@@ -136,6 +136,27 @@ def test_a_tutorial_loop_survives_a_hot_swap_unchanged(tmp_path, shm_root, varia
     assert set(losses) == set(range(1, 11)) and losses == ref
 
 
+def test_a_spare_restored_to_the_step_of_the_scripts_first_save_counts_from_it(tmp_path, shm_root):
+    """Snapshots every 2 steps, the script saving every 2: rank 1 killed right after step 3, so the survivor and the
+    spare restore step 2, whose snapshot was taken before the script's save at step 2 (a save follows its step's
+    snapshot). The spare's ``load_checkpoint`` hands back the client state of that save (``{"step": 2}``, published
+    in the job's store), not an empty one: a spare counting from 0 trained two steps more than the survivor and
+    waited at the end for collectives nobody joined. Losses bit for bit."""
+    args = ["--steps", "10", "--save-interval", "2", "--dataset-size", "32"]
+    ref, _, _ = _run(tmp_path, "ref", args)
+    full = [*args, "--save-dir", os.path.join(str(tmp_path), "swap.ckpt"), "--deadpool-section",
+            json.dumps({"snapshot": {"interval": 2}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
+    marker = os.path.join(str(tmp_path), "fault.marker")
+    res, losses, events, pids = existing_jobs._dprun(
+        tmp_path, shm_root, "swap", SCRIPT, full,
+        env=at_step.harness_env({at_step.ENV: StepFault("kill", 3, 1, marker).render()}))
+    assert res.returncode == 0, res.output[-4000:]
+    spare = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
+    assert [e["step"] for e in spare] == [2], spare
+    assert "had not called save_checkpoint" not in res.output
+    assert set(losses) == set(range(1, 11)) and losses == ref
+
+
 def test_a_tutorial_pipeline_job_restarts_from_memory_through_load_checkpoint(tmp_path, shm_root):
     """``ds_tutorial_pipe.py``: a 2-stage ``PipelineModule`` fed by DeepSpeed's own loader (``training_data=``, a
     ``RepeatingLoader`` the engine iterates before the script's ``load_checkpoint``), dropout on both stages,

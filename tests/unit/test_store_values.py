@@ -18,6 +18,7 @@ SCHEMAS = {
     "hb/node0.0": values.heartbeat, "exit/node0.0": values.exit_rc, "dropped/node1": values.record_time,
     "joined/extra0": values.join_nproc, "join_ack/extra0": values.join_ack, "config/no_spare_policy": values.policy,
     "dead_spares": values.node_list, "leader": values.leader, "assignment": values.assignment,
+    "client_state/0": values.client_state,
 }
 HOSTILE = [NESTED, HUGE, b"\xff\xfe", b"", b"null", b"[]", b"{}", b"NaN", b'{"t": Infinity}', b"1" * 5000,
            b'{"rc": 1e999}', b"[[[[[[[[1]]]]]]]]", b'{"a": {"b": {"c": {"d": {"e": 1}}}}}']
@@ -58,6 +59,20 @@ def test_good_values_decode():
     assert values.leader("leader", b'{"host_rank": 1, "host": "10.0.0.2"}')["host_rank"] == 1
     assert values.host_index("host/3") == 3 and values.host_index("host/x") is None
     assert values.host_index("host/" + "9" * 50) is None
+    rec = values.client_state("client_state/1", b'{"saved": {"step": 2, "cfg": {"a": [1]}}, "at": {"global_steps": 2}}')
+    assert rec == values.ClientState({"step": 2, "cfg": {"a": [1]}}, {"global_steps": 2})
+
+
+@pytest.mark.parametrize("raw,needle", [
+    (b'{"saved": {}, "at": {}}', "'at' must name global_steps"),
+    (b'{"saved": {}, "at": {"global_steps": 1, "epoch": 2}}', "'at' must name global_steps"),
+    (b'{"saved": {}, "at": {"global_steps": -1}}', "'at.global_steps' must be an int"),
+    (b'{"saved": [], "at": {"global_steps": 1}}', "must be a JSON object"),
+    (b'{"saved": {}, "at": {"global_steps": 1}, "code": "x"}', "unknown field"),
+])
+def test_a_wrong_client_state_record_is_refused_naming_the_field(raw, needle):
+    with pytest.raises(BadValue, match=needle):
+        values.client_state("client_state/0", raw)
 
 
 def test_an_assignment_round_trips_and_a_stop_message_is_kept():

@@ -12,7 +12,10 @@ A script written as DeepSpeed's tutorials write it resumes like this, and nothin
 With the ``"deadpool"`` section the runtime wraps both calls on the engine (:class:`CheckpointCalls`):
 
 - ``save_checkpoint`` is DeepSpeed's; the client state it was given (its JSON-able part) and the engine's counters
-  then ride in every later snapshot (client-state key :data:`KEY`).
+  then ride in every later snapshot (client-state key :data:`KEY`). A save at step N comes after the snapshot of
+  step N, so under ``deadpool-run`` each rank also publishes it in the job's store (``client_state/<rank>``,
+  ``launcher/keys.py``): a spare restored to step N takes the newest record of a save at or before N
+  (:func:`newest_saved`), not the older one the snapshot carries (or none, when N was the first save).
 - ``load_checkpoint`` loads ``dir`` as DeepSpeed does when it holds a checkpoint (not in a spare that takes a lost
   node's place: the survivors restore from memory, and so does it), then asks the memory tiers for a version newer
   than that step (``resume(newer_than=...)``: collective, every rank agrees). When memory wins, it
@@ -153,6 +156,7 @@ class CheckpointCalls:
                             "a restore from memory hands back an empty client state", MAX_CLIENT_BYTES >> 10)
             kept = {}
         self._saved = {"saved": kept, "at": counters(self.engine)}
+        _publish(int(getattr(self.engine, "global_rank", 0)), self._saved)
 
     def _warn_once(self, what: str, fmt: str, *args: Any) -> None:
         if what not in self._warned and int(getattr(self.engine, "global_rank", 0)) == 0:
@@ -219,8 +223,9 @@ class CheckpointCalls:
         return None
 
     def _client_for(self, step: int) -> tuple[dict[str, Any], list[str]]:
-        rec = self._restored
-        if not rec or not isinstance(rec.get("saved"), dict) or not isinstance(rec.get("at"), dict):
+        records = [r for r in (self._restored, *_published()) if r is not None and _usable(r)]
+        rec = newest_saved(records, step)
+        if rec is None:
             if int(self.engine.global_rank) == 0:
                 log.warning("load_checkpoint: restored step %d from memory, but the script had not called "
                             "save_checkpoint before that step, so the client state it keeps its own counters in is "
@@ -231,6 +236,68 @@ class CheckpointCalls:
             return {}, []
         at = {k: int(v) for k, v in rec["at"].items() if isinstance(v, int) and not isinstance(v, bool)}
         return rebase(rec["saved"], at, counters(self.engine))
+
+
+def _usable(rec: Any) -> bool:
+    return isinstance(rec, dict) and isinstance(rec.get("saved"), dict) and isinstance(rec.get("at"), dict)
+
+
+def newest_saved(records: list[dict[str, Any]], step: int) -> dict[str, Any] | None:
+    """Of client-state records (``{"saved", "at"}``), the one a restore to ``step`` rebases from (pure): the newest
+    save at or before ``step``; else the oldest one after it (every rank went back past it); None: no record."""
+    def at(r: dict[str, Any]) -> int:
+        v = r["at"].get("global_steps")
+        return v if isinstance(v, int) and not isinstance(v, bool) else -1
+
+    before = [r for r in records if 0 <= at(r) <= step]
+    if before:
+        return max(before, key=at)
+    after = [r for r in records if at(r) > step]
+    return min(after, key=at) if after else None
+
+
+def _store() -> Any:
+    """The job's store under deadpool-run (None: no launcher's membership, e.g. under torchrun)."""
+    from ...rebuild.context import context
+
+    m = context().membership
+    return getattr(m, "store", None) if m is not None else None
+
+
+def _publish(rank: int, record: dict[str, Any]) -> None:
+    """This rank's newest save in the job's store (best effort: a save never fails for it)."""
+    store = _store()
+    if store is None:
+        return
+    from ...launcher import keys
+
+    try:
+        store.set_json(keys.client_state(rank), record)
+    except Exception as exc:
+        log.debug("client_state/%d not published: %s", rank, exc)
+
+
+def _published() -> list[dict[str, Any]]:
+    """Every rank's newest save as published (decoded through ``launcher/values.py``; a bad value: skipped)."""
+    store = _store()
+    if store is None:
+        return []
+    from ...launcher import keys, values
+
+    try:
+        raw = store.list(keys.CLIENT_STATES)
+    except Exception as exc:
+        log.debug("client_state/ not read: %s", exc)
+        return []
+    out = []
+    for key, value in sorted(raw.items()):
+        try:
+            rec = values.client_state(key, value)
+        except values.BadValue as exc:
+            log.warning("%s; ignored", exc)
+            continue
+        out.append({"saved": rec.saved, "at": rec.at})
+    return out
 
 
 def _has_checkpoint(load_dir: Any, tag: Any) -> bool:
