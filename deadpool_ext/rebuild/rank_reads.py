@@ -17,6 +17,7 @@ then indexed), which cannot be told from a library scanning every variable; and 
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -30,8 +31,16 @@ process i takes the rank of local index i)."""
 
 
 def _dir_of(module: str) -> str | None:
+    """The directory of the top-level package ``module``, imported or not (a spare's watch starts before the script
+    imports DeepSpeed: found by its spec then, which runs none of its code)."""
     mod = sys.modules.get(module)
     path = getattr(mod, "__file__", None)
+    if path is None:
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        path = spec.origin if spec is not None else None
     return os.path.dirname(os.path.abspath(path)) + os.sep if path else None
 
 

@@ -198,3 +198,17 @@ def test_reading_every_variable_is_no_read_of_the_rank(monkeypatch):
         assert [v for k, v in os.environ.items() if k == "RANK"] == ["1"]
     finally:
         assert rank_reads.stop() is None
+
+
+def test_deepspeeds_reads_are_told_apart_before_the_script_imports_it():
+    """A spare's watch starts before its script imports DeepSpeed: DeepSpeed's directory is found by its spec then
+    (nothing of it run), so ``deepspeed/comm/comm.py`` reading the rank inside ``deepspeed.initialize`` is not taken
+    for the script's own read (it blocked every relabel of a tutorial-style script)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from deadpool_ext.rebuild import rank_reads; "
+            "print(rank_reads._dir_of('deepspeed'), 'deepspeed' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    where, imported = out.stdout.split()
+    assert where.endswith("/deepspeed/") and imported == "False", out.stdout
