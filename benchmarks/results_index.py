@@ -255,6 +255,15 @@ CURRENT: tuple[Current, ...] = (
             "into spares one window after their onset at the calibrated hot-swap + restore cost (recovery.json), "
             "with 21 and 4 spares; preemptions per day killed (half a tier-3 interval recomputed) vs drained "
             "(preempt.json's fixed cost + the write); 20 trials x 30 days per row."),
+    Current("tutorial_scripts", "tutorial_scripts",
+            "DeepSpeed tutorial-style scripts, the section alone: hot-swap, restart, relaunch",
+            "Issue 43: scripts/examples/ds_tutorial_mlm.py (BERT masked LM, own DataLoader, in-code config, "
+            "load_checkpoint/save_checkpoint with the step in client_state) and ds_tutorial_pipe.py (a 2-stage "
+            "PipelineModule, train_batch()), 2 ranks, a SIGKILL after step 9: deadpool-run hot-swap on the node the "
+            "spare built for and on the other node, torchrun restart from memory, and plain torchrun relaunch + "
+            "disk load (a checkpoint every step, a cut-short newest one passed over); kill -> the step after the one "
+            "in flight, paired by round against the relaunch; losses against an uninterrupted run, 3 rounds.",
+            companions=("tutorial_scripts_logs",)),
     Current("straggler_rule", "straggler_rule", "the straggler rule's cost per coordinator turn, 256-16,384 ranks",
             "Issue 46, part 1: one judge() turn in which the rule runs over a full window (8 ranks a node, one node "
             "three times slower), 15 turns per size, in one process; each turn checked to evict the slow node "
