@@ -314,12 +314,13 @@ def render(doc: dict[str, Any]) -> str:
                      f"{f(a['relaunch']['normal_step_s'], 3)} |")
     lines += ["", "The relaunch restarts both ranks at once on this host (import, engine build, disk load), so it is "
               "slower here than one rank's start-up on a quiet cluster node; the hot-swap's spare was started with "
-              "the job. `swap_other` is the expected case where the failed node is not the one the spare built for: the "
-              "masked-LM loop's spare relabels its engine in place (issue 44, pure data parallelism); a pipeline "
-              "job's spare starts its script again (no relabel across pipeline stages). A relaunch that saves every "
-              "step pays for it in every step (the pipeline's normal step above). The relaunch's losses differ after the kill: without the extension the "
-              "scripts' loaders start their data again from the first batch (DeepSpeed's checkpoint holds no data "
-              "position), so the relaunched run trains on other batches than the uninterrupted one."]
+              "the job. `swap_other` is the expected case where the failed node is not the one the spare built "
+              "for: the masked-LM loop's spare relabels its engine in place (issue 44, pure data parallelism); a "
+              "pipeline job's spare starts its script again (no relabel across pipeline stages). A relaunch that "
+              "saves every step pays for it in every step (the pipeline's normal step above). The relaunch's losses "
+              "differ after the kill: without the extension the scripts' loaders start their data again from the "
+              "first batch (DeepSpeed's checkpoint holds no data position), so the relaunched run trains on other "
+              "batches than the uninterrupted one."]
     return "\n".join(lines) + "\n"
 
 
