@@ -207,8 +207,7 @@ def test_deepspeeds_reads_are_told_apart_before_the_script_imports_it():
     import subprocess
     import sys
 
-    code = ("import sys; from deadpool_ext.rebuild import rank_reads; "
-            "print(rank_reads._dir_of('deepspeed'), 'deepspeed' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    where, imported = out.stdout.split()
-    assert where.endswith("/deepspeed/") and imported == "False", out.stdout
+    code = ("import sys; from deadpool_ext.rebuild import rank_reads; where = rank_reads._dir_of('deepspeed'); "
+            "sys.exit(3 if 'deepspeed' in sys.modules else 0 if where and where.endswith('/deepspeed/') else 4)")
+    rc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode
+    assert rc == 0, "3: DeepSpeed was imported to find it; 4: not found"
