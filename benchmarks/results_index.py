@@ -139,9 +139,9 @@ CURRENT: tuple[Current, ...] = (
             "survivor's RSS from the first kill it survived while training to the end, losses against an "
             "uninterrupted run.",
             companions=("five_swaps_any_node_logs",),
-            note="Swap 4 (the spare built for it, as before issue 44) waited 2.0 s in its communicators phase: a "
-                 "survivor's snapshot worker was in a replica transfer gloo does not fail, abandoned after "
-                 "snapshot/writer.py ABANDON_AFTER_S; the other four 0.68-0.89 s."),
+            note="Run with --out elsewhere and copied here (the command as recorded without it); no snapshot worker "
+                 "was abandoned in this run. Survivors' RSS x1.067 and x1.041 here against x0.895 and x0.978 in "
+                 "the run before: one run per result, the spread between runs is that wide."),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
@@ -313,6 +313,9 @@ ARCHIVE_NOTES: dict[str, str] = {
     "recovery_nodes_agent_on_path": "the first per-node run (issue 44, code 509c3c2): the spare started its node "
                                     "agent after its assignment (0.10-0.17 s on the critical path); worst node 1.17 s, "
                                     "6.0x; superseded by recovery_nodes",
+    "five_swaps_any_node_abandon_2s": "five swaps killing a different node each time with a stuck snapshot worker "
+                                      "abandoned after 2 s (issue 44, code 9d9d73a): restored 0.68 / 0.68 / 0.89 / "
+                                      "2.71 / 0.84 s, swap 4 waiting the 2 s",
     "five_swaps_any_node_agent_on_path": "the first five swaps killing a different node each time (issue 44, code "
                                          "5056da3), the spare's node agent started after its assignment; restored "
                                          "0.74-1.14 s",
