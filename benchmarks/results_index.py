@@ -123,8 +123,9 @@ CURRENT: tuple[Current, ...] = (
             "(as built, relabelled in place, started again), losses against the relaunched and an uninterrupted run; "
             "the worst node is the headline, the expected value and the best beside it.",
             companions=("recovery_nodes_logs",),
-            note="`python benchmarks/bench_recovery.py --sizes small --repeats 3 --settle-s 20 --name recovery_nodes`; "
-                 "the host was shared with two other engineers' test runs (load average up to 4 on 2 cores)."),
+            note="`python benchmarks/bench_recovery.py --sizes small --repeats 3 --settle-s 20 --name recovery_nodes`, "
+                 "run with --out elsewhere and copied here; load average 1.5-1.7 on 2 cores at its start (the run "
+                 "before, archived as recovery_nodes_loaded_host, had 3.8-4.6)."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
@@ -313,6 +314,9 @@ ARCHIVE_NOTES: dict[str, str] = {
     "recovery_nodes_agent_on_path": "the first per-node run (issue 44, code 509c3c2): the spare started its node "
                                     "agent after its assignment (0.10-0.17 s on the critical path); worst node 1.17 s, "
                                     "6.0x; superseded by recovery_nodes",
+    "recovery_nodes_loaded_host": "every node killed in turn on a host at load 3.8-4.6 (issue 44, code e242131): "
+                                  "worst node node2 1.25 s (7.7x relaunch + load's 9.62 s), expected 0.90 s, best "
+                                  "0.69 s",
     "five_swaps_any_node_abandon_2s": "five swaps killing a different node each time with a stuck snapshot worker "
                                       "abandoned after 2 s (issue 44, code 9d9d73a): restored 0.68 / 0.68 / 0.89 / "
                                       "2.71 / 0.84 s, swap 4 waiting the 2 s",
