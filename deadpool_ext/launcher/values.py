@@ -329,12 +329,15 @@ def slot_size(key: str, raw: bytes) -> int:
     return _int(key, "value", decode_json(key, raw), 1, MAX_SLOT_BYTES)
 
 
-MAX_CLIENT_STATE_BYTES = (64 << 10) + 1024
-"""A script's saved client state as JSON (``checkpoint_calls.MAX_CLIENT_BYTES``) and the counters beside it."""
+MAX_CLIENT_JSON_BYTES = 64 << 10
+"""The largest client state (as JSON) a script's save may carry in snapshots and in ``client_state/<rank>``."""
+MAX_CLIENT_STATE_BYTES = MAX_CLIENT_JSON_BYTES + 1024
+"""A ``client_state/<rank>`` record: the client state and the counters beside it."""
 CLIENT_STATE_DEPTH = 16
 """Deepest nesting of a script's client state (its own dicts and lists inside the record's two levels)."""
 COUNTER_NAMES = ("global_steps", "micro_steps", "global_samples")
-"""The engine counters a client-state record names (``integrations/deepspeed/checkpoint_calls.py`` COUNTERS)."""
+"""The engine counters a client-state record names, in the order a step-like key is matched to them (DeepSpeed's
+engine attributes; ``integrations/deepspeed/checkpoint_calls.py``)."""
 
 
 @dataclass(frozen=True, slots=True)

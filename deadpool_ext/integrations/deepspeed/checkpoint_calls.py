@@ -37,8 +37,9 @@ import logging
 import os
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeGuard
 
+from ...launcher import keys, values
 from ...recovery.timeline import write_event
 
 log = logging.getLogger("deadpool_ext")
@@ -46,13 +47,13 @@ log = logging.getLogger("deadpool_ext")
 KEY = "deadpool_ds_client"
 """The client-state key of the script's last saved client state and the counters it was saved at."""
 
-COUNTERS = ("global_steps", "micro_steps", "global_samples")
+COUNTERS = values.COUNTER_NAMES
 """The engine counters a step-like key of the client state may follow, in the order they are tried."""
 
 STEP_LIKE = re.compile(r"step|iter|sample|batch", re.IGNORECASE)
 """Names of client-state keys that may count what an engine counter counts."""
 
-MAX_CLIENT_BYTES = 64 << 10
+MAX_CLIENT_BYTES = values.MAX_CLIENT_JSON_BYTES
 """A saved client state larger than this (as JSON) is not carried in snapshots (said once)."""
 
 _WHOLE_LOAD = {"load_module_strict": True, "load_optimizer_states": True, "load_lr_scheduler_states": True,
@@ -223,8 +224,8 @@ class CheckpointCalls:
         return None
 
     def _client_for(self, step: int) -> tuple[dict[str, Any], list[str]]:
-        records = [r for r in (self._restored, *_published()) if r is not None and _usable(r)]
-        rec = newest_saved(records, step)
+        snapshot = [self._restored] if _usable(self._restored) else []
+        rec = newest_saved([*snapshot, *_published()], step)
         if rec is None:
             if int(self.engine.global_rank) == 0:
                 log.warning("load_checkpoint: restored step %d from memory, but the script had not called "
@@ -238,7 +239,8 @@ class CheckpointCalls:
         return rebase(rec["saved"], at, counters(self.engine))
 
 
-def _usable(rec: Any) -> bool:
+def _usable(rec: Any) -> TypeGuard[dict[str, Any]]:
+    """A snapshot's client-state record as ``restore`` got it (the store's are decoded by ``values.client_state``)."""
     return isinstance(rec, dict) and isinstance(rec.get("saved"), dict) and isinstance(rec.get("at"), dict)
 
 
@@ -269,8 +271,6 @@ def _publish(rank: int, record: dict[str, Any]) -> None:
     store = _store()
     if store is None:
         return
-    from ...launcher import keys
-
     try:
         store.set_json(keys.client_state(rank), record)
     except Exception as exc:
@@ -282,8 +282,6 @@ def _published() -> list[dict[str, Any]]:
     store = _store()
     if store is None:
         return []
-    from ...launcher import keys, values
-
     try:
         raw = store.list(keys.CLIENT_STATES)
     except Exception as exc:

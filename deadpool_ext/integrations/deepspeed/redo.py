@@ -33,6 +33,7 @@ stoppable, snapshot-hooked calls beneath); the loop then calls the engine as alw
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -124,7 +125,7 @@ def redo_plan(records: list[StepRecord], restored: int) -> str | None:
     return None
 
 
-class Redo:
+class Redo(ABC):
     """What both redo flavours share: the ``save_checkpoint`` wrapper, the guard around a wrapped call, the recovery
     by the runtime's one failure path, the refusal line and the skipped save. A subclass records its calls
     (``records``: one entry per optimizer step, ``.after`` the engine's step counter before it), says before the
@@ -187,15 +188,18 @@ class Redo:
             return None
         return restored, failed
 
+    @abstractmethod
     def _failed_part(self, do: Callable[..., Any], failed_at: int) -> tuple[Any, str | None]:
-        raise NotImplementedError
+        """Before the recovery: what of the failed call ``do`` the redo needs, and why no redo is possible."""
 
+    @abstractmethod
     def _plan(self, restored: int) -> str | None:
-        raise NotImplementedError
+        """After the restore of ``restored``: why the recorded calls cannot bring the survivor back (None: they can)."""
 
+    @abstractmethod
     def _redo_then(self, do: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], restored: int,
                    failed: Any) -> Any:
-        raise NotImplementedError
+        """Every recorded call after ``restored`` again, then the failed call; returns what that call returns."""
 
     def _refuse(self, why: str, step: int) -> None:
         log.error("a lost peer interrupted step %d, and the plain loop cannot be carried through it in place (%s). "
