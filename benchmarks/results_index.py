@@ -124,8 +124,9 @@ CURRENT: tuple[Current, ...] = (
             "the worst node is the headline, the expected value and the best beside it.",
             companions=("recovery_nodes_logs",),
             note="`python benchmarks/bench_recovery.py --sizes small --repeats 3 --settle-s 20 --name recovery_nodes`, "
-                 "run with --out elsewhere and copied here; load average 1.5-1.7 on 2 cores at its start (the run "
-                 "before, archived as recovery_nodes_loaded_host, had 3.8-4.6)."),
+                 "run with --out elsewhere and copied here. The run before on the same behaviour (recovery_nodes_"
+                 "0c7f157, before a refactor) met the restore target but not 10x on its worst node (9.4x): the "
+                 "speedup of the worst node sits near 10x and moves with the host's load."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
@@ -314,6 +315,8 @@ ARCHIVE_NOTES: dict[str, str] = {
     "recovery_nodes_agent_on_path": "the first per-node run (issue 44, code 509c3c2): the spare started its node "
                                     "agent after its assignment (0.10-0.17 s on the critical path); worst node 1.17 s, "
                                     "6.0x; superseded by recovery_nodes",
+    "recovery_nodes_0c7f157": "every node killed in turn, code 0c7f157 (load 1.5-1.7): worst node node0 0.74 s "
+                              "(9.4x relaunch + load's 6.91 s), expected 0.68 s (10.1x), best 0.65 s (10.6x)",
     "recovery_nodes_loaded_host": "every node killed in turn on a host at load 3.8-4.6 (issue 44, code e242131): "
                                   "worst node node2 1.25 s (7.7x relaunch + load's 9.62 s), expected 0.90 s, best "
                                   "0.69 s",
