@@ -19,7 +19,8 @@ One turn, in order:
    failed after ``Settings.suspect_age_s`` instead of the detection timeout, :meth:`_Turn.by_report`), hangs by
    progress (``hangs.stalled``); dead spares; with none of these, a straggler evicted (``straggler.py``);
 5. no failure: grow a shrunk world to a repaired or joined node once it has formed (``hangs.not_formed``);
-6. a failure after the job's work is done finishes it (``done.py``); any other: the failed nodes fenced, and the
+6. a failure after the job's work is done finishes it (``done.py``; and before detection, in a generation a
+   recovery made: a rank whose script ended while the rest cannot go on); any other: the failed nodes fenced, and the
    next generation: spares take the failed nodes' ranks (``membership.replace_failed``); with none left, the
    policy: shrink (``membership.shrink_failed``), await a spare until ``--spare-wait-s`` passes, or stop with the
    line ``final.stop_line`` writes.
@@ -54,7 +55,7 @@ from .actions import (
     Stop,
     WriteDeadSpares,
 )
-from .done import finish_after_loss
+from .done import finish_after_loss, finish_after_recovery
 from .final import stop_line
 from .hangs import not_formed, prepared_spares, spare_lost_line, stalled, store_stalled
 
@@ -259,12 +260,18 @@ class _Turn:
             return
         if self.finished_or_fatal():
             return
+        a, obs = self.state.assignment, self.obs
+        ended = frozenset(w for w in a.ranks if obs.exits.get(w) == 0 or w in obs.done)
+        after = finish_after_recovery(a, obs.trained, ended, obs.beats, obs.reports)
+        if after is not None:  # a loss at the job's last step, seen as one only once a spare had taken over
+            self.actions += after
+            return
         failed = self.detect() or {w: why for w, why in self.obs.evict.items() if w in self.state.assignment.ranks}
         if not failed:
             self.grow()
             return
         done = finish_after_loss(self.state.assignment, self.obs.trained, failed,  # the job's work is done
-                                 drop_memory=not self.settings.keep_memory_on_failure)
+                                 drop_memory=not self.settings.keep_memory_on_failure, ended=ended)
         self.actions += done or []
         if done is None:
             self.failure(failed)

@@ -149,6 +149,11 @@ def reset() -> None:
     _progress().reset()
 
 
+def last_step() -> int:
+    """The last optimizer step the training thread finished (-1: none yet)."""
+    return _progress().step
+
+
 def sample() -> dict[str, Any]:
     """``{"step", "step_at", "coll", "still_s", "pace"}``: the last finished step (-1: none yet) and when (epoch
     seconds), whether the main thread is inside a torch.distributed call, how long its innermost frames have been

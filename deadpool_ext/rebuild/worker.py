@@ -73,6 +73,7 @@ class Membership:
         self._watch_s = min(watch_s, heartbeat_s)
         self._stop = threading.Event()
         self.assignment: Assignment | None = None
+        self._trained_in: int | None = None  # the generation this worker recorded its loop's end in
         threading.Thread(target=self._heartbeat, name="deadpool-heartbeat", daemon=True).start()
 
     @classmethod
@@ -205,6 +206,7 @@ class Membership:
         (``launcher/decide.py`` ``work_done``). Best effort: without it such a loss is a failure as before."""
         try:
             self.store.set_json(keys.trained(self.worker_id), keys.trained_value(self.generation, step, committed))
+            self._trained_in = self.generation
         except Exception as exc:
             log.warning("worker %s: could not record that its training loop ended (%s)", self.worker_id, exc)
 
@@ -216,7 +218,14 @@ class Membership:
 
     def mark_done(self) -> None:
         """Training finished on this worker: stop heartbeating; the launcher no longer watches for a hang
-        while the interpreter shuts down (which can take seconds and stops the heartbeat thread)."""
+        while the interpreter shuts down (which can take seconds and stops the heartbeat thread). The script
+        returned, so its loop ended too: unless the loop said so in this generation (``mark_trained``), the
+        last step it noted is recorded as its end (a plain loop has no other end marker; ``launcher/done.py``)."""
+        from . import progress
+
+        step = progress.last_step()
+        if step >= 0 and self._trained_in != self.generation:
+            self.mark_trained(step, None)
         self._stop.set()
         deadline = time.monotonic() + self.timeout_s
         while True:  # the launcher must learn it, or it takes the silence for a hang: retry through an outage

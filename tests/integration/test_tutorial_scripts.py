@@ -215,3 +215,27 @@ def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_roo
     spare = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
     assert len(spare) == 1 and spare[0]["pid"] not in pids.values(), spare
     assert set(losses) == set(range(1, 11)) and losses == ref
+
+
+@pytest.mark.parametrize("last_save", ["at_the_end", "before"])
+def test_a_node_lost_at_the_last_step_of_a_plain_loop_ends_the_job_with_status_0(tmp_path, shm_root, last_save):
+    """Rank 1 killed right after its optimizer step 10, the loop's last: a plain loop has no end marker, so the
+    loss is a failure and the spare takes rank 1, restored to step 10. ``at_the_end``: the survivor was in the
+    script's save of step 10, recovers in place, skips the save and ends; the spare's script, resumed at its last
+    step, trains one step more, alone. ``before``: no save at step 10, the survivor's script ends at once (before
+    the spare's generation, or as it is published). Either way the job's work is done: status 0, the lost node
+    named once (launcher/done.py), not a hang until a collective's timeout and "the script's own error". (When the
+    loss cut step 10's snapshot short, step 9 is restored and step 10 trained again by both: a plain recovery.)"""
+    args = ["--steps", "10", "--save-interval", "5" if last_save == "at_the_end" else "3", "--dataset-size", "32"]
+    ref, _, _ = _run(tmp_path, "ref", args)
+    marker = os.path.join(str(tmp_path), "fault.marker")
+    losses, events, _ = _dprun(tmp_path, shm_root, "lost", args, env=at_step.harness_env(
+        {at_step.ENV: StepFault("kill", 10, 1, marker).render()}))
+    restored = {e["restored_version"] for e in events if e.get("event") == "recover"}
+    done = [(e["lost"], e["step"]) for e in events if e.get("event") == "lost_after_done"]
+    if restored == {9}:  # step 10's snapshot cut short by the loss: both ranks train step 10 again and end together
+        assert done == [], events
+    else:
+        assert restored <= {10} and done == [(["node1"], 10)], events
+    assert not [e for e in events if e.get("event") == "stopped"]
+    assert set(losses) == set(range(1, 11)) and losses == ref

@@ -41,7 +41,7 @@ from deadpool_ext.launcher.decide import (
     decide,
     taken_over,
 )
-from deadpool_ext.launcher.done import work_done
+from deadpool_ext.launcher.done import ENDED_WAIT_S, work_done
 
 T0 = 1000.0
 DETECT = 6.0
@@ -724,3 +724,60 @@ def test_a_node_lost_after_the_jobs_last_step_finishes_the_job():
     early = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}, trained={"node1.0": trained["node1.0"]}),
                    settings())
     assert early.exit_code is None and of(early.actions, Publish)
+
+
+def test_a_script_that_ended_counts_as_the_end_of_its_loop():
+    """A rank whose script returned (exit 0 or ``done/``) after step 10: a rank lost meanwhile needs no commit of
+    step 10 to be known to have finished it (its gradients were reduced over it, and the loop is over)."""
+    ranks, lost = {"node0.0": 0, "node1.0": 1}, {"node1.0"}
+    plain_loop = {"node0.0": values.Trained(0, 10, None)}  # written by mark_done: no commit known
+    assert work_done(ranks, 0, plain_loop, lost) is None
+    assert work_done(ranks, 0, plain_loop, lost, ended={"node0.0"}) == 10
+
+
+def _after_swap() -> CoordinatorState:
+    """Generation 1: node1 was lost (exit -9) and spare0 took its rank."""
+    dec = decide(job(spares=1), Observation(now=T0 + 0.1, exits={"node1.0": -9}), settings())
+    assert dec.state.assignment.replaced == {"node1": "spare0"}
+    return dec.state
+
+
+def test_a_survivor_whose_script_ended_before_the_swap_finishes_the_job():
+    """node1 lost right after the last step 10 of a plain loop; node0's script ended (exit 0, its loop's end
+    recorded in generation 0) while generation 1 was published: it never joins it, so the spare would wait for it
+    until its deadline. The job's work is done: finished with status 0, the lost node named, the spare stopped."""
+    st = _after_swap()
+    trained = {"node0.0": values.Trained(0, 10, None)}
+    dec = decide(st, Observation(now=T0 + 0.5, exits={"node1.0": -9, "node0.0": 0}, trained=trained), settings())
+    assert dec.exit_code == 0 and not of(dec.actions, Publish) and len(of(dec.actions, Say)) == 1
+    assert [(e["lost"], e["step"], e["ended"], e["stopped"]) for e in events(dec.actions, "lost_after_done")] == [
+        (["node1"], 10, ["node0.0"], ["spare0.0"])]
+    unknown = decide(st, Observation(now=T0 + 0.5, exits={"node1.0": -9, "node0.0": 0}), settings())
+    assert unknown.exit_code is None and not events(unknown.actions, "lost_after_done")  # no step known: no verdict
+
+
+def test_a_spare_past_the_last_step_alone_in_a_collective_finishes_the_job():
+    """node1 lost at the last step 10; the survivor recovered in place in generation 1, its script then ended after
+    step 10, and the spare, restored to step 10, trains step 11 (the script checks its step count after a step):
+    it waits in a collective the survivor will never join. After ENDED_WAIT_S there, or once it reports the
+    collective failed, the job's work is done. A spare outside any collective (its own save, its summary) is left
+    to end on its own, and without a recovery the same picture is the script's own hang, judged as before."""
+    st = _after_swap()
+    trained = {"node0.0": values.Trained(1, 10, None)}
+    exits = {"node1.0": -9, "node0.0": 0}
+
+    def turn(**kw):
+        return decide(st, Observation(now=T0 + 9, exits=exits, trained=trained, **kw), settings())
+
+    stuck = turn(beats={"spare0.0": beat(T0 + 9, step=-1, coll=True, still_s=ENDED_WAIT_S + 1)})
+    assert stuck.exit_code == 0 and [e["stopped"] for e in events(stuck.actions, "lost_after_done")] == [["spare0.0"]]
+    reported = turn(beats={"spare0.0": beat(T0 + 9, step=-1)},
+                    reports={"spare0.0": values.Report(1, T0 + 8, "Connection closed by peer")})
+    assert reported.exit_code == 0
+    for b in (beat(T0 + 9, step=-1, coll=True, still_s=1.0), beat(T0 + 9, step=-1, still_s=30.0)):
+        left = turn(beats={"spare0.0": b})
+        assert left.exit_code is None and not events(left.actions, "lost_after_done"), b
+    st0 = job(spares=1)
+    hang = decide(st0, Observation(now=T0 + 9, exits={"node0.0": 0}, trained={"node0.0": values.Trained(0, 10, None)},
+                                   beats={"node1.0": beat(T0 + 9, coll=True, still_s=60.0)}), settings())
+    assert not events(hang.actions, "lost_after_done") and hang.exit_code is None

@@ -220,8 +220,10 @@ class Redo(ABC):
         if do != self._do_save or restored < self._failed_at:
             return False
         at = int(self.engine.global_steps)
-        log.warning("save_checkpoint at step %d was interrupted by the lost peer and is not made again (step %d "
-                    "is restored from memory on every rank; the script's next save writes a newer one)", at, restored)
+        log.warning("save_checkpoint at step %d was interrupted by the lost peer and is not made again: step %d is "
+                    "restored from memory on every rank and training goes on from it, so the script's next save "
+                    "writes a newer one; if none follows (the loss came at the job's end), its newest complete save "
+                    "is the one before", at, restored)
         write_event(event="save_skipped", rank=int(self.engine.global_rank), step=at)
         return True
 
