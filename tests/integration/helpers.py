@@ -74,8 +74,10 @@ def baseline(tmp_path, config: str, *, iters: int, nproc: int = 2) -> dict[int, 
 
 def tagged_json(output: str, tag: str) -> list[dict]:
     """Every ``TAG {...}`` object the job's processes printed, in order, wherever it landed. The processes share one
-    pipe, and ``print`` writes a line's text and its newline in two writes, so another process's output can follow
-    an object on the same line (or a line can hold two objects); each object itself arrives whole."""
+    pipe, unbuffered (``PYTHONUNBUFFERED=1``), and ``print`` writes each argument, separator and the newline
+    separately, so another process's output can follow an object on the same line (or a line can hold two objects).
+    A worker prints its record as one string, ``print("TAG " + json.dumps(obj))``, so that the tag and its object
+    arrive in one write (``print("TAG", json.dumps(obj))`` lets another rank's line in between: a record lost)."""
     dec, key, out = json.JSONDecoder(), tag + " {", []
     at = output.find(key)
     while at != -1:

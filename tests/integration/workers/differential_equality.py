@@ -70,9 +70,9 @@ def main(argv: list[str]) -> int:
     if adapter.zero_stage < 3:  # ZeRO-3 module parameters are gathered on use; the partitions were compared
         assert all(torch.equal(_bytes(a), _bytes(b)) for a, b in zip(engine.module.parameters(), want_params))
     # what the test reads: one JSON record per rank, after every check above passed
-    print("RESULT", json.dumps({"rank": engine.global_rank, "tensors_equal": len(want), "replayed": stats["replayed"],
-                                "base": steps - steps % 4, "diff_nbytes": stats["diff_nbytes"],
-                                "base_nbytes": stats["base_nbytes"]}), flush=True)
+    print("RESULT " + json.dumps({"rank": engine.global_rank, "tensors_equal": len(want), "replayed": stats["replayed"],
+                                  "base": steps - steps % 4, "diff_nbytes": stats["diff_nbytes"],
+                                  "base_nbytes": stats["base_nbytes"]}), flush=True)
     engine.deadpool.close()
     dist.barrier()
     return 0
