@@ -19,11 +19,10 @@ One turn, in order:
    failed after ``Settings.suspect_age_s`` instead of the detection timeout, :meth:`_Turn.by_report`), hangs by
    progress (``hangs.stalled``); dead spares; with none of these, a straggler evicted (``straggler.py``);
 5. no failure: grow a shrunk world to a repaired or joined node once it has formed (``hangs.not_formed``);
-6. a failure after the job's work is done finishes it (``done.py``; and before detection, in a generation a
-   recovery made: a rank whose script ended while the rest cannot go on); any other: the failed nodes fenced, and the
-   next generation: spares take the failed nodes' ranks (``membership.replace_failed``); with none left, the
-   policy: shrink (``membership.shrink_failed``), await a spare until ``--spare-wait-s`` passes, or stop with the
-   line ``final.stop_line`` writes.
+6. a failure after the job's work is done finishes it (``done.py``, a plain loop's before detection); any other:
+   the failed nodes fenced, and the next generation: spares take the failed nodes' ranks
+   (``membership.replace_failed``); with none left, the policy: shrink (``membership.shrink_failed``), await a
+   spare until ``--spare-wait-s`` passes, or stop with the line ``final.stop_line`` writes.
 """
 from __future__ import annotations
 
@@ -63,11 +62,9 @@ TURN_GAP_S = 1.0
 """A coordinator turn later than this after the previous one (normally 0.1 s apart) means the store stalled."""
 JOINED_HOST = -1  # a joined node's host index: none of the job's --hosts (never among those whose lease lapsed)
 REPORT_AGES = 2.0
-"""A survivor's report of a failed collective counts for this many ``suspect_age_s`` after the coordinator read it:
-a lost host's ranks were last heard before the report, so they are failed within that; a report that explained
-nothing by then (a rank's own exception, not a lost peer) no longer shortens anyone's detection."""
-JOIN_RE = values.NODE_RE
-"""A joining node's name: it becomes part of store keys, worker ids and a shared-memory directory name."""
+"""A survivor's report of a failed collective counts for this many ``suspect_age_s`` after the coordinator read it: a
+lost host's ranks are failed within that; one that explained nothing by then (not a lost peer) no longer counts."""
+JOIN_RE = values.NODE_RE  # a joining node's name: part of store keys, worker ids and a shared-memory directory name
 
 
 # -- what the coordinator knows ---------------------------------------------------------------------------------
@@ -260,20 +257,18 @@ class _Turn:
             return
         if self.finished_or_fatal():
             return
-        a, obs = self.state.assignment, self.obs
+        a, obs = self.state.assignment, self.obs  # a plain loop's last step lost, seen once a spare took over:
         ended = frozenset(w for w in a.ranks if obs.exits.get(w) == 0 or w in obs.done)
-        after = finish_after_recovery(a, obs.trained, ended, obs.beats, obs.reports)
-        if after is not None:  # a loss at the job's last step, seen as one only once a spare had taken over
+        if after := finish_after_recovery(a, obs.trained, ended, obs.beats, obs.reports):
             self.actions += after
             return
-        failed = self.detect() or {w: why for w, why in self.obs.evict.items() if w in self.state.assignment.ranks}
+        failed = self.detect() or {w: why for w, why in obs.evict.items() if w in a.ranks}
         if not failed:
             self.grow()
             return
-        done = finish_after_loss(self.state.assignment, self.obs.trained, failed,  # the job's work is done
-                                 drop_memory=not self.settings.keep_memory_on_failure, ended=ended)
-        self.actions += done or []
-        if done is None:
+        if done := finish_after_loss(a, obs.trained, failed, not self.settings.keep_memory_on_failure, ended):
+            self.actions += done  # the job's work is done
+        else:
             self.failure(failed)
 
     # -- 1. joins ----------------------------------------------------------------------------------------------
@@ -412,8 +407,7 @@ class _Turn:
             return None if h is None else now - h[1]
 
         def fresh(w: str) -> bool:
-            q = quiet(w)
-            return q is not None and q <= limit
+            return (q := quiet(w)) is not None and q <= limit
 
         reporters = sorted((at, w) for w, (_, _, at) in heard.items()
                            if w in live and now - at <= REPORT_AGES * limit and fresh(w))
@@ -430,9 +424,8 @@ class _Turn:
         return failed
 
     def store_stall(self, active: set[str], any_hung: bool) -> None:
-        """Every heartbeat stale at once, the live spares' too: the store took nobody's writes, which is no hang.
-        Heartbeat detection waits (a grace as long as the detection timeout after the last such turn), for at most
-        --store-outage-s from the oldest heartbeat; said once per stall."""
+        """Every heartbeat stale at once, the live spares' too: the store took nobody's writes, no hang. Detection waits
+        (a grace of the detection timeout after such a turn), at most --store-outage-s from the oldest; said once."""
         if not any_hung:
             self.update(stall_logged=False)
             return
