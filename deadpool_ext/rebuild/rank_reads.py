@@ -109,14 +109,17 @@ def start() -> None:
         os.environ.__class__ = _WatchedEnviron
 
 
-def stop() -> str | None:
-    """End the watch; the blocker line for a relabel (None: nothing outside DeepSpeed and deadpool_ext read it)."""
+def stop(covers: tuple[str, ...] = ()) -> str | None:
+    """End the watch; the blocker line for a relabel (None: nothing outside DeepSpeed and deadpool_ext read it).
+    ``covers``: top-level packages whose reads the framework's relabel covers (``accelerate_takeover.COVERS``)."""
     ctx = context()
     ctx.rank_watch = None
     if type(os.environ) is _WatchedEnviron:
         env: Any = os.environ
         env.__class__ = os._Environ
     reads, ctx.rank_reads = ctx.rank_reads, []
+    covered = tuple(d for d in (_dir_of(m) for m in covers) if d)
+    reads = [r for r in reads if not (covered and os.path.abspath(r).startswith(covered))]
     if not reads:
         return None
     more = f" (and {len(reads) - 3} more place(s))" if len(reads) > 3 else ""

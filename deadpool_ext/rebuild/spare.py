@@ -188,6 +188,8 @@ class Relabel:
     """What of the framework's objects holds the build-time rank and cannot be set again (None: nothing)."""
     apply: Callable[[int], None]
     """Sets the framework's objects to the new rank (the process's groups already answer it)."""
+    covers: tuple[str, ...] = ()
+    """Top-level packages whose reads of the rank (``rank_reads.py``) :attr:`apply` covers (Accelerate's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +237,7 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     engine_at = times.get("engine_started_at", now)
     times.update(built_ahead=True, prologue_s=round(engine_at - times.get("started_at", engine_at), 3),
                  engine_s=round(now - engine_at, 3), ready_at=now)
-    read = rank_reads.stop()
+    read = rank_reads.stop(relabel.covers if relabel is not None and relabel.why_not is None else ())
     blocker = (read or swap.relabel_refusal(built.world_size)
                or (relabel.why_not if relabel is not None else "the framework offers no relabel of its objects"))
     write_event(event="spare_ready", worker=m.worker_id, rank=built.rank, world_size=built.world_size,

@@ -313,6 +313,10 @@ def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault, hf
                                        kill_after_step=kill)
     assert res.returncode == 0, res.output[-4000:]
     _hot_swapped_in_place(events, pids, "hf_trainer", lost=lost)  # the Trainer's loop re-entered in place
+    assigned = [(e["how"], e["built_rank"], e["rank"]) for e in events if e.get("event") == "spare_assigned"]
+    # the spare built its engine for node1's rank 1; rank 0 lost: it takes rank 0 with that engine and Accelerate's
+    # and the Trainer's copies of the rank relabelled in place (accelerate_takeover.py), not from its first line
+    assert assigned == [("relabel" if lost == 0 else "as_built", 1, lost)], assigned
     kept = [e["trainer_state"] for e in events if e.get("event") == "continued" and e["how"] == "in_place"]
     assert kept == ["as_uninterrupted"], kept  # the Trainer's state as the uninterrupted run had it at that step
     _same_trajectory(losses, plain_losses, killed=4, last=HF_STEPS)

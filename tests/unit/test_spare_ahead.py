@@ -211,3 +211,80 @@ def test_deepspeeds_reads_are_told_apart_before_the_script_imports_it():
             "sys.exit(3 if 'deepspeed' in sys.modules else 0 if where and where.endswith('/deepspeed/') else 4)")
     rc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode
     assert rc == 0, "3: DeepSpeed was imported to find it; 4: not found"
+
+
+def test_reads_under_a_package_the_relabel_covers_block_nothing(monkeypatch):
+    """Accelerate reads the rank while a Trainer script builds its arguments (``accelerate/state.py``): with the
+    Trainer's relabel offered (``accelerate_takeover.COVERS``) such a read blocks nothing; without it, or from the
+    script itself, it still does."""
+    import os
+
+    import accelerate
+
+    from deadpool_ext.integrations.accelerate_takeover import COVERS
+    from deadpool_ext.rebuild import rank_reads
+    from deadpool_ext.rebuild.context import context
+
+    inside = os.path.join(os.path.dirname(accelerate.__file__), "state.py") + ":305"
+    for covers, reads, blocked in (((), [inside], True), (COVERS, [inside], False),
+                                   (COVERS, [inside, "/job/train.py:9"], True)):
+        rank_reads.start()
+        context().rank_reads.extend(reads)
+        line = rank_reads.stop(covers)
+        assert (line is not None) == blocked, (covers, reads, line)
+
+
+def _accelerate_job(monkeypatch):
+    """Accelerate's state as a 2-rank job's rank 1 holds it, with a sharded loader, a DistributedSampler and a
+    Trainer's state (the process's real shared-state dicts, restored after the test)."""
+    import torch
+    from accelerate.data_loader import BatchSamplerShard
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+    from transformers.trainer_callback import TrainerState
+
+    for cls in (PartialState, AcceleratorState):
+        monkeypatch.setattr(cls, "_shared_state", {"process_index": 1, "num_processes": 2})
+    data = list(range(16))
+    shard = BatchSamplerShard(BatchSampler(SequentialSampler(data), 2, False), num_processes=2, process_index=1)
+    sampler = DistributedSampler(data, num_replicas=2, rank=1, shuffle=False)
+    state = TrainerState(is_world_process_zero=False)
+    return torch, shard, sampler, state
+
+
+def test_an_hf_trainer_jobs_copies_of_the_rank_are_relabelled(monkeypatch):
+    """A spare built for rank 1 and assigned rank 0: every copy of the rank Accelerate and the Trainer keep is set to
+    0 (the process index, the batches each loader's shard takes, the sampler's rank, the Trainer's "world process
+    zero"), and the loader then yields what one built for rank 0 yields."""
+    from accelerate.data_loader import BatchSamplerShard
+    from accelerate.state import AcceleratorState, PartialState
+    from torch.utils.data import BatchSampler, SequentialSampler
+    from transformers.trainer_callback import TrainerState
+
+    from deadpool_ext.integrations import accelerate_takeover as acc
+
+    _, shard, sampler, state = _accelerate_job(monkeypatch)
+    found = acc.find()
+    assert found is not None and shard in found.shards and sampler in found.samplers and state in found.trainer_states
+    found.trainers = 1  # the Trainer object itself is not made here (a model, arguments, a dataset)
+    assert acc.refusal(found) is None
+    acc.relabel(found, 0)
+    built0 = BatchSamplerShard(BatchSampler(SequentialSampler(list(range(16))), 2, False), num_processes=2,
+                               process_index=0)
+    assert list(shard) == list(built0) and sampler.rank == 0 and list(sampler) == list(range(0, 16, 2))
+    assert PartialState._shared_state["process_index"] == AcceleratorState._shared_state["process_index"] == 0
+    assert state.is_world_process_zero is True and isinstance(state, TrainerState)
+
+
+def test_an_accelerate_loop_of_the_scripts_own_starts_again(monkeypatch):
+    """No Trainer: the script's own loop may keep copies of the process index the watch cannot see; a datasets
+    iterable sharded into a copy per process cannot be relabelled; another Accelerate version is not verified."""
+    from deadpool_ext.integrations import accelerate_takeover as acc
+
+    found = acc.Found(version="1.15.0")
+    assert "an Accelerate loop of the script's own" in acc.refusal(found)
+    found.trainers = 1
+    assert acc.refusal(found) is None
+    assert "sharded into a copy" in acc.refusal(acc.Found(version="1.15.0", trainers=1,
+                                                          sharded_copies=["IterableDataset"]))
+    assert acc.refusal(acc.Found(version="2.1.0", trainers=1)).startswith("Accelerate 2.1.0")

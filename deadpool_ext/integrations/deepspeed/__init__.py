@@ -52,10 +52,19 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
         # (takeover.py), so all the runtime reads from the rank (snapshots, placement, canary) is the new rank's
         from ...launcher.contract import worker_env
         from ...snapshot.manager import prepare_node
+        from .. import accelerate_takeover as acc
         from ..base import placement_for
         from . import takeover
 
-        await_assignment(Relabel(why_not=takeover.refusal(engine), apply=lambda rank: takeover.relabel(engine, rank)),
+        found = acc.find()  # an HF Trainer's (Accelerate's) copies of the rank, relabelled with the engine
+
+        def apply(rank: int) -> None:
+            takeover.relabel(engine, rank)
+            if found is not None:
+                acc.relabel(found, rank)
+
+        why = takeover.refusal(engine) or (acc.refusal(found) if found is not None else None)
+        await_assignment(Relabel(why_not=why, apply=apply, covers=acc.COVERS if found is not None else ()),
                          prepare=(lambda: prepare_node(cfg, placement_for(cfg, worker_env()))) if cfg.enabled else None)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
