@@ -7,7 +7,8 @@ through Accelerate, gradient accumulation 2; no line of deadpool_ext in it), 2 r
 
 * ``ready``    ``deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1``: the spare built its engine ahead for
                node1's ranks; after step K node1.0 (rank 1) is SIGKILLed;
-* ``unready``  the same, node0.0 (rank 0) SIGKILLed: no spare built for it, the spare starts its script again;
+* ``unready``  the same, node0.0 (rank 0) SIGKILLed: the spare built for node1 takes rank 0 (issue 44: relabelled in
+               place, ``integrations/accelerate_takeover.py``; before it, the spare started its script again);
 * ``relaunch`` what a Trainer user has without the extension: ``torchrun --nproc-per-node 2 --max-restarts 0`` with
                the Trainer's own checkpoint every step (``--save-steps 1``: the only way to lose at most one step);
                rank 1 SIGKILLed once checkpoint K is written; torchrun fails; the same command is relaunched at once
@@ -17,9 +18,11 @@ Measured (wall clock of this host, rank 0's metrics records, written by the exam
 the next completed step; ``restored_s`` kill -> every rank restored (hot-swap: detect + agree + rebuild + restore
 from the job's timeline; relaunch: the relaunched Trainer's ``on_train_begin``, after it loaded the checkpoint);
 ``minus_step_s`` = raw minus one normal step (the median of steps 2..K). Losses after the kill against an
-uninterrupted run of the same script (plain torchrun, no section) bit for bit.
+uninterrupted run of the same script (plain torchrun, no section) bit for bit. How the spare took the ranks
+(``as_built``, ``relabel``, ``start_again``) is read from its ``spare_assigned`` event. The targets (issue 44: "HF
+Trainer: every node <= 1.0 s", 10x the relaunch) are judged on the worst node; each node's median stands beside it.
 
-    python benchmarks/bench_trainer_recovery.py              # 2 repeats, ~6 min on 2 cores
+    python benchmarks/bench_trainer_recovery.py              # 3 repeats, ~3 min on 2 cores
 
 Writes ``benchmarks/results/recovery_trainer.json`` and ``.md``, the jobs' logs under ``recovery_trainer_logs/``.
 """
@@ -111,6 +114,7 @@ def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str
     first = _after(recs, t_kill, last_pre)
     row = next((p for p in phases(read_events(timeline)) if p["generation"] == 1), None)
     parts = [row.get(k) for k in ("detect_s", "agree_s", "rebuild_s", "restore_s")] if row else [None]
+    out["how"] = next((e.get("how") for e in read_events(timeline) if e.get("event") == "spare_assigned"), None)
     out.update(phases=row, last_step_before_kill=last_pre, normal_step_s=_normal(recs, a.kill_step),
                raw_s=first["time"] - t_kill if first else None,
                first_step_time_after_s=first["step_time_s"] if first else None,
@@ -192,7 +196,7 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
                     "normal_step_s": _med(ok, "normal_step_s"),
                     "first_step_time_after_s": _med(ok, "first_step_time_after_s"),
                     "restored_each_s": [r.get("restored_s") for r in ok], "raw_each_s": [r.get("raw_s") for r in ok],
-                    "losses_identical": bool(ok) and all(same)}
+                    "losses_identical": bool(ok) and all(same), "how": sorted({str(r.get("how")) for r in ok})}
         raw, step = an[kind]["raw_s"], an[kind]["normal_step_s"]
         an[kind]["minus_step_s"] = raw - step if raw is not None and step is not None else None
     rl = an["relaunch"]["restored_s"]
@@ -201,14 +205,20 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
         an[kind]["speedup_restored"] = rl / mine if rl and mine else None
         an[kind]["speedup_raw"] = (an["relaunch"]["raw_s"] / an[kind]["raw_s"]
                                    if an["relaunch"]["raw_s"] and an[kind]["raw_s"] else None)
-    r = an["ready"]
+    nodes = [an[k] for k in ("ready", "unready")]
+    worst = (max(nodes, key=lambda n: n["restored_s"]) if all(n["restored_s"] is not None for n in nodes)
+             else {"restored_s": None, "minus_step_s": None, "speedup_restored": None})
+    an["worst"] = "ready" if worst is an["ready"] else "unready" if worst is an["unready"] else None
+    minus = [n["minus_step_s"] for n in nodes]
+    worst_minus = max(minus) if None not in minus else None  # type: ignore[type-var]
     an["targets"] = {
-        "restored": {"target_s": TARGET_RESTORED_S, "value_s": r["restored_s"],
-                     "met": r["restored_s"] is not None and r["restored_s"] <= TARGET_RESTORED_S},
-        "next_step_minus_step": {"target_s": TARGET_RESTORED_S, "value_s": r["minus_step_s"],
-                                 "met": r["minus_step_s"] is not None and r["minus_step_s"] <= TARGET_RESTORED_S},
-        "restored_speedup": {"target": TARGET_SPEEDUP, "value": r["speedup_restored"],
-                             "met": r["speedup_restored"] is not None and r["speedup_restored"] >= TARGET_SPEEDUP}}
+        "restored_worst_node": {"target_s": TARGET_RESTORED_S, "value_s": worst["restored_s"],
+                                "met": worst["restored_s"] is not None and worst["restored_s"] <= TARGET_RESTORED_S},
+        "next_step_minus_step_worst_node": {"target_s": TARGET_RESTORED_S, "value_s": worst_minus,
+                                            "met": worst_minus is not None and worst_minus <= TARGET_RESTORED_S},
+        "restored_speedup_worst_node": {"target": TARGET_SPEEDUP, "value": worst["speedup_restored"],
+                                        "met": (worst["speedup_restored"] is not None
+                                                and worst["speedup_restored"] >= TARGET_SPEEDUP)}}
     return an
 
 
@@ -221,12 +231,14 @@ def render(doc: dict[str, Any]) -> str:
     rows = [("kill -> every rank restored (s)", "restored_s"), ("kill -> next completed step (s)", "raw_s"),
             ("that minus one normal step (s)", "minus_step_s"), ("normal step (s)", "normal_step_s"),
             ("first step after recovery, its own time (s)", "first_step_time_after_s")]
-    head = "| | hot-swap, spare built for the node | hot-swap, another node | Trainer's own relaunch |"
+    head = ("| | hot-swap, node1 killed (the spare built for it) | hot-swap, node0 killed (another node) "
+            "| Trainer's own relaunch |")
     lines = [f"# {doc['title']}", "", f"Measured {doc['date']} with `{doc['command']}` ({doc['wall_s']:.0f} s), "
              f"{doc['repeats']} repeat(s) per kind, on {doc['machine'].get('cpu_count', '?')} CPUs. "
              + (__doc__ or "").split("\n\n")[1].replace("\n", " ").replace(
                  "Per repeat, three jobs:", "Per repeat, three jobs: the node the spare built its engine for killed "
-                 "(`ready`), another node killed (`unready`: the spare starts its script again), and torchrun with the "
+                 "(`ready`), the other node killed (`unready`: the spare takes its rank with the engine it built, "
+                 "relabelled in place), and torchrun with the "
                  "Trainer's own checkpoint every step, relaunched with `resume_from_checkpoint` (`relaunch`). "
                  "Restored, for the relaunch: the relaunched Trainer's `on_train_begin`, after the checkpoint loaded."),
              "", head, "|---|---|---|---|"]
@@ -235,11 +247,14 @@ def render(doc: dict[str, Any]) -> str:
     lines.append("| speedup against the relaunch (restored / next step) | " + " | ".join(
         f"{f(an[k]['speedup_restored'], 1)}x / {f(an[k]['speedup_raw'], 1)}x" for k in ("ready", "unready"))
         + " | |")
+    lines.append("| how the spare took the ranks | " + " | ".join(", ".join(an[k].get("how", [])) for k in (
+        "ready", "unready")) + " | |")
     lines.append("| losses bit-identical to the uninterrupted run | " + " | ".join(
         str(an[k]["losses_identical"]) for k in ("ready", "unready", "relaunch")) + " |")
     lines.append("| each repeat, restored (s) | " + " | ".join(
         ", ".join(f(x) for x in an[k]["restored_each_s"]) for k in ("ready", "unready", "relaunch")) + " |")
-    lines += ["", "Targets (issue 32, the spare built for the failed node): "
+    worst = {"ready": "node1", "unready": "node0"}.get(an.get("worst") or "", "?")
+    lines += ["", f"Worst node: {worst}. Targets (issue 44, every node; judged on the worst): "
               + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'} ({f(t.get('value_s', t.get('value')))} against "
                           f"{t.get('target_s', t.get('target'))})" for k, t in an["targets"].items()) + "."]
     return "\n".join(lines) + "\n"
@@ -247,7 +262,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kill-step", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=300.0)

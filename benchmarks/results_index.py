@@ -317,6 +317,8 @@ ARCHIVE_NOTES: dict[str, str] = {
                                     "6.0x; superseded by recovery_nodes",
     "recovery_nodes_0c7f157": "every node killed in turn, code 0c7f157 (load 1.5-1.7): worst node node0 0.74 s "
                               "(9.4x relaunch + load's 6.91 s), expected 0.68 s (10.1x), best 0.65 s (10.6x)",
+    "recovery_trainer_start_again": "the HF Trainer job before its spare could relabel (issue 44, 2026-12-04): the "
+                                    "other node 4.52 s to restored, the spare starting its script again",
     "recovery_nodes_loaded_host": "every node killed in turn on a host at load 3.8-4.6 (issue 44, code e242131): "
                                   "worst node node2 1.25 s (7.7x relaunch + load's 9.62 s), expected 0.90 s, best "
                                   "0.69 s",
