@@ -253,6 +253,10 @@ def render(doc: dict[str, Any]) -> str:
         str(an[k]["losses_identical"]) for k in ("ready", "unready", "relaunch")) + " |")
     lines.append("| each repeat, restored (s) | " + " | ".join(
         ", ".join(f(x) for x in an[k]["restored_each_s"]) for k in ("ready", "unready", "relaunch")) + " |")
+    failed = [f"{r.get('tag', r['kind'])} ({r['failed']})" for r in doc["runs"] if r.get("failed")]
+    if failed:  # left out of every median above
+        lines += ["", "Runs that failed, left out of the medians: " + "; ".join(failed) + " (each one's log: "
+                  "`recovery_trainer_logs/`)."]
     worst = {"ready": "node1", "unready": "node0"}.get(an.get("worst") or "", "?")
     lines += ["", f"Worst node: {worst}. Targets (issue 44, every node; judged on the worst): "
               + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'} ({f(t.get('value_s', t.get('value')))} against "
