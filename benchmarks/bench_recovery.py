@@ -89,6 +89,7 @@ from recovery_run import (  # noqa: E402
     run_baseline,
     run_hotswap,
     run_reference,
+    run_solo,
 )
 
 OTHER_NODES = [f"node{i}" for i in range(NNODES) if f"node{i}.0" != KILL_WORKER]
@@ -230,24 +231,26 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict[str, Any] = {"settings": d, "seq_len": seq, "model": {"layers": layers, "hidden": hidden,
                                                                               "heads": heads},
                                      "runs": {"hotswap": [], "unready": [], "rebuild": [], "baseline": [],
-                                              "per_node": {}, "reference": None}}
+                                              "per_node": {}, "solo": [], "reference": None}}
             doc["sizes"][size] = entry
             size_scratch = os.path.join(scratch, size)  # metrics files are appended to: never share them across sizes
             os.makedirs(size_scratch, exist_ok=True)
             try:
                 others = OTHER_NODES if args.per_node else []
                 kinds = ["hotswap", *others, *(["unready"] if args.unready and not args.per_node else []),
-                         *(["rebuild"] if args.rebuild else []), "baseline"]
+                         *(["rebuild"] if args.rebuild else []), "baseline", *(["solo"] if args.per_node else [])]
                 for i in range(d["repeats"]):
                     # Rotate the order so slow drift of the shared machine does not favour one side.
                     order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
                     for kind in order:
-                        if kind != "baseline" and d.get("hotswap_skip") and not args.force_hotswap:
+                        if kind not in ("baseline", "solo") and d.get("hotswap_skip") and not args.force_hotswap:
                             if i == 0:
                                 print(f"[bench] {size}: {kind} not run: {d['hotswap_skip']}", flush=True)
                             continue
                         if kind == "baseline":
                             res = run_baseline(size, d, size_scratch, f"{kind}_r{i}", args, logs)
+                        elif kind == "solo":  # the relaunch's floor: one rank's start-up alone (recovery_run.py)
+                            res = run_solo(size, d, size_scratch, f"{kind}_r{i}", args, logs)
                         else:
                             # hotswap: today's default (hot_swap.in_place true; the spare built ahead for the killed
                             # node); unready: the same, another node killed; rebuild: every rank rebuilds
@@ -322,6 +325,8 @@ def _print_run(size: str, r: dict[str, Any]) -> None:
         print(f"[bench] {size} {r['tag']}: FAILED: {r['failed']} "
               f"(log {r.get('log') or (r.get('job1') or {}).get('log')})",
               flush=True)
+    if r["kind"] == "solo" and r.get("startup_s") is not None:
+        print(f"[bench] {size} {r['tag']}: one rank alone, launch -> ready {r['startup_s']:.2f} s", flush=True)
     if r.get("raw_s") is None:
         return
     extra = ""

@@ -188,8 +188,11 @@ def _recovery_nodes_lines(doc: dict[str, Any]) -> list[str]:
             f"{_s(pn['worst_s'])}, {pn.get('speedup_worst') or 0:.1f}x** relaunch + load's "
             f"{_s(pn['baseline_restored_s'])} in the same run; expected under a uniformly drawn failure "
             f"{_s(pn['expected_s'])} ({pn.get('speedup_expected') or 0:.1f}x); best node {pn['best']} "
-            f"{_s(pn['best_s'])} ({pn.get('speedup_best') or 0:.1f}x). Per node, median (min-max, how the spare took "
-            f"over): {per}. Losses bit-identical on every run: {ok}.")
+            f"{_s(pn['best_s'])} ({pn.get('speedup_best') or 0:.1f}x)."
+            + (f" Against the relaunch's floor, one rank's start-up alone loading nothing "
+               f"({_s(pn['floor_s']['median'])}), the worst node is {pn['speedup_worst_floor']:.1f}x."
+               if pn.get("speedup_worst_floor") else "")
+            + f" Per node, median (min-max, how the spare took over): {per}. Losses bit-identical on every run: {ok}.")
     return lines
 
 

@@ -77,6 +77,8 @@ def analyze_nodes(entry: dict[str, Any], shadowed: str) -> dict[str, Any] | None
     best = min(measured, key=lambda n: measured[n]["restored_s"]["median"])
     expected = sum(r["restored_s"]["median"] for r in measured.values()) / len(measured)
     w = measured[worst]["restored_s"]["median"]
+    solo = [r for r in entry["runs"].get("solo") or [] if not r.get("failed") and r.get("startup_s") is not None]
+    floor = summarize([r["startup_s"] for r in solo])
     worst_next = max((r["next_step_minus_step_s"]["median"] for r in measured.values()
                       if r["next_step_minus_step_s"]["median"] is not None), default=None)
     return {
@@ -84,6 +86,8 @@ def analyze_nodes(entry: dict[str, Any], shadowed: str) -> dict[str, Any] | None
         "worst_s": w, "expected_s": expected, "best_s": measured[best]["restored_s"]["median"],
         "speedup_worst": ratio(base, w), "speedup_expected": ratio(base, expected),
         "speedup_best": ratio(base, measured[best]["restored_s"]["median"]),
+        "floor_s": floor, "floor_failed": [r["failed"] for r in entry["runs"].get("solo") or [] if r.get("failed")],
+        "speedup_worst_floor": ratio(floor["median"], w) if floor["median"] is not None else None,
         "targets": {
             "restored_every_node": {"target_s": TARGET_RESTORED_S, "value_s": w, "met": w <= TARGET_RESTORED_S},
             "speedup_every_node": {"target": TARGET_RESTORED_SPEEDUP, "value": ratio(base, w),
@@ -104,6 +108,12 @@ def render_nodes(an: dict[str, Any] | None) -> list[str]:
          f"{fmt_s(an['worst_s'])}** ({x(an['speedup_worst'])} relaunch + load's {fmt_s(an['baseline_restored_s'])}, "
          f"same run); expected under a uniformly drawn failure {fmt_s(an['expected_s'])} "
          f"({x(an['speedup_expected'])}); best node {an['best']} {fmt_s(an['best_s'])} ({x(an['speedup_best'])}).", ""]
+    floor = an.get("floor_s") or {}
+    if floor.get("median") is not None:  # results from before the floor was measured have none
+        L += [f"Against the relaunch's floor, one rank's start-up alone on the host (launch -> its engine built and "
+              f"training about to start, loading nothing: median {fmt_s(floor['median'])}, {fmt_s(floor['min'])}-"
+              f"{fmt_s(floor['max'])} over {floor['n']} runs; no relaunch of any rank can "
+              f"be faster), the worst node is **{x(an['speedup_worst_floor'])}**.", ""]
     rows = []
     for node, r in an["nodes"].items():
         s, n = r["restored_s"], r["next_step_minus_step_s"]

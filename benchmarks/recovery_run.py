@@ -366,6 +366,34 @@ def run_baseline(size: str, d: dict[str, Any], scratch: str, tag: str, args: arg
     return out
 
 
+def run_solo(size: str, d: dict[str, Any], scratch: str, tag: str, args: argparse.Namespace,
+             logs: str) -> dict[str, Any]:
+    """The relaunch's floor (issue 44's conservative baseline): one rank of the job alone on a quiet host
+    (``torchrun --nproc-per-node 1``, the same script, model and config), from the launch to the script's ready
+    line (its engine built, training about to start), loading nothing. The relaunch + load measured beside it
+    restarts every rank at once on this host; no relaunch of any rank, anywhere, can be faster than this."""
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
+
+    cfg_path = os.path.join(scratch, f"{tag}.ds.json")
+    write_config(cfg_path, size, d, None)
+    metrics = os.path.join(scratch, f"{tag}.metrics.jsonl")
+    _fresh(metrics)
+    cmd = Job(launcher="torchrun", script=SCRIPT, nproc_per_node=1, port=free_port(),
+              args=tuple(script_args(size, cfg_path, 1, metrics, args.seed))).argv()
+    out: dict[str, Any] = {"kind": "solo", "tag": tag, "cmd": shlex.join(cmd),
+                           "settle": settle(args.settle_s, args.settle_busy)}
+    print(f"[bench] {size} {tag}: {out['cmd']}", flush=True)
+    job = run_logged(cmd, env=base_env(d.get("env")), timeout_s=d["timeout_s"],
+                     log_path=os.path.join(logs, f"{size}_{tag}.log"))
+    ready = next((t for t, line in job["lines"] if READY_RE.search(line)), None)
+    out.update({k_: job[k_] for k_ in ("returncode", "timed_out", "error", "log")})
+    out["startup_s"] = ready - job["start"] if ready is not None else None
+    if job["returncode"] != 0 or ready is None:
+        out["failed"] = f"exited rc={job['returncode']}" if job["returncode"] != 0 else "no ready line"
+    return out
+
+
 def busy_between_runs(mons: dict[str, Monitor], t0: float, t1: float) -> float | None:
     samples = sorted(mons["1"].cpu + mons["2"].cpu)
     if len(samples) < 2:

@@ -62,3 +62,18 @@ def test_a_single_node_is_no_per_node_result():
     entry = _entry()
     entry["runs"]["per_node"] = {}
     assert nodes.analyze_nodes(entry, "node1") is None and nodes.render_nodes(None) == []
+
+
+def test_the_relaunchs_floor_one_rank_alone_gives_the_conservative_speedup():
+    """Beside relaunch + load (every rank at once on this host), the floor: one rank's start-up alone, loading
+    nothing; the worst node's speedup against it is the conservative figure. A failed floor run is left out and
+    named; without floor runs (results from before) nothing is claimed."""
+    entry = _entry()
+    entry["runs"]["solo"] = [{"tag": f"solo_r{i}", "startup_s": s} for i, s in enumerate((4.6, 4.5, 4.8))]
+    entry["runs"]["solo"].append({"tag": "solo_r3", "startup_s": None, "failed": "exited rc=1"})
+    an = nodes.analyze_nodes(entry, "node1")
+    assert an["floor_s"]["median"] == approx(4.6) and an["floor_s"]["n"] == 3 and an["floor_failed"] == ["exited rc=1"]
+    assert an["speedup_worst_floor"] == approx(4.6 / 0.9)
+    assert "the worst node is **5.1x**" in "\n".join(nodes.render_nodes(an))
+    plain = nodes.analyze_nodes(_entry(), "node1")
+    assert plain["speedup_worst_floor"] is None and "floor" not in "\n".join(nodes.render_nodes(plain))
