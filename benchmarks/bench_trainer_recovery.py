@@ -8,7 +8,7 @@ through Accelerate, gradient accumulation 2; no line of deadpool_ext in it), 2 r
 * ``ready``    ``deadpool-run --nnodes 2 --nproc-per-node 1 --spare-nodes 1``: the spare built its engine ahead for
                node1's ranks; after step K node1.0 (rank 1) is SIGKILLed;
 * ``unready``  the same, node0.0 (rank 0) SIGKILLed: the spare built for node1 takes rank 0 (issue 44: relabelled in
-               place, ``integrations/accelerate_takeover.py``; before it, the spare started its script again);
+               place, ``integrations/framework_takeover.py``; before it, the spare started its script again);
 * ``relaunch`` what a Trainer user has without the extension: ``torchrun --nproc-per-node 2 --max-restarts 0`` with
                the Trainer's own checkpoint every step (``--save-steps 1``: the only way to lose at most one step);
                rank 1 SIGKILLed once checkpoint K is written; torchrun fails; the same command is relaunched at once

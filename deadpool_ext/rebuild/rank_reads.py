@@ -85,11 +85,20 @@ _LOOKUPS = ("get", "getenv")
 every variable (``os.environ.items()``, ``copy()``, a subprocess's environment) reads no rank."""
 
 
-class _WatchedEnviron(os._Environ):  # type: ignore[type-arg]  # os.environ's own class, one method more
+class _WatchedEnviron(os._Environ):  # type: ignore[type-arg]  # os.environ's own class, two methods more
+    def keys(self) -> Any:
+        # ``dict(os.environ)`` takes the keys, then reads every one from the same line (fsspec does at import):
+        # a copy of the environment, not a read of the rank. The caller's (code, line) is kept on the instance.
+        caller = sys._getframe(1)
+        self._dp_bulk = (caller.f_code, caller.f_lineno)
+        return super().keys()
+
     def __getitem__(self, key: Any) -> Any:
         ctx = context()
         if key in WATCHED_ENV and ctx.rank_watch is not None:
             frame: Any = sys._getframe(1)
+            if (frame.f_code, frame.f_lineno) == getattr(self, "_dp_bulk", None):
+                return super().__getitem__(key)
             stdlib = ctx.rank_watch[0][:1]  # _roots(): the standard library first
             while frame is not None and frame.f_code.co_name in _LOOKUPS and frame.f_code.co_filename.startswith(
                     ("<",) + stdlib):
@@ -111,12 +120,13 @@ def start() -> None:
 
 def stop(covers: tuple[str, ...] = ()) -> str | None:
     """End the watch; the blocker line for a relabel (None: nothing outside DeepSpeed and deadpool_ext read it).
-    ``covers``: top-level packages whose reads the framework's relabel covers (``accelerate_takeover.COVERS``)."""
+    ``covers``: top-level packages whose reads the framework's relabel covers (``framework_takeover.py``)."""
     ctx = context()
     ctx.rank_watch = None
     if type(os.environ) is _WatchedEnviron:
         env: Any = os.environ
         env.__class__ = os._Environ
+        env.__dict__.pop("_dp_bulk", None)
     reads, ctx.rank_reads = ctx.rank_reads, []
     covered = tuple(d for d in (_dir_of(m) for m in covers) if d)
     reads = [r for r in reads if not (covered and os.path.abspath(r).startswith(covered))]

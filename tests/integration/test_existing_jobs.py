@@ -315,7 +315,7 @@ def test_hf_trainer_hot_swaps_in_place_bit_for_bit(tmp_path, shm_root, fault, hf
     _hot_swapped_in_place(events, pids, "hf_trainer", lost=lost)  # the Trainer's loop re-entered in place
     assigned = [(e["how"], e["built_rank"], e["rank"]) for e in events if e.get("event") == "spare_assigned"]
     # the spare built its engine for node1's rank 1; rank 0 lost: it takes rank 0 with that engine and Accelerate's
-    # and the Trainer's copies of the rank relabelled in place (accelerate_takeover.py), not from its first line
+    # and the Trainer's copies of the rank relabelled in place (framework_takeover.py), not from its first line
     assert assigned == [("relabel" if lost == 0 else "as_built", 1, lost)], assigned
     kept = [e["trainer_state"] for e in events if e.get("event") == "continued" and e["how"] == "in_place"]
     assert kept == ["as_uninterrupted"], kept  # the Trainer's state as the uninterrupted run had it at that step
@@ -652,8 +652,8 @@ def lightning_reference(tmp_path_factory):
     return ref_losses, _rows(tmp, "ref")
 
 
-@pytest.mark.parametrize("mode", matrix(["hot_swap_after_step", "hot_swap_sigkill_anywhere", "restart"],
-                                        ci=["hot_swap_after_step", "restart"]))
+@pytest.mark.parametrize("mode", matrix(["hot_swap_after_step", "hot_swap_rank0", "hot_swap_sigkill_anywhere",
+                                         "restart"], ci=["hot_swap_rank0", "restart"]))
 def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, lightning_reference):
     """An unmodified Lightning script (``DeepSpeedStrategy`` ZeRO-3, gradient accumulation 2, a DeepSpeed scheduler
     that Lightning steps itself, a shuffled loader whose epochs end during the run): rank 1 dies (right after its
@@ -661,7 +661,10 @@ def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, 
     survivor keeps its process and engine and its fit loop runs again from the restored step, the spare takes
     rank 1; under ``torchrun --max-restarts 1 -m deadpool_ext.run`` both restart and restore from memory. Every
     logged loss (epoch and batch index too) equals the same script's without the extension, bit for bit.
-    (``*_sigkill_anywhere`` runs with DEADPOOL_FULL_MATRIX=1; the HF Trainer's test covers that fault in CI.)"""
+    ``hot_swap_rank0``: rank 0 dies after its step 4 instead, and the spare, built for node1's rank 1, takes rank 0
+    in place with Lightning's copies of the rank relabelled (``framework_takeover.py``): it then writes Lightning's
+    rank-zero output. (``hot_swap_after_step`` and ``*_sigkill_anywhere`` run with DEADPOOL_FULL_MATRIX=1; the HF
+    Trainer's test covers that fault in CI.)"""
     ref_losses, ref_rows = lightning_reference
     if mode == "restart":
         res, losses = _job(tmp_path, "restart", LIGHTNING, ["--deepspeed", _config(tmp_path, shm_root, LIGHTNING_BASE),
@@ -675,12 +678,15 @@ def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, 
         rows = _rows(tmp_path, "restart")
     else:
         cfg = _config(tmp_path, shm_root, LIGHTNING_BASE, local={"shm_root": shm_root})
-        env, kill = _swap_fault(tmp_path, mode == "hot_swap_after_step")
+        lost = 0 if mode == "hot_swap_rank0" else 1
+        env, kill = _swap_fault(tmp_path, mode != "hot_swap_sigkill_anywhere", lost)
         res, losses, events, pids = _dprun(tmp_path, shm_root, "swap", LIGHTNING, ["--deepspeed", cfg,
                                                                                   *LIGHTNING_ARGS],
                                            env=env, kill_after_step=kill)
         assert res.returncode == 0, res.output[-4000:]
-        _hot_swapped_in_place(events, pids, "lightning", reused=False)  # the fit loop ran again in place
+        _hot_swapped_in_place(events, pids, "lightning", reused=False, lost=lost)  # the fit loop ran again in place
+        assigned = [(e["how"], e["built_rank"], e["rank"]) for e in events if e.get("event") == "spare_assigned"]
+        assert assigned == [("relabel" if lost == 0 else "as_built", 1, lost)], assigned
         started = [e["malloc_arena_max"] for e in events if e.get("event") == "start"]
         assert started == ["2"], started  # --malloc-arena-max: bounded heap arenas, survivors' memory not growing
         rows = _rows(tmp_path, "swap")

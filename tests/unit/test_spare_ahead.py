@@ -185,8 +185,8 @@ def test_a_script_reading_its_rank_from_the_environment_while_the_spare_builds_i
 
 
 def test_reading_every_variable_is_no_read_of_the_rank(monkeypatch):
-    """``os.environ.items()``, ``copy()`` (a library scanning for its own variables, a subprocess's environment)
-    read RANK's value too, but nobody keeps it as a rank."""
+    """``os.environ.items()``, ``copy()``, ``dict(os.environ)`` (a library scanning for its own variables, a
+    subprocess's environment) read RANK's value too, but nobody keeps it as a rank."""
     import os
 
     from deadpool_ext.rebuild import rank_reads
@@ -195,6 +195,7 @@ def test_reading_every_variable_is_no_read_of_the_rank(monkeypatch):
     rank_reads.start()
     try:
         assert dict(os.environ.items())["RANK"] == "1" and os.environ.copy()["RANK"] == "1"
+        assert dict(os.environ)["RANK"] == "1"  # fsspec's config does this at import
         assert [v for k, v in os.environ.items() if k == "RANK"] == ["1"]
     finally:
         assert rank_reads.stop() is None
@@ -215,13 +216,13 @@ def test_deepspeeds_reads_are_told_apart_before_the_script_imports_it():
 
 def test_reads_under_a_package_the_relabel_covers_block_nothing(monkeypatch):
     """Accelerate reads the rank while a Trainer script builds its arguments (``accelerate/state.py``): with the
-    Trainer's relabel offered (``accelerate_takeover.COVERS``) such a read blocks nothing; without it, or from the
+    Trainer's relabel offered (``framework_takeover.Found.covers``), such a read blocks nothing; without it, or from the
     script itself, it still does."""
     import os
 
     import accelerate
 
-    from deadpool_ext.integrations.accelerate_takeover import COVERS
+    from deadpool_ext.integrations.framework_takeover import ACCELERATE_COVERS as COVERS
     from deadpool_ext.rebuild import rank_reads
     from deadpool_ext.rebuild.context import context
 
@@ -261,7 +262,7 @@ def test_an_hf_trainer_jobs_copies_of_the_rank_are_relabelled(monkeypatch):
     from torch.utils.data import BatchSampler, SequentialSampler
     from transformers.trainer_callback import TrainerState
 
-    from deadpool_ext.integrations import accelerate_takeover as acc
+    from deadpool_ext.integrations import framework_takeover as acc
 
     _, shard, sampler, state = _accelerate_job(monkeypatch)
     found = acc.find()
@@ -279,7 +280,7 @@ def test_an_hf_trainer_jobs_copies_of_the_rank_are_relabelled(monkeypatch):
 def test_an_accelerate_loop_of_the_scripts_own_starts_again(monkeypatch):
     """No Trainer: the script's own loop may keep copies of the process index the watch cannot see; a datasets
     iterable sharded into a copy per process cannot be relabelled; another Accelerate version is not verified."""
-    from deadpool_ext.integrations import accelerate_takeover as acc
+    from deadpool_ext.integrations import framework_takeover as acc
 
     found = acc.Found(version="1.15.0")
     assert "an Accelerate loop of the script's own" in acc.refusal(found)
@@ -288,3 +289,31 @@ def test_an_accelerate_loop_of_the_scripts_own_starts_again(monkeypatch):
     assert "sharded into a copy" in acc.refusal(acc.Found(version="1.15.0", trainers=1,
                                                           sharded_copies=["IterableDataset"]))
     assert acc.refusal(acc.Found(version="2.1.0", trainers=1)).startswith("Accelerate 2.1.0")
+
+
+def test_a_lightning_jobs_copies_of_the_rank_are_relabelled(monkeypatch):
+    """Lightning keeps the rank in each cluster environment (its strategy, trainer and module answer from it) and in
+    ``rank_zero_only.rank`` (rank-zero logging, the loggers): a spare built for rank 1 and assigned rank 0 sets
+    both, and the packages it covers include Lightning's."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+
+    from deadpool_ext.integrations import framework_takeover as ft
+
+    import sys
+
+    if "accelerate.state" in sys.modules:  # no Accelerate job in this process (another test may have made one)
+        state = sys.modules["accelerate.state"]
+        for cls in (state.PartialState, state.AcceleratorState):
+            monkeypatch.setattr(cls, "_shared_state", {})
+    monkeypatch.setattr(rank_zero_only, "rank", 1, raising=False)
+    monkeypatch.setattr(utils_rank_zero_only, "rank", 1, raising=False)
+    env = LightningEnvironment()
+    env.set_global_rank(1)
+    found = ft.find()
+    assert found is not None and any(e is env for e in found.cluster_envs) and found.lightning_version
+    assert "lightning" in found.covers and ft.refusal(found) is None
+    ft.relabel(found, 0)
+    assert env.global_rank() == 0 and rank_zero_only.rank == 0 and utils_rank_zero_only.rank == 0
+    assert ft.refusal(ft.Found(lightning_version="3.1.0")).startswith("Lightning 3.1.0")

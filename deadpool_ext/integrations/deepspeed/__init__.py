@@ -53,11 +53,11 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
         # (takeover.py), so all the runtime reads from the rank (snapshots, placement, canary) is the new rank's
         from ...launcher.contract import worker_env
         from ...snapshot.manager import prepare_node
-        from .. import accelerate_takeover as acc
+        from .. import framework_takeover as ft
         from ..base import placement_for
         from . import takeover
 
-        found = acc.find()  # an HF Trainer's (Accelerate's) copies of the rank, relabelled with the engine
+        found = ft.find()  # the HF Trainer's (Accelerate's) or Lightning's copies of the rank, relabelled with it
         # the in-place runtime made after the wait collects and freezes what exists (base.py): done here, before the
         # wait, that collection walks only what the wait made (0.25 s of an HF Trainer spare's swap otherwise)
         gc.collect()
@@ -66,10 +66,10 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
         def apply(rank: int) -> None:
             takeover.relabel(engine, rank)
             if found is not None:
-                acc.relabel(found, rank)
+                ft.relabel(found, rank)
 
-        why = takeover.refusal(engine) or (acc.refusal(found) if found is not None else None)
-        await_assignment(Relabel(why_not=why, apply=apply, covers=acc.COVERS if found is not None else ()),
+        why = takeover.refusal(engine) or (ft.refusal(found) if found is not None else None)
+        await_assignment(Relabel(why_not=why, apply=apply, covers=found.covers if found is not None else ()),
                          prepare=(lambda: prepare_node(cfg, placement_for(cfg, worker_env()))) if cfg.enabled else None)
     runtime = DeadpoolRuntime(engine, cfg)
     engine.deadpool = runtime
