@@ -115,7 +115,8 @@ SPECS: tuple[KeySpec, ...] = (
     KeySpec(TRAINED, "a worker whose training loop ended, its last snapshot drained (integrations/base.py "
             "mark_trained)", "coordinator (a node lost after the job's work is done: decide.py work_done)",
             "{'generation', 'step', 'committed'}", values.trained),
-    KeySpec(CLIENT_STATES, "each rank at its script's save_checkpoint (integrations/deepspeed/checkpoint_calls.py)",
+    KeySpec(CLIENT_STATES, "each rank at its script's save_checkpoint, or before the first one a survivor's loop "
+            "counters as it recovers (integrations/deepspeed/checkpoint_calls.py)",
             "a spare whose load_checkpoint is served from a snapshot older than the script's newest save",
             "{'saved': the client state's JSON-able part, 'at': the engine's counters}", values.client_state),
     KeySpec(FAILURES, "a worker whose recovery failed in generation g", "people (deadpool inspect / a store dump)",

@@ -239,3 +239,20 @@ def test_a_node_lost_at_the_last_step_of_a_plain_loop_ends_the_job_with_status_0
         assert restored <= {10} and done == [(["node1"], 10)], events
     assert not [e for e in events if e.get("event") == "stopped"]
     assert set(losses) == set(range(1, 11)) and losses == ref
+
+
+def test_a_spare_restored_before_the_scripts_first_save_counts_from_the_survivors_loop(tmp_path, shm_root):
+    """The script saves every 5 steps; rank 1 killed right after step 3, before any save: no client state was ever
+    saved, so the survivor publishes its loop's counters as it recovers (checkpoint_calls.publish_live) and the
+    spare's load_checkpoint hands them back moved to the restored step. A spare handed an empty client state counted
+    from 0, trained while the survivor saved at step 5, and their collectives no longer matched (a hang until the
+    collective timeout, then the job stopped out of spares). Losses bit for bit."""
+    args = ["--steps", "10", "--save-interval", "5", "--dataset-size", "32"]
+    ref, _, _ = _run(tmp_path, "ref", args)
+    marker = os.path.join(str(tmp_path), "fault.marker")
+    losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, env=at_step.harness_env(
+        {at_step.ENV: StepFault("kill", 3, 1, marker).render()}))
+    spare = [(e["step"], e["moved"]) for e in events if e.get("event") == "continued" and e.get("how") ==
+             "load_checkpoint"]
+    assert len(spare) == 1 and spare[0][1] == ["step"] and spare[0][0] in (2, 3), spare
+    assert set(losses) == set(range(1, 11)) and losses == ref

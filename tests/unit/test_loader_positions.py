@@ -233,3 +233,22 @@ def test_what_the_recorded_train_batch_calls_can_redo():
     failed.done = True
     assert batch_redo_plan([], 7, failed) is None
     assert "older than the oldest" in batch_redo_plan([], 5, failed)
+
+
+def test_a_loops_counters_are_its_step_like_int_variables_not_its_settings():
+    """What a survivor publishes before the script's first save (checkpoint_calls.script_counters): the step-like
+    ints of the script's own frames, innermost first; sizes and limits, bools and private names left out."""
+    import inspect
+
+    from deadpool_ext.integrations.deepspeed.checkpoint_calls import script_counters
+
+    def loop():
+        step, micro_step, batch_size, max_steps, save_interval, _iter = 3, 7, 4, 10, 5, 1
+        done_steps = True
+        got = script_counters(inspect.currentframe())
+        del step, micro_step, batch_size, max_steps, save_interval, _iter, done_steps  # read through the frame
+        return got
+
+    got = loop()
+    assert got["step"] == 3 and got["micro_step"] == 7, got
+    assert not {"batch_size", "max_steps", "save_interval", "_iter", "done_steps"} & set(got), got

@@ -295,13 +295,13 @@ def test_a_lightning_jobs_copies_of_the_rank_are_relabelled(monkeypatch):
     """Lightning keeps the rank in each cluster environment (its strategy, trainer and module answer from it) and in
     ``rank_zero_only.rank`` (rank-zero logging, the loggers): a spare built for rank 1 and assigned rank 0 sets
     both, and the packages it covers include Lightning's."""
+    import sys
+
     from lightning.fabric.plugins.environments import LightningEnvironment
     from lightning.pytorch.utilities.rank_zero import rank_zero_only
     from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
     from deadpool_ext.integrations import framework_takeover as ft
-
-    import sys
 
     if "accelerate.state" in sys.modules:  # no Accelerate job in this process (another test may have made one)
         state = sys.modules["accelerate.state"]

@@ -15,7 +15,9 @@ With the ``"deadpool"`` section the runtime wraps both calls on the engine (:cla
   then ride in every later snapshot (client-state key :data:`KEY`). A save at step N comes after the snapshot of
   step N, so under ``deadpool-run`` each rank also publishes it in the job's store (``client_state/<rank>``,
   ``launcher/keys.py``): a spare restored to step N takes the newest record of a save at or before N
-  (:func:`newest_saved`), not the older one the snapshot carries (or none, when N was the first save).
+  (:func:`newest_saved`), not the older one the snapshot carries (or none, when N was the first save). Before
+  the script's first save, a survivor recovering in place publishes its loop's counters instead
+  (:meth:`CheckpointCalls.publish_live`, :func:`script_counters`).
 - ``load_checkpoint`` loads ``dir`` as DeepSpeed does when it holds a checkpoint (not in a spare that takes a lost
   node's place: the survivors restore from memory, and so does it), then asks the memory tiers for a version newer
   than that step (``resume(newer_than=...)``: collective, every rank agrees). When memory wins, it
@@ -36,6 +38,7 @@ import json
 import logging
 import os
 import re
+import sysconfig
 from collections.abc import Iterator
 from typing import Any, TypeGuard
 
@@ -52,6 +55,8 @@ COUNTERS = values.COUNTER_NAMES
 
 STEP_LIKE = re.compile(r"step|iter|sample|batch", re.IGNORECASE)
 """Names of client-state keys that may count what an engine counter counts."""
+NOT_A_COUNT = re.compile(r"size|max|min|total|interval|every|per_|limit|num_", re.IGNORECASE)
+"""Step-like names of a loop's variables that are settings, not counts (``batch_size``, ``max_steps``)."""
 
 MAX_CLIENT_BYTES = values.MAX_CLIENT_JSON_BYTES
 """A saved client state larger than this (as JSON) is not carried in snapshots (said once)."""
@@ -143,6 +148,20 @@ class CheckpointCalls:
                 self._record(bound.arguments.get("client_state"))
         return self._save(*args, **kwargs)
 
+    def publish_live(self) -> None:
+        """A survivor about to recover in place whose script has not saved yet: the step-like counters of its
+        script's loop as they stand (:func:`script_counters`) published as its client state, with the engine's
+        counters now, so that a spare's ``load_checkpoint`` hands back the survivors' counts moved to the restored
+        step (:func:`rebase`), not an empty client state (a spare counting from 0 saves and stops on other steps
+        than the survivors: their collectives no longer match). Best effort; nothing once the script has saved."""
+        if self._saved is not None or self._internal:
+            return
+        live = script_counters(inspect.currentframe())
+        if live:
+            _publish(int(getattr(self.engine, "global_rank", 0)), {"saved": live, "at": counters(self.engine)})
+            log.info("the script had not called save_checkpoint yet: its loop's counters %s published for a spare's "
+                     "load_checkpoint", live)
+
     def _capturing(self) -> bool:
         ckpt = getattr(self.engine, "checkpoint_engine", None)
         return getattr(ckpt, "_capture", None) is not None  # tier 3's own save (capture mode)
@@ -229,14 +248,37 @@ class CheckpointCalls:
         if rec is None:
             if int(self.engine.global_rank) == 0:
                 log.warning("load_checkpoint: restored step %d from memory, but the script had not called "
-                            "save_checkpoint before that step, so the client state it keeps its own counters in is "
-                            "unknown: an empty one is returned. A script that reads its step from client_state then "
-                            "counts from 0 while the engine is at step %d (a hot-swapped spare would train more steps "
-                            "than the survivors). Fix: fall back to engine.global_steps when client_state has no "
-                            "step", step, step)
+                            "save_checkpoint before that step and no survivor published its loop's counters, so the "
+                            "client state it keeps its own counters in is unknown: an empty one is returned. A "
+                            "script that reads its step from client_state then counts from 0 while the engine is at "
+                            "step %d. Fix: fall back to engine.global_steps when client_state has no step", step, step)
             return {}, []
         at = {k: int(v) for k, v in rec["at"].items() if isinstance(v, int) and not isinstance(v, bool)}
         return rebase(rec["saved"], at, counters(self.engine))
+
+
+def _library_roots() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) + os.sep
+    return tuple(os.path.abspath(paths[k]) + os.sep for k in ("stdlib", "purelib", "platlib") if k in paths) + (here,)
+
+
+def script_counters(frame: Any, roots: tuple[str, ...] | None = None) -> dict[str, int]:
+    """The step-like int variables (:data:`STEP_LIKE`, not :data:`NOT_A_COUNT`) of the script's own frames on the
+    stack from ``frame`` outwards, the innermost first (a name seen once): frames outside the standard library,
+    installed packages and deadpool_ext (``roots``). A loop's counters are its locals, or the module's globals when
+    it runs at module level."""
+    roots = _library_roots() if roots is None else roots
+    out: dict[str, int] = {}
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not path.startswith("<") and not os.path.abspath(path).startswith(roots):
+            for name, value in frame.f_locals.items():
+                if (type(value) is int and name not in out and STEP_LIKE.search(name)
+                        and not NOT_A_COUNT.search(name) and not name.startswith("_")):
+                    out[name] = value
+        frame = frame.f_back
+    return out
 
 
 def _usable(rec: Any) -> TypeGuard[dict[str, Any]]:

@@ -179,6 +179,9 @@ class Redo(ABC):
         if why is not None:
             self._refuse(why, failed_at)
             return None
+        calls = getattr(rt, "checkpoint_calls", None)
+        if calls is not None:  # a spare's load_checkpoint counts from the survivors' loop (before any save)
+            calls.publish_live()
         if rt.handle_failure(exc, same_objects=True) is None:
             return None
         restored = int(self.engine.global_steps)
