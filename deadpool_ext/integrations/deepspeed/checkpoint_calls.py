@@ -148,17 +148,19 @@ class CheckpointCalls:
                 self._record(bound.arguments.get("client_state"))
         return self._save(*args, **kwargs)
 
-    def publish_live(self) -> None:
+    def publish_live(self, began_at: int) -> None:
         """A survivor about to recover in place whose script has not saved yet: the step-like counters of its
         script's loop as they stand (:func:`script_counters`) published as its client state, with the engine's
         counters now, so that a spare's ``load_checkpoint`` hands back the survivors' counts moved to the restored
         step (:func:`rebase`), not an empty client state (a spare counting from 0 saves and stops on other steps
-        than the survivors: their collectives no longer match). Best effort; nothing once the script has saved."""
+        than the survivors: their collectives no longer match). ``began_at``: the engine's step counter when the
+        failed call began, the count the loop's own counters stood at (a ``step()`` that failed after its update
+        moved the engine's, not yet the loop's). Best effort; nothing once the script has saved."""
         if self._saved is not None or self._internal:
             return
         live = script_counters(inspect.currentframe())
         if live:
-            _publish(int(getattr(self.engine, "global_rank", 0)), {"saved": live, "at": counters(self.engine)})
+            _publish(int(getattr(self.engine, "global_rank", 0)), {"saved": live, "at": {"global_steps": began_at}})
             log.info("the script had not called save_checkpoint yet: its loop's counters %s published for a spare's "
                      "load_checkpoint", live)
 

@@ -124,6 +124,9 @@ class BatchRedo(Redo):
             self._failed = self.records.pop()  # the call that failed: done again after the redo, its draws first
         return self._failed, None
 
+    def _began_at(self, do: Callable[..., Any], failed_at: int) -> int:
+        return self._failed.after if self._failed is not None else failed_at
+
     def _plan(self, restored: int) -> str | None:
         return batch_redo_plan(self.records, restored, self._failed)
 

@@ -181,7 +181,7 @@ class Redo(ABC):
             return None
         calls = getattr(rt, "checkpoint_calls", None)
         if calls is not None:  # a spare's load_checkpoint counts from the survivors' loop (before any save)
-            calls.publish_live()
+            calls.publish_live(self._began_at(do, failed_at))
         if rt.handle_failure(exc, same_objects=True) is None:
             return None
         restored = int(self.engine.global_steps)
@@ -190,6 +190,10 @@ class Redo(ABC):
             self._refuse(why, restored)
             return None
         return restored, failed
+
+    def _began_at(self, do: Callable[..., Any], failed_at: int) -> int:
+        """The engine's step counter when the failed call ``do`` began (the loop's counters were read then)."""
+        return failed_at
 
     @abstractmethod
     def _failed_part(self, do: Callable[..., Any], failed_at: int) -> tuple[Any, str | None]:
@@ -287,6 +291,9 @@ class StepRedo(Redo):
         return out
 
     # -- the redo -------------------------------------------------------------------------------------------
+    def _began_at(self, do: Callable[..., Any], failed_at: int) -> int:
+        return self._step_before if do == self._do_step else failed_at  # a step() that failed after its update
+
     def _failed_part(self, do: Callable[..., Any], failed_at: int) -> tuple[Micro | None, str | None]:
         rec = self.records[-1] if self.records and self.records[-1].after == failed_at else None
         micro = rec.micros[-1] if rec is not None and rec.micros else None
