@@ -259,7 +259,7 @@ class _Turn:
             return
         a, obs = self.state.assignment, self.obs  # a plain loop's last step lost, seen once a spare took over:
         ended = frozenset(w for w in a.ranks if obs.exits.get(w) == 0 or w in obs.done)
-        if after := finish_after_recovery(a, obs.trained, ended, obs.beats, obs.reports):
+        if after := finish_after_recovery(a, obs.trained, ended, obs.reports):
             self.actions += after
             return
         failed = self.detect() or {w: why for w, why in obs.evict.items() if w in a.ranks}

@@ -9,21 +9,17 @@ Two rules, both ending the job with status 0 and one line naming the lost node:
 - :func:`finish_after_recovery` (a generation made by a recovery, before detection): a plain loop has no end marker,
   so the loss of its last step is only seen as a failure, and a spare took the lost node's ranks. A rank whose
   script then returned (exit 0 or ``done/``) ended the job's loop: if it ended before this generation, it never
-  joins it; if it ended in it, a rank still waiting in a collective waits for a peer that left (a spare restored
+  joins it; if it ended in it, a rank whose collective then failed waited for a peer that left (a spare restored
   to the last step, whose script trains one step more on resume than the uninterrupted run did). Either way the
   job's work is done at that rank's last step; the rest are stopped.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping, Set
-from typing import Any
 
 from ..cluster.assignment import Assignment
 from . import values
 from .actions import Action, Event, Fence, Finish, Say
-
-ENDED_WAIT_S = 5.0
-"""A rank still inside one collective this long after a peer's script returned waits for a peer that left."""
 
 
 def work_done(ranks: Mapping[str, int], generation: int, trained: Mapping[str, values.Trained],
@@ -51,16 +47,16 @@ def work_done(ranks: Mapping[str, int], generation: int, trained: Mapping[str, v
 
 
 def ended_before_the_rest(a: Assignment, trained: Mapping[str, values.Trained], ended: Set[str],
-                          beats: Mapping[str, Mapping[str, Any]], reports: Mapping[str, values.Report]
-                          ) -> tuple[int, list[str], list[str]] | None:
+                          reports: Mapping[str, values.Report]) -> tuple[int, list[str], list[str]] | None:
     """``(last step, the ranks whose script ended, the ranks stopped)`` when, in a generation a recovery made
     (``a.replaced``), the job's work is done although not every rank has exited; else None.
 
     Done: the ranks whose script returned (``ended``, each with a ``trained/`` record) all ended after the same step
     S, and the others cannot go on: one of the ended ranks ended in an earlier generation (it never joins this one),
-    or every other live rank waits on this generation's peers (inside a collective for :data:`ENDED_WAIT_S`, or it
-    reported a failed collective of this generation). A rank that has left its collectives behind (a save of its
-    own, a summary) is left to end on its own."""
+    or every other live rank reported a failed collective of this generation (the peer that left closed its
+    connections). Being inside a collective is not enough: a rank writing its own files after its peers left can
+    stand in torch.distributed's code as long (``torch.distributed.checkpoint``'s last writes). A rank that has left
+    its collectives behind is left to end on its own."""
     if not a.replaced:
         return None
     done = {w: trained[w] for w in a.ranks if w in ended and w in trained}
@@ -70,25 +66,18 @@ def ended_before_the_rest(a: Assignment, trained: Mapping[str, values.Trained], 
     if not rest:
         return None
     early = any(t.generation < a.generation for t in done.values())
-
-    def waits(w: str) -> bool:
-        beat, report = beats.get(w), reports.get(w)
-        if report is not None and report.generation == a.generation:
-            return True
-        return beat is not None and bool(beat.get("coll")) and float(beat.get("still_s", 0.0)) >= ENDED_WAIT_S
-
-    if not early and not all(waits(w) for w in rest):
+    failed_here = all((r := reports.get(w)) is not None and r.generation == a.generation for w in rest)
+    if not early and not failed_here:
         return None
     return next(iter(done.values())).step, sorted(done), rest
 
 
 def finish_after_recovery(a: Assignment, trained: Mapping[str, values.Trained], ended: Set[str],
-                          beats: Mapping[str, Mapping[str, Any]], reports: Mapping[str, values.Report]
-                          ) -> list[Action] | None:
+                          reports: Mapping[str, values.Report]) -> list[Action] | None:
     """What the coordinator does when the job's work is done in a generation a recovery made
     (:func:`ended_before_the_rest`): one line naming the node lost and the ranks that ended, the job finished (the
     launchers exit 0, stopping the rest). None: the other rules apply."""
-    found = ended_before_the_rest(a, trained, ended, beats, reports)
+    found = ended_before_the_rest(a, trained, ended, reports)
     if found is None:
         return None
     last, over, rest = found
@@ -96,8 +85,8 @@ def finish_after_recovery(a: Assignment, trained: Mapping[str, values.Trained], 
     early = [w for w in over if trained[w].generation < a.generation]
     why = (f"{', '.join(early)} ended its script after step {last} before generation {a.generation} formed, so "
            f"{', '.join(rest)} cannot go on" if early else
-           f"{', '.join(over)} ended its script after step {last} and {', '.join(rest)} waits in a collective it "
-           "will never join (a script that, resumed at its last step, trains one step more)")
+           f"{', '.join(over)} ended its script after step {last} and the collective {', '.join(rest)} waited in "
+           "failed (a script that, resumed at its last step, trains one step more)")
     return [Event({"event": "lost_after_done", "generation": a.generation, "lost": lost, "step": last,
                    "ended": over, "stopped": rest}),
             Say(f"node(s) {', '.join(lost)} lost at the job's last step {last} (replaced by "

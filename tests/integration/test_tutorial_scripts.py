@@ -94,6 +94,22 @@ def test_a_tutorial_loop_restarts_from_memory_through_load_checkpoint(tmp_path, 
     assert len(positioned) == 2, positioned
 
 
+def test_a_restart_before_the_scripts_first_save_counts_from_where_the_loop_was(tmp_path, shm_root):
+    """Rank 1 killed right after step 3, the script saving every 5 steps: nothing was ever saved, so each snapshot
+    carried the loop's own counters (checkpoint_calls.state: its step-like variables, at the engine's count when the
+    step began); after the torchrun restart ``load_checkpoint`` hands them back moved to the restored step, and the
+    script goes on from there (it counted from 0 before, training every step again on top of the restored
+    engine). Losses bit for bit."""
+    args = ["--steps", "10", "--save-interval", "5", "--dataset-size", "32"]
+    ref, _, _ = _run(tmp_path, "ref", args)
+    losses, events, rows = _run(tmp_path, "restart", args, shm_root=shm_root, kill_after=3)
+    _same(losses, ref, last=10)
+    assert all(r["step"] == r["global_steps"] for r in rows), rows
+    loaded = [e for e in events if e.get("event") == "continued" and e.get("how") == "load_checkpoint"]
+    assert len(loaded) == 2 and {e["disk_step"] for e in loaded} == {None}, loaded
+    assert {tuple(e["moved"]) for e in loaded} == {("step",)} and {e["step"] for e in loaded} & {2, 3}, loaded
+
+
 def test_a_tutorial_loop_that_loads_nothing_is_told_how_to_restore(tmp_path, shm_root):
     """The same script with ``--save-dir`` never loaded (the flag ``--no-load``): told once at the first snapshot
     that a restart trains again from step 0, with the fix."""

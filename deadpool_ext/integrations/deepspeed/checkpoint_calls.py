@@ -16,8 +16,10 @@ With the ``"deadpool"`` section the runtime wraps both calls on the engine (:cla
   step N, so under ``deadpool-run`` each rank also publishes it in the job's store (``client_state/<rank>``,
   ``launcher/keys.py``): a spare restored to step N takes the newest record of a save at or before N
   (:func:`newest_saved`), not the older one the snapshot carries (or none, when N was the first save). Before
-  the script's first save, a survivor recovering in place publishes its loop's counters instead
-  (:meth:`CheckpointCalls.publish_live`, :func:`script_counters`).
+  the script's first save, the snapshots carry the loop's own step-like counters instead, and a survivor
+  recovering in place publishes them as they stand (:meth:`CheckpointCalls.state`,
+  :meth:`CheckpointCalls.publish_live`, :func:`script_counters`): a restart or a spare counts from where the loop
+  was, not from 0.
 - ``load_checkpoint`` loads ``dir`` as DeepSpeed does when it holds a checkpoint (not in a spare that takes a lost
   node's place: the survivors restore from memory, and so does it), then asks the memory tiers for a version newer
   than that step (``resume(newer_than=...)``: collective, every rank agrees). When memory wins, it
@@ -187,7 +189,15 @@ class CheckpointCalls:
 
     # -- snapshot -----------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any] | None:
-        return self._saved
+        """What this step's snapshot carries: the last save's record; before the script's first save, its loop's
+        step-like counters as they stand in the step's snapshot (:func:`script_counters`: taken inside the step,
+        before the loop counts it, so at the engine's count when the step began), so that a restart's or a spare's
+        ``load_checkpoint`` counts from where the loop was, not from 0."""
+        if self._saved is not None or self._internal:
+            return self._saved
+        live = script_counters(inspect.currentframe())
+        began = max(0, int(getattr(self.engine, "global_steps", 0) or 0) - 1)
+        return {"saved": live, "at": {"global_steps": began}} if live else None
 
     def restore(self, value: Any) -> None:
         self._restored = value if isinstance(value, dict) else None
