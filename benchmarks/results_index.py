@@ -317,6 +317,10 @@ ARCHIVE_NOTES: dict[str, str] = {
                                     "6.0x; superseded by recovery_nodes",
     "recovery_nodes_0c7f157": "every node killed in turn, code 0c7f157 (load 1.5-1.7): worst node node0 0.74 s "
                               "(9.4x relaunch + load's 6.91 s), expected 0.68 s (10.1x), best 0.65 s (10.6x)",
+    "tutorial_scripts_6d59463": "the tutorial-style scripts before a plain loop's end and the loop counters before "
+                                "the first save were built (issue 43, code 6d59463)",
+    "recovery_nodes_2aed3ce": "every node killed in turn, before the relaunch's floor was measured (issue 44, code "
+                              "2aed3ce): worst node node2 0.69 s, 10.3x relaunch + load",
     "recovery_trainer_start_again": "the HF Trainer job before its spare could relabel (issue 44, 2026-12-04): the "
                                     "other node 4.52 s to restored, the spare starting its script again",
     "recovery_nodes_loaded_host": "every node killed in turn on a host at load 3.8-4.6 (issue 44, code e242131): "
