@@ -123,6 +123,7 @@ class CheckpointCalls:
         self._restored: dict[str, Any] | None = None
         self._internal = 0
         self._warned: set[str] = set()
+        self._roots = _library_roots()  # read once: state() walks the stack at every step until the first save
         self._load = engine.load_checkpoint
         self._save = engine.save_checkpoint
         self._save_sig = inspect.signature(self._save)
@@ -160,7 +161,7 @@ class CheckpointCalls:
         moved the engine's, not yet the loop's). Best effort; nothing once the script has saved."""
         if self._saved is not None or self._internal:
             return
-        live = script_counters(inspect.currentframe())
+        live = script_counters(inspect.currentframe(), self._roots)
         if live:
             _publish(int(getattr(self.engine, "global_rank", 0)), {"saved": live, "at": {"global_steps": began_at}})
             log.info("the script had not called save_checkpoint yet: its loop's counters %s published for a spare's "
@@ -195,7 +196,7 @@ class CheckpointCalls:
         ``load_checkpoint`` counts from where the loop was, not from 0."""
         if self._saved is not None or self._internal:
             return self._saved
-        live = script_counters(inspect.currentframe())
+        live = script_counters(inspect.currentframe(), self._roots)
         began = max(0, int(getattr(self.engine, "global_steps", 0) or 0) - 1)
         return {"saved": live, "at": {"global_steps": began}} if live else None
 
