@@ -43,6 +43,7 @@ RECOMMENDED = "snapshot_overhead_recommended"
 """The overhead users meet (issue 45): deadpool-run with a spare against plain DeepSpeed, whole process tree."""
 RECOVERY = "recovery"
 RECOVERY_NODES = "recovery_nodes"
+MEGATRON_NODES = "megatron_nodes"
 """bench_recovery --per-node: every active node killed in turn; its headline is the worst node (issue 44)."""
 SIMULATE = "simulate"
 PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
@@ -77,7 +78,7 @@ def sources(results_dir: str = RESULTS_DIR) -> dict[str, dict[str, Any]]:
         if doc and any((e.get("analysis") or {}).get("rule") == "window" and e.get("rule_met")
                        for e in (doc.get("sizes") or {}).values()):
             out[stem] = doc
-    for stem in (RECOVERY_NODES, RECOVERY, SIMULATE):
+    for stem in (RECOVERY_NODES, MEGATRON_NODES, RECOVERY, SIMULATE):
         doc = _load(stem, results_dir)
         if doc:
             out[stem] = doc
@@ -196,6 +197,30 @@ def _recovery_nodes_lines(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _megatron_nodes_lines(doc: dict[str, Any]) -> list[str]:
+    an = doc.get("analysis") or {}
+    worst = an.get("worst")
+    if worst not in ("node0", "node1"):
+        return []
+    best = "node1" if worst == "node0" else "node0"
+    rl, rb, fb = an["relaunch"]["restored"], an["rebuild"]["restored"], an.get("fallback_vs_rebuild") or {}
+
+    def node(k: str) -> str:
+        r = an[k]["restored"]
+        return (f"{_s(r['median'])} ({_s(r['min'])}-{_s(r['max'])}, {'/'.join(an[k]['how']) or '?'}, "
+                f"{an[k].get('speedup_restored') or 0:.1f}x)")
+
+    ok = all(an[k]["losses_identical"] for k in ("node1", "node0", "rebuild", "relaunch"))
+    return [f"- **Recovery, Megatron-Core (GPT {doc.get('size')}, TP2 x DP2), every node killed in turn** (2 nodes of "
+            f"2 ranks + 1 spare that built its model for node1; `{MEGATRON_NODES}.md`, {doc.get('repeats')} run(s) "
+            f"per node; {stamp(doc, stem=MEGATRON_NODES)}): kill to every rank restored, **worst node {worst} "
+            f"{node(worst)}** relaunch + `--load`'s {_s(rl['median'])} in the same run; expected under a uniformly "
+            f"drawn failure {_s(an.get('expected_s'))}; best node {best} {node(best)}. A node the spare did not "
+            f"build for starts it again (Megatron's parallel state is one coordinate's): "
+            f"{'not slower than' if fb.get('met') else 'slower than'} the rebuild path's {_s(rb['median'])} "
+            f"(`hot_swap.in_place: false`). Losses bit-identical on every run: {ok}."]
+
+
 def _simulate_lines(doc: dict[str, Any]) -> list[str]:
     lines = [f"- **Simulated** (`{SIMULATE}.md`; {stamp(doc)}; not measured, see `docs/simulator.md`):"]
     for scen, s in (doc.get("scenarios") or {}).items():
@@ -288,6 +313,8 @@ def render(results_dir: str = RESULTS_DIR) -> str:
             lines += _overhead_lines(stem, src[stem])
     if RECOVERY_NODES in src:
         lines += _recovery_nodes_lines(src[RECOVERY_NODES])
+    if MEGATRON_NODES in src:
+        lines += _megatron_nodes_lines(src[MEGATRON_NODES])
     if RECOVERY in src:
         lines += _recovery_lines(src[RECOVERY])
     if SIMULATE in src:

@@ -219,6 +219,14 @@ CURRENT: tuple[Current, ...] = (
             "Megatron-Core path: snapshot overhead (PP2 x DP2) and a hot-swap recovery (TP2), GPT small.",
             companions=("megatron_logs",),
             note="A `--quick` run, the only one: bench_megatron.py has no `--out`, so run_all.py does not run it."),
+    Current("megatron_nodes", "megatron_nodes", "a Megatron-Core job, every node killed: hot-swap vs relaunch + --load",
+            "Issue 44, parts 3 and 4: scripts/pretrain_gpt_megatron.py (GPT tiny, TP2 x DP2: 2 nodes of 2 ranks + 1 "
+            "spare node under deadpool-run, today's defaults: the in-place swap, the spare built ahead for node1); "
+            "per repeat node1 killed (the spare built for it), node0 killed (the spare starts again), node0 killed "
+            "on the rebuild path (hot_swap.in_place: false), and torchrun with a tier-3 base every iteration "
+            "relaunched with --load; kill -> restored (min, median, max), kill -> next iteration, losses against "
+            "an uninterrupted run; 3 repeats, kinds rotated.",
+            companions=("megatron_nodes_logs",)),
     Current("chaos", "chaos", "chaos campaign, 12 trials",
             "Chaos campaign: 12 seeded fault trials over ZeRO-1/2/3 and Megatron TP2 (kills in replication, "
             "recovery and persist windows, corrupted copies), each checked against a fault-free baseline."),
@@ -300,6 +308,9 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    **{f"{stem}_20261205": "calibrated with a node no spare built for at 4.11 s (the spare started its script "
+                           "again, recovery.json's unready runs), before the relabel's 0.15 s (recovery_nodes.json)"
+       for stem in ("simulate", "simulate_breakdown", "simulate_goodput", "simulate_young_daly")},
     "snapshot_overhead_recommended_20261205": "the first run of the recommended setup's overhead (issue 45), "
                                               "before the floor was measured in its jobs",
     **{f"{stem}_steponly": "timed each step without the checkpoint work still running after it (the rule before "

@@ -60,8 +60,8 @@ def before_script(ds_configs: Sequence[str], configs: Sequence[str], cfg: Deadpo
     ``cfg``, the first section found. No config at all: the defaults, assumed (``known`` False)."""
     if not configs or cfg is None:
         return FastPaths(True, True, None, known=False)
-    return _from_section(cfg, configs[0], swaps_in_place=bool(ds_configs),
-                         rebuilds=f"{configs[0]} holds only the section: Megatron-Core, which has no in-place swap")
+    # DeepSpeed and Megatron-Core (whose --deadpool-config holds only the section) both swap in place
+    return _from_section(cfg, configs[0], swaps_in_place=True, rebuilds="")
 
 
 def at_attach(cfg: DeadpoolConfig, *, swaps_in_place: bool, framework: str) -> FastPaths:

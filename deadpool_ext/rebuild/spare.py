@@ -237,9 +237,10 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     engine_at = times.get("engine_started_at", now)
     times.update(built_ahead=True, prologue_s=round(engine_at - times.get("started_at", engine_at), 3),
                  engine_s=round(now - engine_at, 3), ready_at=now)
-    read = rank_reads.stop(relabel.covers if relabel is not None and relabel.why_not is None else ())
-    blocker = (read or swap.relabel_refusal(built.world_size)
-               or (relabel.why_not if relabel is not None else "the framework offers no relabel of its objects"))
+    # the framework's own refusal first (what of its objects keeps the build-time rank), then the script's reads
+    refusal = relabel.why_not if relabel is not None else "the framework offers no relabel of its objects"
+    read = rank_reads.stop(relabel.covers if relabel is not None and refusal is None else ())
+    blocker = refusal or read or swap.relabel_refusal(built.world_size)
     write_event(event="spare_ready", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
                 node=built.node, pid=os.getpid(), prologue_s=times["prologue_s"], engine_s=times["engine_s"],
                 any_rank=blocker is None, why_not=blocker)

@@ -18,7 +18,8 @@ What is taken, and why it transfers to a GPU cluster only roughly:
 * ``costs.persist_overhead_ratio`` - the same for ``dcp_async`` (a background persistent checkpoint).
 * ``costs.hotswap_fixed_s`` = agree + rebuild, ``costs.restore_fixed_s`` = restore, medians of the hot-swap
   timeline's phases (a failed node the spare built its engine for); ``costs.hotswap_unready_s`` the same over the
-  ``unready`` runs (a node no spare built for); ``costs.startup_s`` = the relaunched baseline's start-up and
+  runs that killed a node no spare built for (``recovery_nodes.json``: the other nodes' runs, pooled; the older
+  ``recovery.json``: its ``unready`` runs); ``costs.startup_s`` = the relaunched baseline's start-up and
   ``load_checkpoint``. The model
   charges detection (``costs.detect_s``, an at-scale assumption) and the recomputed iteration separately, so the
   measured end-to-end figures (which contain both) are not used as costs. Software fixed costs (imports, process
@@ -39,7 +40,10 @@ from .params import Params
 # names of benchmarks/results/INDEX.md (CURRENT in benchmarks/results_index.py); a test checks that they agree.
 SNAPSHOT_FILES: tuple[str, ...] = ("snapshot_overhead_medium_n2.json", "snapshot_overhead_medium_n4.json",
                                     "snapshot_overhead_small_n2.json", "snapshot_overhead_small_n4.json")
-RECOVERY_FILES: tuple[str, ...] = ("recovery.json",)
+RECOVERY_FILES: tuple[str, ...] = ("recovery_nodes.json", "recovery.json")
+"""``recovery_nodes.json`` first: every node killed in turn (issue 44), so the cost of a node no spare built for is
+today's (the spare relabels its engine in place); ``recovery.json`` holds the older ``unready`` runs (the spare
+started its script again)."""
 # Model sizes of the recovery benchmark, most preferred first: small has 3 repeats, medium one.
 RECOVERY_SIZES: tuple[str, ...] = ("small", "medium", "tiny")
 
@@ -153,6 +157,25 @@ def _best_ratio(docs: list[tuple[str, dict]], mode: str) -> tuple[str, str] | No
     return min(ranked)[3:] if ranked else None
 
 
+def _unready(doc: dict[str, Any], size: str) -> tuple[float | None, str]:
+    """Agree + rebuild when the failed node is one no spare built for, and where it was read: the median over the
+    runs of ``runs.per_node`` (every node but the shadowed one, killed in turn), else the ``unready`` runs'."""
+    per_node = _get(doc, f"sizes.{size}.runs.per_node")
+    if isinstance(per_node, dict) and per_node:
+        sums = sorted(ph["agree_s"] + ph["rebuild_s"] for runs in per_node.values() for r in runs
+                      if isinstance(ph := r.get("phases"), dict) and _number(ph.get("agree_s"))
+                      and _number(ph.get("rebuild_s")))
+        mid = len(sums) // 2
+        value = (sums[mid] if len(sums) % 2 else (sums[mid - 1] + sums[mid]) / 2) if sums else None
+        return value, (f"sizes.{size}.runs.per_node ({', '.join(sorted(per_node))}: {len(sums)} runs), median of "
+                       "phases agree_s + rebuild_s")
+    un: dict[str, Any] = _get(doc, f"sizes.{size}.analysis.unready.hotswap.phases_median") or {}
+    ua: Any = un.get("agree_s")
+    ur: Any = un.get("rebuild_s")
+    return (ua + ur if _number(ua) and _number(ur) else None,
+            f"sizes.{size}.analysis.unready.hotswap.phases_median agree_s + rebuild_s")
+
+
 def calibrate(results_dir: str) -> Calibration:
     """Overrides from the current results in ``results_dir`` (usually ``benchmarks/results``)."""
     cal = Calibration()
@@ -181,12 +204,8 @@ def calibrate(results_dir: str) -> Calibration:
         agree, rebuild = hs.get("agree_s"), hs.get("rebuild_s")
         fixed = agree + rebuild if _number(agree) and _number(rebuild) else None
         _take(cal, "costs.hotswap_fixed_s", fixed, file, f"{base}.hotswap.phases_median agree_s + rebuild_s", 0.0)
-        un: dict[str, Any] = _get(doc, f"{base}.unready.hotswap.phases_median") or {}
-        ua: Any = un.get("agree_s")
-        ur: Any = un.get("rebuild_s")
-        unready = ua + ur if _number(ua) and _number(ur) else None
-        _take(cal, "costs.hotswap_unready_s", unready, file,
-              f"{base}.unready.hotswap.phases_median agree_s + rebuild_s", 0.0)
+        unready, where = _unready(doc, size)
+        _take(cal, "costs.hotswap_unready_s", unready, file, where, 0.0)
         _take(cal, "costs.restore_fixed_s", hs.get("restore_s"), file, f"{base}.hotswap.phases_median.restore_s",
               0.0)
         _take(cal, "costs.startup_s", _get(doc, f"{base}.baseline.phases_median.startup_and_load_s"), file,

@@ -62,8 +62,9 @@ def headers(rep: dict[str, Any]) -> list[str]:
 
 def swap_cost_text(d: dict[str, Any]) -> str:
     """What one hot-swap is charged (agree + rebuild; detection, restore and the recomputed iteration apart), and
-    how: a spare built ahead only for the node it shadows, so the charge mixes the built-ahead and the unready cost
-    by the share of nodes some spare shadows."""
+    how: a spare builds its engine ahead for the node it shadows, and takes any other node's ranks at the unready
+    cost (relabelled in place for data parallelism, started again otherwise), so the charge mixes the two by the
+    share of nodes some spare shadows."""
     fixed, unready = d["hotswap_fixed_s"], d["hotswap_unready_s"]
     f = d.get("built_ahead_fraction")
     charged = d.get("hotswap_s")

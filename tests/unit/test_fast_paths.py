@@ -37,10 +37,10 @@ def test_a_deepspeed_config_on_the_command_line_says_which_key_turned_a_fast_pat
     assert fastpaths.before_script(["ds.json"], ["ds.json"], _cfg(**hot_swap)) == expected
 
 
-def test_a_section_only_config_is_megatron_core_which_always_rebuilds():
-    fast = fastpaths.before_script([], ["dp.json"], _cfg())
-    assert not fast.in_place and not fast.build_ahead and fast.known
-    assert fast.why_not is not None and fast.why_not.startswith("every rank rebuilds (dp.json holds only the section")
+def test_a_section_only_config_is_megatron_core_which_swaps_in_place_and_builds_ahead_too():
+    assert fastpaths.before_script([], ["dp.json"], _cfg()) == FastPaths(True, True)
+    off = fastpaths.before_script([], ["dp.json"], _cfg(spare_build_ahead=False))
+    assert off == FastPaths(True, False, "hot_swap.spare_build_ahead is false in dp.json")
 
 
 # -- the attach's record, and what spares and later generations make of it ---------------------------------------
@@ -48,8 +48,9 @@ def test_the_attach_names_the_code_built_config_or_the_framework():
     assert fastpaths.at_attach(_cfg(), swaps_in_place=True, framework="DeepSpeed") == FastPaths(True, True)
     off = fastpaths.at_attach(_cfg(in_place=False), swaps_in_place=True, framework="DeepSpeed")
     assert off.why_not == "hot_swap.in_place is false in the config the script passed to its engine"
-    meg = fastpaths.at_attach(_cfg(), swaps_in_place=False, framework="Megatron-Core")
-    assert meg.why_not == "every rank rebuilds (Megatron-Core has no in-place swap)" and not meg.in_place
+    assert fastpaths.at_attach(_cfg(), swaps_in_place=True, framework="Megatron-Core") == FastPaths(True, True)
+    other = fastpaths.at_attach(_cfg(), swaps_in_place=False, framework="SomeFramework")
+    assert other.why_not == "every rank rebuilds (SomeFramework has no in-place swap)" and not other.in_place
 
 
 def test_the_record_round_trips_through_its_schema():

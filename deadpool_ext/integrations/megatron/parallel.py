@@ -8,18 +8,25 @@ Call order (every rank, main thread):
    layout's TP/PP sizes, the tensor-parallel RNG tracker seeded, and a check that this rank's Megatron
    coordinates are the ones :func:`layout.coordinates` predicts (the spare-takes-the-same-coordinates
    property rests on it).
-3. On hot-swap, ``destroy()`` before the process groups are torn down: Megatron's module-level group handles
-   (tensor, pipeline, data, context, expert, their gloo twins), its global memory buffer and the RNG tracker
-   are cleared, so the next ``initialize`` builds everything on the new world and nothing keeps a handle of
-   the dead one. The model and optimizer cache group handles too; they are rebuilt by the script's factory.
+3. A hot-swap in place (the default) keeps all of it: every group Megatron made is swappable, its gloo twins
+   included (:func:`_gloo_twins_swappable`), and gets the next generation's communicator beneath it.
+   On a rebuild (``hot_swap.in_place: false``, an elastic resize), ``destroy()`` before the process groups are
+   torn down: Megatron's module-level group handles (tensor, pipeline, data, context, expert, their gloo twins),
+   its global memory buffer and the RNG tracker are cleared, so the next ``initialize`` builds everything on the
+   new world and nothing keeps a handle of the dead one. The model and optimizer cache group handles too; they
+   are rebuilt by the script's factory.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
+from ...rebuild.context import context
 from .layout import Coordinates, Layout, coordinates
 
 log = logging.getLogger("deadpool_ext")
@@ -47,7 +54,9 @@ def initialize(layout: Layout, seed: int) -> Coordinates:
         ps.destroy_model_parallel()
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"layout is for {layout.world_size} ranks, the process group has {dist.get_world_size()}")
-    ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
+    context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
+    with _gloo_twins_swappable():
+        ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     mine = Coordinates(tp=ps.get_tensor_model_parallel_rank(), pp=ps.get_pipeline_model_parallel_rank(),
                        dp=ps.get_data_parallel_rank())
@@ -56,6 +65,32 @@ def initialize(layout: Layout, seed: int) -> Coordinates:
         raise RuntimeError(f"Megatron placed rank {dist.get_rank()} at {mine}, deadpool_ext expects {expected}: "
                            "the rank order of this Megatron-Core version differs from tp-cp-ep-dp-pp")
     return mine
+
+
+@contextlib.contextmanager
+def _gloo_twins_swappable() -> Iterator[None]:
+    """While Megatron builds its groups on a swappable default group (``rebuild/swap.py``): the gloo twins it asks
+    for by name (``backend="gloo"``: the data-parallel ones the distributed optimizer's checkpointing uses) are
+    made swappable gloo groups too, so an in-place swap replaces their communicator with the others' and no
+    handle of the dead generation stays. Megatron calls ``torch.distributed.new_group`` through the module at
+    each call; the substitution lasts for this one call of ``initialize_model_parallel``."""
+    from ...rebuild import swap
+
+    if not swap.active():
+        yield
+        return
+    original = dist.new_group
+
+    def new_group(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if kwargs.get("backend") == "gloo":
+            kwargs["backend"] = swap.GLOO_BACKEND
+        return original(*args, **kwargs)
+
+    dist.new_group = new_group  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        dist.new_group = original
 
 
 def destroy() -> None:

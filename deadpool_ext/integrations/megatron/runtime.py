@@ -36,6 +36,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ...config import DeadpoolConfig
+from ...rebuild.context import context
+from ...rebuild.spare import Relabel, await_assignment, publish_fast_paths
 from ...recovery.timeline import write_event
 from ..base import ResilientRuntime
 from . import parallel
@@ -62,9 +64,20 @@ class Progress:
     consumed_samples: int = 0
 
 
+NO_RELABEL = ("Megatron-Core's parallel state (its tensor-, pipeline- and data-parallel groups, and the model "
+              "shards and data position of its coordinates) is built for one rank")
+"""Why a Megatron spare built ahead for one node takes only that node's ranks in place (``rebuild/spare.py``)."""
+
+
+def _no_relabel(rank: int) -> None:
+    raise AssertionError(f"a Megatron-Core spare is never relabelled (to rank {rank}): {NO_RELABEL}")
+
+
 class MegatronRuntime(ResilientRuntime):
     what_recovers = "rebuilding parallel state"
     step_name = "iteration"
+    swaps_in_place = True
+
     def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
                  global_batch: int, micro_batch: int, tier3: str | None = None) -> None:
         """``tier3``: the flag that turns the job's tier-3 bases on (e.g. ``--save``), if not ``persist.url``."""
@@ -72,6 +85,20 @@ class MegatronRuntime(ResilientRuntime):
 
         # Before anything is built or any collective runs: a base holds one model chunk per rank.
         refuse_virtual_pipeline(built.chunks, tier3 or ("persist.url" if config.persist.url else None))
+        # spares that saw no section before their script learn the job's fast paths (rank 0; rebuild/spare.py)
+        if context().built_ahead is None:
+            publish_fast_paths(config, rank=dist.get_rank(), swaps_in_place=self.swaps_in_place,
+                               framework="Megatron-Core")
+        else:
+            # a spare that built its model ahead of any failure waits here for its assignment, before the runtime
+            # exists (rebuild/spare.py): the node it built for joins in place, another one starts it again
+            from ...launcher.contract import worker_env
+            from ...snapshot.manager import prepare_node
+            from ..base import placement_for
+
+            await_assignment(Relabel(why_not=NO_RELABEL, apply=_no_relabel, covers=("megatron",)),
+                             prepare=(lambda: prepare_node(config, placement_for(config, worker_env())))
+                             if config.enabled else None)
         self.built: Built | None = built
         self.layout = layout
         self.coords = coords
@@ -116,6 +143,18 @@ class MegatronRuntime(ResilientRuntime):
         return {"coords": {"tp": self.coords.tp, "pp": self.coords.pp, "dp": self.coords.dp}}
 
     # -- hot-swap -----------------------------------------------------------------------------------
+    def _abandon_step(self) -> None:
+        """In place: the interrupted iteration's gradients (the DDP buffers, the optimizer's) are dropped, without
+        any collective; the restore overwrites parameters, optimizer state and counters next."""
+        if self.built is None:
+            return
+        for chunk in self.built.chunks:
+            chunk.zero_grad_buffer()
+        self.built.optimizer.zero_grad()
+
+    def _handle(self) -> Any:
+        return self
+
     def _release(self) -> None:
         """Drop the model and optimizer (they hold the dead world's group handles) and Megatron's parallel state
         (groups, memory buffer, RNG tracker). The spare has the failed rank's global rank, hence its TP/PP/DP
