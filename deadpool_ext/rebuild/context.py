@@ -105,6 +105,8 @@ class WorkerContext:
     rank_reads: list[str] = field(default_factory=list)
     """Where code outside DeepSpeed and deadpool_ext read the rank of a spare building ahead (file:line)."""
     swap_mode: str = "live"
+    groups_made: dict[tuple[int, ...], list[str]] = field(default_factory=dict)
+    """While a spare builds ahead: torch's name of every group made, by its members (``rebuild/regroup.py``)."""
     swappable_groups: list[weakref.ReferenceType[SwappableGroup]] = field(default_factory=list)
     interrupts: Interrupts = field(default_factory=Interrupts)
     teardown_hooks: list[Callable[[], None]] = field(default_factory=list)

@@ -32,16 +32,21 @@ process i takes the rank of local index i)."""
 
 def _dir_of(module: str) -> str | None:
     """The directory of the top-level package ``module``, imported or not (a spare's watch starts before the script
-    imports DeepSpeed: found by its spec then, which runs none of its code)."""
+    imports DeepSpeed: found by its spec then, which runs none of its code); a namespace package (``megatron``) by
+    its first location."""
     mod = sys.modules.get(module)
-    path = getattr(mod, "__file__", None)
-    if path is None:
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        path = spec.origin if spec is not None else None
-    return os.path.dirname(os.path.abspath(path)) + os.sep if path else None
+    path: str | None = getattr(mod, "__file__", None)
+    if path is not None:
+        return os.path.dirname(os.path.abspath(path)) + os.sep
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin not in (None, "namespace"):
+        return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
+    places = list(getattr(mod, "__path__", None) or (spec.submodule_search_locations if spec is not None else None)
+                  or [])
+    return os.path.abspath(places[0]) + os.sep if places else None
 
 
 def _roots() -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -45,7 +45,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,7 +53,7 @@ from ..cluster.assignment import Assignment
 from ..cluster.membership import prepared_rank, shadowed_node
 from ..launcher import keys, values
 from ..recovery.timeline import write_event
-from . import rank_reads
+from . import rank_reads, regroup
 from .context import context
 from .fastpaths import NO_CONFIG, FastPaths, at_attach, from_record, spare_line
 
@@ -76,6 +76,8 @@ class BuiltAhead:
     """The active node whose ranks it took."""
     timeout_s: float
     """The collective timeout its groups will have once they join."""
+    node_ranks: tuple[int, ...] = ()
+    """That node's ranks, by local index (a relabel across subgroups exchanges them for the assigned node's)."""
     while_waiting: Callable[[], None] | None = None
     """What the wait does on each turn (``--spare-slots prepare``: the snapshot slots)."""
 
@@ -122,10 +124,12 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, f
         return False
     ctx = context()
     ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
-                                 timeout_s=timeout_s, while_waiting=while_waiting)
+                                 node_ranks=tuple(a.node_ranks(shadow)), timeout_s=timeout_s,
+                                 while_waiting=while_waiting)
     ctx.progress.prepared = (rank, a.world_size)
     export_world(a, rank, shadow)  # the world as the shadowed node's process sees it
     init_solo(rank, a.world_size, timeout_s)
+    regroup.record()  # the names of the groups the script makes: a relabel across subgroups needs them
     rank_reads.start()  # what of the script keeps this rank: it would block taking another (rank_reads.py)
     log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
              "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
@@ -190,6 +194,13 @@ class Relabel:
     """Sets the framework's objects to the new rank (the process's groups already answer it)."""
     covers: tuple[str, ...] = ()
     """Top-level packages whose reads of the rank (``rank_reads.py``) :attr:`apply` covers (Accelerate's)."""
+    check_mapping: Callable[[Mapping[int, int]], str | None] | None = None
+    """The framework's groups are subgroups of the world (Megatron-Core): another node's ranks are taken by
+    exchanging the two nodes' ranks (``regroup.py``), when this says nothing against the exchange (None: it can;
+    e.g. the two nodes' coordinates differ in data parallelism only). None here: every group spans the world and
+    is renumbered (``swap.relabel``)."""
+    apply_mapping: Callable[[Mapping[int, int]], object] | None = None
+    """With :attr:`check_mapping`: the framework's own copies of ranks, mapped after the groups were."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +251,8 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     # the framework's own refusal first (what of its objects keeps the build-time rank), then the script's reads
     refusal = relabel.why_not if relabel is not None else "the framework offers no relabel of its objects"
     read = rank_reads.stop(relabel.covers if relabel is not None and refusal is None else ())
-    blocker = refusal or read or swap.relabel_refusal(built.world_size)
+    subgroups = relabel is not None and relabel.check_mapping is not None
+    blocker = refusal or read or (None if subgroups else swap.relabel_refusal(built.world_size))
     write_event(event="spare_ready", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
                 node=built.node, pid=os.getpid(), prologue_s=times["prologue_s"], engine_s=times["engine_s"],
                 any_rank=blocker is None, why_not=blocker)
@@ -259,12 +271,19 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     ctx.progress.prepared = None
     times["assigned_at"] = time.time()
     t = takeover(a, m.worker_id, built, blocker)
+    if t.how == "relabel" and subgroups:
+        assert relabel is not None
+        why = _regroup(a, m.worker_id, built, relabel)
+        if why is not None:
+            t = Takeover("start_again", t.rank, why)
+    regroup.stop()
     if t.how == "relabel":
         times["relabelled_from"] = built.rank
         assert relabel is not None
         from .worker import export_world
 
-        swap.relabel(t.rank)
+        if not subgroups:
+            swap.relabel(t.rank)
         export_world(a, t.rank, a.nodes[m.worker_id])
         relabel.apply(t.rank)
         times["relabel_s"] = round(time.time() - times["assigned_at"], 4)
@@ -282,6 +301,27 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
                 "it starts again from the script's first line for its assignment", m.worker_id, t.rank, a.world_size,
                 a.generation, built.rank, built.world_size, t.why)
     start_again()
+
+
+def _regroup(a: Assignment, worker_id: str, built: BuiltAhead, relabel: Relabel) -> str | None:
+    """Take the assigned node's ranks by exchanging them for the built node's (``regroup.py``): the groups renamed
+    and renumbered, then the framework's copies of ranks. Returns why not (nothing changed then)."""
+    node = a.nodes[worker_id]
+    mine = sorted((w for w in a.ranks if a.nodes[w] == node), key=lambda w: int(w.rsplit(".", 1)[1]))
+    mapping = regroup.node_permutation(list(built.node_ranks), [a.ranks[w] for w in mine])  # by local index
+    if isinstance(mapping, str):
+        return mapping
+    assert relabel.check_mapping is not None
+    why = relabel.check_mapping(mapping)
+    if why is not None:
+        return why
+    groups = regroup.plan(mapping)
+    if isinstance(groups, str):
+        return groups
+    regroup.apply(groups, a.ranks[worker_id])
+    if relabel.apply_mapping is not None:
+        relabel.apply_mapping(mapping)
+    return None
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ from deadpool_ext.chaos.at_step import harness_env
 from deadpool_ext.chaos.dump import DIR as DUMP_DIR
 from deadpool_ext.chaos.dump import STEPS as DUMP_STEPS
 from deadpool_ext.chaos.dump import by_shard
-from deadpool_ext.integrations.megatron.runtime import NO_RELABEL
 from deadpool_ext.recovery.timeline import read_events
 from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import free_port, read_metrics, run_job, wait_for_step
@@ -92,26 +91,25 @@ def test_node_loss_hot_swap_identical_losses(tmp_path, shm_root, layout):
     # had built its ranks' model ahead of the failure, for the node it shadows, which is the one that failed.
     assert all(e.get("in_place") for e in survivors), survivors
     ready = [e for e in events if e.get("event") == "spare_ready"]
-    assert sorted(e["rank"] for e in ready) == [2, 3] and not any(e["any_rank"] for e in ready)
-    assert all(e["why_not"] == NO_RELABEL for e in ready), ready
+    assert sorted(e["rank"] for e in ready) == [2, 3] and all(e["any_rank"] for e in ready), ready
     assert all(e.get("built_ahead") for e in spare)
     assert sorted(e["how"] for e in events if e.get("event") == "spare_assigned") == ["as_built", "as_built"]
 
 
-def test_another_nodes_loss_starts_the_spare_again_with_identical_losses(tmp_path, shm_root):
-    """Issue 44, part 3: the spare built ahead for node1; node0 is lost. Megatron's parallel state is built for
-    one coordinate, so the spare starts its script again for ranks 0 and 1 (the reason in its ``spare_assigned``
-    events), while the survivors keep theirs in place; the losses are those of an uninterrupted run."""
+def test_another_nodes_loss_is_taken_by_the_spare_relabelled_with_identical_losses(tmp_path, shm_root):
+    """Issue 44, part 3: the spare built ahead for node1 (ranks 2, 3: data-parallel replica 1); node0 (replica 0, the
+    same tensor-parallel shards) is lost. The spare takes ranks 0 and 1 in place: its groups renamed to replica 0's
+    and Megatron's rank lists mapped (rebuild/regroup.py), its coordinates replica 0's; the survivors keep theirs in
+    place; the losses are those of an uninterrupted run."""
     base, _ = _torchrun(tmp_path, shm_root, 4, _TP2, "base")
     metrics, events, _ = _swap(tmp_path, shm_root, _TP2, victim="node0.1")
     assert metrics == base
     assert [e["replaced"] for e in events if e.get("event") == "assignment"] == [{"node0": "spare0"}]
     assigned = [e for e in events if e.get("event") == "spare_assigned"]
-    assert sorted((e["rank"], e["built_rank"], e["how"]) for e in assigned) == [(0, 2, "start_again"),
-                                                                                 (1, 3, "start_again")]
-    assert all(e["why"] == NO_RELABEL for e in assigned)
+    assert sorted((e["rank"], e["built_rank"], e["how"]) for e in assigned) == [(0, 2, "relabel"), (1, 3, "relabel")]
     spare = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
     assert sorted(e["rank"] for e in spare) == [0, 1] and all(e["restored_from"] == "peer" for e in spare)
+    assert {e["rank"]: e["coords"] for e in spare} == {0: {"tp": 0, "pp": 0, "dp": 0}, 1: {"tp": 1, "pp": 0, "dp": 0}}
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert sorted(e["rank"] for e in survivors) == [2, 3] and all(e.get("in_place") for e in survivors)
 

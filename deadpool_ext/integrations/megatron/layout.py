@@ -112,3 +112,15 @@ def keep_global_batch(global_batch: int, micro: int, num_micro: int, dp: int, al
                       f"of micro batch {micro} x {dp}; set deadpool.elastic.allow_batch_change to true to continue "
                       "with another global batch, or choose --global-batch-size / --micro-batch-size that divide "
                       "every data-parallel size the job may run at")
+
+
+def dp_exchange_refusal(mapping: Mapping[int, int], layout: Layout) -> str | None:
+    """Why a spare built for one node's ranks cannot take another's by exchanging them (``mapping``, both ways;
+    ``rebuild/regroup.py``): every rank must keep its tensor- and pipeline-parallel coordinates, so that the model
+    shard it built is the one it takes and only its data-parallel replica changes. None: it can (pure)."""
+    for old, new in sorted(mapping.items()):
+        a, b = coordinates(old, layout), coordinates(new, layout)
+        if (a.tp, a.pp) != (b.tp, b.pp):
+            return (f"rank {old} is at tensor/pipeline coordinates ({a.tp}, {a.pp}), rank {new} at ({b.tp}, {b.pp}): "
+                    "another model shard")
+    return None

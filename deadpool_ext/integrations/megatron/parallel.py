@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,28 @@ def _gloo_twins_swappable() -> Iterator[None]:
         yield
     finally:
         dist.new_group = original
+
+
+def relabel(mapping: Mapping[int, int]) -> int:
+    """A spare built for one node's ranks takes another's by exchanging them (``rebuild/regroup.py``, after its
+    groups were renamed): Megatron's own lists of global ranks (``_*_RANKS``: the tensor-, pipeline-, data-, model-
+    parallel and embedding groups' members, in their order) mapped too. Returns how many lists were mapped."""
+    from megatron.core import parallel_state as ps
+
+    def mapped(v: Any) -> Any:
+        if isinstance(v, list):
+            out = [mapped(x) for x in v]
+            # a group's members in its rank order, ascending in Megatron's tp-cp-ep-dp-pp order: kept ascending (the
+            # data-parallel group is mapped onto itself, its members in another order)
+            return sorted(out) if all(isinstance(x, int) for x in v) and v == sorted(v) else out
+        return mapping.get(v, v) if isinstance(v, int) else v
+
+    n = 0
+    for name, value in list(vars(ps).items()):
+        if name.startswith("_") and name.endswith("_RANKS") and isinstance(value, list):
+            setattr(ps, name, mapped(value))
+            n += 1
+    return n
 
 
 def destroy() -> None:

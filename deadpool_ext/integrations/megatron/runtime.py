@@ -41,7 +41,7 @@ from ...rebuild.spare import Relabel, await_assignment, publish_fast_paths
 from ...recovery.timeline import write_event
 from ..base import ResilientRuntime
 from . import parallel
-from .layout import Coordinates, Layout, LayoutError, dp_resize, keep_global_batch
+from .layout import Coordinates, Layout, LayoutError, coordinates, dp_exchange_refusal, dp_resize, keep_global_batch
 from .state import MegatronStateAdapter
 
 log = logging.getLogger("deadpool_ext")
@@ -64,13 +64,20 @@ class Progress:
     consumed_samples: int = 0
 
 
-NO_RELABEL = ("Megatron-Core's parallel state (its tensor-, pipeline- and data-parallel groups, and the model "
-              "shards and data position of its coordinates) is built for one rank")
+DIST_OPTIMIZER = ("Megatron's distributed optimizer holds this rank's data-parallel shard of the optimizer state "
+                  "(its rank in the data-parallel group, cached at build)")
 """Why a Megatron spare built ahead for one node takes only that node's ranks in place (``rebuild/spare.py``)."""
 
 
-def _no_relabel(rank: int) -> None:
-    raise AssertionError(f"a Megatron-Core spare is never relabelled (to rank {rank}): {NO_RELABEL}")
+def relabel_offer(built: Built, layout: Layout, config: DeadpoolConfig) -> Relabel:
+    """What a Megatron spare built ahead offers to take another node's ranks in place (``rebuild/spare.py``): the two
+    nodes' ranks exchanged when they hold the same tensor- and pipeline-parallel coordinates (another data-parallel
+    replica of the same model shards, ``layout.dp_exchange_refusal``), its groups renamed (``rebuild/regroup.py``)
+    and Megatron's rank lists mapped (``parallel.relabel``); the runtime made after it takes the new coordinates."""
+    dist_opt = any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in built.chunks)
+    return Relabel(why_not=DIST_OPTIMIZER if dist_opt else None, apply=lambda rank: None, covers=("megatron",),
+                   check_mapping=lambda mapping: dp_exchange_refusal(mapping, layout),
+                   apply_mapping=parallel.relabel)
 
 
 class MegatronRuntime(ResilientRuntime):
@@ -78,9 +85,10 @@ class MegatronRuntime(ResilientRuntime):
     step_name = "iteration"
     swaps_in_place = True
 
-    def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates, *, seed: int,
-                 global_batch: int, micro_batch: int, tier3: str | None = None) -> None:
-        """``tier3``: the flag that turns the job's tier-3 bases on (e.g. ``--save``), if not ``persist.url``."""
+    def __init__(self, built: Built, config: DeadpoolConfig, layout: Layout, coords: Coordinates | None = None, *,
+                 seed: int, global_batch: int, micro_batch: int, tier3: str | None = None) -> None:
+        """``coords``: this rank's (checked; None: computed from the rank). ``tier3``: the flag that turns the job's
+        tier-3 bases on (e.g. ``--save``), if not ``persist.url``."""
         from .checkpoint import refuse_virtual_pipeline
 
         # Before anything is built or any collective runs: a base holds one model chunk per rank.
@@ -91,14 +99,20 @@ class MegatronRuntime(ResilientRuntime):
                                framework="Megatron-Core")
         else:
             # a spare that built its model ahead of any failure waits here for its assignment, before the runtime
-            # exists (rebuild/spare.py): the node it built for joins in place, another one starts it again
+            # exists (rebuild/spare.py): the node it built for, or one holding another data-parallel replica of the
+            # same shards (its groups renamed), joins in place; any other starts it again
             from ...launcher.contract import worker_env
             from ...snapshot.manager import prepare_node
             from ..base import placement_for
 
-            await_assignment(Relabel(why_not=NO_RELABEL, apply=_no_relabel, covers=("megatron",)),
+            await_assignment(relabel_offer(built, layout, config),
                              prepare=(lambda: prepare_node(config, placement_for(config, worker_env())))
                              if config.enabled else None)
+        # the coordinates of the rank it holds now (a relabelled spare: another data-parallel replica's)
+        mine = coordinates(dist.get_rank(), layout)
+        if coords is not None and coords != mine and context().spare_times.get("relabelled_from") is None:
+            raise LayoutError(f"rank {dist.get_rank()} is at {mine} in this layout, the script passed {coords}")
+        coords = mine
         self.built: Built | None = built
         self.layout = layout
         self.coords = coords

@@ -26,7 +26,7 @@ from ...config import ConfigError, DeadpoolConfig
 from ...distributed import init_distributed
 from ...integrations.base import ResilientLoop
 from ...integrations.megatron import parallel
-from ...integrations.megatron.layout import Layout, LayoutError, coordinates, keep_global_batch
+from ...integrations.megatron.layout import Layout, LayoutError, keep_global_batch
 from ...integrations.megatron.runtime import MegatronRuntime
 from ...logs import configure_logging
 from ...rebuild.context import context
@@ -134,7 +134,7 @@ def _run(argv: Sequence[str] | None) -> dict[str, Any]:
                                      config.elastic.allow_batch_change)
         now["num_micro"] = n
         built = build(dataclasses.replace(spec, num_microbatches=n), args.seed)
-        rt = MegatronRuntime(built, config, here, coordinates(dist.get_rank(), here), seed=args.seed,
+        rt = MegatronRuntime(built, config, here, seed=args.seed,  # its coordinates: the rank it holds
                              global_batch=batch, micro_batch=spec.micro_batch,
                              tier3="--save" if args.save else "--load" if args.load else None)
 
