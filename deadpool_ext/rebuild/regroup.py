@@ -125,7 +125,7 @@ def apply(groups: list[Regroup], rank: int) -> int:
             new_tag = f"ptd:{r.name}"
             world.tags_to_pg.setdefault(new_tag, []).append(g)
             world.pg_to_tag[g] = new_tag
-            name = getattr(c10d, "GroupName", str)(r.name)  # a str subtype in the torch versions that have it
+            name: Any = getattr(c10d, "GroupName", str)(r.name)  # a str subtype in the torch versions that have it
             world.pg_names[g] = name
             c10d._register_process_group(name, g)
             renamed += 1
