@@ -7,8 +7,9 @@ node, the in-place swap, the spare built ahead). Per repeat, four jobs:
 
 * ``node1``    ``deadpool-run --nnodes 2 --nproc-per-node 2 --spare-nodes 1``: the spare built its model ahead for
                node1's ranks (2 and 3); after iteration K node1.1 is SIGKILLed, the launcher fences the node;
-* ``node0``    the same, node0.1 killed: the spare built for node1 takes ranks 0 and 1 (Megatron's parallel state is
-               built for one coordinate: it starts its script again, ``rebuild/spare.py``);
+* ``node0``    the same, node0.1 killed: the spare built for node1 takes ranks 0 and 1, another data-parallel replica
+               of the same tensor-parallel shards (its groups renamed after the exchange of the two nodes' ranks,
+               ``rebuild/regroup.py``; where that cannot be, it starts its script again);
 * ``rebuild``  node0.1 killed with ``hot_swap.in_place: false``: every rank rebuilds, the spare builds after its
                assignment (the path the fallback must not be slower than);
 * ``relaunch`` what a Megatron user has without the extension: ``torchrun --nproc-per-node 4`` with a tier-3 base
@@ -211,7 +212,7 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     worst = max(meds, key=lambda k: meds[k] or float("inf")) if all(meds.values()) else None
     an["worst"] = worst
     an["expected_s"] = sum(meds.values()) / 2 if all(meds.values()) else None  # type: ignore[arg-type]
-    covered = [k for k in ("node1", "node0") if an[k]["how"] == ["as_built"]]
+    covered = [k for k in ("node1", "node0") if an[k]["how"] and set(an[k]["how"]) <= {"as_built", "relabel"}]
     an["covered"] = covered
 
     def judged(k: str) -> dict[str, Any]:
@@ -267,7 +268,7 @@ def render(doc: dict[str, Any]) -> str:
                   f"`{doc['name']}_logs/`)."]
     worst = an.get("worst")
     lines += ["", f"Worst node: {worst or '?'} ({f(an[worst]['restored']['median']) if worst else '-'} s); expected "
-              f"under a uniformly drawn failure {f(an.get('expected_s'))} s; covered by the spare's build-ahead: "
+              f"under a uniformly drawn failure {f(an.get('expected_s'))} s; taken in place by the spare built ahead: "
               f"{', '.join(an['covered']) or 'none'}."]
     for k, t in an["targets"].items():
         lines.append(f"- {k}: restored {f(t['restored_s'])} s against {TARGET_RESTORED_S} s "
@@ -275,7 +276,7 @@ def render(doc: dict[str, Any]) -> str:
                      f"{TARGET_SPEEDUP:.0f}x ({'met' if t['speedup_met'] else 'NOT met'}); losses identical "
                      f"{t['losses_identical']}.")
     fr = an.get("fallback_vs_rebuild") or {}
-    lines.append(f"- node0's fallback (the spare starts again) against the rebuild path: {f(fr.get('fallback_s'))} s "
+    lines.append(f"- node0 (a node the spare did not build for) against the rebuild path: {f(fr.get('fallback_s'))} s "
                  f"against {f(fr.get('rebuild_s'))} s ({'not slower' if fr.get('met') else 'SLOWER'}).")
     return "\n".join(lines) + "\n"
 

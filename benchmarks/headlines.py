@@ -215,10 +215,9 @@ def _megatron_nodes_lines(doc: dict[str, Any]) -> list[str]:
             f"2 ranks + 1 spare that built its model for node1; `{MEGATRON_NODES}.md`, {doc.get('repeats')} run(s) "
             f"per node; {stamp(doc, stem=MEGATRON_NODES)}): kill to every rank restored, **worst node {worst} "
             f"{node(worst)}** relaunch + `--load`'s {_s(rl['median'])} in the same run; expected under a uniformly "
-            f"drawn failure {_s(an.get('expected_s'))}; best node {best} {node(best)}. A node the spare did not "
-            f"build for starts it again (Megatron's parallel state is one coordinate's): "
-            f"{'not slower than' if fb.get('met') else 'slower than'} the rebuild path's {_s(rb['median'])} "
-            f"(`hot_swap.in_place: false`). Losses bit-identical on every run: {ok}."]
+            f"drawn failure {_s(an.get('expected_s'))}; best node {best} {node(best)}. node0, which the spare did not "
+            f"build for, {'not slower than' if fb.get('met') else 'slower than'} the rebuild path's "
+            f"{_s(rb['median'])} (`hot_swap.in_place: false`). Losses bit-identical on every run: {ok}."]
 
 
 def _simulate_lines(doc: dict[str, Any]) -> list[str]:

@@ -222,7 +222,7 @@ CURRENT: tuple[Current, ...] = (
     Current("megatron_nodes", "megatron_nodes", "a Megatron-Core job, every node killed: hot-swap vs relaunch + --load",
             "Issue 44, parts 3 and 4: scripts/pretrain_gpt_megatron.py (GPT tiny, TP2 x DP2: 2 nodes of 2 ranks + 1 "
             "spare node under deadpool-run, today's defaults: the in-place swap, the spare built ahead for node1); "
-            "per repeat node1 killed (the spare built for it), node0 killed (the spare starts again), node0 killed "
+            "per repeat node1 killed (the spare built for it), node0 killed (the spare relabelled in place), node0 killed "
             "on the rebuild path (hot_swap.in_place: false), and torchrun with a tier-3 base every iteration "
             "relaunched with --load; kill -> restored (min, median, max), kill -> next iteration, losses against "
             "an uninterrupted run; 3 repeats, kinds rotated.",
@@ -308,6 +308,8 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "megatron_nodes_start_again": "the Megatron-Core job before its spare could take another data-parallel replica's "
+                                  "node (issue 44): node0's loss started the spare again, 4.10 s",
     **{f"{stem}_20261205": "calibrated with a node no spare built for at 4.11 s (the spare started its script "
                            "again, recovery.json's unready runs), before the relabel's 0.15 s (recovery_nodes.json)"
        for stem in ("simulate", "simulate_breakdown", "simulate_goodput", "simulate_young_daly")},

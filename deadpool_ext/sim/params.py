@@ -207,7 +207,7 @@ class Costs:
     hotswap_unready_s: float = 0.15
     """The same when no spare built for the failed node (measured: recovery_nodes.json, the other nodes' runs: a
     data-parallel spare relabels its engine in place, issue 44; a spare that starts its script again, as a
-    Megatron-Core or pipeline job's does for another node, costs seconds: 4.11 s in recovery.json's ``unready``
+    pipeline engine's does for another stage, costs seconds: 4.11 s in recovery.json's ``unready``
     runs, set it with ``--set costs.hotswap_unready_s=...``). A spare builds for the node it shadows, so a swap
     costs, in expectation, ``min(spares, nodes) / nodes`` of the first and the rest of this
     (``Derived.hotswap_s``)."""
