@@ -222,8 +222,8 @@ CURRENT: tuple[Current, ...] = (
     Current("megatron_nodes", "megatron_nodes", "a Megatron-Core job, every node killed: hot-swap vs relaunch + --load",
             "Issue 44, parts 3 and 4: scripts/pretrain_gpt_megatron.py (GPT tiny, TP2 x DP2: 2 nodes of 2 ranks + 1 "
             "spare node under deadpool-run, today's defaults: the in-place swap, the spare built ahead for node1); "
-            "per repeat node1 killed (the spare built for it), node0 killed (the spare relabelled in place), node0 killed "
-            "on the rebuild path (hot_swap.in_place: false), and torchrun with a tier-3 base every iteration "
+            "per repeat node1 killed (the spare built for it), node0 killed (the spare relabelled in place), node0 "
+            "killed on the rebuild path (hot_swap.in_place: false), and torchrun with a tier-3 base every iteration "
             "relaunched with --load; kill -> restored (min, median, max), kill -> next iteration, losses against "
             "an uninterrupted run; 3 repeats, kinds rotated.",
             companions=("megatron_nodes_logs",)),
