@@ -67,8 +67,10 @@ def _swap(tmp_path, shm_root, layout, kill_step=5, victim="node1.1"):
 _TP2, _PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 
 
-@pytest.mark.parametrize("layout", matrix([_TP2, _PP2], ci=[_TP2]),  # PP: the in-process rebuild tests
-                         ids=lambda layout: "tp2xdp2" if layout == _TP2 else "pp2xdp2")
+@pytest.mark.full_matrix(covered_by="test_another_nodes_loss_is_taken_by_the_spare_relabelled_with_identical_losses "
+                                    "(the same TP2 job: the spare built ahead, the survivors in place, the losses; "
+                                    "the node it built for is the simpler case) and the DeepSpeed hot-swap tests")
+@pytest.mark.parametrize("layout", [_TP2, _PP2], ids=lambda layout: "tp2xdp2" if layout == _TP2 else "pp2xdp2")
 def test_node_loss_hot_swap_identical_losses(tmp_path, shm_root, layout):
     base, _ = _torchrun(tmp_path, shm_root, 4, layout, "base")
     assert sorted(base) == list(range(1, ITERS + 1))

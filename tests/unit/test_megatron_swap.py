@@ -13,6 +13,18 @@ from deadpool_ext.rebuild import swap
 pytest.importorskip("megatron.core")
 
 
+@pytest.fixture(autouse=True)
+def _cpu_shims():
+    """Megatron's CPU shims for these tests only: reverted after each, as tests/unit/test_patches.py expects."""
+    from deadpool_ext import patches  # type: ignore[attr-defined]
+    from deadpool_ext.integrations.megatron import parallel
+
+    already = [n for n in patches.MEGATRON_CORE_CPU if patches.get(n).applied]
+    parallel.apply_cpu_shims()
+    yield
+    patches.revert_all([n for n in patches.MEGATRON_CORE_CPU if n not in already])
+
+
 @contextlib.contextmanager
 def _solo_world(rank: int, size: int):
     if dist.is_initialized():
@@ -37,7 +49,6 @@ def test_a_spare_builds_megatrons_groups_solo_all_swappable_at_its_coordinates()
     from deadpool_ext.integrations.megatron import parallel
     from deadpool_ext.integrations.megatron.layout import Coordinates, Layout
 
-    parallel.apply_cpu_shims()
     with _solo_world(rank=2, size=4):
         coords = parallel.initialize(Layout(world_size=4, tp=2, pp=1), seed=1234)
         assert coords == Coordinates(tp=0, pp=0, dp=1)
@@ -59,7 +70,6 @@ def test_gloo_twins_stay_plain_gloo_without_the_swap():
     from deadpool_ext.integrations.megatron import parallel
     from deadpool_ext.integrations.megatron.layout import Layout
 
-    parallel.apply_cpu_shims()
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -86,7 +96,6 @@ def test_a_spare_built_for_rank_2_relabelled_to_rank_0_is_what_a_spare_built_for
     from deadpool_ext.rebuild import regroup
 
     layout = Layout(world_size=4, tp=2, pp=1)
-    parallel.apply_cpu_shims()
     with _solo_world(rank=0, size=4):
         parallel.initialize(layout, seed=1234)
         want = _megatron_view()
