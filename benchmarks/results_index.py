@@ -134,16 +134,18 @@ CURRENT: tuple[Current, ...] = (
             "the survivors' RSS before the first kill and at the last step, losses against an uninterrupted run.",
             companions=("five_swaps_logs",)),
     Current("five_swaps_any_node", "five_swaps", "five consecutive hot-swaps killing a different node each time",
-            "Issue 44: bench_five_swaps.py with --kill-ranks 1,2,0 (the default): GPT small, ZeRO-3, 3 nodes + 1 "
-            "spare; five SIGKILLs of the holder of rank 1, 2, 0, 1, 2 in turn, each spare replaced by a joining "
-            "machine that builds ahead for rank 1, so three of five swaps take ranks the spare did not build for "
-            "(relabelled in place); per swap how the spare took the ranks, kill -> restored and -> next step, each "
-            "survivor's RSS from the first kill it survived while training to the end, losses against an "
+            "Issue 44: bench_five_swaps.py with --kill-ranks 1,2,1,2,1 (the default): GPT small, ZeRO-3, 3 nodes + "
+            "1 spare; five SIGKILLs of the holder of rank 1, 2, 1, 2, 1 in turn (a different process and node each "
+            "time), each spare replaced by a joining machine that builds ahead for rank 1, so two of five swaps take "
+            "ranks the spare did not build for (relabelled in place) and rank 0's holder survives all five; per swap "
+            "how the spare took the ranks, kill -> restored and -> next step, each survivor's RSS from the first "
+            "kill it survived while training to the end and the swaps it survived, losses against an "
             "uninterrupted run.",
             companions=("five_swaps_any_node_logs",),
-            note="Run with --out elsewhere and copied here (the command as recorded without it); no snapshot worker "
-                 "was abandoned in this run. Survivors' RSS x1.067 and x1.041 here against x0.895 and x0.978 in "
-                 "the run before: one run per result, the spread between runs is that wide."),
+            note="Run with --out elsewhere and copied here (the command as recorded without it), on a host slower "
+                 "that evening (a normal step 3.94 s against 3.05 s in the run before): swaps 3-5 took 1.01-1.30 s. "
+                 "A run just before it, killed on the same code, stalled 60 s in swap 4's communicators (the "
+                 "collective timeout) and was not kept; its cause is not found."),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
@@ -308,6 +310,10 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "megatron_nodes_relabel_first": "the first run after the Megatron relabel; re-measured on the final code of the "
+                                    "stop (node0 0.61 s, node1 0.60 s)",
+    "five_swaps_any_node_120": "kill pattern 1,2,0 (no worker survived all five swaps; the memory target judged on "
+                               "workers that had joined for the last ones)",
     "megatron_nodes_start_again": "the Megatron-Core job before its spare could take another data-parallel replica's "
                                   "node (issue 44): node0's loss started the spare again, 4.10 s",
     **{f"{stem}_20261205": "calibrated with a node no spare built for at 4.11 s (the spare started its script "
