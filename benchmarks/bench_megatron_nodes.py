@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
-from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
+from recovery_procs import Monitor, append_event, normal_step_s, read_records, run_logged, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -69,10 +69,6 @@ def _args(a: argparse.Namespace, cfg: str, metrics: str, *extra: str) -> tuple[s
 
 def _after(recs: list[dict[str, Any]], t_kill: float, last_pre: int) -> dict[str, Any] | None:
     return next((r for r in recs if r["time"] > t_kill and r["step"] > last_pre), None)
-
-
-def _normal(recs: list[dict[str, Any]], k: int) -> float | None:
-    return median([r["step_time_s"] for r in recs if 2 <= r["step"] <= k])
 
 
 def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str) -> dict[str, Any]:
@@ -120,7 +116,7 @@ def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str
     out["how"] = sorted({str(e.get("how")) for e in events if e.get("event") == "spare_assigned"})
     out["spare_ready"] = [{k: e.get(k) for k in ("worker", "rank", "prologue_s", "engine_s", "any_rank", "why_not")}
                           for e in ready]
-    out.update(phases=row, last_step_before_kill=last_pre, normal_step_s=_normal(recs, a.kill_step),
+    out.update(phases=row, last_step_before_kill=last_pre, normal_step_s=normal_step_s(recs, a.kill_step),
                raw_s=first["time"] - t_kill if first else None,
                first_step_time_after_s=first["step_time_s"] if first else None,
                restored_s=sum(parts) if None not in parts else None)
@@ -163,7 +159,7 @@ def run_relaunch(scratch: str, logs: str, a: argparse.Namespace, tag: str) -> di
     nxt = _after(r2, t_kill, last_pre)
     resumed = r2[0] if r2 else None
     out.update(returncode=res["returncode"], log=res["log"], records=[r for r in r1 if r["step"] <= last_pre] + r2,
-               last_step_before_kill=last_pre, normal_step_s=_normal(r1, a.kill_step),
+               last_step_before_kill=last_pre, normal_step_s=normal_step_s(r1, a.kill_step),
                resumed_at_step=resumed["step"] - 1 if resumed else None,
                raw_s=nxt["time"] - t_kill if nxt else None,
                first_step_time_after_s=nxt["step_time_s"] if nxt else None,
