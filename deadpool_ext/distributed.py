@@ -94,7 +94,10 @@ def init_distributed(backend: str | None = None, timeout_s: float | None = None,
 
         def form(assignment: Assignment) -> None:
             if env.hot_swap is not None and env.hot_swap.role == "spare":
-                context().spare_times.setdefault("assigned_at", time.time())
+                from .rebuild.spare import assigned
+
+                context().spare.times.setdefault("assigned_at", time.time())
+                assigned(m.worker_id, assignment)
             live = groups_in_place(fast, None if fast.known else m.job_fast_paths(), assignment.generation)
             init_process_group(assignment, m.worker_id, backend or default_backend(), timeout, in_place=live)
             destroy_groups_at_exit()

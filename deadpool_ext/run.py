@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .rebuild.context import context
 
-    context().spare_times.setdefault("started_at", time.time())  # a spare's prologue starts here (its timeline)
+    context().spare.times.setdefault("started_at", time.time())  # a spare's prologue starts here (its timeline)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + (__doc__ or "").split("\n\n")[0], file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0

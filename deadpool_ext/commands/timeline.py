@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..recovery.ledger import format_ledger, ledger
-    from ..recovery.timeline import format_table, phases, read_events
+    from ..recovery.timeline import format_table, phases, read_events, spare_lines
 
     events = read_events(args.path)
     if args.ledger:
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=1))
         return 0
     print(format_table(rows) if rows else "no hot-swaps recorded")
-    for line in straggler_lines(events):
+    for line in spare_lines(events) + straggler_lines(events):
         print(line)
     print(format_ledger(ledger(events, time.time())))
     return 0

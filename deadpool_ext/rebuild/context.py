@@ -11,8 +11,9 @@ membership's assignment) and a reader finds the whole state in one place:
   notice's cut shuts down; None before a generation's group is built);
 - ``progress``: the steps and main-thread samples the heartbeat reports (``rebuild/progress.py``);
 - ``pending_live``: a spare whose groups were built solo and have not joined the survivors yet;
-- ``built_ahead``, ``spare_times``: a spare that built its engine before any failure, for which ranks, and its
-  phases' times for the timeline (``rebuild/spare.py``);
+- ``spare``: a spare's life (``rebuild/spare.py`` :class:`SpareLife`): its state (starting, building ahead,
+  waiting, building, joining, joined, failed), what it built its engine for ahead of any failure, and its phases'
+  times for the timeline;
 - ``swap_mode``, ``swappable_groups``: whether new swappable groups are built solo or live, and every one built
   (``rebuild/swap.py``);
 - ``interrupts``: the launcher's notice to the main thread, by generation: the one requested, the one armed, the
@@ -46,7 +47,7 @@ from .progress import Progress
 if TYPE_CHECKING:
     from ..cluster.assignment import Assignment
     from .recover import Recovery
-    from .spare import BuiltAhead
+    from .spare import SpareLife
     from .swap import SwappableGroup
     from .worker import Membership
 
@@ -95,11 +96,7 @@ class WorkerContext:
     progress: Progress = field(default_factory=Progress)
     pending_live: tuple[Assignment, str, float] | None = None
     """(assignment, worker id, collective timeout) of a spare built solo, until it joins the survivors."""
-    built_ahead: BuiltAhead | None = None
-    """A spare whose engine is built ahead of any failure, until its assignment (``rebuild/spare.py``)."""
-    spare_times: dict[str, float] = field(default_factory=dict)
-    """A spare's phases, for its ``recover`` timeline event: process start, engine build start and length, the
-    assignment, ready to join, communicators joined."""
+    _spare: SpareLife | None = None
     rank_watch: tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None = None
     """While a spare builds ahead: the roots ``rebuild/rank_reads.py`` sorts a rank read's callers by."""
     rank_reads: list[str] = field(default_factory=list)
@@ -139,6 +136,16 @@ class WorkerContext:
     def is_spare(self) -> bool:
         """This process was started by deadpool-run as a spare (it keeps that role after taking a node's place)."""
         return self.membership is not None and self.membership.role == "spare"
+
+    @property
+    def spare(self) -> SpareLife:
+        """A spare's life, one state machine (``rebuild/spare.py``); in any other process it stays ``starting``,
+        and its ``times`` are only ever written, never read."""
+        if self._spare is None:
+            from .spare import SpareLife  # spare.py reads context() from here: imported on first use
+
+            self._spare = SpareLife()
+        return self._spare
 
     @property
     def recovery(self) -> Recovery:

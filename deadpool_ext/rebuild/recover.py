@@ -378,7 +378,7 @@ class Recovery:
         assert pending is not None and m is not None, "join_survivors() outside a spare built solo"
         a, _, collective_s = pending
 
-        times = context().spare_times
+        times = context().spare.times
 
         def form(a: Assignment) -> Assignment:
             from .worker import swap_into
@@ -461,7 +461,7 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
         raise
     if gen > 0 and ctx.is_spare and not spare_logged:
         spare_logged = True
-        times = {k: v for k, v in ctx.spare_times.items() if k not in extra}
+        times = {k: v for k, v in ctx.spare.times.items() if k not in extra}
         if not times.setdefault("built_ahead", False) and {"assigned_at", "engine_started_at", "join_at"} <= set(times):
             # built after its assignment: the script up to its engine, then the engine, both after the failure
             times.update(prologue_s=round(times["engine_started_at"] - times["assigned_at"], 3),
@@ -469,6 +469,10 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
         write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
                     restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
                     restored_at=time.time(), **times, **extra)
+        if ctx.membership is not None:
+            from .spare import joined
+
+            joined(ctx.membership.worker_id, rank, version)
     return version, spare_logged
 
 

@@ -28,10 +28,31 @@ defaults):
    reads its rank from the engine (or ``dist.get_rank()``) right after it returns, so the relabel must come
    first; returning a spare's engine before its assignment would hand the script the build-time rank.
 
-The spare's life as timeline events (``deadpool timeline`` reads them): ``spare_ready`` (built ahead, waiting; whether
-it can take any node's ranks), ``spare_assigned`` (how: ``as_built``, ``relabel`` or ``start_again``, and why),
-then the ``recover`` event of role ``spare`` once it joined the survivors and restored; ``spare_failed`` (its build
-failed before any assignment) and the launcher's ``spare_lost`` end it early.
+The spare's life is one state machine, the same for every framework (:class:`SpareLife`, held by the process's
+context; :data:`NEXT` lists the transitions, and a transition not there raises :class:`SpareStateError`)::
+
+    starting ──> building_ahead ──> waiting ──> joining ──> joined
+        │              │               │           ^
+        │              v               v           │
+        │           failed          building ──────┘ (in place) ──> joined (a rebuild: every rank's groups live)
+        └──> waiting (cannot build ahead: before its script) / building (started again, already assigned)
+
+- ``starting``: the process runs, nothing decided (``run.py``, ``distributed.init_distributed``);
+- ``building_ahead``: its groups solo for the shadowed node's ranks, the script builds its engine (step 1-2);
+- ``waiting``: for an assignment, its engine built (step 3, in the framework's call) or, when it could not build
+  ahead, before its script (the reason is the one start-up line);
+- ``building``: assigned, it builds for its assignment: started again from its script's first line
+  (:func:`start_again`), or the plain path of a spare that did not build ahead;
+- ``joining``: it holds its assigned ranks, its groups solo, and joins the survivors' communicators at the script's
+  ``resume()`` (``Recovery.join_survivors``);
+- ``joined``: its state restored (the ``recover`` timeline event of role ``spare``): a worker like the others;
+- ``failed``: its script failed before any assignment (:func:`start_up_failure_said`); the launcher's
+  ``spare_lost`` says the same of a spare process that died.
+
+Each transition is a ``spare_state`` timeline event (``state``, ``previous``, ``why``; ``deadpool timeline`` prints
+each spare's path), beside the events the phases are computed from: ``spare_ready`` (built ahead, waiting; whether it
+can take any node's ranks), ``spare_assigned`` (how: ``as_built``, ``relabel`` or ``start_again``, and why) and the
+``recover`` event of role ``spare``.
 
 A spare that cannot build ahead (the key off on a memory-tight host, the in-place swap off or unsupported, no node
 to shadow) waits before its script, as before, and says why in one line. A spare that saw no config before its
@@ -41,12 +62,13 @@ script (a dict built in code) waits first for the job's engine to attach and say
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..cluster.assignment import Assignment
@@ -62,6 +84,72 @@ if TYPE_CHECKING:
     from .worker import Membership
 
 log = logging.getLogger("deadpool_ext")
+
+
+class SpareState(str, enum.Enum):
+    """The states of a spare's life (the module docstring)."""
+
+    STARTING = "starting"
+    BUILDING_AHEAD = "building_ahead"
+    WAITING = "waiting"
+    BUILDING = "building"
+    JOINING = "joining"
+    JOINED = "joined"
+    FAILED = "failed"
+
+
+NEXT: Mapping[SpareState, frozenset[SpareState]] = {
+    SpareState.STARTING: frozenset({SpareState.BUILDING_AHEAD, SpareState.WAITING, SpareState.BUILDING}),
+    SpareState.BUILDING_AHEAD: frozenset({SpareState.WAITING, SpareState.FAILED}),
+    SpareState.WAITING: frozenset({SpareState.JOINING, SpareState.BUILDING, SpareState.FAILED}),
+    SpareState.BUILDING: frozenset({SpareState.JOINED, SpareState.FAILED}),
+    SpareState.JOINING: frozenset({SpareState.JOINED, SpareState.FAILED}),
+    SpareState.JOINED: frozenset(),
+    SpareState.FAILED: frozenset(),
+}
+"""Every transition of a spare's life; the states with none are its ends."""
+
+
+class SpareStateError(RuntimeError):
+    """A transition :data:`NEXT` does not list: a bug in deadpool_ext's spare path, never a user's input."""
+
+
+def refusal(now: SpareState, to: SpareState) -> str | None:
+    """Why ``now -> to`` is not a transition of a spare's life (pure; None: it is)."""
+    if to in NEXT[now]:
+        return None
+    allowed = ", ".join(sorted(x.value for x in NEXT[now])) or "none: it is an end"
+    return f"a spare in state {now.value!r} cannot go to {to.value!r} (allowed: {allowed})"
+
+
+@dataclass
+class SpareLife:
+    """A spare's life in this process (held by its context, ``rebuild/context.py``): its state, what it built its
+    engine for ahead of any failure, and its phases' times for its ``recover`` timeline event (process start, engine
+    build start and length, the assignment, ready to join, communicators joined)."""
+
+    state: SpareState = SpareState.STARTING
+    built: BuiltAhead | None = None
+    """While ``building_ahead`` and ``waiting`` after a build ahead: the ranks it built for."""
+    times: dict[str, float] = field(default_factory=dict)
+    path: list[str] = field(default_factory=lambda: [SpareState.STARTING.value])
+    """The states it went through in this process, in order (``starting`` first)."""
+
+    def to(self, state: SpareState, worker: str, why: str) -> None:
+        """Take the transition to ``state`` (``why``: what made it), as a ``spare_state`` timeline event and a
+        DEBUG line; :class:`SpareStateError` for one :data:`NEXT` does not list."""
+        bad = refusal(self.state, state)
+        if bad is not None:
+            raise SpareStateError(f"spare {worker}: {bad}; it was going there because {why}")
+        previous, self.state = self.state, state
+        self.path.append(state.value)
+        write_event(event="spare_state", worker=worker, state=state.value, previous=previous.value, why=why)
+        log.debug("spare %s: %s -> %s (%s)", worker, previous.value, state.value, why)
+
+
+def life() -> SpareLife:
+    """This process's spare life (``starting`` in any process that is not a spare)."""
+    return context().spare
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +173,21 @@ class BuiltAhead:
 def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, fast: FastPaths,
                 while_waiting: Callable[[], None] | None = None, published_wait_s: float = 120.0,
                 poll_s: float = 0.2) -> bool:
-    """Step 1 of the module's call order. True: the default group is built solo for the shadowed node's rank;
-    False: this spare waits for its assignment before its script (the real reason logged). ``fast``: the runner's
-    reading of the configs it saw (``rebuild/fastpaths.py``); with none seen, the spare first waits for the job's
-    engine to attach and say what its section holds (or for its assignment, whichever comes first)."""
+    """Step 1 of the module's call order, the spare's first transition. True: the default group is built solo for
+    the shadowed node's rank (``building_ahead``); False: this spare waits for its assignment before its script
+    (``waiting``, the real reason logged), or was assigned already (``building``: it started again, or the job
+    assigned it before its engine attached). ``fast``: the runner's reading of the configs it saw
+    (``rebuild/fastpaths.py``); with none seen, the spare first waits for the job's engine to attach and say what
+    its section holds (or for its assignment, whichever comes first)."""
+    state, why = _build_ahead(m, worker_id, node, timeout_s, fast=fast, while_waiting=while_waiting,
+                              published_wait_s=published_wait_s, poll_s=poll_s)
+    life().to(state, worker_id, why)
+    return state is SpareState.BUILDING_AHEAD
+
+
+def _build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, fast: FastPaths,
+                 while_waiting: Callable[[], None] | None, published_wait_s: float,
+                 poll_s: float) -> tuple[SpareState, str]:
     from . import swap
     from .worker import MembershipError, export_world, init_solo
 
@@ -98,22 +197,22 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, f
         why = f"no assignment was published within {published_wait_s:.0f} s (store key {keys.ASSIGNMENT!r})"
     if why is not None or published is None:
         log.info(spare_line(worker_id, why or "no assignment was published"))
-        return False
+        return SpareState.WAITING, f"it waits before its script, not built ahead: {why}"
     if published.stop:
         raise MembershipError(f"launcher stopped the job: {published.stop}")
     if worker_id in published.assignment.ranks:  # started again after an assignment (start_again): the plain path
-        return False
+        return SpareState.BUILDING, "it is assigned already: it builds for its assignment"
     if not fast.known:
         learned = _learn(m, worker_id, while_waiting, poll_s)
         if learned is None:  # assigned before any rank attached: the plain path
             log.info(spare_line(worker_id, f"{NO_CONFIG}, and it was assigned before the job's engine attached"))
-            return False
+            return SpareState.BUILDING, "it was assigned before the job's engine attached: it builds for it"
         if not learned.build_ahead:
             log.info(spare_line(worker_id, f"{NO_CONFIG}; the job's engine attached with {learned.why_not}"))
-            return False
+            return SpareState.WAITING, f"it waits before its script, not built ahead: {learned.why_not}"
         published = m.published() or published
         if worker_id in published.assignment.ranks:
-            return False
+            return SpareState.BUILDING, "it is assigned already: it builds for its assignment"
     a = published.assignment
     local = int(worker_id.rsplit(".", 1)[1])
     rank, shadow = prepared_rank(a, node, local), shadowed_node(a, node)
@@ -121,9 +220,9 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, f
         why = (f"node {node} is not among the assignment's spares (it joined to grow the world)" if shadow is None
                else f"node {shadow}, which it would shadow, has no process {local}")
         log.info(spare_line(worker_id, why))
-        return False
+        return SpareState.WAITING, f"it waits before its script, not built ahead: {why}"
     ctx = context()
-    ctx.built_ahead = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
+    ctx.spare.built = BuiltAhead(rank=rank, world_size=a.world_size, generation=a.generation, node=shadow,
                                  node_ranks=tuple(a.node_ranks(shadow)), timeout_s=timeout_s,
                                  while_waiting=while_waiting)
     ctx.progress.prepared = (rank, a.world_size)
@@ -133,7 +232,7 @@ def build_ahead(m: Membership, worker_id: str, node: str, timeout_s: float, *, f
     rank_reads.start()  # what of the script keeps this rank: it would block taking another (rank_reads.py)
     log.info("spare %s: building its engine ahead of any failure, as rank %d of %d (node %s's ranks); it waits for "
              "an assignment once the engine exists", worker_id, rank, a.world_size, shadow)
-    return True
+    return SpareState.BUILDING_AHEAD, f"it builds its engine for node {shadow}'s rank {rank} of {a.world_size}"
 
 
 def _learn(m: Membership, worker_id: str, while_waiting: Callable[[], None] | None,
@@ -238,13 +337,13 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     runtime made after the wait does that depends on no rank (the node's memory directory and agent), done before
     it; a failure there is logged and left to the runtime, which does it again."""
     ctx = context()
-    built, m = ctx.built_ahead, ctx.membership
+    built, m = ctx.spare.built, ctx.membership
     if built is None or m is None:
         return
     from . import swap
 
     now = time.time()
-    times = ctx.spare_times
+    times = ctx.spare.times
     engine_at = times.get("engine_started_at", now)
     times.update(built_ahead=True, prologue_s=round(engine_at - times.get("started_at", engine_at), 3),
                  engine_s=round(now - engine_at, 3), ready_at=now)
@@ -260,6 +359,8 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
              "waiting for an assignment; %s", m.worker_id, built.rank, built.world_size, times["prologue_s"],
              times["engine_s"], "it takes any node's ranks in place" if blocker is None else
              f"another node's ranks start it again from the script's first line: {blocker}")
+    life().to(SpareState.WAITING, m.worker_id, f"its engine is built ahead for rank {built.rank} of {built.world_size}"
+              + ("" if blocker is None else f"; another node's ranks would start it again: {blocker}"))
     if prepare is not None:
         try:
             prepare()
@@ -267,7 +368,7 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
             log.warning("spare %s: preparing its node's memory before the assignment failed (%s); the runtime does "
                         "it after", m.worker_id, exc)
     a = m.join(built.generation + 1, timeout_s=None, while_waiting=built.while_waiting)
-    ctx.built_ahead = None
+    ctx.spare.built = None
     ctx.progress.prepared = None
     times["assigned_at"] = time.time()
     t = takeover(a, m.worker_id, built, blocker)
@@ -292,6 +393,8 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     write_event(event="spare_assigned", worker=m.worker_id, generation=a.generation, rank=t.rank,
                 built_rank=built.rank, how=t.how, why=t.why or None, relabel_s=times.get("relabel_s"))
     if t.how in ("as_built", "relabel"):
+        life().to(SpareState.JOINING, m.worker_id, f"assigned rank {t.rank} in generation {a.generation}, taken "
+                  + ("as built" if t.how == "as_built" else f"by a relabel from rank {built.rank}"))
         ctx.pending_live = (a, m.worker_id, built.timeout_s)
         if t.how == "as_built":
             log.info("generation %d: rank %d of %d, the rank this spare built its engine for: it joins the survivors "
@@ -300,7 +403,24 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
     log.warning("spare %s: assigned rank %d of %d in generation %d, but its engine was built for rank %d of %d (%s): "
                 "it starts again from the script's first line for its assignment", m.worker_id, t.rank, a.world_size,
                 a.generation, built.rank, built.world_size, t.why)
+    life().to(SpareState.BUILDING, m.worker_id, f"assigned rank {t.rank} in generation {a.generation}; it starts "
+              f"again from the script's first line: {t.why}")
     start_again()
+
+
+def assigned(worker_id: str, a: Assignment) -> None:
+    """A spare waiting before its script (it did not build ahead) is assigned: it builds for its assignment
+    (``distributed.init_distributed``). A no-op in any other state (a retried formation, a spare started again)."""
+    if life().state is SpareState.WAITING:
+        life().to(SpareState.BUILDING, worker_id, f"assigned rank {a.ranks[worker_id]} in generation {a.generation}: "
+                  "it builds for its assignment")
+
+
+def joined(worker_id: str, rank: int, version: int | None) -> None:
+    """A spare restored its assigned rank's state after joining the survivors (``recover.restore_from_memory``):
+    the end of its life as a spare."""
+    if life().state in (SpareState.JOINING, SpareState.BUILDING):
+        life().to(SpareState.JOINED, worker_id, f"rank {rank}'s state restored (step {version})")
 
 
 def _regroup(a: Assignment, worker_id: str, built: BuiltAhead, relabel: Relabel) -> str | None:
@@ -332,7 +452,7 @@ def start_up_failure_said() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        built, m = context().built_ahead, context().membership
+        built, m = context().spare.built, context().membership
         if built is not None and m is not None:
             what = " ".join(f"{type(exc).__name__}: {exc}".split())[:values.MAX_REPORT]
             log.warning("spare %s: its script failed while it built its engine ahead for rank %d of %d, before any "
@@ -340,6 +460,8 @@ def start_up_failure_said() -> Iterator[None]:
                         "would build only once assigned", m.worker_id, built.rank, built.world_size, what)
             write_event(event="spare_failed", worker=m.worker_id, rank=built.rank, world_size=built.world_size,
                         error=type(exc).__name__, what=what)
+            if SpareState.FAILED in NEXT[life().state]:
+                life().to(SpareState.FAILED, m.worker_id, what)
         raise
 
 

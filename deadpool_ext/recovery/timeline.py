@@ -115,6 +115,25 @@ def phases(events: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def spare_lines(events: Iterable[dict[str, Any]]) -> list[str]:
+    """Each spare's life (its ``spare_state`` events, ``rebuild/spare.py``), one line per spare: the states in order,
+    each with its time since the spare's first state and, for the last one, why."""
+    by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for e in events:
+        if e.get("event") == "spare_state":
+            by_worker[str(e.get("worker"))].append(e)
+    out = []
+    for worker, states in sorted(by_worker.items()):
+        t0 = float(states[0]["time"])
+        path = [str(states[0].get("previous"))]
+        for e in states:
+            if e.get("previous") != path[-1].split(" ")[0]:  # a new process (started again): its first state
+                path.append(f"| {e.get('previous')}")
+            path.append(f"{e.get('state')} (+{float(e['time']) - t0:.1f} s)")
+        out.append(f"spare {worker}: {' -> '.join(path)}; {states[-1].get('why')}")
+    return out
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The phases, one generation per line; ``agree`` is shown as its parts (assign, spare, comms), and the spare's
     prologue and engine build, with whether they happened before the failure (``ahead``) or after it, and the rank

@@ -148,11 +148,14 @@ def test_a_pipeline_job_takes_a_spare_in_place_built_ahead_or_rebuilds_bit_for_b
         survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
         spares = [e for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
         outcome[name] = ([(e["pid"] == pids["node0.0"], bool(e.get("in_place"))) for e in survivors],
-                         [(e["rank"], e["built_ahead"], e["pid"] in [r["pid"] for r in ready]) for e in spares])
+                         [(e["rank"], e["built_ahead"], e["pid"] in [r["pid"] for r in ready]) for e in spares],
+                         [e["state"] for e in _events_of(events, "spare_state")])
         with open(out) as fh:
             runs[name] = {r["step"]: r["loss"] for r in map(json.loads, fh)}   # a redone step: the last value
-    assert outcome == {"ref": ([], []), "in_place": ([(True, True)], [(1, True, True)]),
-                       "rebuild": ([(True, False)], [(1, False, False)])}, outcome
+    assert outcome == {"ref": ([], [], ["building_ahead", "waiting"]),   # its spare waits until the job ends
+                       "in_place": ([(True, True)], [(1, True, True)], ["building_ahead", "waiting", "joining",
+                                                                        "joined"]),
+                       "rebuild": ([(True, False)], [(1, False, False)], ["waiting", "building", "joined"])}, outcome
     assert sorted(runs["ref"]) == list(range(1, 7)), runs
     for name in ("in_place", "rebuild"):
         assert {3, 4, 5, 6} <= set(runs[name]) and all(runs[name][s] == runs["ref"][s] for s in runs[name]), runs

@@ -197,6 +197,10 @@ def test_spare_takes_a_node_it_did_not_shadow_in_place(tmp_path, shm_root, stage
     assert (assigned["how"], assigned["built_rank"], assigned["rank"]) == ("relabel", 1, 0), assigned
     row = phases(events)[0]
     assert row["replaced"] == {"node0": "spare0"} and row["survivor_pids"] == sorted([pids["node1.0"], pids["node2.0"]])
+    # the spare's life, one state machine (rebuild/spare.py), every transition in the timeline
+    life = [(e["previous"], e["state"]) for e in events if e.get("event") == "spare_state"]
+    assert life == [("starting", "building_ahead"), ("building_ahead", "waiting"), ("waiting", "joining"),
+                    ("joining", "joined")], life
 
 
 def test_rank_alive_but_not_progressing_is_detected_by_progress(tmp_path, shm_root):

@@ -114,6 +114,10 @@ def test_another_nodes_loss_is_taken_by_the_spare_relabelled_with_identical_loss
     assert {e["rank"]: e["coords"] for e in spare} == {0: {"tp": 0, "pp": 0, "dp": 0}, 1: {"tp": 1, "pp": 0, "dp": 0}}
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert sorted(e["rank"] for e in survivors) == [2, 3] and all(e.get("in_place") for e in survivors)
+    # the same life as a DeepSpeed spare's (rebuild/spare.py), for each of its two processes
+    lives = {w: [e["state"] for e in events if e.get("event") == "spare_state" and e["worker"] == w]
+             for w in ("spare0.0", "spare0.1")}
+    assert lives == {w: ["building_ahead", "waiting", "joining", "joined"] for w in lives}, lives
 
 
 @pytest.mark.full_matrix(covered_by="test_differential_replay_in_process_is_exact (the same worker at PP2: rebuild, "

@@ -128,7 +128,7 @@ def test_a_spare_that_saw_no_config_waits_for_the_record_and_keeps_off_what_it_t
     assert not build_ahead(m, "spare0.0", "spare0", 60.0, fast=unknown, while_waiting=lambda: polls.append(1),
                            poll_s=0.0)
     assert len(polls) == 2                  # it waited, making its slots meanwhile, until the record came
-    assert context().built_ahead is None and context().progress.prepared is None
+    assert context().spare.built is None and context().progress.prepared is None
 
 
 def test_a_spare_assigned_before_any_rank_attached_takes_the_plain_path():
@@ -232,7 +232,7 @@ def test_a_spare_whose_build_ahead_fails_writes_its_cause(tmp_path, monkeypatch)
 
     ctx = context()
     monkeypatch.setattr(ctx, "membership", M())
-    monkeypatch.setattr(ctx, "built_ahead", BuiltAhead(rank=1, world_size=2, generation=0, node="node1",
+    monkeypatch.setattr(ctx.spare, "built", BuiltAhead(rank=1, world_size=2, generation=0, node="node1",
                                                        timeout_s=60.0))
     try:
         with pytest.raises(RuntimeError), start_up_failure_said():

@@ -106,7 +106,7 @@ def test_a_spare_told_not_to_build_ahead_waits_and_touches_nothing():
 
     off = FastPaths(True, False, "hot_swap.spare_build_ahead is false in ds.json")
     assert not build_ahead(NoStore(), "spare0.0", "spare0", 60.0, fast=off)
-    assert context().built_ahead is None and context().progress.prepared is None
+    assert context().spare.built is None and context().progress.prepared is None
 
 
 def test_a_resized_generation_never_lets_a_built_spare_join_as_it_is():

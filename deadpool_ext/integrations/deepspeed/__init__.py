@@ -47,7 +47,7 @@ def register(engine: Any, config: DeadpoolConfig | dict[str, Any] | None = None)
     from .batch import record
 
     record(engine)
-    if context().built_ahead is not None:
+    if context().spare.built is not None:
         # a spare that built this engine ahead of any failure waits here for its assignment (rebuild/spare.py),
         # before the runtime exists: assigned another data-parallel rank, the engine is relabelled first
         # (takeover.py), so all the runtime reads from the rank (snapshots, placement, canary) is the new rank's
@@ -120,7 +120,7 @@ def initialize(*args: Any, config: Any = None, config_params: Any = None,
         loaders.process_tracker()  # the loaders DeepSpeed iterates while building (training_data=) tracked too
     import time
 
-    context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
+    context().spare.times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
     with _unsynced_if_every_rank_restores(ds_config, dp_config is not None):
         out = _ds_initialize(*args, config=ds_config, **kwargs)
     if call_ns is not ns and hasattr(ns, "local_rank") and hasattr(call_ns, "local_rank"):

@@ -55,7 +55,7 @@ def initialize(layout: Layout, seed: int) -> Coordinates:
         ps.destroy_model_parallel()
     if dist.get_world_size() != layout.world_size:
         raise RuntimeError(f"layout is for {layout.world_size} ranks, the process group has {dist.get_world_size()}")
-    context().spare_times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
+    context().spare.times.setdefault("engine_started_at", time.time())  # a spare's timeline: its engine build
     with _gloo_twins_swappable():
         ps.initialize_model_parallel(tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp)
     model_parallel_cuda_manual_seed(seed, force_reset_rng=True)

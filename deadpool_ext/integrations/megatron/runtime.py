@@ -94,7 +94,7 @@ class MegatronRuntime(ResilientRuntime):
         # Before anything is built or any collective runs: a base holds one model chunk per rank.
         refuse_virtual_pipeline(built.chunks, tier3 or ("persist.url" if config.persist.url else None))
         # spares that saw no section before their script learn the job's fast paths (rank 0; rebuild/spare.py)
-        if context().built_ahead is None:
+        if context().spare.built is None:
             publish_fast_paths(config, rank=dist.get_rank(), swaps_in_place=self.swaps_in_place,
                                framework="Megatron-Core")
         else:
@@ -110,7 +110,7 @@ class MegatronRuntime(ResilientRuntime):
                              if config.enabled else None)
         # the coordinates of the rank it holds now (a relabelled spare: another data-parallel replica's)
         mine = coordinates(dist.get_rank(), layout)
-        if coords is not None and coords != mine and context().spare_times.get("relabelled_from") is None:
+        if coords is not None and coords != mine and context().spare.times.get("relabelled_from") is None:
             raise LayoutError(f"rank {dist.get_rank()} is at {mine} in this layout, the script passed {coords}")
         coords = mine
         self.built: Built | None = built
