@@ -127,6 +127,13 @@ CURRENT: tuple[Current, ...] = (
                  "run with --out elsewhere and copied here. The run before on the same behaviour (recovery_nodes_"
                  "0c7f157, before a refactor) met the restore target but not 10x on its worst node (9.4x): the "
                  "speedup of the worst node sits near 10x and moves with the host's load."),
+    Current("recovery_nodes_medium", "recovery", "SIGKILL -> restored on every node in turn, GPT medium (issue 44)",
+            "The same as recovery_nodes for GPT medium (124.9M parameters): each active node killed in turn, 3 runs "
+            "per node, beside the rebuild path and kill + relaunch + load_checkpoint in the same run; the issue's "
+            "target for medium is 2.0 s on every node.",
+            companions=("recovery_nodes_medium_logs",),
+            note="`python benchmarks/bench_recovery.py --sizes medium --repeats 3 --settle-s 20 --name "
+                 "recovery_nodes_medium` (39 min)."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
