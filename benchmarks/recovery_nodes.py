@@ -38,6 +38,19 @@ def takeover_of(run: dict[str, Any]) -> str:
     return "relabel" if e.get("relabelled_from") is not None else "as_built" if e.get("built_ahead") else "start_again"
 
 
+def spare_restore_parts(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The medians over ``runs`` of where the spare's restore went (its ``recover`` event's ``restore_parts``: plan,
+    obtain (the fetch from a peer and its check), apply); None where no run recorded them (results before them)."""
+    parts: dict[str, list[float]] = {"plan_s": [], "obtain_s": [], "apply_s": []}
+    for run in runs:
+        for e in run.get("timeline") or []:
+            if e.get("event") == "recover" and e.get("role") == "spare" and e.get("restore_parts"):
+                for k, v in parts.items():
+                    if isinstance(e["restore_parts"].get(k), (int, float)):
+                        v.append(float(e["restore_parts"][k]))
+    return {k: summarize(v)["median"] if v else None for k, v in parts.items()}
+
+
 def _losses_ok(run: dict[str, Any], baselines: dict[str, dict[str, Any]], ref: dict[str, Any] | None) -> bool | None:
     bl = baselines.get(run["tag"].split("_")[-1])
     if bl is None:
@@ -68,7 +81,7 @@ def analyze_nodes(entry: dict[str, Any], shadowed: str) -> dict[str, Any] | None
                       "next_step_minus_step_s": summarize([r["minus_step_s"] for r in ok
                                                            if r.get("minus_step_s") is not None]),
                       "raw_s": summarize([r["raw_s"] for r in ok if r.get("raw_s") is not None]),
-                      "takeover": [takeover_of(r) for r in ok],
+                      "takeover": [takeover_of(r) for r in ok], "spare_restore": spare_restore_parts(ok),
                       "losses_identical": bool(checks) and all(c is True for c in checks)}
     measured = {n: r for n, r in rows.items() if r["restored_s"]["median"] is not None}
     if not measured:
@@ -119,9 +132,11 @@ def render_nodes(an: dict[str, Any] | None) -> list[str]:
         s, n = r["restored_s"], r["next_step_minus_step_s"]
         rows.append([node, f"{r['runs']}" + (f" ({len(r['failed'])} failed)" if r["failed"] else ""),
                      fmt_s(s["min"]), fmt_s(s["median"]), fmt_s(s["max"]), fmt_s(n["median"]), fmt_s(n["max"]),
-                     ", ".join(sorted(set(r["takeover"]))), "yes" if r["losses_identical"] else "NO"])
+                     ", ".join(sorted(set(r["takeover"]))), _parts(r.get("spare_restore") or {}),
+                     "yes" if r["losses_identical"] else "NO"])
     L.append(md_table(["killed node", "runs", "restored min", "median", "max", "next step - one step, median",
-                       "max", "spare took over by", "losses identical"], rows))
+                       "max", "spare took over by", "spare's restore: plan / obtain / apply", "losses identical"],
+                      rows))
     L.append("")
     L.append("Targets (every node): " + "; ".join(
         f"{k} {'met' if t['met'] else 'NOT met'}" + (f" ({fmt_s(t['value_s'])})" if "value_s" in t else
@@ -129,3 +144,9 @@ def render_nodes(an: dict[str, Any] | None) -> list[str]:
         for k, t in an["targets"].items()) + ".")
     L.append("")
     return L
+
+
+def _parts(p: dict[str, float | None]) -> str:
+    if not any(v is not None for v in p.values()):
+        return "-"
+    return " / ".join(fmt_s(p.get(k)) for k in ("plan_s", "obtain_s", "apply_s"))

@@ -57,7 +57,7 @@ from .coordinator import Coordinator, publish
 from .decide import JOINED_HOST, CoordinatorState, Roster, Settings, taken_over
 from .drain import LauncherDrain
 from .hostlist import place_nodes
-from .join import Joiner
+from .join import Joiner, count_start
 from .lapse import LeaseLapse
 from .leader import LeaderElection, LeaseStore, supports_leases
 from .local import LocalNodes
@@ -106,12 +106,8 @@ class Supervisor:
             if not (args.store_url and args.job_id and contract.STORE_TOKEN in os.environ):
                 raise SystemExit("deadpool-run: --join needs the job's --store-url, --job-id and its "
                                  "DEADPOOL_STORE_TOKEN in the environment")
-            self.active_nodes, self.spare_nodes, self.leader = [], [args.join], False
-            self.workers = [Worker(f"{args.join}.{i}", args.join, i) for i in range(args.nproc_per_node)]
-            self.local_nodes, self.node_host = {args.join}, {args.join: JOINED_HOST}
-            self.joiner = Joiner(args, self.job_id)
-        self.nodes = LocalNodes(args, self.job_id, self.token, self.workers, self.local_nodes, self.event)
-        self.lapse = LeaseLapse(self.nodes, args, self.event)
+            self._as_joiner(args.join)
+        self._local_nodes()
         self.drain = LauncherDrain(getattr(args, "preempt_grace_s", None), args.host_rank, self.event)
         self.coordinator: Coordinator | None = None   # while this launcher holds the coordinator role
         self.election: LeaderElection | None = None  # on an etcd store; None: host 0 leads for good
@@ -139,6 +135,18 @@ class Supervisor:
             signal.signal(signal.SIGCHLD, lambda *_: None)
             signal.set_wakeup_fd(w, warn_on_full_buffer=False)
             self._wake_r = r
+
+    def _as_joiner(self, name: str) -> None:
+        """This launcher runs one node of its own, ``name``, as a machine joining the job (``launcher/join.py``)."""
+        self.args.join = name
+        self.active_nodes, self.spare_nodes, self.leader = [], [name], False
+        self.workers = [Worker(f"{name}.{i}", name, i) for i in range(self.args.nproc_per_node)]
+        self.local_nodes, self.node_host = {name}, {name: JOINED_HOST}
+        self.joiner = Joiner(self.args, self.job_id)
+
+    def _local_nodes(self) -> None:
+        self.nodes = LocalNodes(self.args, self.job_id, self.token, self.workers, self.local_nodes, self.event)
+        self.lapse = LeaseLapse(self.nodes, self.args, self.event)
 
     @property
     def values(self) -> values.StoreValues:
@@ -217,6 +225,13 @@ class Supervisor:
             self.nodes.store_url = self.store_url
             self.serve_metrics()
             self.store = self._connect()
+            if self.joiner is None and (again := count_start(self.values, self.args.host_rank, self.args.hosts)):
+                print(f"deadpool-run: host {self.args.host_rank}'s launcher started before in job {self.job_id} (a "
+                      f"pod or process started again): its lease and its nodes' places are gone, so it comes back "
+                      f"as a spare of the running job, as --join {again}", file=sys.stderr, flush=True)
+                self._as_joiner(again)
+                self._local_nodes()
+                self.nodes.store_url = self.store_url
             if supports_leases(self.store) and self.joiner is None:
                 self.election = LeaderElection(
                     cast(LeaseStore, self.store),

@@ -466,10 +466,10 @@ class _Turn:
         return failed
 
     def dead_spares(self, active: set[str], lost: frozenset[int]) -> None:
-        st = self.state
+        st = self.state  # only the assignment's spares: a spare that took ranks since fails as a node
         dead = set(st.dead_spares)
         for w in st.roster.workers:
-            if w.node not in st.roster.spare_nodes or w.node in dead or w.worker_id in active:
+            if w.node not in st.assignment.spares or w.node in dead or w.worker_id in active:
                 continue
             rc = self.obs.exits.get(w.worker_id)
             h = st.roster.node_host.get(w.node, JOINED_HOST)

@@ -18,6 +18,10 @@ Call order, through the store (the job's token is needed to reach it at all):
 
 A joiner holds no lease (it is not one of the job's ``--hosts``), so it never takes the coordinator role, and
 its host's loss is found by its workers' heartbeats and exits, not by a lapsed lease.
+
+A host's launcher started again in a job that still runs (a pod restarted by Kubernetes: the same command line,
+the same ``--host-rank``) joins the same way, without a flag: :func:`count_start` finds its host's earlier start
+in ``launched/<host rank>`` and it comes back as the spare ``host<R>-<N>`` (docs/multi-host.md).
 """
 from __future__ import annotations
 
@@ -37,6 +41,32 @@ JOIN_STORE_LOST_S = 30.0
 """An admitted joiner whose job's store has not answered for this long stops its processes (the job is gone)."""
 JOIN_POLL_S = 1.0
 """How often the coordinator reads the join requests."""
+
+
+def restarted_name(host_rank: int, starts_before: int, hosts: int, leader_alive: bool) -> str | None:
+    """The spare name a host's launcher joins its running job under when it was started before in this job
+    (pure): ``host<R>-<N>`` for its N-th start again; None for its first start, for a job of one host (nothing of it
+    runs on), or when no launcher coordinates the job now (no live ``leader`` key: the job is gone or starts over,
+    and a spare would wait for nobody)."""
+    if starts_before < 1 or hosts < 2 or not leader_alive:
+        return None
+    return f"host{int(host_rank)}-{int(starts_before)}"
+
+
+def count_start(reads: values.StoreValues, host_rank: int, hosts: int) -> str | None:
+    """Every host's launcher (not a ``--join`` machine) at its start, once connected: counts the start in
+    ``launched/<host rank>`` and returns the name to join under when it was restarted (its pod restarted by
+    Kubernetes, its process started again by a supervisor) into a job that still runs: its lease and its nodes'
+    places are gone, so it comes back as a spare, as ``deadpool-run --join`` would (the coordinator admits it and
+    fails the nodes it ran before through their lapsed lease and silent heartbeats)."""
+    key = keys.launched(host_rank)
+    before = reads.get(key, values.launches) or 0
+    reads.store.set_json(key, keys.launched_value(before + 1))
+    name = restarted_name(host_rank, before, hosts, reads.get(keys.LEADER, values.leader) is not None)
+    if before and name is None:
+        log.warning("host %d's launcher started before in this job, but %s: it starts as host %d again", host_rank,
+                    "the job has one host" if hosts < 2 else "no launcher coordinates the job now", host_rank)
+    return name
 
 
 class Joiner:

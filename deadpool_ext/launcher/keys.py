@@ -88,6 +88,9 @@ DROPPED = "dropped/"
 REPAIRED = "repaired/"
 JOIN_REQUESTS = "joined/"
 JOIN_ANSWERS = "join_ack/"
+LAUNCHES = "launched/"
+"""``launched/<host rank>``: how many times that host's launcher started in this job; one that finds it already
+written was restarted (its pod, by Kubernetes) and comes back as a spare (``launcher/cli.py``)."""
 SLOT_SIZES = "slots/"
 TRAINED = "trained/"
 """``trained/<worker>``: the worker's training loop ended (its last step, and the version committed on every rank
@@ -144,6 +147,9 @@ SPECS: tuple[KeySpec, ...] = (
             values.join_nproc),
     KeySpec(JOIN_ANSWERS, "coordinator", "the joining machine", "{'ok', 'why', 'as': 'grow' | 'spare'}",
             values.join_ack),
+    KeySpec(LAUNCHES, "each host's launcher at its start (not a --join machine)",
+            "the same host's launcher started again (launcher/cli.py: it comes back as a spare)",
+            "{'starts', 'time'}", values.launches),
     KeySpec(SLOT_SIZES, "each rank at its first snapshot (snapshot/spare_slots.py)",
             "spares preparing their slots", "an int: the rank's slot bytes", values.slot_size),
     KeySpec(JOB_POLICY, "rank 0 at attach (integrations/base.py)", "coordinator (no_spare_policy)",
@@ -226,6 +232,14 @@ def join_answer(name: str) -> str:
     """The answer to a join request goes under the name the request used, whatever it is: a refused name
     (``../x``, too long) must still hear why. A store key is a flat string, never joined to a path."""
     return JOIN_ANSWERS + name[:4096]
+
+
+def launched(host_rank: int) -> str:
+    return _key(LAUNCHES, int(host_rank))
+
+
+def launched_value(starts: int) -> dict[str, Any]:
+    return {"starts": int(starts), "time": time.time()}
 
 
 def slot_size(rank: int) -> str:
@@ -340,12 +354,13 @@ __all__ = [
     "ASSIGNMENT", "BY_NAME", "DEAD_SPARES", "DONE", "DRAIN", "DRAINED", "JOB_GRACE",
     "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
     "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOB_STRAGGLER", "JOIN_ANSWERS",
-    "JOIN_REQUESTS",
+    "JOIN_REQUESTS", "LAUNCHES",
     "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
     "TRAINED", "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value",
     "fast_paths_value", "fatal_value", "straggler_value", "fence", "fenced", "generation", "heartbeat",
     "heartbeat_value", "host",
-    "join_answer", "join_answer_value", "join_request", "join_request_value", "node_keys", "repaired", "repaired_value",
+    "join_answer", "join_answer_value", "join_request", "join_request_value", "launched", "launched_value",
+    "node_keys", "repaired", "repaired_value",
     "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "trained",
     "trained_value", "worker_keys",
 ]

@@ -181,6 +181,15 @@ def record_time(key: str, raw: bytes) -> float:
     return _num(key, "time", _obj(key, decode_json(key, raw)).get("time"))
 
 
+MAX_LAUNCHES = 1_000_000
+
+
+def launches(key: str, raw: bytes) -> int:
+    """``launched/<host rank>``: ``{"starts": N, "time": t}``, how many times that host's launcher started in this
+    job (a restarted one, e.g. its pod restarted by Kubernetes, comes back as a spare: launcher/cli.py)."""
+    return _int(key, "starts", _obj(key, decode_json(key, raw)).get("starts"), 1, MAX_LAUNCHES)
+
+
 def join_nproc(key: str, raw: bytes) -> int:
     """``joined/<name>``: ``{"nproc": N, "time": t}``, a machine asking to join with N processes."""
     return _int(key, "nproc", _obj(key, decode_json(key, raw)).get("nproc"), 1, MAX_PROCS_PER_NODE)

@@ -468,6 +468,7 @@ def restore_from_memory(snapshots: Any, rank: int, spare_logged: bool, newer_tha
                          engine_s=round(times["join_at"] - times["engine_started_at"], 3))
         write_event(event="recover", role="spare", generation=gen, rank=rank, pid=os.getpid(), restored_version=version,
                     restore_s=time.perf_counter() - t0, restored_from=snapshots.stats().get("restored_from"),
+                    restore_parts=snapshots.stats().get("restore_parts"),
                     restored_at=time.time(), **times, **extra)
         if ctx.membership is not None:
             from .spare import joined

@@ -81,6 +81,7 @@ class RestoreExecutor:
         self.job_id, self.group, self.store, self.peers, self.dpeers = job_id, group, store, peers, dpeers
         self.ring, self.differential, self.late, self.stats, self.elastic = ring, differential, late, stats, elastic
         self._replayed_header: dict[str, Any] | None = None
+        self._parts = (0.0, 0.0)  # seconds of (plan, obtain) of the same-size restore that is applied
 
     # -- observe ------------------------------------------------------------------------------------------
     def scan(self, verify: bool) -> tuple[RankReport, OwnCopies]:
@@ -172,6 +173,7 @@ class RestoreExecutor:
                              decision.version, decision.tier3_base)
                 self.store.close_unused()
                 return None
+            t_plan = time.perf_counter()
             problem = self._obtain(decision, own, check=lazy)
             if lazy:
                 problems = [p for p in allgather_json(problem, group=self.group) if p]
@@ -183,6 +185,7 @@ class RestoreExecutor:
                     continue
             elif problem is not None:
                 raise RecoveryError(f"{_unusable(problem)}; no other copy in memory")
+            self._parts = (t_plan - t0, time.perf_counter() - t_plan)
             return self._apply_same_size(decision.plan, own, record, newer_than, t0)
         raise NoCommonVersionError(f"elastic restore: every candidate copy was refused after {MAX_ELASTIC_ROUNDS} "
                                    "rounds")
@@ -243,6 +246,9 @@ class RestoreExecutor:
         self.peers.setup(seg.nbytes)
         st = self.stats
         st.restore_s, st.restored_version, st.replayed = time.perf_counter() - t0, plan.version, replayed
+        plan_s, obtain_s = self._parts
+        st.restore_parts = {"plan_s": round(plan_s, 4), "obtain_s": round(obtain_s, 4),
+                            "apply_s": round(st.restore_s - plan_s - obtain_s, 4)}
         st.restored_from = "peer" if me in plan.fetch else "local"
         record.update(outcome="restored", version=plan.version, tier3_base=newer_than,
                       fetched_from={str(r): h for r, (h, _) in sorted(plan.fetch.items())},

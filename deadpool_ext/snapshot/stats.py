@@ -64,6 +64,10 @@ class SnapshotStats:
     replay_s: float | None = None
     fetch_checked_early: float | None = None
     """Fraction of a fetched blob's bytes checked while the rest arrived."""
+    restore_parts: dict[str, float] | None = None
+    """Where the last same-size restore's seconds went on this rank: ``plan_s`` (what every rank holds, scanned and
+    all-gathered, and the plan), ``obtain_s`` (the fetch from a peer, or this rank's own copy, and the check before
+    use, agreed by every rank), ``apply_s`` (copied into the live state, derived tensors checked, replay)."""
     unsealed: list[int] = field(default_factory=list)
     """Versions copied but never sealed: the step failed before its late client state was posted, or the worker
     was replaced at a hot-swap while it waited (restores take the version before)."""
@@ -85,7 +89,7 @@ class SnapshotStats:
         out: dict[str, Any] = {"snapshots": self.snapshots, "diffs": self.diffs, "base_nbytes": self.base_nbytes,
                                "diff_nbytes": self.diff_nbytes}
         for name in ("checksum_fused", "worker_priority", "restore", "restore_s", "restored_version",
-                     "restored_from", "replayed", "replay_s", "fetch_checked_early"):
+                     "restored_from", "replayed", "replay_s", "fetch_checked_early", "restore_parts"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value

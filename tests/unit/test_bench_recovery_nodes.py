@@ -77,3 +77,14 @@ def test_the_relaunchs_floor_one_rank_alone_gives_the_conservative_speedup():
     assert "the worst node is **5.1x**" in "\n".join(nodes.render_nodes(an))
     plain = nodes.analyze_nodes(_entry(), "node1")
     assert plain["speedup_worst_floor"] is None and "floor" not in "\n".join(nodes.render_nodes(plain))
+
+
+def test_the_spares_restore_is_split_where_its_recover_event_says():
+    entry = _entry()
+    for i, run in enumerate(entry["runs"]["per_node"]["node0"]):
+        run["timeline"][0]["restore_parts"] = {"plan_s": 0.01 * (i + 1), "obtain_s": 0.1 * (i + 1), "apply_s": 0.2}
+    an = nodes.analyze_nodes(entry, "node1")
+    assert an["nodes"]["node0"]["spare_restore"] == approx({"plan_s": 0.02, "obtain_s": 0.2, "apply_s": 0.2})
+    assert an["nodes"]["node2"]["spare_restore"] == {"plan_s": None, "obtain_s": None, "apply_s": None}
+    text = "\n".join(nodes.render_nodes(an))
+    assert "| 20.0 ms / 200.0 ms / 200.0 ms |" in text and "| relabel | - |" in text

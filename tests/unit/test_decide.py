@@ -784,3 +784,19 @@ def test_a_spare_past_the_last_step_alone_in_a_collective_finishes_the_job():
                                    reports={"node1.0": values.Report(0, T0 + 8, "Connection closed by peer")}),
                   settings())
     assert not events(hang.actions, "lost_after_done") and hang.exit_code is None
+
+
+def test_a_spare_that_took_ranks_and_then_failed_is_a_failed_node_not_a_lost_spare():
+    """Five swaps, swap 3 (benchmarks/results/five_swaps_any_node.md): spare0 took node1's ranks, then was killed
+    itself. Once the next generation replaced it, its exit must not read as a *spare* lost ("no spare left"): only a
+    node that is a spare in the current assignment can be one."""
+    st = job(nnodes=2, spares=2)
+    dec = decide(st, Observation(now=T0 + 0.1, exits={"node1.0": -9}), settings())
+    assert of(dec.actions, Publish)[0].assignment.replaced == {"node1": "spare0"}
+    exits = {"node1.0": -9, "spare0.0": -9}
+    dec = decide(dec.state, Observation(now=T0 + 0.2, exits=exits), settings())
+    assert of(dec.actions, Publish)[0].assignment.replaced == {"spare0": "spare1"}
+    assert events(dec.actions, "spare_lost") == []
+    dec = decide(dec.state, Observation(now=T0 + 0.3, exits=exits), settings())
+    assert events(dec.actions, "spare_lost") == [] and not of(dec.actions, Log), dec.actions
+    assert dec.state.dead_spares == frozenset()

@@ -176,3 +176,28 @@ def test_the_joiner_prints_the_coordinators_answer(coordinator, capsys, monkeypa
 
 
 # --join's flag refusals: tests/security/test_input.py (every deadpool-run refusal, one check)
+
+
+def test_a_hosts_launcher_started_again_in_a_running_job_comes_back_as_a_spare():
+    """A pod restarted by Kubernetes (issue 47, part 3) runs the same command line: its launcher counts its starts in
+    ``launched/<host rank>`` and, started before in a job that a launcher coordinates, joins it as ``host<R>-<N>``;
+    not on a job of one host, nor when nobody coordinates (the job is gone)."""
+    from deadpool_ext.launcher import values
+    from deadpool_ext.launcher.join import count_start, restarted_name
+
+    assert restarted_name(2, 0, 3, True) is None                  # its first start
+    assert restarted_name(2, 1, 3, True) == "host2-1"
+    assert restarted_name(0, 3, 3, True) == "host0-3"             # host 0 too: another launcher coordinates now
+    assert restarted_name(2, 1, 1, True) is None and restarted_name(2, 1, 3, False) is None
+    token = secrets.token_urlsafe(16)
+    with EmbeddedStoreServer(token=token) as server:
+        store = connect(server.url, token, "k8sjob", 10.0)
+        reads = values.StoreValues(store)
+        assert count_start(reads, 2, 3) is None                    # the job's start
+        assert count_start(reads, 2, 3) is None                    # again, but no leader: the job starts over
+        store.set_json("leader", {"host_rank": 0, "host": "10.0.0.1"})
+        assert count_start(reads, 2, 3) == "host2-2"               # the pod restarted while the job runs
+        assert count_start(reads, 1, 3) is None                    # another host's first start
+        assert store.get_json("launched/2")["starts"] == 3
+        store.set("launched/1", b'{"starts": -4}')                 # a bad value reads as absent: a first start
+        assert count_start(reads, 1, 3) is None and store.get_json("launched/1")["starts"] == 1

@@ -48,6 +48,9 @@ def test_each_version_is_sealed_with_the_state_posted_after_its_step(tmp_path):
         m2 = manager(str(tmp_path), b)
         m2.arm_late(got.append, 64 << 10)
         assert m2.restore_latest() == 40 and b.steps == 40
+        parts, total = m2.stats()["restore_parts"], m2.stats()["restore_s"]   # where the restore's seconds went
+        assert set(parts) == {"plan_s", "obtain_s", "apply_s"} and min(parts.values()) >= 0
+        assert abs(sum(parts.values()) - total) < 1e-3, (parts, total)
         m2.close()
     section = got[-1]
     assert section["log_history"] == _history(40)["log_history"]
