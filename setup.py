@@ -25,7 +25,8 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17"],
         "s3": ["s3fs", "fsspec"],
         "tools": ["matplotlib", "safetensors"],
-        "test": ["pytest>=8", "pytest-timeout", "s3fs", "moto[server]>=5", "ruff", "mypy", "import-linter"],
+        "test": ["pytest>=8", "pytest-timeout", "s3fs", "moto[server]>=5", "ruff", "mypy", "import-linter",
+                 "pyyaml"],  # pyyaml: the Kubernetes example read by tests/multihost/test_kubernetes.py
     },
     entry_points={"console_scripts": ["deadpool-run=deadpool_ext.launcher.cli:main", "deadpool=deadpool_ext.cli:main"]},
 )
