@@ -100,6 +100,8 @@ class Stop:
     said: str
     assignment: Assignment | None = None
     exits: Mapping[str, int | None] | None = None
+    safe: Mapping[str, int | None] | None = None
+    """Out of spares: the newest step trained and the newest tier-3 base (``final.safe_steps``), in the event."""
 
 
 Action = (Event | Log | Say | BadKey | Fence | WriteDeadSpares | AnswerJoin | MarkRepaired | ClearRepaired | NoteDropped

@@ -221,7 +221,7 @@ class Coordinator:
             store.set(keys.FINISHED, keys.MARK)
         elif isinstance(action, Stop):
             self.event(event="stopped", reason=action.reason, **({} if action.exits is None else {
-                "cause": stop_cause(action.exits), "exits": dict(action.exits)}))
+                "cause": stop_cause(action.exits), "exits": dict(action.exits)}), **dict(action.safe or {}))
             if action.assignment is not None:
                 store.set_json(keys.ASSIGNMENT, keys.stopped_assignment(action.assignment.to_json(), action.reason))
             print(f"deadpool-run: {action.said}", file=sys.stderr, flush=True)

@@ -55,7 +55,7 @@ from .actions import (
     WriteDeadSpares,
 )
 from .done import finish_after_loss, finish_after_recovery
-from .final import stop_line
+from .final import safe_steps, stop_line
 from .hangs import not_formed, prepared_spares, spare_lost_line, stalled, store_stalled
 
 TURN_GAP_S = 1.0
@@ -563,9 +563,9 @@ class _Turn:
                     return
             if self.obs.now >= waiting.deadline:
                 exits = {wid: self.obs.exits.get(wid) for wid, node in a.nodes.items() if node in waiting.failed_nodes}
-                msg = stop_line(str(exc), waiting.policy, exits)
+                msg = stop_line(str(exc), waiting.policy, exits, self.obs.beats)
                 self.update(awaiting=None)
-                self.actions.append(Stop(msg, msg, assignment=a, exits=exits))
+                self.actions.append(Stop(msg, msg, assignment=a, exits=exits, safe=safe_steps(self.obs.beats)))
                 return
             if st.awaiting is None:
                 self.actions.append(Log(logging.WARNING, (

@@ -4,6 +4,7 @@ differs (more spares or the persistent tier for the one; fixing the script or it
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 REFUSED_EXIT = 2
 """``python -m deadpool_ext.run``: a bad argument, section or config (the worker printed the reason)."""
@@ -32,15 +33,39 @@ def stop_cause(exits: Mapping[str, int | None]) -> str:
             frozenset({LOST_PEER_EXIT}): "unprotected_loop"}.get(frozenset(codes), "exited_on_its_own")
 
 
-def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None]) -> str:
+def safe_steps(beats: Mapping[str, Mapping[str, Any]]) -> dict[str, int | None]:
+    """From the workers' last heartbeats (pure): ``trained_step``, the newest step any rank finished, and
+    ``tier3_step``, the newest step published and verified as a tier-3 base (None: none seen)."""
+    steps = [int(b["step"]) for b in beats.values() if isinstance(b.get("step"), (int, float)) and b["step"] >= 0]
+    tier3 = [int(b["tier3"]) for b in beats.values() if isinstance(b.get("tier3"), int)]
+    return {"trained_step": max(steps, default=None), "tier3_step": max(tier3, default=None)}
+
+
+def safe_line(safe: Mapping[str, int | None]) -> str:
+    """Which step is safe on which tier when a job stops with no spare left: its memory tiers end with it (the
+    launcher drops every node's memory), so what a restart resumes from is tier 3's newest verified base."""
+    trained, tier3 = safe.get("trained_step"), safe.get("tier3_step")
+    upto = f" up to step {trained}" if trained is not None else ""
+    if tier3 is None:
+        return (f"No tier-3 base was published (persist.url unset, or none written yet): the steps trained{upto} end "
+                "with this job's memory, and a restart trains from its start; persist.url keeps a base to resume from "
+                "(--load).")
+    lost = (f"; steps {tier3 + 1}-{trained} trained since end with this job's memory" if trained is not None
+            and trained > tier3 else "")
+    return f"Safe on tier 3: step {tier3}, its newest verified base: a restart with --load resumes from it{lost}."
+
+
+def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None],
+              beats: Mapping[str, Mapping[str, Any]] | None = None) -> str:
     """``no_spare``: why no replacement was found; ``exits``: exit status of each worker of the failed nodes (None:
-    still running or unknown; < 0: a signal, the launcher's own fence included)."""
+    still running or unknown; < 0: a signal, the launcher's own fence included); ``beats``: the workers' last
+    heartbeats (which step is safe on which tier: :func:`safe_line`)."""
     own = {wid: rc for wid, rc in sorted(exits.items()) if rc is not None and rc > 0}
     cause = stop_cause(exits)
     if cause == "out_of_spares":
         return (f"{no_spare}. Policy --no-spare-policy={policy}: stopping the job (out of spares: more "
-                "--spare-nodes, or --no-spare-policy shrink, keeps a job going). Restart it with --load from the "
-                "persistent tier to resume, if the job writes one.")
+                "--spare-nodes, or --no-spare-policy shrink, keeps a job going). "
+                + safe_line(safe_steps(beats or {})))
     who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
     if cause == "unprotected_loop":
         return (f"worker(s) {who} stopped because a peer was lost mid-collective (where: the line it printed above), "

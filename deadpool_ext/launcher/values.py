@@ -168,6 +168,8 @@ def heartbeat(key: str, raw: bytes) -> dict[str, Any]:
             raise _fail(key, "'prepared' must be [rank, world size]", p)
         out["prepared"] = [_int(key, "prepared rank", p[0], 0, MAX_RANKS - 1),
                            _int(key, "prepared world size", p[1], 1, MAX_RANKS)]
+    if "tier3" in beat:  # the newest step it published, verified, as a tier-3 base
+        out["tier3"] = _int(key, "tier3", beat["tier3"], 0, 2**53)
     return out
 
 

@@ -42,6 +42,9 @@ class Progress:
         self.step_at = 0.0
         self.prepared: tuple[int, int] | None = None
         """A spare built ahead: the (rank, world size) of its engine, in every heartbeat (``rebuild/spare.py``)."""
+        self.tier3: int | None = None
+        """The newest step this process published, verified, as a tier-3 base (the coordinating rank's writer:
+        ``integrations/deepspeed/tier3.py``), in every heartbeat: the step a stopped job says is safe."""
         self._signature: tuple[tuple[int, int], ...] | None = None
         self._still_since = 0.0
         self._lock = threading.Lock()
@@ -102,6 +105,8 @@ class Progress:
         prepared = self.prepared
         if prepared is not None:
             out["prepared"] = list(prepared)
+        if self.tier3 is not None:
+            out["tier3"] = self.tier3
         return out
 
 

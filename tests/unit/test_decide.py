@@ -800,3 +800,29 @@ def test_a_spare_that_took_ranks_and_then_failed_is_a_failed_node_not_a_lost_spa
     dec = decide(dec.state, Observation(now=T0 + 0.3, exits=exits), settings())
     assert events(dec.actions, "spare_lost") == [] and not of(dec.actions, Log), dec.actions
     assert dec.state.dead_spares == frozenset()
+
+
+def test_out_of_spares_says_which_step_is_safe_on_which_tier():
+    """Issue 47: an allocation that lost more nodes than it has spares stops with one line saying which step is safe
+    on which tier: the memory tiers end with the job, so tier 3's newest verified base (in the coordinating rank's
+    heartbeat) is what a restart resumes from, and the steps trained since are named as lost."""
+    st = job(spares=0)
+    beats = {"node0.0": {**beat(T0, step=9), "tier3": 6}, "node1.0": beat(T0 - 1, step=8)}
+    dec = decide(st, Observation(now=T0 + 0.1, beats=beats, exits={"node1.0": -9}), settings())
+    [stop] = of(dec.actions, Stop)
+    assert stop.safe == {"trained_step": 9, "tier3_step": 6}
+    assert stop.said.endswith("Safe on tier 3: step 6, its newest verified base: a restart with --load resumes from "
+                              "it; steps 7-9 trained since end with this job's memory.")
+    dec = decide(st, Observation(now=T0 + 0.1, beats={"node0.0": beat(T0, step=9)}, exits={"node1.0": -9}),
+                 settings())
+    [stop] = of(dec.actions, Stop)
+    assert stop.safe == {"trained_step": 9, "tier3_step": None}
+    assert "No tier-3 base was published (persist.url unset, or none written yet): the steps trained up to step 9 " \
+           "end with this job's memory, and a restart trains from its start" in stop.said
+
+
+def test_a_heartbeat_carries_the_newest_tier3_base_and_a_bad_one_is_refused():
+    raw = json.dumps({**beat(T0), "tier3": 12}).encode()
+    assert values.heartbeat("hb/node0.0", raw)["tier3"] == 12
+    with pytest.raises(values.BadValue, match="tier3"):
+        values.heartbeat("hb/node0.0", json.dumps({**beat(T0), "tier3": "12"}).encode())

@@ -36,6 +36,7 @@ from ...persist.sign import checkpoint_key, key_env
 from ...persist.storage import open_storage
 from ...persist.throttle import Throttle
 from ...persist.writer import BaseJob, BaseWriter, CapturedFile
+from ...rebuild.context import context
 from .checkpoint_engine import DeadpoolCheckpointEngine
 
 log = logging.getLogger("deadpool_ext")
@@ -175,9 +176,17 @@ class Tier3Persister:
         job = BaseJob(version=step, tag=tag, rank=self.engine.global_rank,
                       world_size=torch.distributed.get_world_size(), coordinator=self.engine.global_rank == 0,
                       files=files, layout=self._layout(), root_files=root_files, deadline=deadline,
-                      on_done=lambda _job: self.pool.release(taken))
+                      on_done=lambda done: self._done(done, taken))
         self.captures.append({"version": step, "capture_s": capture_s, "bytes": job.estimate})
         return job
+
+    def _done(self, job: BaseJob, taken: Any) -> None:
+        """The writer thread, a base written or abandoned: its host buffers back to the pool; on the coordinating
+        rank a base published (and read back verified) is the step the job's heartbeats say is safe on tier 3."""
+        self.pool.release(taken)
+        if job.coordinator and job.result.get("published") and job.result.get("ok", True):
+            progress = context().progress
+            progress.tier3 = max(job.version, progress.tier3 or 0)
 
     def _busy_anywhere(self) -> bool:
         """Collective: is the previous base still being written on any rank?"""
