@@ -140,6 +140,39 @@ def test_drained_by_slurm_then_requeued(host_bed, slurm_bed, tmp_path, how):
     assert not [e for e in res.events if e.get("event") == "assignment"], res.tail()   # no node was replaced
 
 
+def test_cancelled_by_scancel_persists_then_the_next_submission_resumes(host_bed, slurm_bed, tmp_path):
+    """``scancel JOB``, a plain cancel (issue 47): Slurm SIGTERMs the job's processes and SIGKILLs them after
+    ``KillWait``. The launchers drain within it (the newest step persisted to tier 3 and verified), and the job ends
+    CANCELLED: it is not requeued. The user's next ``sbatch`` of the same command line (its ``--load`` names the
+    directory its ``--save`` writes) resumes from that step by itself: the losses of both runs together are the
+    uninterrupted run's, bit for bit."""
+    base = baseline(host_bed, tmp_path)
+    slurm = slurm_bed(NODES, cred_expire_s=CRED_EXPIRE_S)
+    ckpt, hold = str(tmp_path / "ckpt"), str(tmp_path / "hold")
+
+    def cancel(s: SlurmBed, run: SlurmRun) -> None:
+        wait_until(lambda: os.path.exists(hold), 60, "rank 0 held after step 4")
+        s.cmd("scancel", run.job_id)
+        wait_until(lambda: any(e.get("event") == "drain" for e in read_events(run.timeline)), 60,
+                   "the launchers' drain after Slurm's SIGTERM")
+        open(hold + ".release", "w").close()
+
+    common = {"script_args": ("--save", ckpt, "--load", ckpt), "launcher_flags": ("--preempt-grace-s", "6")}
+    first = submit(slurm, tmp_path, "cancelled", fault=cancel, fault_step=3, **common,
+                   env=harness_env({ENV: f"hold@step=4,rank=0,marker={hold}"}),
+                   end_states=("COMPLETED", "FAILED", "CANCELLED"))
+    assert (first.job["JobState"], first.job["Restarts"]) == ("CANCELLED", "0"), first.tail()
+    drained = [e for e in first.events if e.get("event") == "drained" and e.get("source") == "launcher"]
+    safe = drained[0]["safe"] if drained else None
+    assert safe is not None and 4 <= safe < 10 and {e["persisted"] for e in drained if e["step"] is not None} == \
+        {safe}, (drained, first.tail())
+    second = submit(slurm, tmp_path, "cancelled", **common)   # the user submits the same command line again
+    assert second.job["JobState"] == "COMPLETED", second.tail()
+    assert second.metrics == base, second.tail()   # steps 1..safe from the first run, the rest from the second
+    loads = [e for e in second.events if e.get("event") == "start" and e.get("time", 0) > second.t_submit]
+    assert len(loads) == 1, loads
+
+
 @pytest.mark.full_matrix(covered_by="test_node_lost_whole (a node lost with a spare left); the no-spare decisions: "
                                     "tests/unit/test_decide.py")
 def test_more_nodes_lost_than_spares(host_bed, slurm_bed, tmp_path):
