@@ -169,8 +169,7 @@ def test_cancelled_by_scancel_persists_then_the_next_submission_resumes(host_bed
     second = submit(slurm, tmp_path, "cancelled", **common)   # the user submits the same command line again
     assert second.job["JobState"] == "COMPLETED", second.tail()
     assert second.metrics == base, second.tail()   # steps 1..safe from the first run, the rest from the second
-    with open(second.out, errors="replace") as fh:
-        assert f'"loaded_step": {safe}' in fh.read(), second.tail()   # resumed from the drained step, not step 0
+    assert f'"loaded_step": {safe}' in second.output, second.tail()   # resumed from the drained step, not step 0
 
 
 @pytest.mark.full_matrix(covered_by="test_node_lost_whole (a node lost with a spare left); the no-spare decisions: "
