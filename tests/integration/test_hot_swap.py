@@ -250,19 +250,19 @@ def test_failure_during_recovery(tmp_path, shm_root):
 def test_no_spare_left_stops_with_clear_error(tmp_path, shm_root):
     """Out of spares: the job stops with one line naming the lost node and which step is safe on which tier (issue
     47): the script writes a tier-3 base every 2 steps (``--save``), and the line names the newest one published and
-    verified, which is on storage, and the steps trained since."""
+    verified that rank 0's heartbeat carried, which is on storage, and the steps trained since."""
     from deadpool_ext.persist.layout import COMMIT, version_tag
 
     ckpt = os.path.join(str(tmp_path), "ckpt")
     job = dprun_job(tmp_path, shm_root, spares=0, name="nospare")
     job = job.replace(args=(*job.args, "--save", ckpt, "--save-interval", "2"))
-    res, _, events, _ = run_dprun(tmp_path, job, faults=[(5, "node1.0", signal.SIGKILL)], name="nospare")
+    res, _, events, _ = run_dprun(tmp_path, job, faults=[(8, "node1.0", signal.SIGKILL)], name="nospare")
     assert res.returncode != 0
     stopped = [e for e in events if e.get("event") == "stopped"]
     assert stopped and "only 0 spare node(s) are left" in stopped[-1]["reason"] and "--spare-nodes" in \
         stopped[-1]["reason"]  # the final line says it too (unit: test_the_launchers_final_line_names_the_real_cause)
     tier3, trained = stopped[-1]["tier3_step"], stopped[-1]["trained_step"]
-    assert tier3 in (2, 4) and trained >= 5, stopped[-1]
+    assert tier3 in (2, 4, 6) and trained > tier3, stopped[-1]   # as rank 0's last heartbeat (every 0.5 s) said
     assert f"Safe on tier 3: step {tier3}, its newest verified base" in stopped[-1]["reason"], stopped[-1]
     assert os.path.exists(os.path.join(ckpt, version_tag(tier3), COMMIT))
 
