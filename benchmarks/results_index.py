@@ -149,10 +149,12 @@ CURRENT: tuple[Current, ...] = (
             "kill it survived while training to the end and the swaps it survived, losses against an "
             "uninterrupted run.",
             companions=("five_swaps_any_node_logs",),
-            note="Run with --out elsewhere and copied here (the command as recorded without it), on a host slower "
-                 "that evening (a normal step 3.94 s against 3.05 s in the run before): swaps 3-5 took 1.01-1.30 s. "
-                 "A run just before it, killed on the same code, stalled 60 s in swap 4's communicators (the "
-                 "collective timeout) and was not kept; its cause is not found."),
+            note="Kept as measured, stall included: swaps 1, 2, 4 and 5 took 0.76-0.87 s to restored, swap 3 60.51 s: "
+                 "rank 0, stopped by the launcher's notice while computing, reached the new generation's "
+                 "communicators only after the collective timeout (60 s), while the other survivor and the spare "
+                 "were there at once. The same stall in the run before this one (swap 4, not kept): two runs in "
+                 "three on the final code of two sessions. Its cause is not found; the workers' own logs carry no "
+                 "timestamps, and the run's timeline is not kept."),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
@@ -319,6 +321,11 @@ CURRENT: tuple[Current, ...] = (
 ARCHIVE_NOTES: dict[str, str] = {
     "megatron_nodes_relabel_first": "the first run after the Megatron relabel; re-measured on the final code of the "
                                     "stop (node0 0.61 s, node1 0.60 s)",
+    "five_swaps_any_node_f752fd2": "the run of the stop before (kill pattern 1,2,1,2,1): swaps 1-2 0.75 / 0.85 s, "
+                                   "swaps 3-5 1.01-1.30 s on a slow evening host",
+    "recovery_nodes_a1e1cbc": "every node killed in turn on the code of the stop before: worst node node1 0.69 s, "
+                              "11.5x",
+    "megatron_nodes_f752fd2": "the Megatron-Core job on the code of the stop before: worst node node0 0.66 s, 25.7x",
     "five_swaps_any_node_120": "kill pattern 1,2,0 (no worker survived all five swaps; the memory target judged on "
                                "workers that had joined for the last ones)",
     "megatron_nodes_start_again": "the Megatron-Core job before its spare could take another data-parallel replica's "
