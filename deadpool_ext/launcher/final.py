@@ -50,9 +50,10 @@ def safe_line(safe: Mapping[str, int | None]) -> str:
         return (f"No tier-3 base was published (persist.url unset, or none written yet): the steps trained{upto} end "
                 "with this job's memory, and a restart trains from its start; persist.url keeps a base to resume from "
                 "(--load).")
-    lost = (f"; steps {tier3 + 1}-{trained} trained since end with this job's memory" if trained is not None
+    lost = (f"; steps {tier3 + 1}-{trained} trained since were in memory only" if trained is not None
             and trained > tier3 else "")
-    return f"Safe on tier 3: step {tier3}, its newest verified base: a restart with --load resumes from it{lost}."
+    return (f"Safe on tier 3: step {tier3}, its newest verified base when the job stopped (a base still being "
+            f"written may add a newer one): a restart with --load resumes from the newest{lost}.")
 
 
 def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None],

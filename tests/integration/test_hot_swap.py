@@ -263,8 +263,11 @@ def test_no_spare_left_stops_with_clear_error(tmp_path, shm_root):
         stopped[-1]["reason"]  # the final line says it too (unit: test_the_launchers_final_line_names_the_real_cause)
     tier3, trained = stopped[-1]["tier3_step"], stopped[-1]["trained_step"]
     assert tier3 in (2, 4, 6) and trained > tier3, stopped[-1]   # as rank 0's last heartbeat (every 0.5 s) said
-    assert f"Safe on tier 3: step {tier3}, its newest verified base" in stopped[-1]["reason"], stopped[-1]
-    assert os.path.exists(os.path.join(ckpt, version_tag(tier3), COMMIT))
+    assert f"Safe on tier 3: step {tier3}, its newest verified base when the job stopped" in stopped[-1]["reason"]
+    # a base in flight at the stop may land after it, and the writer keeps the newest 2 (persist.keep_last): the
+    # named step or a newer one is on storage
+    assert any(os.path.exists(os.path.join(ckpt, version_tag(v), COMMIT)) for v in range(tier3, trained + 1)), \
+        (stopped[-1], os.listdir(ckpt))
 
 
 def test_node_and_its_replica_holder_lost_is_a_clear_error(tmp_path, shm_root):

@@ -811,8 +811,9 @@ def test_out_of_spares_says_which_step_is_safe_on_which_tier():
     dec = decide(st, Observation(now=T0 + 0.1, beats=beats, exits={"node1.0": -9}), settings())
     [stop] = of(dec.actions, Stop)
     assert stop.safe == {"trained_step": 9, "tier3_step": 6}
-    assert stop.said.endswith("Safe on tier 3: step 6, its newest verified base: a restart with --load resumes from "
-                              "it; steps 7-9 trained since end with this job's memory.")
+    assert stop.said.endswith("Safe on tier 3: step 6, its newest verified base when the job stopped (a base still "
+                              "being written may add a newer one): a restart with --load resumes from the newest; "
+                              "steps 7-9 trained since were in memory only.")
     dec = decide(st, Observation(now=T0 + 0.1, beats={"node0.0": beat(T0, step=9)}, exits={"node1.0": -9}),
                  settings())
     [stop] = of(dec.actions, Stop)

@@ -46,6 +46,8 @@ class DeadpoolRuntime(ResilientRuntime):
     swaps_in_place = True
     def __init__(self, engine: Any, config: DeadpoolConfig) -> None:
         self.engine = engine
+        self._deferred: Exception | None = None
+        """A failure after a step's snapshot, raised at the framework's next call (:meth:`_defer`)."""
         adapter = DeepSpeedStateAdapter(engine, self._client_state, self._restore_client_state,
                                         derive_params=config.snapshot.derive_params)
         adapter.allow_batch_change = config.elastic.allow_batch_change
@@ -113,6 +115,7 @@ class DeadpoolRuntime(ResilientRuntime):
 
         def drained_forward(*args: Any, **kwargs: Any) -> Any:
             drain.exit_if_due()  # a drained process ends here, its script's bookkeeping of the step done
+            runtime.raise_deferred()
             return forward(*args, **kwargs)
 
         engine.forward = drained_forward
@@ -121,6 +124,7 @@ class DeadpoolRuntime(ResilientRuntime):
 
         def step(*args: Any, **kwargs: Any) -> Any:
             drain.exit_if_due()
+            runtime.raise_deferred()
             boundary = engine.is_gradient_accumulation_boundary()
             if boundary:
                 runtime._before_optimizer_step()
@@ -140,6 +144,7 @@ class DeadpoolRuntime(ResilientRuntime):
 
         def step(*args: Any, **kwargs: Any) -> Any:
             context().drain.exit_if_due()  # a drained pipeline ends at its next optimizer step
+            self.raise_deferred()
             self._before_optimizer_step()
             out = take_model_step(*args, **kwargs)
             if self.redo is not None:
@@ -154,14 +159,41 @@ class DeadpoolRuntime(ResilientRuntime):
         if self.snapshots is not None:
             self._before_first_snapshot()
             self.snapshots.after_step()
-        if self.persist is not None:
-            self.persist.after_step()  # tier 3 (collective every persist.interval steps)
-        if context().drain.armed:
-            from .drain import at_boundary
+        try:
+            if self.persist is not None:
+                self.persist.after_step()  # tier 3 (collective every persist.interval steps)
+            if context().drain.armed:
+                from .drain import at_boundary
 
-            at_boundary(self)  # a preemption's drain: persist this step when any rank was asked to (drain.py)
+                at_boundary(self)  # a preemption's drain: persist this step when any rank was asked to (drain.py)
+        except Exception as exc:
+            self._defer(exc)
         self._report_to_monitor()
         self._after_snapshot()
+
+    def _defer(self, exc: Exception) -> None:
+        """A collective after the step's snapshot failed (a tier-3 base, a drain's agreement): the step is taken and
+        its snapshot scheduled, so a restore may resume right after it. Under the in-place swap the failure is
+        raised at the framework's next call (:meth:`raise_deferred`), so the script's own bookkeeping of this
+        step (its metrics line, its counters) runs first, as after any step a restore can resume after; without it,
+        now."""
+        if not self._hot_swap:
+            raise exc
+        log.warning("step %d: a collective after its snapshot failed (%s: %s); the step is done, and the failure is "
+                    "handled at the framework's next call", self.step_counter(), type(exc).__name__,
+                    str(exc).splitlines()[0][:160] if str(exc) else "")
+        self._deferred = exc
+
+    def raise_deferred(self) -> None:
+        """Raise the failure :meth:`_defer` kept (once), at the start of the framework's next call."""
+        exc = self._deferred
+        if exc is not None:
+            self._deferred = None
+            raise exc
+
+    def drain(self) -> None:
+        self.raise_deferred()  # the loop's last step: its failure is raised inside the loop's recovery scope
+        super().drain()
 
     def _report_to_monitor(self) -> None:
         """Snapshot metrics through DeepSpeed's monitor (its ``tensorboard`` / ``wandb`` / ``csv_monitor`` /
