@@ -137,14 +137,17 @@ def git_info() -> dict[str, Any]:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def tree_digest(path: str, suffixes: tuple[str, ...] = (".py",)) -> str:
-    """sha256 (16 hex digits) over the relative paths and contents of the files under ``path``: ties a result to
-    the exact code it measured, including uncommitted changes."""
+def tree_digest(path: str, suffixes: tuple[str, ...] = (".py",), exclude: tuple[str, ...] = ()) -> str:
+    """sha256 (16 hex digits) over the relative paths and contents of the files under ``path``, less the folders
+    ``exclude`` names (relative to ``path``): ties a result to the exact code it measured, including uncommitted
+    changes."""
     import hashlib
 
     h = hashlib.sha256()
     for root, dirs, files in os.walk(path):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        rel = os.path.relpath(root, path)
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__"
+                         and os.path.normpath(os.path.join(rel, d)) not in exclude)
         for f in sorted(files):
             if f.endswith(suffixes):
                 full = os.path.join(root, f)
@@ -152,6 +155,18 @@ def tree_digest(path: str, suffixes: tuple[str, ...] = (".py",)) -> str:
                 with open(full, "rb") as fh:
                     h.update(fh.read())
     return h.hexdigest()[:16]
+
+
+SIM = "sim"
+"""The simulator (``deadpool_ext/sim``): calibrated from the measured results, it is not code they measure, so its
+own digest is apart (a re-calibration would otherwise mark every measured figure stale)."""
+
+
+def source_digests() -> dict[str, str]:
+    """``deadpool_ext`` (the measured code, less the simulator) and ``deadpool_ext/sim`` (what a simulation ran)."""
+    root = os.path.join(REPO, "deadpool_ext")
+    return {"deadpool_ext": tree_digest(root, exclude=(SIM,)),
+            f"deadpool_ext/{SIM}": tree_digest(os.path.join(root, SIM))}
 
 
 def deadpool_defaults() -> dict[str, Any] | None:
@@ -180,7 +195,7 @@ def machine_info(packages: Sequence[str] = ("torch", "deepspeed", "transformers"
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "versions": {p: _version(p) for p in packages},
         "git": git_info(),
-        "source_digest": {"deadpool_ext": tree_digest(os.path.join(REPO, "deadpool_ext"))},
+        "source_digest": source_digests(),
         # today's defaults of every key of the "deadpool" section: a headline measured under a default that has
         # changed since is stale (tests/unit/test_headlines.py names it)
         "deadpool_defaults": deadpool_defaults(),

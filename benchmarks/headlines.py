@@ -30,7 +30,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-from common import REPO, RESULTS_DIR, deadpool_defaults, tree_digest  # noqa: E402
+from common import REPO, RESULTS_DIR, SIM, deadpool_defaults, tree_digest  # noqa: E402
 from paired import sentence  # noqa: E402
 
 README = os.path.join(REPO, "README.md")
@@ -48,8 +48,10 @@ MEGATRON_NODES = "megatron_nodes"
 SIMULATE = "simulate"
 PEERS = ("dlrover_flash", "dcp_async", "ds_decoupled", "ds_default")
 MEASURED_CODE = "deadpool_ext"
-"""The code a headline measures: its tree digest (``common.tree_digest``, recorded by ``machine_info`` as
-``machine.source_digest``) against the checkout's says whether the figure is from the current code."""
+"""The code a headline measures: its tree digest (``common.tree_digest``, less the simulator, recorded by
+``machine_info`` as ``machine.source_digest``) against the checkout's says whether the figure is from the current
+code. The simulation's headline also needs :data:`SIM_CODE`'s."""
+SIM_CODE = f"deadpool_ext/{SIM}"
 
 
 def _load(stem: str, results_dir: str) -> dict[str, Any] | None:
@@ -252,7 +254,15 @@ def _simulate_lines(doc: dict[str, Any]) -> list[str]:
 
 def checkout_digest() -> str:
     """The digest of the code the headlines measure, in this checkout (uncommitted changes included)."""
-    return tree_digest(os.path.join(REPO, MEASURED_CODE))
+    return tree_digest(os.path.join(REPO, MEASURED_CODE), exclude=(SIM,))
+
+
+def sim_changed(stem: str | None, doc: dict[str, Any]) -> bool:
+    """The simulation's result, run by other simulator code than the checkout's."""
+    if stem != SIMULATE:
+        return False
+    m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
+    return (m.get("source_digest") or {}).get(SIM_CODE) != tree_digest(os.path.join(REPO, SIM_CODE))
 
 
 def defaults_changed(stem: str, doc: dict[str, Any]) -> list[str]:
@@ -271,7 +281,7 @@ def is_stale(doc: dict[str, Any], digest: str | None = None, stem: str | None = 
     (given its ``stem``) was measured under other defaults of the "deadpool" section."""
     m = doc.get("machine") if isinstance(doc.get("machine"), dict) else {}
     then = (m.get("source_digest") or {}).get(MEASURED_CODE)
-    if then is None or then != (digest or checkout_digest()):
+    if then is None or then != (digest or checkout_digest()) or sim_changed(stem, doc):
         return True
     return bool(stem and stem != SIMULATE and defaults_changed(stem, doc))
 
@@ -291,6 +301,8 @@ def stamp(doc: dict[str, Any], digest: str | None = None, stem: str | None = Non
         why.append("no digest of the code it measured was recorded")
     elif then != (digest or checkout_digest()):
         why.append(f"`{MEASURED_CODE}` has changed since (digest `{then}` then)")
+    if sim_changed(stem, doc):
+        why.append(f"`{SIM_CODE}` has changed since")
     # which keys is for `--check` to say (`stale()`): the block would otherwise change with every new default
     if stem and stem != SIMULATE and defaults_changed(stem, doc):
         why.append("measured under other defaults of the `deadpool` section")

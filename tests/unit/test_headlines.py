@@ -126,3 +126,26 @@ def test_only_overhead_results_counted_whole_are_headlines(tmp_path, rule, rule_
     doc = {"sizes": {"small": {"analysis": {"rule": rule}, "rule_met": rule_met}}}
     (tmp_path / "snapshot_overhead_small_n2.json").write_text(json.dumps(doc))
     assert ("snapshot_overhead_small_n2" in headlines.sources(str(tmp_path))) is used
+
+
+def test_the_simulators_code_is_apart_from_the_measured_code(tmp_path):
+    """A re-calibration of the simulator (``deadpool_ext/sim``) leaves the measured figures current; the
+    simulation's own result is stale when the simulator changed."""
+    import common
+
+    root = tmp_path / "deadpool_ext"
+    (root / "sim").mkdir(parents=True)
+    (root / "run.py").write_text("x = 1\n")
+    (root / "sim" / "params.py").write_text("STARTUP_S = 9.0\n")
+    measured = common.tree_digest(str(root), exclude=(common.SIM,))
+    (root / "sim" / "params.py").write_text("STARTUP_S = 9.1\n")
+    assert common.tree_digest(str(root), exclude=(common.SIM,)) == measured
+    (root / "run.py").write_text("x = 2\n")
+    assert common.tree_digest(str(root), exclude=(common.SIM,)) != measured
+    doc = _doc(headlines.checkout_digest())
+    assert not headlines.sim_changed("recovery_nodes", doc)
+    assert headlines.sim_changed(headlines.SIMULATE, doc)  # no simulator digest recorded
+    doc["machine"]["source_digest"][headlines.SIM_CODE] = common.source_digests()[headlines.SIM_CODE]
+    assert not headlines.sim_changed(headlines.SIMULATE, doc)
+    assert "`deadpool_ext/sim` has changed since" in headlines.stamp(_doc(headlines.checkout_digest()),
+                                                                     stem=headlines.SIMULATE)
