@@ -76,6 +76,7 @@ class PeerReplicator:
         self.replicas: dict[int, list[ShmSegment]] = {}
         self._latest: dict[int, int] = {}  # source -> buffer index holding its newest complete replica
         self._pruned = False  # stale buffers of an earlier placement removed (after the first replication)
+        self._pending: int | None = None  # a restore's slot size: the buffers are made at the first replication
         if rank == 0 and factor and kind == "replica":
             log.info("tier 2 placement (rank -> holders): %s", {r: list(h) for r, h in sorted(self.holders.items())})
 
@@ -83,6 +84,8 @@ class PeerReplicator:
         return segment_name(self.job_id, self.kind, src, f"h{self.rank}b{buf}")
 
     def setup(self, slot_nbytes: int) -> None:
+        """Collective on the side group: exchange slot sizes, then make (or re-attach to) and pre-fault the buffers
+        this rank holds for its sources."""
         if self.sizes:
             return
         sizes = allgather_json(slot_nbytes, group=self.group)
@@ -90,6 +93,14 @@ class PeerReplicator:
         for src in self.sources:
             self.replicas[src] = [ShmSegment.create(self._replica_name(src, b), self.sizes[src], root=self.dir,
                                                     touch=True) for b in range(self.nbuf)]
+
+    def setup_later(self, slot_nbytes: int) -> None:
+        """After a restore: :meth:`setup` runs at the first :meth:`replicate`, in the snapshot worker, off the
+        recovery path (a spare makes its replica buffers there: for 125M parameters over 3 ranks, two buffers of
+        ~0.5 GB, allocated and faulted in, most of a second). Every rank restores, so every rank's worker runs it
+        first, in the same order on the side group."""
+        if not self.sizes:
+            self._pending = slot_nbytes
 
     def close(self) -> None:
         """Close this replicator's mappings of the replica buffers it holds (the files stay: the restore and a
@@ -108,6 +119,8 @@ class PeerReplicator:
         after the newest complete one)."""
         if not self.factor:
             return
+        if not self.sizes and self._pending is not None:
+            self.setup(self._pending)
         sends = [BlobSend(h, slot[:blob_len]) for h in self.holders[self.rank]]
         targets: dict[int, int] = {}
         receives = []

@@ -243,7 +243,7 @@ class RestoreExecutor:
         if self.late is not None:  # the framework's step-end state of the version restored (snapshot/late.py)
             self.late.restored(self._replayed_header or header, plan.version)
         self.store.header_reserved = header_len_of(seg.buf)
-        self.peers.setup(seg.nbytes)
+        self.peers.setup_later(seg.nbytes)  # the replica buffers: made by the worker, off the recovery path
         st = self.stats
         st.restore_s, st.restored_version, st.replayed = time.perf_counter() - t0, plan.version, replayed
         plan_s, obtain_s = self._parts
