@@ -563,9 +563,9 @@ class _Turn:
                     return
             if self.obs.now >= waiting.deadline:
                 exits = {wid: self.obs.exits.get(wid) for wid, node in a.nodes.items() if node in waiting.failed_nodes}
-                msg = stop_line(str(exc), waiting.policy, exits, self.obs.beats)
+                msg = stop_line(str(exc), waiting.policy, exits, safe := safe_steps(self.obs.beats))
                 self.update(awaiting=None)
-                self.actions.append(Stop(msg, msg, assignment=a, exits=exits, safe=safe_steps(self.obs.beats)))
+                self.actions.append(Stop(msg, msg, assignment=a, exits=exits, safe=safe))
                 return
             if st.awaiting is None:
                 self.actions.append(Log(logging.WARNING, (

@@ -57,16 +57,16 @@ def safe_line(safe: Mapping[str, int | None]) -> str:
 
 
 def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None],
-              beats: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+              safe: Mapping[str, int | None] | None = None) -> str:
     """``no_spare``: why no replacement was found; ``exits``: exit status of each worker of the failed nodes (None:
-    still running or unknown; < 0: a signal, the launcher's own fence included); ``beats``: the workers' last
-    heartbeats (which step is safe on which tier: :func:`safe_line`)."""
+    still running or unknown; < 0: a signal, the launcher's own fence included); ``safe``: :func:`safe_steps` of
+    the workers' last heartbeats (which step is safe on which tier: :func:`safe_line`)."""
     own = {wid: rc for wid, rc in sorted(exits.items()) if rc is not None and rc > 0}
     cause = stop_cause(exits)
     if cause == "out_of_spares":
         return (f"{no_spare}. Policy --no-spare-policy={policy}: stopping the job (out of spares: more "
                 "--spare-nodes, or --no-spare-policy shrink, keeps a job going). "
-                + safe_line(safe_steps(beats or {})))
+                + safe_line(safe or safe_steps({})))
     who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
     if cause == "unprotected_loop":
         return (f"worker(s) {who} stopped because a peer was lost mid-collective (where: the line it printed above), "
