@@ -22,7 +22,9 @@ the survivors' in-place recovery.
 Every wait has a deadline: the launcher's verdict and the assignment (``hot_swap.assignment_timeout_s``), the
 collectives (``collective_timeout_s``), the teardown (``teardown_timeout_s``), and around all of them
 ``faulthandler.dump_traceback_later`` with their sum plus 120 s, which prints every thread's stack and exits,
-so the launcher replaces this node instead of the job hanging.
+so the launcher replaces this node instead of the job hanging. Well before that, a recovery still under way after
+:data:`STALL_REPORT_S` prints every thread's stack once and goes on (a ``recovery_stalled`` timeline event): where
+a slow recovery waits, while it waits.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ import faulthandler
 import gc
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -187,6 +190,7 @@ class Recovery:
         self._hc: HotSwapConfig | None = None
         self._failure: Failure | None = None
         self._restore_follows = False
+        self._stall: threading.Timer | None = None
 
     # -- the entry point ----------------------------------------------------------------------------------
     def handle_failure(self, exc: BaseException, hooks: RecoveryHooks, hc: HotSwapConfig, mode: Mode) -> Any | None:
@@ -240,6 +244,7 @@ class Recovery:
                     type(exc).__name__, " ".join(str(exc).split())[:600], what)
         faulthandler.dump_traceback_later(hc.teardown_timeout_s + hc.assignment_timeout_s + hc.collective_timeout_s
                                           + 120, exit=True)
+        self._stall = stall_report(a.generation, STALL_REPORT_S)
         m.report_failure(a.generation, repr(exc))
         self.recoveries += 1
         self._failure = Failure(generation=a.generation, assignment=a, failed_step=step, old_rank=rank,
@@ -358,6 +363,8 @@ class Recovery:
         m = context().membership
         assert m is not None
         faulthandler.cancel_dump_traceback_later()
+        if self._stall is not None:
+            self._stall.cancel()
         write_event(event="recover", role="survivor", generation=r.assignment.generation, old_rank=f.old_rank,
                     rank=r.assignment.ranks[m.worker_id], pid=os.getpid(), failed_step=f.failed_step,
                     cause=f.cause.value, restored_version=r.version, noticed_at=f.noticed_at,
@@ -397,6 +404,26 @@ class Recovery:
                                    fatal=(swap.SwapError,))
         went_live()
         return joined
+
+
+STALL_REPORT_S = 10.0
+"""A recovery still under way after this long prints every thread's stack once and goes on (normal ones take
+under a second for GPT small and about 3 s for GPT medium on a 2-core host)."""
+
+
+def stall_report(generation: int, after_s: float) -> threading.Timer:
+    """Started when a recovery begins, cancelled when it ends: after ``after_s``, one line, a ``recovery_stalled``
+    event and every thread's stack on stderr (the worker's log), so that a slow recovery says where it waits."""
+    def report() -> None:
+        log.warning("generation %d: recovery still under way after %.0f s; every thread's stack follows (where it "
+                    "waits)", generation, after_s)
+        write_event(event="recovery_stalled", generation=generation, after_s=after_s, pid=os.getpid())
+        faulthandler.dump_traceback(all_threads=True)
+
+    timer = threading.Timer(after_s, report)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 def report_collective_failure(m: Any, generation: int, exc: BaseException) -> None:
