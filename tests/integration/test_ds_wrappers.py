@@ -135,6 +135,9 @@ def test_pipeline_engine_saves_loads_and_resumes_through_the_checkpoint_engine(t
     assert {how for per_rank in loads.values() for _, how in per_rank} == {"manifest"}, loads
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_ds_wrappers.py (BF16_Optimizer's state snapshotted and restored "
+                         "bit for bit) and test_pipeline_engine_saves_loads_and_resumes_through_the_checkpoint_engine "
+                         "(a pipeline engine's load routed to memory)")
 def test_bf16_pipeline_restart_restores_from_memory(tmp_path, shm_root):
     cfg = _pipe_config(tmp_path, shm_root, bf16=True)
     res, records, base = _pipe(tmp_path, cfg, "base", [])

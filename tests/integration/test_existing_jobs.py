@@ -392,7 +392,7 @@ dist.barrier()  # the closing barrier
 '''
 
 
-@pytest.mark.parametrize("mode", ["unprotected", "after_done"])
+@pytest.mark.parametrize("mode", matrix(["unprotected", "after_done"], ci=["unprotected"]))
 def test_deadpool_run_says_what_a_lost_peer_did(tmp_path, shm_root, mode):
     """Under deadpool-run (2 nodes, 1 spare), rank 1 dies where no step can be redone. ``unprotected``: during the
     script's own barrier after step 2; the spare takes rank 1 and the survivor, whose loop cannot continue, stops
@@ -502,6 +502,10 @@ def test_accelerate_launch_config_yaml_attaches_and_survives_a_restart(tmp_path,
     assert stops == [(1, 1, True)], res.output[-4000:]
 
 
+@pytest.mark.full_matrix(covered_by="test_accelerate_launch_config_yaml_attaches_and_survives_a_restart (accelerate "
+                         "launch's other route to the DeepSpeed config: the section found in what it hands the "
+                         "workers, attached through accelerator.prepare, a restart) and tests/unit/test_attach_hook.py "
+                         "(the no-restore line)")
 def test_accelerate_launch_config_from_the_environment_attaches(tmp_path, shm_root):
     """``ACCELERATE_DEEPSPEED_CONFIG_FILE`` set by the user, ``accelerate launch --use_deepspeed`` without a YAML:
     attached through ``accelerator.prepare``, a snapshot committed every step. The loop is the plain one (no
@@ -653,7 +657,7 @@ def lightning_reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", matrix(["hot_swap_after_step", "hot_swap_rank0", "hot_swap_sigkill_anywhere",
-                                         "restart"], ci=["hot_swap_rank0", "restart"]))
+                                         "restart"], ci=["hot_swap_rank0"]))
 def test_lightning_survives_a_lost_worker_bit_for_bit(tmp_path, shm_root, mode, lightning_reference):
     """An unmodified Lightning script (``DeepSpeedStrategy`` ZeRO-3, gradient accumulation 2, a DeepSpeed scheduler
     that Lightning steps itself, a shuffled loader whose epochs end during the run): rank 1 dies (right after its

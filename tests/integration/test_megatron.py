@@ -134,6 +134,8 @@ def test_in_process_rebuild_and_restore_is_exact(tmp_path, shm_root):
     assert out[0] == out[3] and len(out[0]) == 8
 
 
+@pytest.mark.full_matrix(covered_by="tests/integration/test_differential.py::test_lost_node_memory_replays_peer_"
+                         "differentials (the same replay at a restore, end to end) and tests/unit/test_replay.py")
 def test_differential_replay_in_process_is_exact(tmp_path, shm_root):
     """Differential mode on the Megatron path: base at iteration 4, a differential at 5; rebuilding and
     restoring at 5 replays it, and the losses equal an uninterrupted run."""

@@ -38,7 +38,10 @@ def test_restart_restores_from_tier1(tmp_path, shm_root, stage):
     assert metrics == base
 
 
-@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1]))  # ZeRO-3 from a peer: test_hot_swap
+@pytest.mark.full_matrix(covered_by="every hot-swap test (the spare restores the lost rank from its peer replica: "
+                         "test_hot_swap.py, ZeRO-3) and tests/integration/test_elastic.py::test_shrink_reshards_from_"
+                         "memory_element_exact (ZeRO-1: the lost rank's state read from peer memory)")
+@pytest.mark.parametrize("stage", matrix([1, 2, 3], ci=[1]))
 def test_lost_node_memory_restores_from_tier2(tmp_path, shm_root, stage):
     base = _baseline(tmp_path, stage, shm_root)
     res, metrics, _ = pretrain(tmp_path, _cfg(tmp_path, stage, shm_root), iters=ITERS, max_restarts=1,

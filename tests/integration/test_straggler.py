@@ -120,6 +120,9 @@ def test_report_names_the_throttled_node_and_keeps_it(tmp_path, shm_root):
     assert not events_of(job, "failure") and not [e for e in events_of(job, "assignment") if e.get("generation")]
 
 
+@pytest.mark.full_matrix(covered_by="tests/unit/test_straggler.py::test_uniform_slowdown_names_no_one (the decision) "
+                         "and test_throttled_node_is_swapped_for_the_spare_with_identical_losses (the measurement "
+                         "under a real cgroup throttle, end to end)")
 def test_uniform_slowdown_evicts_no_one(tmp_path, shm_root):
     """Every worker in one cgroup of a fifth of a core (the whole job slow) for three windows: no one is named."""
     job = straggler_job(tmp_path, shm_root, name="uniform", iters=110, action="swap")

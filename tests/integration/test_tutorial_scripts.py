@@ -65,12 +65,26 @@ def _run(tmp_path, name: str, args: list[str], *, shm_root: str | None = None, k
     return read_metrics(metrics), events, rows
 
 
+_REFS: dict[tuple[str, tuple[str, ...]], dict[int, float]] = {}
+"""The reference losses (the script alone, no failure), by script and arguments less ``--save-interval``: where a
+script saves changes nothing it trains, so one run serves every test of the module that trains alike (a save that
+changed a loss would fail every comparison below)."""
+
+
+def _ref(tmp_path, args: list[str], *, script: str = SCRIPT) -> dict[int, float]:
+    i = args.index("--save-interval") if "--save-interval" in args else None
+    key = (script, tuple(args if i is None else args[:i] + args[i + 2:]))
+    if key not in _REFS:
+        _REFS[key] = _run(tmp_path, "ref", args, script=script)[0]
+    return dict(_REFS[key])
+
+
 def _same(losses: dict, ref: dict, *, last: int) -> None:
     assert sorted(losses) == list(range(1, last + 1)), sorted(losses)
     assert losses == ref
 
 
-@pytest.mark.parametrize("variant", ["shuffle", "accumulation"])
+@pytest.mark.parametrize("variant", matrix(["shuffle", "accumulation"], ci=["shuffle"]))
 def test_a_tutorial_loop_restarts_from_memory_through_load_checkpoint(tmp_path, shm_root, variant):
     """Rank 1 SIGKILLed after step 5; the disk holds the script's save of step 3. After the torchrun restart,
     DeepSpeed's own ``load_checkpoint`` returns memory's newer step with the client state the script saved, its
@@ -81,7 +95,7 @@ def test_a_tutorial_loop_restarts_from_memory_through_load_checkpoint(tmp_path, 
     args = ["--steps", "10", "--save-interval", "3", "--dataset-size", "32"]  # 8 batches an epoch
     if variant == "accumulation":  # 48 samples over 2 ranks, micro-batches of 4, 2 of them a step: 3 steps an epoch
         args += ["--gas", "2", "--sampler", "distributed", "--dataset-size", "48", "--zero-stage", "2"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     assert sorted(ref) == list(range(1, 11))
     losses, events, rows = _run(tmp_path, "restart", args, shm_root=shm_root, kill_after=5)
     _same(losses, ref, last=10)
@@ -101,7 +115,7 @@ def test_a_restart_before_the_scripts_first_save_counts_from_where_the_loop_was(
     script goes on from there (it counted from 0 before, training every step again on top of the restored
     engine). Losses bit for bit."""
     args = ["--steps", "10", "--save-interval", "5", "--dataset-size", "32"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     losses, events, rows = _run(tmp_path, "restart", args, shm_root=shm_root, kill_after=3)
     _same(losses, ref, last=10)
     assert all(r["step"] == r["global_steps"] for r in rows), rows
@@ -144,7 +158,7 @@ def test_a_tutorial_loop_survives_a_hot_swap_unchanged(tmp_path, shm_root, varia
     args = ["--steps", "10", "--save-interval", "2", "--dataset-size", "32"]
     if variant == "accumulation":
         args += ["--gas", "2", "--sampler", "distributed", "--dataset-size", "48", "--zero-stage", "2"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     if fault == "after_step":
         marker = os.path.join(str(tmp_path), "fault.marker")
         losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, env=at_step.harness_env(
@@ -167,7 +181,7 @@ def test_a_spare_restored_to_the_step_of_the_scripts_first_save_counts_from_it(t
     in the job's store), not an empty one: a spare counting from 0 trained two steps more than the survivor and
     waited at the end for collectives nobody joined. Losses bit for bit."""
     args = ["--steps", "10", "--save-interval", "2", "--dataset-size", "32"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     full = [*args, "--save-dir", os.path.join(str(tmp_path), "swap.ckpt"), "--deadpool-section",
             json.dumps({"snapshot": {"interval": 2}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
     marker = os.path.join(str(tmp_path), "fault.marker")
@@ -180,6 +194,10 @@ def test_a_spare_restored_to_the_step_of_the_scripts_first_save_counts_from_it(t
     assert set(losses) == set(range(1, 11)) and losses == ref
 
 
+@pytest.mark.full_matrix(covered_by="test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged (the spare restores "
+                         "its stage from memory through the script's load_checkpoint, its DeepSpeed loader positioned) "
+                         "and tests/integration/test_ds_wrappers.py::test_pipeline_engine_saves_loads_and_resumes_"
+                         "through_the_checkpoint_engine (a pipeline's load_checkpoint routed to memory)")
 def test_a_tutorial_pipeline_job_restarts_from_memory_through_load_checkpoint(tmp_path, shm_root):
     """``ds_tutorial_pipe.py``: a 2-stage ``PipelineModule`` fed by DeepSpeed's own loader (``training_data=``, a
     ``RepeatingLoader`` the engine iterates before the script's ``load_checkpoint``), dropout on both stages,
@@ -189,7 +207,7 @@ def test_a_tutorial_pipeline_job_restarts_from_memory_through_load_checkpoint(tm
     ``deepspeed.initialize``, is positioned where the uninterrupted run's was (the epoch ends after step 8). Every
     loss bit for bit."""
     args = ["--steps", "10", "--save-interval", "3"]
-    ref, _, _ = _run(tmp_path, "ref", args, script=PIPE)
+    ref = _ref(tmp_path, args, script=PIPE)
     assert sorted(ref) == list(range(1, 11))
     losses, events, rows = _run(tmp_path, "restart", args, shm_root=shm_root, kill_after=5, script=PIPE)
     assert all(r["step"] == r["global_steps"] for r in rows), rows
@@ -217,7 +235,7 @@ def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_roo
     in-process right after its optimizer step 4; ``mid_step``: SIGKILLed from outside once rank 0 logged step 3.
     Every loss bit for bit against the script without the section."""
     args = ["--steps", "10", "--save-interval", "2"]
-    ref, _, _ = _run(tmp_path, "ref", args, script=PIPE)
+    ref = _ref(tmp_path, args, script=PIPE)
     if fault == "after_step":
         marker = os.path.join(str(tmp_path), "fault.marker")
         losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, script=PIPE, env=at_step.harness_env(
@@ -233,7 +251,7 @@ def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_roo
     assert set(losses) == set(range(1, 11)) and losses == ref
 
 
-@pytest.mark.parametrize("last_save", ["at_the_end", "before"])
+@pytest.mark.parametrize("last_save", matrix(["at_the_end", "before"], ci=["at_the_end"]))
 def test_a_node_lost_at_the_last_step_of_a_plain_loop_ends_the_job_with_status_0(tmp_path, shm_root, last_save):
     """Rank 1 killed right after its optimizer step 10, the loop's last: a plain loop has no end marker, so the
     loss is a failure and the spare takes rank 1, restored to step 10. ``at_the_end``: the survivor was in the
@@ -243,7 +261,7 @@ def test_a_node_lost_at_the_last_step_of_a_plain_loop_ends_the_job_with_status_0
     named once (launcher/done.py), not a hang until a collective's timeout and "the script's own error". (When the
     loss cut step 10's snapshot short, step 9 is restored and step 10 trained again by both: a plain recovery.)"""
     args = ["--steps", "10", "--save-interval", "5" if last_save == "at_the_end" else "3", "--dataset-size", "32"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     marker = os.path.join(str(tmp_path), "fault.marker")
     losses, events, _ = _dprun(tmp_path, shm_root, "lost", args, env=at_step.harness_env(
         {at_step.ENV: StepFault("kill", 10, 1, marker).render()}))
@@ -264,7 +282,7 @@ def test_a_spare_restored_before_the_scripts_first_save_counts_from_the_survivor
     from 0, trained while the survivor saved at step 5, and their collectives no longer matched (a hang until the
     collective timeout, then the job stopped out of spares). Losses bit for bit."""
     args = ["--steps", "10", "--save-interval", "5", "--dataset-size", "32"]
-    ref, _, _ = _run(tmp_path, "ref", args)
+    ref = _ref(tmp_path, args)
     marker = os.path.join(str(tmp_path), "fault.marker")
     losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, env=at_step.harness_env(
         {at_step.ENV: StepFault("kill", 3, 1, marker).render()}))

@@ -81,6 +81,8 @@ def test_worker_killed_embedded_store(host_bed, slurm_bed, tmp_path):
     assert set(slurm.node_states().values()) == {"idle"}
 
 
+@pytest.mark.full_matrix(covered_by="test_node_lost_whole (Slurm removes a down node from the --no-kill job and the "
+                         "spare takes its rank, losses bit for bit)")
 def test_node_set_down(host_bed, slurm_bed, tmp_path):
     """``scontrol update nodename=X state=down`` on node 2 while it trains: slurmctld removes the node from the
     --no-kill job and SIGKILLs its part of the step; the spare takes its rank, the losses are the uninterrupted
