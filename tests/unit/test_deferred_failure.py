@@ -1,8 +1,9 @@
 """A collective after a step's snapshot (a tier-3 base, a preemption drain's agreement) that fails because a peer
 was lost: the step is taken and its snapshot scheduled, so a restore may resume right after it. Raised there, the
 failure would skip the script's own bookkeeping of that step (its metrics line: the chaos suite saw "step 7
-missing" after a restore of step 7). Under the in-place swap it is raised at the framework's next call instead, and
-without the swap at once. A real engine in one process; the lost peer is simulated (the drain's agreement raises
+missing" after a restore of step 7). Under the in-place swap, in a loop that redoes a failed step and drains the
+runtime at its end (``ResilientLoop``, ``resilient_steps``), it is raised at the framework's next call instead;
+elsewhere at once. A real engine in one process; the lost peer is simulated (the drain's agreement raises
 gloo's error), the rest is the wrapped ``engine.step`` / ``engine.forward`` as scripts call them."""
 from __future__ import annotations
 
@@ -53,13 +54,17 @@ def lost_in_the_agreement(monkeypatch):
     return st
 
 
-@pytest.mark.parametrize("hot_swap", [True, False])
+@pytest.mark.parametrize("hot_swap,owner", [(True, "ResilientLoop"), (True, "resilient_steps"),
+                                           (False, "ResilientLoop"), (True, None), (True, "hf_trainer")])
 def test_a_failure_after_the_snapshot_is_raised_at_the_next_call_under_the_swap(world, lost_in_the_agreement,
-                                                                               hot_swap):
+                                                                               hot_swap, owner):
+    """Deferred in the loops that redo a failed step and drain at their end; at once without the swap, in a plain
+    loop (its redo knows a step call that failed after its update) and in the Trainer's (re-entered)."""
     eng, rt = _engine()
     try:
         rt._hot_swap = hot_swap  # what deadpool-run's membership and hot_swap.enabled set
-        if not hot_swap:
+        rt.loop_owner = owner
+        if not hot_swap or owner not in ("ResilientLoop", "resilient_steps"):
             with pytest.raises(RuntimeError, match="Connection reset by peer"):
                 _step(eng)
             return
@@ -79,7 +84,7 @@ def test_the_loops_last_step_raises_it_in_drain(world, lost_in_the_agreement):
     """``ResilientLoop`` drains the runtime after the last step, inside its recovery scope."""
     eng, rt = _engine()
     try:
-        rt._hot_swap = True
+        rt._hot_swap, rt.loop_owner = True, "ResilientLoop"
         _step(eng)
         with pytest.raises(RuntimeError, match="Connection reset by peer"):
             rt.drain()

@@ -42,6 +42,11 @@ SUPPORTED = (Version("0.16"), Version("0.20"))
 ``rebuild.py`` resets), checked where they are touched: other versions are refused in one line, never half-done."""
 
 
+DEFERRING = ("ResilientLoop", "resilient_steps")
+"""The loops whose runtime defers a failure after a step's snapshot to the next call (:meth:`DeadpoolRuntime._defer`):
+each calls ``drain()`` after its last step, inside its recovery scope, so no deferred failure is left unraised."""
+
+
 class DeadpoolRuntime(ResilientRuntime):
     swaps_in_place = True
     def __init__(self, engine: Any, config: DeadpoolConfig) -> None:
@@ -173,11 +178,13 @@ class DeadpoolRuntime(ResilientRuntime):
 
     def _defer(self, exc: Exception) -> None:
         """A collective after the step's snapshot failed (a tier-3 base, a drain's agreement): the step is taken and
-        its snapshot scheduled, so a restore may resume right after it. Under the in-place swap the failure is
-        raised at the framework's next call (:meth:`raise_deferred`), so the script's own bookkeeping of this
-        step (its metrics line, its counters) runs first, as after any step a restore can resume after; without it,
-        now."""
-        if not self._hot_swap:
+        its snapshot scheduled, so a restore may resume right after it. Under the in-place swap, in a loop that
+        redoes a failed step itself and drains the runtime at its end (:data:`DEFERRING`), the failure is raised at
+        the framework's next call (:meth:`raise_deferred`), so the script's own bookkeeping of this step (its
+        metrics line, its counters) runs first, as after any step a restore can resume after. Otherwise now: a
+        plain loop's redo (``redo.py``) knows a step call that failed after its update, and the Trainer's and
+        Lightning's loops are re-entered at the restored step."""
+        if not self._hot_swap or self.loop_owner not in DEFERRING:
             raise exc
         log.warning("step %d: a collective after its snapshot failed (%s: %s); the step is done, and the failure is "
                     "handled at the framework's next call", self.step_counter(), type(exc).__name__,
