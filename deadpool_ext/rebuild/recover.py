@@ -411,14 +411,15 @@ STALL_REPORT_S = 10.0
 under a second for GPT small and about 3 s for GPT medium on a 2-core host)."""
 
 
-def stall_report(generation: int, after_s: float) -> threading.Timer:
+def stall_report(generation: int, after_s: float, stacks: Any = None) -> threading.Timer:
     """Started when a recovery begins, cancelled when it ends: after ``after_s``, one line, a ``recovery_stalled``
-    event and every thread's stack on stderr (the worker's log), so that a slow recovery says where it waits."""
+    event and every thread's stack on ``stacks`` (a file; default stderr, the worker's log), so that a slow
+    recovery says where it waits."""
     def report() -> None:
         log.warning("generation %d: recovery still under way after %.0f s; every thread's stack follows (where it "
                     "waits)", generation, after_s)
         write_event(event="recovery_stalled", generation=generation, after_s=after_s, pid=os.getpid())
-        faulthandler.dump_traceback(all_threads=True)
+        faulthandler.dump_traceback(all_threads=True, **({} if stacks is None else {"file": stacks}))
 
     timer = threading.Timer(after_s, report)
     timer.daemon = True

@@ -91,3 +91,19 @@ def test_the_loops_last_step_raises_it_in_drain(world, lost_in_the_agreement):
         rt.drain()
     finally:
         rt.close()
+
+
+def test_a_recovery_that_began_elsewhere_drops_the_kept_failure(world, lost_in_the_agreement):
+    """Another call failed first (a collective of the script's own) and the recovery ran: the kept failure was the
+    same lost peer, so the next call after the recovery must not raise it in the new generation."""
+    eng, rt = _engine()
+    try:
+        rt._hot_swap, rt.loop_owner = True, "ResilientLoop"
+        _step(eng)
+        assert rt._deferred is not None
+        rt._abandon_step()  # what the in-place recovery calls first (rebuild/recover.py)
+        lost_in_the_agreement.armed = False
+        _step(eng)
+        assert int(eng.global_steps) == 2
+    finally:
+        rt.close()

@@ -230,6 +230,7 @@ class DeadpoolRuntime(ResilientRuntime):
         return self.engine
 
     def _abandon_step(self) -> None:
+        self._deferred = None  # a recovery is under way: a failure kept for the next call is part of it
         abandon_step(self.engine)
 
     def _release(self) -> None:
