@@ -134,6 +134,14 @@ CURRENT: tuple[Current, ...] = (
             companions=("recovery_nodes_medium_logs",),
             note="`python benchmarks/bench_recovery.py --sizes medium --repeats 3 --settle-s 20 --name "
                  "recovery_nodes_medium` (39 min)."),
+    Current("recovery_nodes_medium_probe", "recovery", "SIGKILL -> restored on every node in turn, GPT medium, one run "
+            "per node (issue 44, a probe)",
+            "A probe of recovery_nodes_medium after the restore stopped making the replica buffers (2026-12-07): one "
+            "run per node, not the 3 the figure of record needs; the headline stays recovery_nodes_medium until it is "
+            "re-measured.",
+            companions=("recovery_nodes_medium_probe_logs",),
+            note="`python benchmarks/bench_recovery.py --sizes medium --repeats 1 --settle-s 20 --name "
+                 "recovery_nodes_medium_probe` (13 min)."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
