@@ -66,7 +66,7 @@ def stop_line(no_spare: str, policy: str, exits: Mapping[str, int | None],
     if cause == "out_of_spares":
         return (f"{no_spare}. Policy --no-spare-policy={policy}: stopping the job (out of spares: more "
                 "--spare-nodes, or --no-spare-policy shrink, keeps a job going). "
-                + safe_line(safe or {}))
+                + safe_line(safe or safe_steps({})))
     who = ", ".join(f"{wid} (exit status {rc})" for wid, rc in own.items())
     if cause == "unprotected_loop":
         return (f"worker(s) {who} stopped because a peer was lost mid-collective (where: the line it printed above), "
