@@ -58,7 +58,7 @@ class LeaseLapse:
             os._exit(3)
         self.nodes.kill_all()
         for node in self.nodes.local:
-            self.nodes.drop_memory(node)
+            self.nodes.drop_memory(node, wait=True)   # this launcher leaves at once
         msg = (f"host {self.args.host_rank} lost contact with the store: {why}. Its workers were stopped so that "
                f"spares can take their ranks; this launcher leaves (start it again to offer this host as spares)")
         try:

@@ -4,6 +4,14 @@
 store, carries out the fences the coordinator writes for them (``fence/<node>``: processes killed, memory
 dropped, ``fenced/<node>`` acknowledged), kills a node's processes on the coordinator's own host directly, and
 starts a node that a shrink dropped again once ``--repair-after-s`` passed (elastic grow: ``resize.py``).
+
+A node's memory is dropped in two parts. Its directory is renamed out of the way at once (one ``rename``: from
+then on nothing of the job finds it, and a node started again gets an empty one), and the renamed directory is
+removed by a background thread at a lowered priority. Removing it there and then was on the recovery's critical
+path: freeing the pages of a GPT-medium node's slots and replicas (about 2 GB of tmpfs) took 0.26 s on a quiet
+2-core host and about 0.4 s on a busy one, before the coordinator could publish the new assignment. The end of the
+job (:meth:`LocalNodes.stop_all`) waits for every removal; a launcher that leaves at once (a self-fence) removes
+in the foreground.
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,6 +47,8 @@ class LocalNodes:
         self._reported: set[str] = set()   # workers whose exit is in the store (or whose node was fenced)
         self._fenced: set[str] = set()
         self._arena_logged = False
+        self._removals: list[threading.Thread] = []
+        self._dropped = 0
 
     def node_procs(self, node: str) -> list[str]:
         return [w.worker_id for w in self.workers if w.node == node]
@@ -87,9 +98,40 @@ class LocalNodes:
                 except subprocess.TimeoutExpired:
                     log.error("worker %s did not die after SIGKILL", wid)
 
-    def drop_memory(self, node: str) -> None:
+    def drop_memory(self, node: str, *, wait: bool = False) -> None:
+        """Drop a local ``node``'s tier-1 memory: gone under its name at once, its pages freed in the background
+        (``wait``: here and now)."""
         if node in self.local:   # another host's node: its own launcher drops it when fenced
-            shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
+            self._drop(job_shm_dir(self.args.shm_root, self.job_id, node), wait=wait)
+
+    def _drop(self, path: str, *, wait: bool) -> None:
+        self._dropped += 1
+        parent, name = os.path.split(path)
+        # hidden, and without the "deadpool." prefix that every listing of the shm root matches
+        gone = os.path.join(parent, f".dropped-{name}-{os.getpid()}-{self._dropped}")
+        try:
+            os.rename(path, gone)
+        except FileNotFoundError:
+            return
+        except OSError as exc:   # cannot rename (another filesystem's rules): remove it in place
+            log.debug("rename of %s: %s; removing it in place", path, exc)
+            gone = path
+        if wait:
+            shutil.rmtree(gone, ignore_errors=True)
+            return
+        t = threading.Thread(target=_remove_quietly, args=(gone,), name=f"drop-{name}")
+        t.start()
+        self._removals = [r for r in self._removals if r.is_alive()] + [t]
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait for the background removals of dropped memory (the end of the job)."""
+        deadline = time.monotonic() + timeout_s
+        for t in self._removals:
+            t.join(max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                log.warning("the removal of dropped node memory (%s) still runs after %.0f s; leaving it", t.name,
+                            timeout_s)
+        self._removals = []
 
     def signal_all(self, sig: int) -> int:
         n = 0
@@ -125,6 +167,7 @@ class LocalNodes:
                 p.kill()
         for node in self.local:
             self.drop_memory(node)
+        self.settle()
 
     # -- every turn -----------------------------------------------------------------------------------------------
     def report_exits(self, store: Any) -> None:
@@ -144,7 +187,7 @@ class LocalNodes:
                     self._reported.add(wid)
                     if self.procs[wid].poll() is None:
                         self.procs[wid].kill()
-                shutil.rmtree(job_shm_dir(self.args.shm_root, self.job_id, node), ignore_errors=True)
+                self.drop_memory(node)
                 store.set(keys.fenced(node), keys.MARK)
 
     def restart(self, node: str, store: Any) -> None:
@@ -160,6 +203,15 @@ class LocalNodes:
         for k in keys.node_keys(node):
             store.delete(k)
         self._fenced.discard(node)
+
+
+def _remove_quietly(path: str) -> None:
+    """A background removal gives way to the recovery it would slow (nice 10; best effort)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
 
 
 __all__ = ["LocalNodes"]
