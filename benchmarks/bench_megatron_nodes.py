@@ -62,8 +62,21 @@ def _config(path: str, shm_root: str | None, in_place: bool = True) -> str:
     return path
 
 
+LAYOUTS = {"tp2": ("--tensor-model-parallel-size", "2"), "pp2": ("--pipeline-model-parallel-size", "2")}
+"""``tp2``: TP2 x DP2, each node one tensor-parallel pair, so node0 is another data-parallel replica of node1's
+shards (the spare relabels); ``pp2``: PP2 x DP2, node0 stage 0 and node1 stage 1, so a spare built for node1 cannot
+take node0's stage in place and starts again from its script's first line (the fallback, from its warm parent:
+``rebuild/warm.py``)."""
+
+
+LAYOUTS_SAID = {"pp2": """PP2 x DP2 instead of TP2 x DP2 (`--pipeline-model-parallel-size 2`): node0 holds pipeline
+stage 0 (ranks 0 and 1, data-parallel replicas of it), node1 stage 1. The spare built ahead for node1's stage cannot
+take stage 0 in place, so killing node0 measures the fallback: the spare starts again from its script's first line,
+as a fresh child of its warm parent, the imports done (`rebuild/warm.py`)."""}
+
+
 def _args(a: argparse.Namespace, cfg: str, metrics: str, *extra: str) -> tuple[str, ...]:
-    return ("--tensor-model-parallel-size", "2", "--model-size", a.size, "--train-iters", str(a.steps),
+    return (*LAYOUTS[a.layout], "--model-size", a.size, "--train-iters", str(a.steps),
             "--deadpool-config", cfg, "--metrics-out", metrics, *extra)
 
 
@@ -238,6 +251,8 @@ def render(doc: dict[str, Any]) -> str:
              "CPUs. " + " ".join((__doc__ or "").split("\n\n")[1].split()).replace(
                  "Per repeat, four jobs:", "Per repeat, four jobs (the fourth: node0 killed on the rebuild path, "
                  "`hot_swap.in_place: false`, where every rank rebuilds and the spare builds after its assignment):"),
+             *(["", f"This run's layout is `--layout {doc['layout']}`: " + " ".join(
+                 (LAYOUTS_SAID.get(doc["layout"]) or "").split())] if doc.get("layout", "tp2") != "tp2" else []),
              "", head, "|---|---|---|---|---|"]
     rows = [("kill -> every rank restored, median (s)", lambda k: f(an[k]["restored"]["median"])),
             ("min - max (s)", lambda k: f"{f(an[k]['restored']['min'])} - {f(an[k]['restored']['max'])}"),
@@ -284,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--kill-step", type=int, default=5)
     p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--layout", default="tp2", choices=sorted(LAYOUTS),
+                   help="tp2: TP2 x DP2 (node0 another data-parallel replica); pp2: PP2 x DP2 (node0 another "
+                        "pipeline stage: the spare's fallback)")
     add_output_args(p, "megatron_nodes")
     a = p.parse_args(argv)
     if a.render_only:
@@ -297,8 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(logs, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench_megatron_nodes.")
     doc: dict[str, Any] = {"benchmark": "megatron_nodes", "name": a.name, "size": a.size,
-                           "title": "A Megatron-Core job (TP2 x DP2), every node killed in turn: hot-swap against "
-                                    "relaunch + --load", "date": time.strftime("%Y-%m-%d"),
+                           "layout": a.layout,
+                           "title": f"A Megatron-Core job ({a.layout.upper()} x DP2), every node killed in turn: "
+                                    "hot-swap against relaunch + --load", "date": time.strftime("%Y-%m-%d"),
                            "command": shlex.join(["python", "benchmarks/bench_megatron_nodes.py", *sys.argv[1:]]),
                            "machine": machine_info(("torch", "megatron.core", "numpy")), "repeats": a.repeats,
                            "runs": []}

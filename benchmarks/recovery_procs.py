@@ -25,6 +25,8 @@ if HERE not in sys.path:  # imported from outside benchmarks/ (a test, run_all):
     sys.path.insert(0, HERE)
 from common import REPO, busy_fraction, dir_bytes, mapped_files, median, process_memory, system_cpu, write_text  # noqa: E402
 
+from deadpool_ext.rebuild.warm import PARENT_NAME as WARM_PARENT  # noqa: E402
+
 # Default of ``--min-available-gib`` (1.5 GiB). The machine is shared: a job is stopped before the kernel's OOM
 # killer could pick someone else's process.
 DEFAULT_MIN_AVAILABLE_BYTES = int(1.5 * 2**30)
@@ -60,8 +62,15 @@ class Monitor:
         try:
             # Workers are the launcher's (torchrun's, deadpool-run's) direct children. Not recursive: a worker's own
             # children inherit its environment and would carry its label (a first run of this benchmark SIGKILLed
-            # such a process instead of the worker, and no fault happened).
-            return psutil.Process(self.root_pid).children(recursive=False)
+            # such a process instead of the worker, and no fault happened). A spare's warm parent stands for its
+            # child, the process that runs the script (rebuild/warm.py).
+            out = []
+            for p in psutil.Process(self.root_pid).children(recursive=False):
+                try:
+                    out += p.children(recursive=False)[:1] if p.name() == WARM_PARENT else [p]
+                except psutil.Error:
+                    continue
+            return out
         except psutil.NoSuchProcess:
             return []
 

@@ -19,8 +19,8 @@ Before the script's first line runs, in this order:
 3. under a launcher (``RANK``/``WORLD_SIZE`` set, or deadpool-run) with a section on the command line, or
    always under deadpool-run: the default process group, built by
    :func:`deadpool_ext.distributed.init_distributed` (attempt-prefixed store; a deadpool-run spare waits here
-   for its assignment), and ``init_process_group`` made a logged no-op for scripts that call it anyway
-   (``patches/torch_init_process_group_once.py``);
+   for its assignment, after its warm parent forked it: ``rebuild/warm.py``), and ``init_process_group`` made a
+   logged no-op for scripts that call it anyway (``patches/torch_init_process_group_once.py``);
 4. the script runs as ``__main__`` (``sys.argv`` and ``sys.path[0]`` as ``python train.py ARGS`` would set them).
 
 After it returns: if a section was on the command line but no engine attached the extension, the run ends with
@@ -116,6 +116,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # swappable groups for DeepSpeed jobs (Megatron-Core rebuilds: docs/megatron.md); no config visible (a dict
         # built in code): the section's defaults, which the job's attach confirms to spares (rebuild/fastpaths.py)
         fast = before_script(ds_configs, configs, cfg)
+        hs = env.hot_swap
+        if hs is not None and hs.role == "spare" and fast.in_place and (fast.build_ahead or not fast.known):
+            from .rebuild import warm
+
+            # a spare that may build ahead: a start again forks from here, its imports done (rebuild/warm.py)
+            warm.hold(hs.worker_id, args[0] if module is None else None, module)
         init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None, fast=fast)
         from . import patches  # type: ignore[attr-defined]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -89,7 +90,7 @@ class LocalNodes:
         for wid in self.node_procs(node):
             p = self.procs.get(wid)
             if p is not None and p.poll() is None:
-                p.kill()
+                _kill(p)
         for wid in self.node_procs(node):
             p = self.procs.get(wid)
             if p is not None:
@@ -134,20 +135,23 @@ class LocalNodes:
         self._removals = []
 
     def signal_all(self, sig: int) -> int:
+        """``sig`` to every running worker and its children (a spare's warm parent and its child: a SIGSTOP, which
+        no parent can pass on, must reach the child too)."""
         n = 0
         for p in self.procs.values():
             if p.poll() is None:
-                try:
-                    os.kill(p.pid, sig)
-                    n += 1
-                except ProcessLookupError:
-                    pass
+                for pid in family(p.pid):
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        continue
+                n += 1
         return n
 
     def kill_all(self) -> None:
         for p in self.procs.values():
             if p.poll() is None:
-                p.kill()
+                _kill(p)
         for p in self.procs.values():
             try:
                 p.wait(10)
@@ -164,7 +168,7 @@ class LocalNodes:
             try:
                 p.wait(max(0.1, deadline - time.time()))
             except subprocess.TimeoutExpired:
-                p.kill()
+                _kill(p)
         for node in self.local:
             self.drop_memory(node)
         self.settle()
@@ -186,7 +190,7 @@ class LocalNodes:
                 for wid in self.node_procs(node):
                     self._reported.add(wid)
                     if self.procs[wid].poll() is None:
-                        self.procs[wid].kill()
+                        _kill(self.procs[wid])
                 self.drop_memory(node)
                 store.set(keys.fenced(node), keys.MARK)
 
@@ -203,6 +207,34 @@ class LocalNodes:
         for k in keys.node_keys(node):
             store.delete(k)
         self._fenced.discard(node)
+
+
+def family(pid: int) -> list[int]:
+    """``pid`` and its descendants, parents first (Linux ``/proc/<pid>/task/<tid>/children``; elsewhere ``pid``
+    alone)."""
+    out: list[int] = [pid]
+    i = 0
+    while i < len(out):
+        p = out[i]
+        i += 1
+        try:
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    out += [int(c) for c in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return list(dict.fromkeys(out))
+
+
+def _kill(p: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a worker and its children (a spare's warm child dies with its parent as well, but only once the
+    kernel has ended the parent: a fenced node must run nothing by the time it is reaped)."""
+    for pid in reversed(family(p.pid)[1:]):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            continue
+    p.kill()
 
 
 def _remove_quietly(path: str) -> None:

@@ -390,8 +390,11 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
         times["relabel_s"] = round(time.time() - times["assigned_at"], 4)
         log.info("generation %d: rank %d of %d; this spare built its engine for rank %d and relabelled it: it joins "
                  "the survivors now", a.generation, t.rank, a.world_size, built.rank)
+    from . import warm
+
     write_event(event="spare_assigned", worker=m.worker_id, generation=a.generation, rank=t.rank,
-                built_rank=built.rank, how=t.how, why=t.why or None, relabel_s=times.get("relabel_s"))
+                built_rank=built.rank, how=t.how, why=t.why or None, relabel_s=times.get("relabel_s"),
+                **({"warm": warm.is_child()} if t.how == "start_again" else {}))
     if t.how in ("as_built", "relabel"):
         life().to(SpareState.JOINING, m.worker_id, f"assigned rank {t.rank} in generation {a.generation}, taken "
                   + ("as built" if t.how == "as_built" else f"by a relabel from rank {built.rank}"))
@@ -401,8 +404,9 @@ def await_assignment(relabel: Relabel | None = None, prepare: Callable[[], objec
                      "now", a.generation, built.rank, built.world_size)
         return
     log.warning("spare %s: assigned rank %d of %d in generation %d, but its engine was built for rank %d of %d (%s): "
-                "it starts again from the script's first line for its assignment", m.worker_id, t.rank, a.world_size,
-                a.generation, built.rank, built.world_size, t.why)
+                "it starts again from the script's first line for its assignment (%s)", m.worker_id, t.rank,
+                a.world_size, a.generation, built.rank, built.world_size, t.why,
+                "a fresh child of its warm parent" if warm.is_child() else "a fresh interpreter")
     life().to(SpareState.BUILDING, m.worker_id, f"assigned rank {t.rank} in generation {a.generation}; it starts "
               f"again from the script's first line: {t.why}")
     start_again()
@@ -471,9 +475,13 @@ def matches(a: Assignment, worker_id: str, built: BuiltAhead) -> bool:
 
 
 def start_again() -> None:
-    """This process again, from its first line, with the same command line and environment (its pid, its place in
-    the launcher's records and its shared memory stay): the membership then finds it assigned and it builds for its
-    assignment."""
+    """This process again, from its first line, with the same command line and environment: a fresh child of its
+    warm parent, its imports done (``rebuild/warm.py``), or else ``os.execv`` (its pid, its place in the launcher's
+    records and its shared memory stay). The membership then finds it assigned and it builds for its assignment."""
+    from . import warm
+
+    if warm.is_child():
+        warm.again()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

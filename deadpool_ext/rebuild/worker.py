@@ -99,9 +99,10 @@ class Membership:
         a survivor leaves a dead generation within a store round trip of the publication, whether it is
         blocked in a collective or computing."""
         from ..store.base import StoreError, StoreTimeout
-        from . import notice, progress
+        from . import notice, progress, warm
 
-        launcher = self._launcher_pid
+        # a spare's warm child: its parent is the warm parent, which dies with the launcher (rebuild/warm.py)
+        launcher = warm.parent_pid() or self._launcher_pid
         next_hb = 0.0
         notified: int | None = None
         outage_since: float | None = None

@@ -47,6 +47,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..rebuild import warm
 from .trace_hook import BOOT_DIR, BUCKET_S, ENV, REPO
 
 TOOLS = ("deadpool_ext.chaos", "deadpool_ext.sim", "deadpool_ext.testing", "deadpool_ext.training")
@@ -161,7 +162,7 @@ def run(out: str, *, stage: int, iters: int, fault_step: int, victim: str, timeo
         def find() -> psutil.Process | None:
             for p in psutil.Process(launcher_pid).children(recursive=True):
                 try:
-                    if p.environ().get(WORKER_ID) == wid:
+                    if p.environ().get(WORKER_ID) == wid and p.name() != warm.PARENT_NAME:
                         return p
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue

@@ -10,6 +10,7 @@ import psutil
 
 from deadpool_ext.chaos import at_step
 from deadpool_ext.chaos.at_step import StepFault
+from deadpool_ext.rebuild import warm
 from deadpool_ext.testing.baselines import BASELINES
 from deadpool_ext.testing.faults import corrupt_file, drop_node_memory, kill_rank
 from deadpool_ext.testing.jobs import Job
@@ -144,11 +145,12 @@ def kill_at(step: int, rank: int = 1, *, then: Callable[[], None] | None = None,
 
 
 def worker_proc(launcher_pid: int, worker_id: str, timeout_s: float = 60) -> psutil.Process:
-    """The process of ``worker_id`` under the launcher, once the launcher has started it."""
+    """The process of ``worker_id`` under the launcher, once the launcher has started it: the one running its
+    script (a spare's warm child, not its warm parent: ``rebuild/warm.py``)."""
     def find() -> psutil.Process | None:
         for p in psutil.Process(launcher_pid).children(recursive=True):
             try:
-                if p.environ().get("DEADPOOL_WORKER_ID") == worker_id:
+                if p.environ().get("DEADPOOL_WORKER_ID") == worker_id and p.name() != warm.PARENT_NAME:
                     return p
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue

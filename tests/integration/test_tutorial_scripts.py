@@ -251,6 +251,32 @@ def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_roo
     assert set(losses) == set(range(1, 11)) and losses == ref
 
 
+def test_a_stage_the_spare_did_not_build_for_is_started_from_its_warm_parent(tmp_path, shm_root):
+    """``ds_tutorial_pipe.py`` under deadpool-run, rank 0 (pipeline stage 0) killed in-process right after its
+    optimizer step 4. The spare built stage 1 ahead (it shadows node1), and a pipeline engine cannot take another
+    stage in place (``takeover.refusal``), so it starts again for stage 0: a fresh child of its warm parent, the
+    imports done (``rebuild/warm.py``), not a fresh interpreter. The launcher's process for the spare stays the
+    same. Every loss bit for bit against the script without the section."""
+    args = ["--steps", "10", "--save-interval", "2"]
+    ref = _ref(tmp_path, args, script=PIPE)
+    marker = os.path.join(str(tmp_path), "fault.marker")
+    losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, script=PIPE, env=at_step.harness_env(
+        {at_step.ENV: StepFault("kill", 4, 0, marker).render()}))
+    assigned = [(e["how"], e["built_rank"], e["rank"], e.get("warm")) for e in events
+                if e.get("event") == "spare_assigned"]
+    assert assigned == [("start_again", 1, 0, True)], assigned
+    held = [e for e in events if e.get("event") == "spare_warm_parent"]
+    assert len(held) == 1 and "deepspeed" in held[0]["imported"], held
+    ready = [e["pid"] for e in events if e.get("event") == "spare_ready"]
+    spare = [e["pid"] for e in events if e.get("event") == "recover" and e.get("role") == "spare"]
+    assert len(ready) == len(spare) == 1 and held[0]["pid"] not in ready + spare and ready != spare, (ready, spare)
+    survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
+    assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node1.0"], True)], survivors
+    # rank 0 prints each step's loss: killed right after its optimizer step 4, its line for step 4 may have died
+    # with it (when the restore resumes after step 4, committed on both ranks)
+    assert set(range(1, 11)) - set(losses) <= {4} and losses == {s: ref[s] for s in losses}, (losses, ref)
+
+
 @pytest.mark.parametrize("last_save", matrix(["at_the_end", "before"], ci=["at_the_end"]))
 def test_a_node_lost_at_the_last_step_of_a_plain_loop_ends_the_job_with_status_0(tmp_path, shm_root, last_save):
     """Rank 1 killed right after its optimizer step 10, the loop's last: a plain loop has no end marker, so the
