@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .rebuild import warm
 
             # a spare that may build ahead: a start again forks from here, its imports done (rebuild/warm.py)
-            warm.hold(hs.worker_id, args[0] if module is None else None, module)
+            warm.hold(hs.worker_id, args[0] if module is None else None, module, warm_up=_deepspeed_warm_up)
         init_distributed(timeout_s=cfg.hot_swap.collective_timeout_s if cfg is not None else None, fast=fast)
         from . import patches  # type: ignore[attr-defined]
 
@@ -160,6 +160,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                   "the job ran unprotected", file=sys.stderr)
             return NOT_ATTACHED_EXIT
     return code
+
+
+def _deepspeed_warm_up() -> list[str]:
+    """A spare's warm parent, once it imported the script's frameworks: what ``deepspeed.initialize`` does lazily in
+    every process, done once for every child (``rebuild/warm.py``); what it did."""
+    if "deepspeed" not in sys.modules:
+        return []
+    from .integrations.deepspeed.warmup import import_lazy_modules, preload_comm_op
+
+    import_lazy_modules()
+    return ["deepspeed's lazy modules"] + (["deepspeed's comm op"] if preload_comm_op() is not None else [])
 
 
 def _group_on_the_launchers_store_when_the_script_builds_it(rank: int, world_size: int) -> None:

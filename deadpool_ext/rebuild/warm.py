@@ -12,7 +12,9 @@ done. A warm parent makes the start again cost what that path's spare costs: the
 Call order (``deadpool_ext.run``, a deadpool-run spare that may build ahead, before its groups and its script):
 
 1. :func:`hold` imports the frameworks the script imports at its top level (:data:`FRAMEWORKS` only: torch,
-   DeepSpeed, transformers, Accelerate, Lightning, Megatron-Core), then forks. The parent never returns. It
+   DeepSpeed, transformers, Accelerate, Lightning, Megatron-Core, the project's training loop) and does what ``deepspeed.initialize`` would do
+   lazily in every process (the modules it imports on first use, 1.9 s, and the CPU comm op: the runner's
+   warm-up, ``integrations/deepspeed/warmup.py``), then forks. The parent never returns. It
    forwards the signals the launcher sends (:data:`FORWARDED`) to its child and waits for it;
 2. the child runs as any spare: its groups, its script, its engine built ahead, the wait for an assignment;
 3. a child that must start again (``spare.start_again``) calls :func:`again`, which tells the parent through a pipe
@@ -35,16 +37,18 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 log = logging.getLogger("deadpool_ext")
 
 __all__ = ["FRAMEWORKS", "PARENT_NAME", "again", "hold", "is_child", "parent_pid", "script_frameworks", "why_not"]
 
-FRAMEWORKS = ("torch", "deepspeed", "transformers", "accelerate", "lightning", "pytorch_lightning", "megatron")
-"""Top-level packages a warm parent imports when the script imports them: heavy, and with no threads or device
-context at import time. Nothing else of the script's is run before the fork."""
+FRAMEWORKS = ("torch", "deepspeed", "transformers", "accelerate", "lightning", "pytorch_lightning", "megatron",
+              "deadpool_ext.training")
+"""Packages a warm parent imports when the script imports them (or a module of theirs): heavy, and with no threads
+or device context at import time (the last: the project's GPT/BERT scripts' training loop, which imports DeepSpeed
+and transformers). Nothing else of the script's is run before the fork."""
 
 FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 """What the parent passes on to its child. SIGINT is not: a terminal's Ctrl-C reaches the whole process group,
@@ -94,7 +98,7 @@ def script_frameworks(path: str | None, module: str | None) -> list[str]:
             out += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out += [node.module] + [f"{node.module}.{a.name}" for a in node.names if a.name != "*"]
-    keep = [m for m in out if m.split(".")[0] in FRAMEWORKS]
+    keep = [m for m in out if any(m == f or m.startswith(f + ".") for f in FRAMEWORKS)]
     return list(dict.fromkeys(keep))
 
 
@@ -137,11 +141,19 @@ def why_not() -> str | None:
     return None
 
 
-def hold(worker_id: str, path: str | None, module: str | None) -> None:
-    """In a spare before its groups and its script: import the script's frameworks, fork, and in the parent wait
-    for the child (never returning). Returns in the child, or at once (one line) where a fork is refused."""
+def hold(worker_id: str, path: str | None, module: str | None,
+         warm_up: Callable[[], Sequence[str]] | None = None) -> None:
+    """In a spare before its groups and its script: import the script's frameworks, run ``warm_up`` (the
+    framework's own work done once per process, e.g. DeepSpeed's lazily imported modules and its CPU comm op:
+    ``integrations/deepspeed/warmup.py``; it returns what it did), fork, and in the parent wait for the child (never
+    returning). Returns in the child, or at once (one line) where a fork is refused."""
     t0 = time.perf_counter()
     imported = _import(script_frameworks(path, module))
+    if warm_up is not None:
+        try:
+            imported += list(warm_up())
+        except Exception as exc:  # the child does it again where it needs it, and meets the error there
+            log.debug("spare %s: the warm parent's warm-up failed: %s", worker_id, exc)
     import_s = time.perf_counter() - t0
     why = why_not()
     if why is not None:

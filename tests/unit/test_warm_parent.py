@@ -112,9 +112,12 @@ def test_no_fork_with_a_thread_running_and_the_frameworks_read_from_the_script(t
         t.join()
     script = tmp_path / "s.py"
     script.write_text("import os\nimport torch.distributed as dist\nfrom transformers import GPT2Config, "
-                      "Trainer\nfrom . import local\ndef f():\n    import deepspeed\n")
+                      "Trainer\nfrom . import local\nimport deadpool_ext\nfrom deadpool_ext.training.pretrain import "
+                      "run\ndef f():\n    import deepspeed\n")
     assert warm.script_frameworks(str(script), None) == ["torch.distributed", "transformers",
-                                                         "transformers.GPT2Config", "transformers.Trainer"]
+                                                         "transformers.GPT2Config", "transformers.Trainer",
+                                                         "deadpool_ext.training.pretrain",
+                                                         "deadpool_ext.training.pretrain.run"]
     assert warm.script_frameworks(str(tmp_path / "missing.py"), None) == []
     assert not warm.is_child()
     with pytest.raises(AssertionError):
