@@ -246,7 +246,8 @@ CURRENT: tuple[Current, ...] = (
             "relaunched with --load; kill -> restored (min, median, max), kill -> next iteration, losses against "
             "an uninterrupted run; 3 repeats, kinds rotated.",
             companions=("megatron_nodes_logs",)),
-    Current("megatron_nodes_pp2", "megatron_nodes", "the spare's fallback: another pipeline stage, from its warm parent",
+    Current("megatron_nodes_pp2", "megatron_nodes",
+            "the spare's fallback: another pipeline stage, from its warm parent",
             "Issue 44, the fallback: the same Megatron-Core job with `--layout pp2` (PP2 x DP2: node0 holds stage 0, "
             "node1 stage 1). The spare built for node1 cannot take stage 0 in place, so node0's loss starts it again "
             "from its script's first line, as a fresh child of its warm parent (rebuild/warm.py); against the "

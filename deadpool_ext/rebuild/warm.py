@@ -12,10 +12,10 @@ done. A warm parent makes the start again cost what that path's spare costs: the
 Call order (``deadpool_ext.run``, a deadpool-run spare that may build ahead, before its groups and its script):
 
 1. :func:`hold` imports the frameworks the script imports at its top level (:data:`FRAMEWORKS` only: torch,
-   DeepSpeed, transformers, Accelerate, Lightning, Megatron-Core, the project's training loop) and does what ``deepspeed.initialize`` would do
-   lazily in every process (the modules it imports on first use, 1.9 s, and the CPU comm op: the runner's
-   warm-up, ``integrations/deepspeed/warmup.py``), then forks. The parent never returns. It
-   forwards the signals the launcher sends (:data:`FORWARDED`) to its child and waits for it;
+   DeepSpeed, transformers, Accelerate, Lightning, Megatron-Core, the project's training loop) and does what
+   ``deepspeed.initialize`` would do lazily in every process (the modules it imports on first use, 1.9 s, and the
+   CPU comm op: the runner's warm-up, ``integrations/deepspeed/warmup.py``), then forks. The parent never returns.
+   It forwards the signals the launcher sends (:data:`FORWARDED`) to its child and waits for it;
 2. the child runs as any spare: its groups, its script, its engine built ahead, the wait for an assignment;
 3. a child that must start again (``spare.start_again``) calls :func:`again`, which tells the parent through a pipe
    and exits. The parent forks a fresh child, which finds itself assigned (``distributed.init_distributed``) and
