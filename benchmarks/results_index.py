@@ -134,14 +134,6 @@ CURRENT: tuple[Current, ...] = (
             companions=("recovery_nodes_medium_logs",),
             note="`python benchmarks/bench_recovery.py --sizes medium --repeats 3 --settle-s 20 --name "
                  "recovery_nodes_medium` (39 min)."),
-    Current("recovery_nodes_medium_probe", "recovery", "SIGKILL -> restored on every node in turn, GPT medium, one run "
-            "per node (issue 44, a probe)",
-            "A probe of recovery_nodes_medium after the restore stopped making the replica buffers (2026-12-07): one "
-            "run per node, not the 3 the figure of record needs; the headline stays recovery_nodes_medium until it is "
-            "re-measured.",
-            companions=("recovery_nodes_medium_probe_logs",),
-            note="`python benchmarks/bench_recovery.py --sizes medium --repeats 1 --settle-s 20 --name "
-                 "recovery_nodes_medium_probe` (13 min)."),
     Current("five_swaps", "five_swaps", "five consecutive hot-swaps, each spare replaced by a joining machine",
             "Issue 'the spare ready', part 4: GPT small, ZeRO-3, 3 nodes + 1 spare under deadpool-run; five times "
             "the worker holding rank 1 SIGKILLed once the waiting spare has built its engine, then a machine joins "
@@ -335,6 +327,18 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "recovery_nodes_medium_probe_637f8fb": "a probe of GPT medium, one run per node, before the background drop of a "
+                                           "failed node's memory: worst node node0 2.08 s; superseded by "
+                                           "recovery_nodes_medium",
+    "recovery_nodes_07bb27c": "every node killed in turn before the warm parent and the background drop of a failed "
+                              "node's memory: worst node node2 0.64 s, 17.1x",
+    "recovery_nodes_medium_e9f3076": "GPT medium before the restore stopped making the replica buffers: worst node "
+                                     "2.79 s",
+    "five_swaps_any_node_637f8fb": "five swaps before the warm parent and the background drop: 0.51 / 0.60 / 0.73 / "
+                                   "1.05 / 0.71 s",
+    "megatron_nodes_2fc8dc2": "the Megatron-Core job (TP2 x DP2) before the warm parent: worst node node0 0.58 s, "
+                              "26.6x",
+    "recovery_trainer_2fc8dc2": "the HF Trainer job before the warm parent: worst node node0 0.17 s, 43.2x",
     "megatron_nodes_relabel_first": "the first run after the Megatron relabel; re-measured on the final code of the "
                                     "stop (node0 0.61 s, node1 0.60 s)",
     "five_swaps_any_node_f752fd2": "the run of the stop before (kill pattern 1,2,1,2,1): swaps 1-2 0.75 / 0.85 s, "
