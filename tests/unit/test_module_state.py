@@ -40,6 +40,7 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("cluster/netif.py", "_pinned"): "what this module wrote to os.environ (per process), to tell it from the user's",
     ("snapshot/spare_slots.py", "_prepared"): "a spare makes its two slots once, before its first generation",
     ("snapshot/spare_slots.py", "_state"): "a spare makes its two slots once, before its first generation",
+    ("rebuild/warm.py", "_state"): "whether this process is a warm parent's child, and its pipe: once, at its fork",
     ("snapshot/priority.py", "_can_boost"): "a capability probe of this process's thread priorities, cached",
     ("launcher/contract.py", "_CURRENT"): "the environment the process started with, parsed once",
     ("store/rendezvous.py", "_KEEP_ALIVE"): "pybind11 needs the Python store objects for as long as torch's C++ "

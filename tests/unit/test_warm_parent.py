@@ -106,7 +106,8 @@ def test_no_fork_with_a_thread_running_and_the_frameworks_read_from_the_script(t
     t = threading.Thread(target=stop.wait, name="heartbeat")
     t.start()
     try:
-        assert "1 other thread(s) run before the script (heartbeat)" in (warm.why_not() or "")
+        why = warm.why_not() or ""  # pytest's own threads may be there too
+        assert "other thread(s) run before the script (" in why and "heartbeat" in why, why
     finally:
         stop.set()
         t.join()
