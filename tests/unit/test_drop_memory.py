@@ -24,7 +24,7 @@ def _fill(root: str, node: str) -> str:
     return d
 
 
-def test_dropped_memory_is_gone_at_once_and_freed_in_the_background(tmp_path):
+def test_dropped_memory_is_gone_at_once_and_freed_in_the_background(tmp_path, monkeypatch):
     root = str(tmp_path)
     d, kept = _fill(root, "node1"), _fill(root, "node0")
     gate = threading.Event()
@@ -35,18 +35,16 @@ def test_dropped_memory_is_gone_at_once_and_freed_in_the_background(tmp_path):
         gate.wait(10)
         return real(*a)
 
-    os.setpriority = held
+    monkeypatch.setattr(os, "setpriority", held)
     try:
         nodes.drop_memory("node1")
         assert not os.path.exists(d)                       # nothing of the job finds it any more
         hidden = [n for n in os.listdir(root) if n.startswith(".dropped-")]
         assert len(hidden) == 1 and not hidden[0].startswith("deadpool.")
         os.makedirs(d)                                     # a node started again gets a directory of its own
-        gate.set()
-        nodes.settle()
     finally:
-        os.setpriority = real
         gate.set()
+    nodes.settle()
     assert sorted(os.listdir(root)) == sorted([os.path.basename(d), os.path.basename(kept)])
     assert os.listdir(kept)
 
