@@ -246,13 +246,14 @@ def test_hf_trainer_survives_a_torchrun_restart_bit_for_bit(tmp_path, shm_root, 
 
 
 def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, env: dict | None = None,
-           kill_after_step: int | None = None):
+           kill_after_step: int | None = None, then=None, launcher_flags: tuple[str, ...] = ()):
     """The script under deadpool-run: 2 nodes of 1 worker and 1 spare; ``env``: a harness's in-process fault;
-    ``kill_after_step``: SIGKILL node1.0 from outside once rank 0 logged that step (wherever its step then is)."""
+    ``kill_after_step``: SIGKILL node1.0 from outside once rank 0 logged that step (wherever its step then is);
+    ``then(proc, timeline)``: called once the workers' pids are known, while the job runs."""
     metrics = os.path.join(str(tmp_path), f"{name}.jsonl")
     timeline = os.path.join(str(tmp_path), f"{name}.timeline.jsonl")
     job = Job(script=script, nnodes=2, nproc_per_node=1, spare_nodes=1, shm_root=shm_root, timeline=timeline,
-              args=tuple(args), metrics=metrics, env_vars=dict(env or {}))
+              args=tuple(args), metrics=metrics, env_vars=dict(env or {}), launcher_flags=launcher_flags)
     pids: dict[str, int] = {}
 
     def watch(proc) -> None:
@@ -261,6 +262,8 @@ def _dprun(tmp_path, shm_root: str, name: str, script: str, args: list[str], *, 
         if kill_after_step is not None:
             wait_for_step(metrics, kill_after_step, timeout_s=JOB_TIMEOUT_S, proc=proc)
             worker_proc(proc.pid, "node1.0").send_signal(signal.SIGKILL)
+        if then is not None:
+            then(proc, timeline)
 
     res = run_job(job.argv(), timeout_s=JOB_TIMEOUT_S, env=job.env(), while_running=watch)
     with open(os.path.join(str(tmp_path), f"{name}.log"), "w") as fh:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 import pytest
 
@@ -19,7 +21,7 @@ from deadpool_ext.testing.jobs import Job
 from deadpool_ext.testing.launch import free_port, read_metrics, run_job
 from tests.conftest import matrix
 from tests.integration import test_existing_jobs as existing_jobs
-from tests.integration.helpers import JOB_TIMEOUT_S, kill_at
+from tests.integration.helpers import JOB_TIMEOUT_S, kill_at, worker_proc
 
 pytestmark = pytest.mark.slow
 SCRIPT = "scripts/examples/ds_tutorial_mlm.py"
@@ -133,13 +135,13 @@ def test_a_tutorial_loop_that_loads_nothing_is_told_how_to_restore(tmp_path, shm
 
 
 def _dprun(tmp_path, shm_root: str, name: str, args: list[str], *, env: dict | None = None,
-           kill_after_step: int | None = None, script: str = SCRIPT):
+           kill_after_step: int | None = None, script: str = SCRIPT, **more):
     """The script under deadpool-run (2 nodes of 1 worker, 1 spare: ``test_existing_jobs._dprun``), the section added
     to its in-code config (nothing names a file)."""
     full = [*args, "--save-dir", os.path.join(str(tmp_path), f"{name}.ckpt"), "--deadpool-section",
             json.dumps({"snapshot": {"interval": 1}, "replication": {"factor": 1}, "local": {"shm_root": shm_root}})]
     res, losses, events, pids = existing_jobs._dprun(tmp_path, shm_root, name, script, full, env=env,
-                                                     kill_after_step=kill_after_step)
+                                                     kill_after_step=kill_after_step, **more)
     assert res.returncode == 0, res.output[-4000:]
     return losses, events, pids
 
@@ -252,16 +254,29 @@ def test_a_tutorial_pipeline_job_survives_a_hot_swap_unchanged(tmp_path, shm_roo
 
 
 def test_a_stage_the_spare_did_not_build_for_is_started_from_its_warm_parent(tmp_path, shm_root):
-    """``ds_tutorial_pipe.py`` under deadpool-run, rank 0 (pipeline stage 0) killed in-process right after its
-    optimizer step 4. The spare built stage 1 ahead (it shadows node1), and a pipeline engine cannot take another
-    stage in place (``takeover.refusal``), so it starts again for stage 0: a fresh child of its warm parent, the
-    imports done (``rebuild/warm.py``), not a fresh interpreter. The launcher's process for the spare stays the
-    same. Every loss bit for bit against the script without the section."""
+    """``ds_tutorial_pipe.py`` under deadpool-run, rank 0 (pipeline stage 0) held right after its optimizer step 2
+    until the spare has built stage 1 ahead (it shadows node1; its ``spare_ready`` event), then SIGKILLed. A pipeline
+    engine cannot take another stage in place (``takeover.refusal``), so the spare starts again for stage 0: a fresh
+    child of its warm parent, the imports done (``rebuild/warm.py``), not a fresh interpreter. The launcher's
+    process for the spare stays the same. Every loss bit for bit against the script without the section. (The hold
+    makes the spare's readiness, not the host's speed, decide the order: a spare still importing when the stage is
+    lost is assigned before it builds, and never starts again.)"""
     args = ["--steps", "10", "--save-interval", "2"]
     ref = _ref(tmp_path, args, script=PIPE)
-    marker = os.path.join(str(tmp_path), "fault.marker")
+    marker = os.path.join(str(tmp_path), "hold.marker")
+
+    def kill_when_the_spare_is_ready(proc, timeline: str) -> None:
+        deadline = time.time() + JOB_TIMEOUT_S
+        while proc.poll() is None and time.time() < deadline:
+            if os.path.exists(marker) and os.path.exists(timeline) and any(
+                    e.get("event") == "spare_ready" for e in read_events(timeline)):
+                worker_proc(proc.pid, "node0.0").send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
     losses, events, pids = _dprun(tmp_path, shm_root, "swap", args, script=PIPE, env=at_step.harness_env(
-        {at_step.ENV: StepFault("kill", 4, 0, marker).render()}))
+        {at_step.ENV: StepFault("hold", 2, 0, marker).render()}), then=kill_when_the_spare_is_ready,
+        launcher_flags=("--progress-timeout-s", "200"))
     assigned = [(e["how"], e["built_rank"], e["rank"], e.get("warm")) for e in events
                 if e.get("event") == "spare_assigned"]
     assert assigned == [("start_again", 1, 0, True)], assigned
@@ -272,9 +287,9 @@ def test_a_stage_the_spare_did_not_build_for_is_started_from_its_warm_parent(tmp
     assert len(ready) == len(spare) == 1 and held[0]["pid"] not in ready + spare and ready != spare, (ready, spare)
     survivors = [e for e in events if e.get("event") == "recover" and e.get("role") == "survivor"]
     assert [(e["pid"], e.get("in_place")) for e in survivors] == [(pids["node1.0"], True)], survivors
-    # rank 0 prints each step's loss: killed right after its optimizer step 4, its line for step 4 may have died
-    # with it (when the restore resumes after step 4, committed on both ranks)
-    assert set(range(1, 11)) - set(losses) <= {4} and losses == {s: ref[s] for s in losses}, (losses, ref)
+    # rank 0 prints each step's loss: held inside its step 2 (after the optimizer step), its line for step 2 died
+    # with it when the restore resumes after step 2, committed on both ranks
+    assert set(range(1, 11)) - set(losses) <= {2} and losses == {s: ref[s] for s in losses}, (losses, ref)
 
 
 @pytest.mark.parametrize("last_save", matrix(["at_the_end", "before"], ci=["at_the_end"]))
