@@ -191,6 +191,10 @@ class ResilientRuntime(ABC):
         """In-place hot-swap: drop what the interrupted step left half done (gathered parameters, gradient
         buckets, accumulated gradients), without any collective; the restore then overwrites the state."""
 
+    def _restored_in_hot_swap(self) -> None:  # noqa: B027 - optional hook, a no-op unless a subclass overrides it
+        """After a restore from memory in a generation after a failure, on every rank (collective if overridden):
+        agree on what of the framework's own caches the survivors keep and the spare adopts."""
+
     def _handle(self) -> Any:
         """In-place hot-swap: the loop's handle, which stays the same object (the engine)."""
         raise NotImplementedError(f"{type(self).__name__} does not swap in place")
@@ -361,6 +365,8 @@ class ResilientRuntime(ABC):
         self._restored_version = version or 0
         if version is None:
             return self.step_counter()
+        if context().in_hot_swap:
+            self._restored_in_hot_swap()
         from .. import hooks
 
         hooks.fire(hooks.AFTER_RESTORE, generation=context().generation, rank=self.rank, version=version,

@@ -31,7 +31,7 @@ from packaging.version import Version
 from ...config import DeadpoolConfig
 from ...rebuild.context import context
 from ..base import ResilientRuntime
-from . import checkpoint_calls
+from . import checkpoint_calls, trace
 from .checkpoint_engine import DeadpoolCheckpointEngine
 from .state import DeepSpeedStateAdapter
 
@@ -233,6 +233,10 @@ class DeadpoolRuntime(ResilientRuntime):
         self._deferred = None  # a recovery is under way: a failure kept for the next call is part of it
         abandon_step(self.engine)
 
+    def _restored_in_hot_swap(self) -> None:
+        if self.snapshots is not None:
+            trace.agree(self.engine, self.snapshots.group, self.rank)  # ZeRO-3's trace kept, not recorded again
+
     def _release(self) -> None:
         self.engine = None  # the old engine holds the dead world's groups; drop it before teardown
 
@@ -277,8 +281,8 @@ def abandon_step(engine: Any) -> None:
 
     ZeRO-3: in-flight parameter all-gathers are forgotten (never waited: their peer is gone), parameters still
     gathered or half gathered are marked for release (the restore's prologue partitions all of them), the
-    coordinator's trace is invalidated like a new one's (its next step records it again, as the spare's does:
-    the trace agreement of DeepSpeed's reset_step is then the same collective on every rank). Every stage:
+    coordinator's complete trace is kept (``trace.py``: after the restore the spare adopts it, or every rank drops
+    its own), one still being recorded is dropped. Every stage:
     gradient buckets emptied, accumulated gradients (``BF16_Optimizer``'s fp32 buffers too) and "already reduced"
     flags cleared, micro-step counters reset, as after DeepSpeed's own ``step``."""
     import deepspeed
@@ -351,7 +355,6 @@ def _abandon_pipeline(engine: Any) -> None:
 
 def _abandon_zero3(engine: Any, opt: Any) -> None:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-    from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
 
     coord = opt.parameter_offload.get_param_coordinator()
     getattr(coord, _COORD + "inflight_param_registry").clear()
@@ -359,8 +362,9 @@ def _abandon_zero3(engine: Any, opt: Any) -> None:
         p.ds_active_sub_modules.clear()
         if p.ds_status == ZeroParamStatus.INFLIGHT:
             p.ds_status = ZeroParamStatus.AVAILABLE  # its buffer is whole in size; partitioned by the restore
-    coord._clear_trace_structures()
-    setattr(coord, _COORD + "trace_mode", ZeRoTraceMode.INVALID)
+    if not coord.is_complete_trace():
+        # a trace still being recorded is half a trace: dropped, so every rank records again (trace.agree)
+        trace.drop(coord)
     setattr(coord, _COORD + "step_id", 0)
     setattr(coord, _COORD + "n_available_params", 0)
     for name in ("ongoing_fetch_events", "active_backward_submodules", "ongoing_fetch_leaf_module_events"):
