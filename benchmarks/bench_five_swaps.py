@@ -40,8 +40,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
-from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
+from common import REPO, add_output_args, machine_info, render_only, save_result  # noqa: E402
+from recovery_procs import Monitor, append_event, read_records, run_logged, steady_step_s, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -160,8 +160,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     out["losses"] = {r["step"]: r["loss"] for r in recs}
     events = read_events(timeline) if os.path.exists(timeline) else []
     rows = {p["generation"]: p for p in phases(events)}
-    step_s = median([r["step_time_s"] for r in recs if 2 <= r["step"] <= kills[0]] or [0.0])
-    out["normal_step_s"] = step_s
+    redone: set[int] = set()
     for i, sw in enumerate(out["swaps"]):
         row = rows.get(i + 1) or {}
         parts = [row.get(k) for k in ("detect_s", "agree_s", "rebuild_s", "restore_s")]
@@ -169,11 +168,14 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
         nxt = next((r for r in recs if r["time"] > sw["t_kill"] and r["step"] > last_pre), None)
         [assigned] = [e for e in events if e.get("event") == "assignment" and e.get("generation") == i + 1] or [{}]
         how = [e.get("how") for e in events if e.get("event") == "spare_assigned" and e.get("generation") == i + 1]
+        if nxt is not None:
+            redone.add(nxt["step"])
         sw.update(restored_s=sum(parts) if None not in parts else None, raw_s=nxt["time"] - sw["t_kill"] if nxt
                   else None, built_ahead=all((assigned.get("built_ahead") or {"?": False}).values()),
                   how=how[0] if how else None,
                   phases={k: row.get(k) for k in ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s",
                                                   "restore_s")})
+    out["normal_step_s"] = steady_step_s(recs, redone) or 0.0  # every step but 1 and the five redone ones
     t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
     last = {k: v for m in mons for k, v in m.rss_at(t_last).items()}
     killed = {sw["killed"] for sw in out["swaps"]}

@@ -17,11 +17,11 @@ node, the in-place swap, the spare built ahead). Per repeat, four jobs:
                written; torchrun fails; the same command is relaunched at once with ``--load DIR``.
 
 Measured (wall clock of this host, rank 0's metrics records): ``restored_s`` kill -> every rank restored (hot-swap:
-detect + agree + rebuild + restore from the job's timeline; relaunch: the start of the relaunched job's first
-iteration, its record's time minus its own step time, i.e. after the base loaded); ``raw_s`` kill -> the next
-completed iteration; ``minus_step_s`` = raw minus one normal iteration (the median of iterations 2..K). Losses after
-the kill against an uninterrupted run of the same script and layout (plain torchrun, the section off) bit for bit.
-How the spare took the ranks is read from its ``spare_assigned`` events.
+detect + agree + rebuild + restore from the job's timeline; relaunch: the start of the relaunched job's first iteration,
+its record's time minus its own step time, i.e. after the base loaded); ``raw_s`` kill -> the next completed iteration;
+``minus_step_s`` = raw minus one normal iteration (the median of every iteration but the first and the redone one).
+Losses after the kill against an uninterrupted run of the same script and layout (plain torchrun, the section off) bit
+for bit. How the spare took the ranks is read from its ``spare_assigned`` events.
 
     python benchmarks/bench_megatron_nodes.py                # 3 repeats, ~8 min on 2 cores (GPT tiny)
 
@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
-from recovery_procs import Monitor, append_event, normal_step_s, read_records, run_logged, wait_and_kill  # noqa: E402
+from recovery_procs import Monitor, append_event, read_records, run_logged, steady_step_s, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -129,7 +129,8 @@ def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str
     out["how"] = sorted({str(e.get("how")) for e in events if e.get("event") == "spare_assigned"})
     out["spare_ready"] = [{k: e.get(k) for k in ("worker", "rank", "prologue_s", "engine_s", "any_rank", "why_not")}
                           for e in ready]
-    out.update(phases=row, last_step_before_kill=last_pre, normal_step_s=normal_step_s(recs, a.kill_step),
+    out.update(phases=row, last_step_before_kill=last_pre,
+               normal_step_s=steady_step_s(recs, {first["step"]} if first else set()),
                raw_s=first["time"] - t_kill if first else None,
                first_step_time_after_s=first["step_time_s"] if first else None,
                restored_s=sum(parts) if None not in parts else None)
@@ -172,7 +173,8 @@ def run_relaunch(scratch: str, logs: str, a: argparse.Namespace, tag: str) -> di
     nxt = _after(r2, t_kill, last_pre)
     resumed = r2[0] if r2 else None
     out.update(returncode=res["returncode"], log=res["log"], records=[r for r in r1 if r["step"] <= last_pre] + r2,
-               last_step_before_kill=last_pre, normal_step_s=normal_step_s(r1, a.kill_step),
+               last_step_before_kill=last_pre,
+               normal_step_s=steady_step_s([r for r in r1 if r["step"] <= a.kill_step], set(), after=r2),
                resumed_at_step=resumed["step"] - 1 if resumed else None,
                raw_s=nxt["time"] - t_kill if nxt else None,
                first_step_time_after_s=nxt["step_time_s"] if nxt else None,

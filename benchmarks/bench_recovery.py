@@ -31,8 +31,9 @@ after a step completes):
 * ``raw_s``       = time of the first metrics record whose step is > the last step completed before the kill,
                     minus ``t_kill``. This is "SIGKILL to the next completed step", end to end; it contains the
                     redo of the step that was in flight (and any older step the restored state predates).
-* ``minus_step_s`` = ``raw_s`` - one normal step (median ``step_time_s`` of steps 2..K of the same job): the
-                    time recovery costs on top of redoing the interrupted step.
+* ``minus_step_s`` = ``raw_s`` - one normal step (median ``step_time_s`` of every step of the same job but the
+                    warm-up step 1 and the redone step; for the relaunch, steps 2..K and the relaunched job's steps
+                    after its first): the time recovery costs on top of redoing the interrupted step.
 * hot-swap phases: ``deadpool_ext.recovery.timeline.phases`` over the job's timeline (detect, agree, rebuild,
   restore, recompute, total), with the injector's ``fault`` event at ``t_kill``.
 * baseline phases: detect = kill -> torchrun exits (the job is seen dead); relaunch = exit -> new torchrun
@@ -205,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                      "settle_s": args.settle_s, "settle_busy": args.settle_busy},
         "definitions": {
             "raw_s": "time of the first metrics record with step > last step completed before the kill, minus t_kill",
-            "minus_step_s": "raw_s minus the median step_time_s of steps 2..K of the same job",
+            "minus_step_s": "raw_s minus the median step_time_s of every step but step 1 and the redone step (the "
+                            "relaunch: steps 2..K and the relaunched job's steps after its first)",
             "hotswap_phases": "deadpool_ext.recovery.timeline.phases() of the job's timeline; fault event at t_kill",
             "baseline_breakdown": "detect = kill -> torchrun exit; relaunch = exit -> new torchrun; startup_and_load = "
                                   "new torchrun -> rank 0's first line after load_checkpoint; first_step = that -> "

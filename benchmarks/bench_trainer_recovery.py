@@ -14,11 +14,11 @@ through Accelerate, gradient accumulation 2; no line of deadpool_ext in it), 2 r
                rank 1 SIGKILLed once checkpoint K is written; torchrun fails; the same command is relaunched at once
                with ``--resume`` (``resume_from_checkpoint``).
 
-Measured (wall clock of this host, rank 0's metrics records, written by the example's callback): ``raw_s`` kill ->
-the next completed step; ``restored_s`` kill -> every rank restored (hot-swap: detect + agree + rebuild + restore
-from the job's timeline; relaunch: the relaunched Trainer's ``on_train_begin``, after it loaded the checkpoint);
-``minus_step_s`` = raw minus one normal step (the median of steps 2..K). Losses after the kill against an
-uninterrupted run of the same script (plain torchrun, no section) bit for bit. How the spare took the ranks
+Measured (wall clock of this host, rank 0's metrics records, written by the example's callback): ``raw_s`` kill -> the
+next completed step; ``restored_s`` kill -> every rank restored (hot-swap: detect + agree + rebuild + restore from the
+job's timeline; relaunch: the relaunched Trainer's ``on_train_begin``, after it loaded the checkpoint); ``minus_step_s``
+= raw minus one normal step (the median of every step but the first and the redone one). Losses after the kill against
+an uninterrupted run of the same script (plain torchrun, no section) bit for bit. How the spare took the ranks
 (``as_built``, ``relabel``, ``start_again``) is read from its ``spare_assigned`` event. The targets (issue 44: "HF
 Trainer: every node <= 1.0 s", 10x the relaunch) are judged on the worst node; each node's median stands beside it.
 
@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
-from recovery_procs import Monitor, append_event, read_records, run_logged, wait_and_kill  # noqa: E402
+from recovery_procs import Monitor, append_event, read_records, run_logged, steady_step_s, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
@@ -72,11 +72,6 @@ def _steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _after(recs: list[dict[str, Any]], t_kill: float, last_pre: int) -> dict[str, Any] | None:
     return next((r for r in _steps(recs) if r["time"] > t_kill and r["step"] > last_pre), None)
-
-
-def _normal(recs: list[dict[str, Any]], k: int) -> float | None:
-    vals = [r["step_time_s"] for r in _steps(recs) if 2 <= r["step"] <= k]
-    return median(vals)
 
 
 def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str) -> dict[str, Any]:
@@ -115,7 +110,8 @@ def run_swap(kind: str, scratch: str, logs: str, a: argparse.Namespace, tag: str
     row = next((p for p in phases(read_events(timeline)) if p["generation"] == 1), None)
     parts = [row.get(k) for k in ("detect_s", "agree_s", "rebuild_s", "restore_s")] if row else [None]
     out["how"] = next((e.get("how") for e in read_events(timeline) if e.get("event") == "spare_assigned"), None)
-    out.update(phases=row, last_step_before_kill=last_pre, normal_step_s=_normal(recs, a.kill_step),
+    out.update(phases=row, last_step_before_kill=last_pre,
+               normal_step_s=steady_step_s(_steps(recs), {first["step"]} if first else set()),
                raw_s=first["time"] - t_kill if first else None,
                first_step_time_after_s=first["step_time_s"] if first else None,
                restored_s=sum(parts) if None not in parts else None)
@@ -158,7 +154,9 @@ def run_relaunch(scratch: str, logs: str, a: argparse.Namespace, tag: str) -> di
     nxt = _after(r2, t_kill, last_pre)
     begin = next((r for r in r2 if r.get("event") == "train_begin"), None)
     out.update(returncode=res["returncode"], log=res["log"], records=_steps(r1) + _steps(r2),
-               last_step_before_kill=last_pre, normal_step_s=_normal(r1, a.kill_step),
+               last_step_before_kill=last_pre,
+               normal_step_s=steady_step_s([r for r in _steps(r1) if r["step"] <= a.kill_step], set(),
+                                           after=_steps(r2)),
                resumed_at_step=begin.get("global_step") if begin else None,
                raw_s=nxt["time"] - t_kill if nxt else None,
                first_step_time_after_s=nxt["step_time_s"] if nxt else None,

@@ -235,6 +235,20 @@ def normal_step_s(records: list[dict[str, Any]], upto: int) -> float | None:
     return median(vals or [r["step_time_s"] for r in records if r["step"] <= upto])
 
 
+def steady_step_s(records: list[dict[str, Any]], redone: set[int] | list[int],
+                  after: list[dict[str, Any]] | None = None) -> float | None:
+    """One normal step, as the recovery figures subtract it: the median step time of every step but the warm-up
+    step 1 and the steps a failure made redo (``redone``: each first step completed after a kill). ``after``: the
+    records of a relaunched job, whose first step is its own warm-up and is left out the same way. Steps 2..K
+    alone are not enough: step 2 carries the first replication's page faults (the replica buffers), and with K = 3
+    it is half the sample."""
+    vals = [r["step_time_s"] for r in records if r["step"] >= 2 and r["step"] not in redone]
+    if after:
+        first = min(r["step"] for r in after)
+        vals += [r["step_time_s"] for r in after if r["step"] > first and r["step"] not in redone]
+    return median(vals) if vals else None
+
+
 def wait_and_kill(proc: subprocess.Popen, deadline: float, mon: Monitor, metrics: str, kill_step: int,
                   delay_frac: float, label: str, ready: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Wait until rank 0 logged ``kill_step`` (and ``ready()``), then until ``delay_frac`` of a normal step more has

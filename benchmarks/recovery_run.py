@@ -36,6 +36,7 @@ from recovery_procs import (  # noqa: E402
     remove_files,
     run_logged,
     settle,
+    steady_step_s,
     wait_and_kill,
     watch_recovery,
 )
@@ -261,10 +262,15 @@ def measure_after_kill(pre_recs: list[dict[str, Any]], post_recs: list[dict[str,
     pre = [r for r in pre_recs if r["time"] <= max(t_kill, t_fail or t_kill)]
     last_pre = max((r["step"] for r in pre), default=0)
     first_after = next((r for r in post_recs if r["time"] > t_kill and r["step"] > last_pre), None)
-    step_s = normal_step_s(pre_recs, k)
-    out: dict[str, Any] = {"last_step_before_kill": last_pre, "normal_step_s": step_s, "first_after": first_after}
+    out: dict[str, Any] = {"last_step_before_kill": last_pre, "normal_step_s": normal_step_s(pre_recs, k),
+                           "first_after": first_after}
     if first_after is None:
         return out
+    if post_recs is pre_recs:  # the same job went on (hot-swap): every step but 1 and the redone one
+        step_s = steady_step_s(pre_recs, {first_after["step"]})
+    else:  # a relaunch: the first job's steps 2..K, then the relaunched job's after its first (the redo)
+        step_s = steady_step_s([r for r in pre_recs if r["step"] <= k], set(), after=post_recs)
+    out["normal_step_s"] = step_s
     raw = first_after["time"] - t_kill
     later = [r for r in post_recs if r["time"] > first_after["time"]]
     out.update({"raw_s": raw, "minus_step_s": raw - step_s if step_s is not None else None,

@@ -210,20 +210,14 @@ class LocalNodes:
 
 
 def family(pid: int) -> list[int]:
-    """``pid`` and its descendants, parents first (Linux ``/proc/<pid>/task/<tid>/children``; elsewhere ``pid``
-    alone)."""
-    out: list[int] = [pid]
-    i = 0
-    while i < len(out):
-        p = out[i]
-        i += 1
-        try:
-            for tid in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{tid}/children") as f:
-                    out += [int(c) for c in f.read().split()]
-        except (OSError, ValueError):
-            continue
-    return list(dict.fromkeys(out))
+    """``pid`` and its descendants, parents first (psutil: a descendant started before ``pid``, i.e. a reused pid,
+    is not one; ``pid`` alone once it is gone)."""
+    import psutil
+
+    try:
+        return [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return [pid]
 
 
 def _kill(p: subprocess.Popen[bytes]) -> None:

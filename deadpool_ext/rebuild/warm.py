@@ -188,11 +188,21 @@ def _prctl(option: int, value: int | bytes) -> None:
         pass
 
 
+def _comm() -> bytes:
+    """This process's name (Linux ``/proc/self/comm``; empty elsewhere)."""
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            return f.read().strip()[:15]
+    except OSError:
+        return b""
+
+
 def _parent(worker_id: str) -> None:
     parent = os.getpid()
     child = 0
     n = 0
     launcher = os.getppid()
+    name = _comm()  # the child takes it back
     _prctl(_PR_SET_NAME, PARENT_NAME.encode())
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))  # the parent dies with the launcher, and its child with it
     if os.getppid() != launcher:  # the launcher died before the death signal was armed
@@ -211,7 +221,7 @@ def _parent(worker_id: str) -> None:
         child = os.fork()
         if child == 0:
             os.close(r)
-            _in_child(parent, w)
+            _in_child(parent, w, name)
             return
         os.close(w)
         n += 1
@@ -228,9 +238,9 @@ def _parent(worker_id: str) -> None:
         _end_like(status)
 
 
-def _in_child(parent: int, w: int) -> None:
+def _in_child(parent: int, w: int, name: bytes) -> None:
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    _prctl(_PR_SET_NAME, b"python")  # the parent's name is not the child's
+    _prctl(_PR_SET_NAME, name or b"python")  # the parent's name is not the child's: the one it had before is
     if os.getppid() != parent:  # the parent died before the death signal was armed
         os._exit(1)
     for s in (*FORWARDED, signal.SIGINT):

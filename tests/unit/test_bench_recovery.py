@@ -52,3 +52,12 @@ def test_render_only_writes_the_markdown_and_leaves_the_json(tmp_path):
     assert bench_recovery.main(["--render-only", str(dst)]) == 0
     assert dst.read_bytes() == open(src, "rb").read()
     assert (tmp_path / "recovery.md").read_text() == open(os.path.join(RESULTS, "recovery.md")).read()
+
+
+def test_one_normal_step_leaves_out_the_warm_up_and_the_redone_steps():
+    procs = importlib.import_module("recovery_procs")
+    recs = [{"step": s, "step_time_s": t} for s, t in [(1, 7.0), (2, 4.4), (3, 2.8), (4, 3.1), (5, 2.9), (6, 2.7)]]
+    assert abs(procs.steady_step_s(recs, {4}) - 2.85) < 1e-9  # steps 2, 3, 5, 6
+    assert procs.steady_step_s(recs[:1], set()) is None
+    relaunched = [{"step": s, "step_time_s": t} for s, t in [(4, 5.0), (5, 3.0), (6, 2.6)]]
+    assert abs(procs.steady_step_s(recs[:3], set(), after=relaunched) - 2.9) < 1e-9  # 4.4, 2.8 | 3.0, 2.6
