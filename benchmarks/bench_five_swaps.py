@@ -40,7 +40,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, add_output_args, machine_info, render_only, save_result  # noqa: E402
+from common import REPO, add_output_args, machine_info, median, render_only, save_result  # noqa: E402
 from recovery_procs import Monitor, append_event, read_records, run_logged, steady_step_s, wait_and_kill  # noqa: E402
 
 if REPO not in sys.path:
@@ -75,6 +75,22 @@ def _events(path: str, kind: str) -> list[dict[str, Any]]:
     from deadpool_ext.recovery.timeline import read_events
 
     return [e for e in (read_events(path) if os.path.exists(path) else []) if e.get("event") == kind]
+
+
+def quiet_steps(recs: list[dict[str, Any]], ready: list[float], kills: list[float],
+                redone: set[int]) -> list[dict[str, Any]]:
+    """Pure: the steps that ran with a spare already built and no swap under way: step 2 on, not redone, begun
+    (``time - step_time_s``) after a ``spare_ready`` that came after the last kill before it, with no kill while it
+    ran. On this 2-core host a joining machine builds its engine on the training's cores (a joining machine is
+    another host), so the steps while it builds are not normal steps."""
+    out = []
+    for r in recs:
+        start = r["time"] - r["step_time_s"]
+        last_kill = max((t for t in kills if t <= start), default=float("-inf"))
+        if r["step"] >= 2 and r["step"] not in redone and not any(start < t <= r["time"] for t in kills) \
+                and any(last_kill < t <= start for t in ready):
+            out.append(r)
+    return out
 
 
 def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
@@ -175,7 +191,11 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                   how=how[0] if how else None,
                   phases={k: row.get(k) for k in ("detect_s", "assign_s", "spare_s", "communicators_s", "rebuild_s",
                                                   "restore_s")})
-    out["normal_step_s"] = steady_step_s(recs, redone) or 0.0  # every step but 1 and the five redone ones
+    quiet = quiet_steps(recs, [e["time"] for e in events if e.get("event") == "spare_ready"],
+                        [sw["t_kill"] for sw in out["swaps"]], redone)
+    out["normal_steps"] = [r["step"] for r in quiet]
+    out["normal_step_s"] = (median([r["step_time_s"] for r in quiet]) if quiet
+                            else steady_step_s(recs, redone) or 0.0)
     t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
     last = {k: v for m in mons for k, v in m.rss_at(t_last).items()}
     killed = {sw["killed"] for sw in out["swaps"]}
@@ -215,7 +235,7 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     return {
         "swaps": len(swaps), "restored_each_s": each, "raw_each_s": [s.get("raw_s") for s in swaps],
         "built_ahead_each": [s.get("built_ahead") for s in swaps], "how_each": [s.get("how") for s in swaps],
-        "normal_step_s": step,
+        "normal_step_s": step, "normal_steps": run_.get("normal_steps"),
         "survivor_rss_growth": growth, "swaps_survived": survived,
         "losses_identical": bool(losses) and set(losses) == set(ref) and all(ref[k] == v for k, v in losses.items()),
         "targets": {
@@ -249,8 +269,12 @@ def render(doc: dict[str, Any]) -> str:
                                                                                       "communicators_s", "restore_s"))
                      + " |")
     g, n = an["survivor_rss_growth"], an.get("swaps_survived") or {}
-    lines += ["", f"One normal step: {f(an['normal_step_s'])} s. Survivors' RSS at the end over their RSS just before "
-              "the first kill they survived while training (swaps survived): "
+    quiet = an.get("normal_steps")
+    how = (f" (the median of steps {', '.join(map(str, quiet))}: those run with a spare already built and no swap "
+           "under way; while a joining machine builds its engine, on the training's 2 cores here, steps are slower)"
+           if quiet else "")
+    lines += ["", f"One normal step: {f(an['normal_step_s'])} s{how}. Survivors' RSS at the end over their RSS just "
+              "before the first kill they survived while training (swaps survived): "
               + ", ".join(f"{k} x{f(v, 3)} ({n.get(k, '?')})" for k, v in g.items())
               + f". Losses bit-identical to an uninterrupted run: {an['losses_identical']}.", "",
               "Targets: " + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'}" for k, t in an["targets"].items())

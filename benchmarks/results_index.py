@@ -327,6 +327,12 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "five_swaps_any_node_repeat2": "the second of three five-swap runs on the stop-55 code, for the memory "
+                                   "judgement: swaps 0.51-0.86 s, node0.0 x1.003",
+    "five_swaps_any_node_repeat3": "the third of three five-swap runs on the stop-55 code: swap 3 took 60.4 s "
+                                   "(59.8 s in the communicators phase, one collective timeout: a survivor that had "
+                                   "joined as a spare did not cut its dead generation's connections), the others "
+                                   "0.51-0.76 s; node0.0 x0.863",
     "recovery_nodes_medium_probe_637f8fb": "a probe of GPT medium, one run per node, before the background drop of a "
                                            "failed node's memory: worst node node0 2.08 s; superseded by "
                                            "recovery_nodes_medium",

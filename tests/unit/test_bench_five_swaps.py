@@ -55,3 +55,12 @@ def test_the_table_has_a_row_per_swap():
     doc["analysis"] = bench.analyse(doc)
     md = bench.render(doc)
     assert md.count("| True |") == 5 and "node0.0 x1.030 (5)" in md and "every_restored met" in md
+
+
+def test_a_normal_step_ran_with_a_spare_built_and_no_swap_under_way():
+    # steps as (step, end time, own time); a spare ready at 10; kills at 30 and 60; the next spare ready at 45
+    recs = [{"step": s, "time": t, "step_time_s": d} for s, t, d in
+            [(1, 16, 6), (2, 20, 4), (3, 23, 3), (4, 34, 3), (5, 39, 5), (6, 44, 5), (7, 48, 3), (8, 51, 3),
+             (9, 62, 3)]]
+    quiet = bench.quiet_steps(recs, ready=[10, 45], kills=[30, 60], redone={4})
+    assert [r["step"] for r in quiet] == [2, 3, 7, 8]  # 5 and 6 ran while the joining spare built; 9 saw a kill
