@@ -3,8 +3,9 @@
 
 Issue "The spare ready before the failure", part 4. GPT small (ZeRO-3, 3 ranks, one per node) under
 ``deadpool-run --nnodes 3 --spare-nodes 1``, today's defaults (in place, the spare built ahead). Five times: once
-the waiting spare has built its engine (its ``spare_ready`` timeline event), the worker that holds rank 1 is
-SIGKILLed mid-step; the spare, which shadows the node holding rank 1, takes it; then a new machine joins
+the waiting spare has built its engine (its ``spare_ready`` timeline event) and a step that began after it is
+logged (a quiet step: no swap under way and no machine building on the training's cores), the worker that holds
+rank 1 is SIGKILLed mid-step; the spare, which shadows the node holding rank 1, takes it; then a new machine joins
 (``deadpool-run --join joinN`` with the job's store, job id and token), becomes the spare and builds ahead for
 rank 1 in its turn. ``--kill-ranks`` (default ``1,2,1,2,1``, issue 44) picks the rank whose holder each swap kills,
 in turn: a different node each time (each holder is a process that took its rank at an earlier swap or at the
@@ -93,6 +94,14 @@ def quiet_steps(recs: list[dict[str, Any]], ready: list[float], kills: list[floa
     return out
 
 
+def kill_step(recs: list[dict[str, Any]], ready_at: float, earliest: int) -> int | None:
+    """Pure: the step after which a swap's kill lands: the first step from ``earliest`` on that began (``time -
+    step_time_s``) once the current spare was built (``ready_at``), so that every swap is preceded by a quiet step
+    (one that ran with a spare built and no joining machine building on the training's cores), the normal step the
+    swap's next step is judged against; None until rank 0 logged such a step."""
+    return next((r["step"] for r in recs if r["step"] >= earliest and r["time"] - r["step_time_s"] >= ready_at), None)
+
+
 def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     from deadpool_ext.recovery.timeline import phases, read_events
     from deadpool_ext.testing.jobs import Job
@@ -103,8 +112,10 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     token, job_id, port = "t0ken-" + os.urandom(8).hex(), "fiveswaps", free_port()
     metrics, timeline = os.path.join(scratch, "swaps.jsonl"), os.path.join(scratch, "swaps.timeline.jsonl")
     cfg = _config(os.path.join(scratch, "swaps.ds.json"), shm)
-    kills = [a.first_kill + a.gap * i for i in range(a.swaps)]
-    iters = kills[-1] + a.gap
+    # Each kill comes after a quiet step (kill_step): the joining machine builds for three to five steps here, so a swap
+    # can come later than the planned gap, and the job runs with room for it.
+    iters = a.first_kill + (a.gap + a.slack) * (a.swaps - 1) + a.gap
+    kills: list[int] = []
     env = {"DEADPOOL_STORE_TOKEN": token}
     job = Job(script=SCRIPT, nnodes=3, nproc_per_node=1, spare_nodes=1, shm_root=shm, timeline=timeline,
               launcher_flags=("--job-id", job_id, "--store-port", str(port)), env_vars=env,
@@ -127,15 +138,22 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     def hook(proc: subprocess.Popen, deadline: float) -> None:
         mons.insert(0, Monitor(proc.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
         holders = {r: f"node{r}.0" for r in range(3)}
-        for i, step in enumerate(kills):
+        for i in range(a.swaps):
             rank = a.kill_ranks[i % len(a.kill_ranks)]
             holder = holders[rank]
-            while len(_events(timeline, "spare_ready")) < i + 1:  # the current spare has built its engine
+            earliest = a.first_kill if not kills else kills[-1] + a.gap
+            while (step := kill_step(read_records(metrics), ready[-1]["time"], earliest)
+                   if len(ready := _events(timeline, "spare_ready")) >= i + 1 else None) is None:
+                # the current spare has built its engine, and a step began after it
                 if proc.poll() is not None or time.time() > deadline:
-                    raise RuntimeError(f"swap {i + 1}: no spare built ahead before the deadline")
+                    raise RuntimeError(f"swap {i + 1}: no spare built ahead, or no step after it, before the deadline")
+                if max((r["step"] for r in read_records(metrics)), default=0) >= iters - 2:
+                    raise RuntimeError(f"swap {i + 1}: the job is about to end ({iters} steps) with no quiet step "
+                                       f"since its spare was built: more --slack")
                 for m in mons:
                     m.sample()
                 time.sleep(0.1)
+            kills.append(step)
             mon = next((m for m in mons if m.find(holder) is not None), mons[0])
             kill = wait_and_kill(proc, deadline, mon, metrics, step, 0.5, holder)
             append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
@@ -150,7 +168,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                 time.sleep(0.05)
             [assigned] = [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]
             holders[rank] = f"{assigned['replaced'][holder.split('.')[0]]}.0"
-            if i + 1 < len(kills):
+            if i + 1 < a.swaps:
                 # The machine joins once the swap is over (the redone step completed): on this 2-core host its start
                 # would otherwise compete with the recovery it is not part of (a joining machine is another host).
                 while proc.poll() is None and time.time() < deadline and not any(
@@ -172,6 +190,9 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
             kill_tree(p.pid)
         shutil.rmtree(shm, ignore_errors=True)
     out.update(returncode=res["returncode"], log=res["log"], error=res["error"])
+    for path in (metrics, timeline):  # kept beside the logs: every step's time and every event, to read afterwards
+        if os.path.exists(path):
+            shutil.copy(path, logs)
     recs = read_records(metrics)
     out["losses"] = {r["step"]: r["loss"] for r in recs}
     events = read_events(timeline) if os.path.exists(timeline) else []
@@ -290,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--swaps", type=int, default=5)
     p.add_argument("--size", default="small", choices=("tiny", "small"))
     p.add_argument("--first-kill", type=int, default=3)
-    p.add_argument("--gap", type=int, default=3, help="steps between two kills")
+    p.add_argument("--gap", type=int, default=3, help="steps at least between two kills")
+    p.add_argument("--slack", type=int, default=4,
+                   help="steps the job runs more per swap than --gap asks: a kill waits for a step begun once the "
+                        "current spare was built")
     p.add_argument("--kill-ranks", default="1,2,1,2,1",
                    help="the rank whose holder each swap kills, in turn (default: a different node each time, rank "
                         "0's holder surviving all five)"),
@@ -303,8 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         a.kill_ranks = [int(r) for r in a.kill_ranks.split(",")]
     except ValueError:
         p.error(f"--kill-ranks: comma-separated ranks 0-2, got {a.kill_ranks!r}")
-    if a.swaps < 1 or a.first_kill < 3 or a.gap < 2 or not all(0 <= r <= 2 for r in a.kill_ranks):
-        p.error("--swaps >= 1, --first-kill >= 3, --gap >= 2 and --kill-ranks within 0-2")
+    if a.swaps < 1 or a.first_kill < 3 or a.gap < 2 or a.slack < 0 or not all(0 <= r <= 2 for r in a.kill_ranks):
+        p.error("--swaps >= 1, --first-kill >= 3, --gap >= 2, --slack >= 0 and --kill-ranks within 0-2")
     t0 = time.time()
     logs = os.path.join(a.out, f"{a.name}_logs")
     os.makedirs(logs, exist_ok=True)

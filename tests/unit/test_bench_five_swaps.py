@@ -64,3 +64,10 @@ def test_a_normal_step_ran_with_a_spare_built_and_no_swap_under_way():
              (9, 62, 3)]]
     quiet = bench.quiet_steps(recs, ready=[10, 45], kills=[30, 60], redone={4})
     assert [r["step"] for r in quiet] == [2, 3, 7, 8]  # 5 and 6 ran while the joining spare built; 9 saw a kill
+
+
+def test_a_kill_waits_for_a_step_begun_once_the_spare_was_built():
+    recs = [{"step": s, "time": t, "step_time_s": d} for s, t, d in [(6, 40, 5), (7, 45, 5), (8, 48, 3), (9, 51, 3)]]
+    assert bench.kill_step(recs, ready_at=44, earliest=7) == 8  # step 7 began at 40, before the spare was built
+    assert bench.kill_step(recs, ready_at=30, earliest=7) == 7  # the planned step was quiet already
+    assert bench.kill_step(recs, ready_at=49, earliest=7) is None  # not logged yet: wait
