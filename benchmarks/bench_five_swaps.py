@@ -18,8 +18,9 @@ joined at swap 3 or 4, and their growth mixes a fresh rank's first steps with th
 Per swap, from the job's timeline: kill -> every rank restored (detect + agree + rebuild + restore), whether the
 spare had built for the killed node (the ``assignment`` event), how it took the ranks (``spare_assigned``: as built,
 relabelled, started again), and kill -> the next completed step. Survivors keep their processes: each worker alive
-at the end, its RSS just before the first kill it survived while training and at the last sample before the last
-step completed, and how many swaps it survived; the memory target is judged on the workers that survived every
+at the end, its median RSS over the ``--rss-window-s`` before the first kill it survived while training and over as
+long before the last step completed (a single sample's RSS is that of the phase of a step it fell in), and how many
+swaps it survived; the memory target is judged on the workers that survived every
 swap. A machine joins once the previous swap is over (its redone step completed): on this
 2-core host its start would otherwise compete with a recovery it is not part of. The losses against an
 uninterrupted run of the same script, bit for bit.
@@ -94,6 +95,25 @@ def quiet_steps(recs: list[dict[str, Any]], ready: list[float], kills: list[floa
     return out
 
 
+class Monitors:
+    """The job's monitor and each joining machine's, as one (what ``wait_and_kill`` samples and searches): every
+    worker is sampled while a kill waits, not only the holder's, so each has samples in the window before it."""
+
+    def __init__(self) -> None:
+        self.all: list[Monitor] = []
+        self.label_env = "DEADPOOL_WORKER_ID"
+
+    def sample(self, force: bool = False) -> None:
+        for m in self.all:
+            m.sample(force)
+
+    def find(self, label: str) -> int | None:
+        return next((pid for m in self.all if (pid := m.find(label)) is not None), None)
+
+    def rss_median(self, t0: float, t1: float) -> dict[str, int]:
+        return {k: v for m in self.all for k, v in m.rss_median(t0, t1).items()}
+
+
 def kill_step(recs: list[dict[str, Any]], ready_at: float, earliest: int) -> int | None:
     """Pure: the step after which a swap's kill lands: the first step from ``earliest`` on that began (``time -
     step_time_s``) once the current spare was built (``ready_at``), so that every swap is preceded by a quiet step
@@ -121,9 +141,9 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
               launcher_flags=("--job-id", job_id, "--store-port", str(port)), env_vars=env,
               args=_args(cfg, iters, metrics, a.size))
     out: dict[str, Any] = {"cmd": shlex.join(job.argv()), "kills_after_steps": kills, "train_iters": iters,
-                           "swaps": []}
+                           "swaps": [], "rss_window_s": a.rss_window_s}
     joiners: list[subprocess.Popen] = []
-    mons: list[Monitor] = []
+    mons = Monitors()
 
     def join(i: int) -> None:
         j = Job(script=SCRIPT, join=f"join{i}", nnodes=None, store_url=f"dp://127.0.0.1:{port}", job_id=job_id,
@@ -133,10 +153,10 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
         p = subprocess.Popen(j.argv(), cwd=REPO, env=j.env(), stdout=log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         joiners.append(p)
-        mons.append(Monitor(p.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
+        mons.all.append(Monitor(p.pid, mons.label_env, shm, script=SCRIPT))
 
     def hook(proc: subprocess.Popen, deadline: float) -> None:
-        mons.insert(0, Monitor(proc.pid, "DEADPOOL_WORKER_ID", shm, script=SCRIPT))
+        mons.all.insert(0, Monitor(proc.pid, mons.label_env, shm, script=SCRIPT))
         holders = {r: f"node{r}.0" for r in range(3)}
         for i in range(a.swaps):
             rank = a.kill_ranks[i % len(a.kill_ranks)]
@@ -150,17 +170,15 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                 if max((r["step"] for r in read_records(metrics)), default=0) >= iters - 2:
                     raise RuntimeError(f"swap {i + 1}: the job is about to end ({iters} steps) with no quiet step "
                                        f"since its spare was built: more --slack")
-                for m in mons:
-                    m.sample()
+                mons.sample()
                 time.sleep(0.1)
             kills.append(step)
-            mon = next((m for m in mons if m.find(holder) is not None), mons[0])
-            kill = wait_and_kill(proc, deadline, mon, metrics, step, 0.5, holder)
+            kill = wait_and_kill(proc, deadline, mons, metrics, step, 0.5, holder)  # type: ignore[arg-type]
             append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
                                     "pid": kill["killed_pid"], "worker": holder})
             out["swaps"].append({"killed": holder, "rank": rank, "t_kill": kill["t_kill"], "after_step": step,
                                  "training": sorted(w for w in holders.values() if w != holder),
-                                 "rss_before": {k: v for m in mons for k, v in m.rss_at(kill["t_kill"]).items()}})
+                                 "rss_before": mons.rss_median(kill["t_kill"] - a.rss_window_s, kill["t_kill"])})
             print(f"[bench] swap {i + 1}: SIGKILLed {holder} after step {step}", flush=True)
             while not [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]:
                 if time.time() > deadline:
@@ -176,8 +194,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                     time.sleep(0.05)
                 join(i + 1)
         while proc.poll() is None and time.time() < deadline:
-            for m in mons:
-                m.sample()
+            mons.sample()
             time.sleep(0.5)
 
     try:
@@ -218,7 +235,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     out["normal_step_s"] = (median([r["step_time_s"] for r in quiet]) if quiet
                             else steady_step_s(recs, redone) or 0.0)
     t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
-    last = {k: v for m in mons for k, v in m.rss_at(t_last).items()}
+    last = mons.rss_median(t_last - a.rss_window_s, t_last)
     killed = {sw["killed"] for sw in out["swaps"]}
     first: dict[str, Any] = {}
     for sw in out["swaps"]:  # each worker's RSS before the first kill it survived while training
@@ -294,8 +311,11 @@ def render(doc: dict[str, Any]) -> str:
     how = (f" (the median of steps {', '.join(map(str, quiet))}: those run with a spare already built and no swap "
            "under way; while a joining machine builds its engine, on the training's 2 cores here, steps are slower)"
            if quiet else "")
-    lines += ["", f"One normal step: {f(an['normal_step_s'])} s{how}. Survivors' RSS at the end over their RSS just "
-              "before the first kill they survived while training (swaps survived): "
+    window = doc["run"].get("rss_window_s")
+    rss = (f"Survivors' median RSS over the {f(window, 0)} s before the last step completed over theirs over the "
+           f"{f(window, 0)} s before the first kill they survived while training" if window else
+           "Survivors' RSS at the end over their RSS just before the first kill they survived while training")
+    lines += ["", f"One normal step: {f(an['normal_step_s'])} s{how}. {rss} (swaps survived): "
               + ", ".join(f"{k} x{f(v, 3)} ({n.get(k, '?')})" for k, v in g.items())
               + f". Losses bit-identical to an uninterrupted run: {an['losses_identical']}.", "",
               "Targets: " + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'}" for k, t in an["targets"].items())
@@ -319,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the rank whose holder each swap kills, in turn (default: a different node each time, rank "
                         "0's holder surviving all five)"),
     p.add_argument("--timeout-s", type=float, default=900.0)
+    p.add_argument("--rss-window-s", type=float, default=12.0,
+                   help="the memory judgement's windows: each worker's median RSS over this long (a few steps) before "
+                        "the first kill it survived and before the last step")
     add_output_args(p, "five_swaps")
     a = p.parse_args(argv)
     if a.render_only:

@@ -139,6 +139,12 @@ class Monitor:
         before = [r for ts, r in self.series if ts <= t]
         return before[-1] if before else {}
 
+    def rss_median(self, t0: float, t1: float) -> dict[str, int]:
+        """Each worker's median RSS over the samples in [``t0``, ``t1``]: over a window of a few steps, the RSS at no
+        particular phase of a step (one sample's is that of the phase it fell in: activations, gathered parameters
+        and buffers in flight come and go within a step)."""
+        return window_median([r for ts, r in self.series if t0 <= ts <= t1])
+
     def rss_max_after(self, t: float) -> dict[str, int]:
         out: dict[str, int] = {}
         for ts, r in self.series:
@@ -154,6 +160,12 @@ class Monitor:
                 "rss_series": [[round(t, 2), {k: round(v / 2**20) for k, v in r.items()}] for t, r in self.series],
                 "rss_series_unit": "[unix time, {worker: RSS MiB}] per sample (about 1 s apart)",
                 "busy_fraction": busy_fraction(self.cpu[0][1:], self.cpu[-1][1:]) if len(self.cpu) > 1 else None}
+
+
+def window_median(samples: list[dict[str, int]]) -> dict[str, int]:
+    """Pure: per label, the median of its values over ``samples`` (labels seen in any)."""
+    labels = {k for r in samples for k in r}
+    return {k: int(median([r[k] for r in samples if k in r])) for k in sorted(labels)}
 
 
 def _mem_available() -> int | None:

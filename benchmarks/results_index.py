@@ -327,6 +327,15 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "five_swaps_any_node_0601b76": "the first of three five-swap runs on the stop-55 code, kills at fixed steps 3, 6, "
+                                   "9, 12, 15 (the normal step then the median of steps 2 and 3 alone, step 2 with the "
+                                   "first replication's page faults) and the memory judged on one RSS sample each: "
+                                   "swaps 0.65-0.89 s, next step over by up to 1.18 s, node0.0 x0.989",
+    "five_swaps_any_node_thp_probe": "a probe, not a result on the defaults: the same five swaps with every process "
+                                     "under GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (transparent huge pages for glibc's "
+                                     "heap; the host's THP mode is madvise): a killed worker is reaped sooner (detect "
+                                     "0.06-0.17 s against 0.12-0.46 s) and a normal step is faster (2.82 s against "
+                                     "3.19 s), but step 1 took 5.8 s and node0.0's RSS x1.099: not adopted",
     "five_swaps_any_node_repeat2": "the second of three five-swap runs on the stop-55 code, for the memory "
                                    "judgement: swaps 0.51-0.86 s, node0.0 x1.003",
     "five_swaps_any_node_repeat3": "the third of three five-swap runs on the stop-55 code: swap 3 took 60.4 s "

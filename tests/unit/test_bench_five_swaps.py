@@ -71,3 +71,16 @@ def test_a_kill_waits_for_a_step_begun_once_the_spare_was_built():
     assert bench.kill_step(recs, ready_at=44, earliest=7) == 8  # step 7 began at 40, before the spare was built
     assert bench.kill_step(recs, ready_at=30, earliest=7) == 7  # the planned step was quiet already
     assert bench.kill_step(recs, ready_at=49, earliest=7) is None  # not logged yet: wait
+
+
+def test_memory_is_a_median_over_a_window_not_one_sample_at_some_phase_of_a_step():
+    from recovery_procs import window_median
+
+    # one worker's RSS within steps: 1.0 GB between them, up to 1.3 GB with activations mid-step
+    samples = [{"node0.0": v, "spare0.0": 5} for v in (1.0e9, 1.3e9, 1.0e9, 1.1e9, 1.0e9)] + [{"node0.0": 1.0e9}]
+    assert window_median(samples) == {"node0.0": 1_000_000_000, "spare0.0": 5}
+    assert window_median([]) == {}
+    doc = _doc()
+    doc["run"]["rss_window_s"] = 12.0
+    doc["analysis"] = bench.analyse(doc)
+    assert "median RSS over the 12 s before the last step" in bench.render(doc)
