@@ -327,6 +327,10 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "five_swaps_any_node_35b1656": "the first run with every kill after a quiet step and the memory on 12-s medians, "
+                                   "on the stop-55 code: swaps 0.47-0.93 s; next step minus a quiet step 0.30-1.39 s "
+                                   "(3 of 5 over the 1.0 s margin, the redone step up to 0.58 s slower than a quiet "
+                                   "one while the spare faulted in its replica buffers); node0.0 x1.048",
     "five_swaps_any_node_0601b76": "the first of three five-swap runs on the stop-55 code, kills at fixed steps 3, 6, "
                                    "9, 12, 15 (the normal step then the median of steps 2 and 3 alone, step 2 with the "
                                    "first replication's page faults) and the memory judged on one RSS sample each: "

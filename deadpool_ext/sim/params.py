@@ -197,21 +197,21 @@ class Costs:
     was seen in 0.14 s by deadpool-run and 0.72 s by torchrun here, recovery_small.json)."""
     scheduler_s: float = 60.0
     """Relaunching a whole job: allocation, containers, process start (assumption)."""
-    startup_s: float = 9.37
+    startup_s: float = 9.74
     """Process start-up to first step, loading state included (measured: recovery_nodes.json, GPT small, baseline
     startup_and_load_s)."""
-    hotswap_fixed_s: float = 0.12
+    hotswap_fixed_s: float = 0.13
     """Hot-swap agree + communicator and engine rebuild on the default path, the in-place swap, when the failed node
     is one a spare built its engine ahead for (measured: recovery_nodes.json, GPT small, hot-swap agree_s +
     rebuild_s). Detection and the recomputed iteration are charged separately."""
-    hotswap_unready_s: float = 0.12
+    hotswap_unready_s: float = 0.13
     """The same when no spare built for the failed node (measured: recovery_nodes.json, the other nodes' runs: a
     data-parallel spare relabels its engine in place, issue 44; a spare that starts its script again, as a
-    pipeline engine's does for another stage, costs seconds: 2.75 s from its warm parent in megatron_nodes_pp2.json,
+    pipeline engine's does for another stage, costs seconds: 3.18 s from its warm parent in megatron_nodes_pp2.json,
     set it with ``--set costs.hotswap_unready_s=...``). A spare builds for the node it shadows, so a swap
     costs, in expectation, ``min(spares, nodes) / nodes`` of the first and the rest of this
     (``Derived.hotswap_s``)."""
-    restore_fixed_s: float = 0.23
+    restore_fixed_s: float = 0.27
     """Fixed part of restoring from memory (measured: recovery_nodes.json, GPT small, restore_s); bytes / bandwidth
     come on top."""
     snapshot_overhead_ratio: float = 1.08
