@@ -92,6 +92,9 @@ LAUNCHES = "launched/"
 """``launched/<host rank>``: how many times that host's launcher started in this job; one that finds it already
 written was restarted (its pod, by Kubernetes) and comes back as a spare (``launcher/cli.py``)."""
 SLOT_SIZES = "slots/"
+HELD_BUFFERS = "held/"
+"""``held/<rank>``: how many tier-2 replica buffers (each of its sources' slot size) the rank holds, for spares
+preparing theirs while they wait (``snapshot/spare_slots.py``)."""
 TRAINED = "trained/"
 """``trained/<worker>``: the worker's training loop ended (its last step, and the version committed on every rank
 then): a node lost after every rank's did fails nothing (``decide.py`` ``work_done``)."""
@@ -152,6 +155,9 @@ SPECS: tuple[KeySpec, ...] = (
             "{'starts', 'time'}", values.launches),
     KeySpec(SLOT_SIZES, "each rank at its first snapshot (snapshot/spare_slots.py)",
             "spares preparing their slots", "an int: the rank's slot bytes", values.slot_size),
+    KeySpec(HELD_BUFFERS, "each rank at its first snapshot (snapshot/spare_slots.py)",
+            "spares preparing their replica buffers", "an int: the replica buffers the rank holds",
+            values.held_buffers),
     KeySpec(JOB_POLICY, "rank 0 at attach (integrations/base.py)", "coordinator (no_spare_policy)",
             "one of fail, wait, shrink", values.policy),
     KeySpec(JOB_STRAGGLER, "rank 0 at attach (integrations/base.py)", "coordinator (launcher/straggler.py)",
@@ -244,6 +250,10 @@ def launched_value(starts: int) -> dict[str, Any]:
 
 def slot_size(rank: int) -> str:
     return _key(SLOT_SIZES, int(rank))
+
+
+def held_buffers(rank: int) -> str:
+    return _key(HELD_BUFFERS, int(rank))
 
 
 def client_state(rank: int) -> str:
@@ -355,10 +365,11 @@ __all__ = [
     "DROPPED", "EXITS", "FAILURES", "FATAL", "FENCED", "FENCES",
     "FINISHED", "GENERATIONS", "HEARTBEATS", "HOSTS", "JOB_FAST_PATHS", "JOB_POLICY", "JOB_STRAGGLER", "JOIN_ANSWERS",
     "JOIN_REQUESTS", "LAUNCHES",
-    "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "SPECS", "SUSPECTS",
+    "KeySpec", "LAUNCHER_POLICY", "LEADER", "MARK", "NoSparePolicy", "REPAIRED", "SLOT_SIZES", "HELD_BUFFERS", "SPECS",
+    "SUSPECTS",
     "TRAINED", "done", "dropped", "dropped_value", "exit_of", "exit_value", "failure", "failure_value",
     "fast_paths_value", "fatal_value", "straggler_value", "fence", "fenced", "generation", "heartbeat",
-    "heartbeat_value", "host",
+    "heartbeat_value", "held_buffers", "host",
     "join_answer", "join_answer_value", "join_request", "join_request_value", "launched", "launched_value",
     "node_keys", "repaired", "repaired_value",
     "resolve_no_spare_policy", "slot_size", "stopped_assignment", "suspect", "suspect_value", "trained",

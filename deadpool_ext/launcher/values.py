@@ -340,6 +340,15 @@ def slot_size(key: str, raw: bytes) -> int:
     return _int(key, "value", decode_json(key, raw), 1, MAX_SLOT_BYTES)
 
 
+MAX_HELD_BUFFERS = 64
+"""A published count of replica buffers above this is not one (replication factor x double buffer)."""
+
+
+def held_buffers(key: str, raw: bytes) -> int:
+    """``held/<rank>``: how many replica buffers the rank holds (an int in 0..:data:`MAX_HELD_BUFFERS`)."""
+    return _int(key, "value", decode_json(key, raw), 0, MAX_HELD_BUFFERS)
+
+
 MAX_CLIENT_JSON_BYTES = 64 << 10
 """The largest client state (as JSON) a script's save may carry in snapshots and in ``client_state/<rank>``."""
 MAX_CLIENT_STATE_BYTES = MAX_CLIENT_JSON_BYTES + 1024

@@ -228,6 +228,36 @@ def request(generation: int, why: str) -> None:
         _thread.interrupt_main(SIGNAL)
 
 
+UNHEEDED_REPORT_S = 10.0
+"""A notice that neither stopped this rank's step nor saw its recovery begin after this long prints every thread's
+stack once (a rank outside any armed region and any cut connection holds up everyone's rendezvous until it gets
+there; this says where it is)."""
+
+
+def unheeded_report(generation: int, after_s: float, stacks: Any = None) -> threading.Timer:
+    """Started by the heartbeat thread once it passed the notice of ``generation``'s end on (:func:`request`): after
+    ``after_s``, if the request is still pending (the main thread neither stopped its step nor began its recovery),
+    one line, a ``notice_unheeded`` timeline event and every thread's stack on ``stacks`` (default stderr, the
+    worker's log); otherwise nothing."""
+    import faulthandler
+
+    from ..recovery.timeline import write_event
+
+    def report() -> None:
+        req = _state().requested
+        if req is None or req[0] != generation:
+            return
+        log.warning("generation %d: the launcher's notice came %.0f s ago and this rank has neither stopped its step "
+                    "nor begun its recovery; every thread's stack follows (where it is)", generation, after_s)
+        write_event(event="notice_unheeded", generation=generation, after_s=after_s, pid=os.getpid())
+        faulthandler.dump_traceback(all_threads=True, **({} if stacks is None else {"file": stacks}))
+
+    timer = threading.Timer(after_s, report)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def _raise_if_requested(st: Interrupts, generation: int) -> None:
     req = st.requested
     if req is not None and req[0] == generation:

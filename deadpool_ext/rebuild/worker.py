@@ -136,6 +136,7 @@ class Membership:
                 f.cut(gen, why)
                 _abort_nccl_groups(why)
                 notice.request(gen, why)
+                notice.unheeded_report(gen, notice.UNHEEDED_REPORT_S)
             except StoreError as exc:
                 # The store unreachable for a while (an etcd election, a partition, quorum lost): keep trying. The
                 # launcher decides what an outage means (it pauses or stops this process); a heartbeat thread

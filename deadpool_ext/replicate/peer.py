@@ -77,6 +77,9 @@ class PeerReplicator:
         self._latest: dict[int, int] = {}  # source -> buffer index holding its newest complete replica
         self._pruned = False  # stale buffers of an earlier placement removed (after the first replication)
         self._pending: int | None = None  # a restore's slot size: the buffers are made at the first replication
+        self.adopt: Callable[[str, int], ShmSegment | None] | None = None
+        """Where a replica buffer may come from before it is made here: ``(name, nbytes) -> segment or None`` (a
+        spare's buffers prepared while it waited, ``snapshot/spare_slots.py``); full snapshots only."""
         if rank == 0 and factor and kind == "replica":
             log.info("tier 2 placement (rank -> holders): %s", {r: list(h) for r, h in sorted(self.holders.items())})
 
@@ -91,8 +94,15 @@ class PeerReplicator:
         sizes = allgather_json(slot_nbytes, group=self.group)
         self.sizes = {r: int(s) for r, s in enumerate(sizes)}
         for src in self.sources:
-            self.replicas[src] = [ShmSegment.create(self._replica_name(src, b), self.sizes[src], root=self.dir,
-                                                    touch=True) for b in range(self.nbuf)]
+            self.replicas[src] = [self._buffer(self._replica_name(src, b), self.sizes[src]) for b in range(self.nbuf)]
+
+    def _buffer(self, name: str, nbytes: int) -> ShmSegment:
+        seg = self.adopt(name, nbytes) if self.adopt is not None and self.kind == "replica" else None
+        return seg if seg is not None else ShmSegment.create(name, nbytes, root=self.dir, touch=True)
+
+    def held_buffers(self) -> int:
+        """How many replica buffers this rank holds (known before :meth:`setup`): its sources x its buffers."""
+        return len(self.sources) * self.nbuf if self.factor else 0
 
     def setup_later(self, slot_nbytes: int) -> None:
         """After a restore: :meth:`setup` runs at the first :meth:`replicate`, in the snapshot worker, off the

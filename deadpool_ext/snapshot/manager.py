@@ -23,6 +23,7 @@ and the global commit happen after that point, on the copied bytes, and never bl
 """
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from datetime import timedelta
@@ -41,6 +42,7 @@ from ..persist.sign import checkpoint_key
 from ..rebuild.context import context
 from ..replicate.auth import BlobSigner
 from ..replicate.peer import PeerReplicator
+from . import spare_slots
 from .differential import DiffRing, GradTap
 from .late import LateState
 from .priority import WorkerPriority
@@ -118,6 +120,7 @@ class SnapshotManager:
         self.peers = PeerReplicator(rank=self.rank, node=self.node, factor=config.replication.factor,
                                     group=self.group, shm_dir=self.dir, job_id=self.job_id,
                                     double_buffer=config.replication.double_buffer, signer=signer)
+        self.peers.adopt = functools.partial(spare_slots.adopt, self.dir)  # a spare's buffers made while it waited
         # Differential mode (TierCheck): bases every K steps in the store's slots, differentials in its ring.
         dc = config.differential
         self.ring = DiffRing(dc.base_interval)
@@ -241,7 +244,7 @@ class SnapshotManager:
         if m is not None:  # for spares, which make their slots while they wait (snapshot/spare_slots.py)
             from .spare_slots import publish_slot_size
 
-            publish_slot_size(m.store, self.rank, nbytes)
+            publish_slot_size(m.store, self.rank, nbytes, self.peers.held_buffers())
         self.peers.setup(nbytes)
         state = self.state_nbytes()
         derived = sum(t.numel() * t.element_size() for _, t in snap.derived)

@@ -53,3 +53,40 @@ def test_prepared_slots_in_another_directory_are_removed_not_used(store, shm_roo
     assert len(os.listdir(d)) == 2
     assert spare_slots.take(os.path.join(shm_root, "elsewhere"), "spjob", 0, 1 << 20) is None
     assert os.listdir(d) == []
+
+
+def test_a_waiting_spare_also_makes_the_replica_buffers_a_rank_holds_and_its_replicator_adopts_them(store, shm_root):
+    """Issue 44: a spare made the buffers it holds for its sources' replicas at its first replication after the
+    restore, in the snapshot worker, while the redone step ran; now it makes them while it waits as well."""
+    from deadpool_ext.memory.shm import ShmSegment
+
+    spare_slots.publish_slot_size(store, 0, 2 << 20, held=2)  # replication factor 1, double buffer
+    spare_slots.publish_slot_size(store, 1, 2 << 20, held=2)
+    store.set("held/7", b"-1")                                # a count out of range is ignored
+    spare_slots.tick(store, shm_root, "spjob", "spare0", 0)
+    d = job_shm_dir(shm_root, "spjob", "spare0")
+    assert len([f for f in os.listdir(d) if ".prep." in f]) == 4
+    slots = spare_slots.take(d, "spjob", 1, 2 << 20)
+    assert slots is not None and len(slots) == 2
+    assert spare_slots.adopt(os.path.join(shm_root, "elsewhere"), "x", 1 << 20) is None  # not its directory
+    assert spare_slots.adopt(d, "deadpool.spjob.replica.r0.h1b0", 3 << 20) is None  # larger than prepared
+    buf = spare_slots.adopt(d, "deadpool.spjob.replica.r0.h1b0", 2 << 20)
+    assert isinstance(buf, ShmSegment) and buf.nbytes == 2 << 20
+    buf2 = spare_slots.adopt(d, "deadpool.spjob.replica.r0.h1b1", 2 << 20)
+    assert buf2 is not None and spare_slots.adopt(d, "deadpool.spjob.replica.r0.h1b2", 2 << 20) is None  # used up
+    assert sorted(os.listdir(d)) == ["deadpool.spjob.replica.r0.h1b0", "deadpool.spjob.replica.r0.h1b1",
+                                     "deadpool.spjob.snap.r1.0", "deadpool.spjob.snap.r1.1"]
+    for s in (*slots, buf, buf2):
+        s.close()
+
+
+def test_a_replicator_makes_what_it_cannot_adopt():
+    from deadpool_ext.replicate.peer import PeerReplicator
+
+    calls = []
+    r = PeerReplicator.__new__(PeerReplicator)  # only the buffer choice is under test here
+    r.kind, r.dir = "dreplica", "/nonexistent"
+    r.adopt = lambda name, nbytes: calls.append(name)  # differentials never adopt: their ring is the source's
+    with pytest.raises(OSError):
+        r._buffer("deadpool.j.dreplica.r0.h1b0", 1 << 20)
+    assert calls == []
