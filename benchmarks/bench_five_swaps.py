@@ -21,11 +21,15 @@ relabelled, started again), and kill -> the next completed step. Survivors keep 
 at the end, its median RSS over the ``--rss-window-s`` before the first kill it survived while training and over as
 long before the last step completed (a single sample's RSS is that of the phase of a step it fell in), and how many
 swaps it survived; the memory target is judged on the workers that survived every
-swap. A machine joins once the previous swap is over (its redone step completed): on this
+swap, against a control: the same job under ``deadpool-run`` with its spare and no kills, sampled over the same windows
+by step (``--no-control`` skips it). The judged figure is glibc's bytes in use (``mallinfo2``, written once a second by
+``heap_probe/sitecustomize.py`` in the active nodes' workers), not RSS: RSS also counts the free memory the allocator
+keeps in its heap (700-850 MB of a GPT small worker's 2 GB here), which comes and goes with the order of allocations,
+within a run and between two runs of the same job; RSS is reported beside it. A machine joins once the previous swap is over (its redone step completed): on this
 2-core host its start would otherwise compete with a recovery it is not part of. The losses against an
 uninterrupted run of the same script, bit for bit.
 
-    python benchmarks/bench_five_swaps.py          # ~4 min on 2 cores
+    python benchmarks/bench_five_swaps.py          # ~7 min on 2 cores (the control and the reference included)
 
 Writes ``benchmarks/results/five_swaps.json`` and ``.md``, the jobs' logs under ``five_swaps_logs/``.
 """
@@ -39,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -113,6 +118,47 @@ class Monitors:
     def rss_median(self, t0: float, t1: float) -> dict[str, int]:
         return {k: v for m in self.all for k, v in m.rss_median(t0, t1).items()}
 
+    def parts_median(self, t0: float, t1: float) -> dict[str, dict[str, int]]:
+        """Per part of RSS (anonymous, /dev/shm), each worker's median over [``t0``, ``t1``]."""
+        return {part: {k: v for m in self.all for k, v in m.part_median(t0, t1, part).items()} for part in PARTS}
+
+
+PARTS = ("rss_anon", "rss_shmem")
+HEAP_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "heap_probe")
+
+
+def probe_env(env: dict[str, str], heap_dir: str) -> dict[str, str]:
+    """``env`` with the allocator probe on (``heap_probe/sitecustomize.py``: active nodes' workers only)."""
+    path = os.pathsep.join(p for p in (HEAP_PROBE, os.environ.get("PYTHONPATH", "")) if p)
+    return {**env, "PYTHONPATH": path, "DEADPOOL_BENCH_HEAP_DIR": heap_dir}
+
+
+def read_heap(heap_dir: str) -> dict[str, list[tuple[float, int]]]:
+    """Each worker's allocator samples (time, bytes in use), by worker id, from the probe's files."""
+    import json
+
+    out: dict[str, list[tuple[float, int]]] = {}
+    for name in sorted(os.listdir(heap_dir)) if os.path.isdir(heap_dir) else []:
+        label = name.rsplit(".", 2)[0]
+        with open(os.path.join(heap_dir, name)) as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                    out.setdefault(label, []).append((float(rec["t"]), int(rec["live"])))
+                except (ValueError, KeyError):
+                    continue  # a line cut by the kill
+    return out
+
+
+def heap_window(heap: dict[str, list[tuple[float, int]]], t0: float, t1: float) -> dict[str, int]:
+    """Pure: each worker's median bytes in use over [``t0``, ``t1``] (workers with a sample in it)."""
+    out = {}
+    for k, samples in heap.items():
+        v = median([b for t, b in samples if t0 <= t <= t1])
+        if v is not None:
+            out[k] = int(v)
+    return out
+
 
 def kill_step(recs: list[dict[str, Any]], ready_at: float, earliest: int) -> int | None:
     """Pure: the step after which a swap's kill lands: the first step from ``earliest`` on that began (``time -
@@ -136,7 +182,8 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
     # can come later than the planned gap, and the job runs with room for it.
     iters = a.first_kill + (a.gap + a.slack) * (a.swaps - 1) + a.gap
     kills: list[int] = []
-    env = {"DEADPOOL_STORE_TOKEN": token}
+    heap_dir = os.path.join(scratch, "heap")
+    env = probe_env({"DEADPOOL_STORE_TOKEN": token}, heap_dir)
     job = Job(script=SCRIPT, nnodes=3, nproc_per_node=1, spare_nodes=1, shm_root=shm, timeline=timeline,
               launcher_flags=("--job-id", job_id, "--store-port", str(port)), env_vars=env,
               args=_args(cfg, iters, metrics, a.size))
@@ -176,9 +223,12 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
             kill = wait_and_kill(proc, deadline, mons, metrics, step, 0.5, holder)  # type: ignore[arg-type]
             append_event(timeline, {"event": "fault", "time": kill["t_kill"], "generation": i, "source": "injector",
                                     "pid": kill["killed_pid"], "worker": holder})
+            logged = next(r["time"] for r in read_records(metrics) if r["step"] == step)
             out["swaps"].append({"killed": holder, "rank": rank, "t_kill": kill["t_kill"], "after_step": step,
+                                 "kill_after_logged_s": kill["t_kill"] - logged,
                                  "training": sorted(w for w in holders.values() if w != holder),
-                                 "rss_before": mons.rss_median(kill["t_kill"] - a.rss_window_s, kill["t_kill"])})
+                                 "rss_before": mons.rss_median(kill["t_kill"] - a.rss_window_s, kill["t_kill"]),
+                                 "parts_before": mons.parts_median(kill["t_kill"] - a.rss_window_s, kill["t_kill"])})
             print(f"[bench] swap {i + 1}: SIGKILLed {holder} after step {step}", flush=True)
             while not [e for e in _events(timeline, "assignment") if e.get("generation") == i + 1]:
                 if time.time() > deadline:
@@ -236,6 +286,7 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
                             else steady_step_s(recs, redone) or 0.0)
     t_last = max((r["time"] for r in recs), default=time.time())  # the last step, before the job winds down
     last = mons.rss_median(t_last - a.rss_window_s, t_last)
+    last_parts = mons.parts_median(t_last - a.rss_window_s, t_last)
     killed = {sw["killed"] for sw in out["swaps"]}
     first: dict[str, Any] = {}
     for sw in out["swaps"]:  # each worker's RSS before the first kill it survived while training
@@ -243,6 +294,60 @@ def run(a: argparse.Namespace, scratch: str, logs: str) -> dict[str, Any]:
             first.setdefault(k, sw["rss_before"].get(k))
     out["rss_end"] = {k: last.get(k) for k in first if k not in killed}
     out["rss_first"] = {k: v for k, v in first.items() if k not in killed}
+    out["parts_end"] = {part: {k: v for k, v in last_parts[part].items() if k in out["rss_end"]} for part in PARTS}
+    heap = read_heap(heap_dir)
+    for sw in out["swaps"]:
+        sw["heap_before"] = heap_window(heap, sw["t_kill"] - a.rss_window_s, sw["t_kill"])
+    out["heap_end"] = {k: v for k, v in heap_window(heap, t_last - a.rss_window_s, t_last).items()
+                       if k in out["rss_end"]}
+    return out
+
+
+def control(a: argparse.Namespace, scratch: str, logs: str, swaps: list[dict[str, Any]],
+            iters: int) -> dict[str, Any]:
+    """The memory's control: the same job under ``deadpool-run`` with its spare, no kills, each worker's median RSS
+    over the same windows by step: before the moment each swap's kill came (as long after its step was logged as
+    the kill was) and before the last step. What a survivor's RSS does over those steps without a swap (the
+    process's own warm-up, the allocator) is then told apart from what the swaps leave."""
+    from deadpool_ext.testing.jobs import Job
+    from deadpool_ext.testing.launch import base_env, free_port
+
+    shm = os.path.join("/dev/shm", f"bench_five_ctl.{os.getpid()}")
+    os.makedirs(shm, exist_ok=True)
+    metrics = os.path.join(scratch, "control.jsonl")
+    cfg = _config(os.path.join(scratch, "control.ds.json"), shm)
+    heap_dir = os.path.join(scratch, "control_heap")
+    env = probe_env({"DEADPOOL_STORE_TOKEN": "t0ken-" + os.urandom(8).hex()}, heap_dir)
+    job = Job(script=SCRIPT, nnodes=3, nproc_per_node=1, spare_nodes=1, shm_root=shm,
+              launcher_flags=("--job-id", "fiveswapsctl", "--store-port", str(free_port())), env_vars=env,
+              args=_args(cfg, iters, metrics, a.size))
+    mons = Monitors()
+
+    def hook(proc: subprocess.Popen, deadline: float) -> None:
+        mons.all.append(Monitor(proc.pid, mons.label_env, shm, script=SCRIPT))
+        while proc.poll() is None and time.time() < deadline:
+            mons.sample()
+            time.sleep(0.1)
+
+    try:
+        res = run_logged(job.argv(), env=base_env(env), timeout_s=a.timeout_s, hook=hook,
+                         log_path=os.path.join(logs, "control.log"))
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    recs = {r["step"]: r for r in read_records(metrics)}
+    heap = read_heap(heap_dir)
+    out: dict[str, Any] = {"cmd": shlex.join(job.argv()), "returncode": res["returncode"], "at_kills": [],
+                           "parts_at_kills": [], "heap_at_kills": []}
+    for sw in swaps:
+        rec = recs.get(sw["after_step"])
+        t = rec["time"] + sw.get("kill_after_logged_s", 0.0) if rec else None
+        out["at_kills"].append(mons.rss_median(t - a.rss_window_s, t) if t else {})
+        out["parts_at_kills"].append(mons.parts_median(t - a.rss_window_s, t) if t else {})
+        out["heap_at_kills"].append(heap_window(heap, t - a.rss_window_s, t) if t else {})
+    t_last = max((r["time"] for r in recs.values()), default=time.time())
+    out["rss_end"] = mons.rss_median(t_last - a.rss_window_s, t_last)
+    out["parts_end"] = mons.parts_median(t_last - a.rss_window_s, t_last)
+    out["heap_end"] = heap_window(heap, t_last - a.rss_window_s, t_last)
     return out
 
 
@@ -269,12 +374,38 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
     all_swaps = len(swaps) == doc["swaps_planned"] and len(done) == len(swaps)
     survived = {k: sum(1 for s in swaps if k in (s.get("training") or []) and k != s["killed"]) for k in growth}
     every = {k: g for k, g in growth.items() if survived[k] == len(swaps)}  # the target's survivors
-    worst = max((g for g in every.values() if g), default=None)
+    ctl = doc.get("control") or {}
+    # With the control: each survivor's RSS at the last step over the same worker's in the run without kills, at the
+    # same step (what five swaps left in it); without: its own growth since the first kill it survived.
+    vs_control = {k: run_["rss_end"][k] / ctl["rss_end"][k] for k in every
+                  if run_["rss_end"].get(k) and (ctl.get("rss_end") or {}).get(k)}
+    first_swap = {k: next((i for i, s in enumerate(swaps) if k in (s.get("training") or [])), None) for k in growth}
+    ctl_growth = {k: ctl["rss_end"][k] / ctl["at_kills"][i][k] for k, i in first_swap.items()
+                  if ctl.get("rss_end", {}).get(k) and i is not None and i < len(ctl.get("at_kills") or [])
+                  and ctl["at_kills"][i].get(k)}
+    # The allocator's bytes in use (heap_probe/), where the run has them: RSS also counts the free memory glibc keeps
+    # in its heap, which comes and goes with the order of allocations (hundreds of MB here, within a run and between
+    # two runs of the same job), not with what a swap left alive.
+    heap_end, ctl_heap = run_.get("heap_end"), ctl.get("heap_end") or {}
+    heap_vs_control = {k: heap_end[k] / ctl_heap[k] for k in every
+                       if (heap_end or {}).get(k) and ctl_heap.get(k)}
+    heap_first = {k: swaps[i]["heap_before"][k] for k, i in first_swap.items()
+                  if i is not None and (swaps[i].get("heap_before") or {}).get(k)}
+    heap_growth = {k: heap_end[k] / v for k, v in heap_first.items() if (heap_end or {}).get(k)}
+    if ctl and heap_end is not None:
+        judged, against = heap_vs_control, "the same worker's allocator bytes in use in the run without kills"
+    elif ctl:
+        judged, against = vs_control, "the run without kills"
+    else:
+        judged, against = every, "its own RSS before the first swap"
+    worst = max((g for g in judged.values() if g), default=None)
     return {
         "swaps": len(swaps), "restored_each_s": each, "raw_each_s": [s.get("raw_s") for s in swaps],
         "built_ahead_each": [s.get("built_ahead") for s in swaps], "how_each": [s.get("how") for s in swaps],
         "normal_step_s": step, "normal_steps": run_.get("normal_steps"),
-        "survivor_rss_growth": growth, "swaps_survived": survived,
+        "survivor_rss_growth": growth, "swaps_survived": survived, "control_rss_growth": ctl_growth,
+        "survivor_rss_vs_control": vs_control, "survivor_heap_vs_control": heap_vs_control,
+        "survivor_heap_growth": heap_growth,
         "losses_identical": bool(losses) and set(losses) == set(ref) and all(ref[k] == v for k, v in losses.items()),
         "targets": {
             "every_restored": {"target_s": TARGET_RESTORED_S, "value_s": max(done, default=None),
@@ -283,8 +414,9 @@ def analyse(doc: dict[str, Any]) -> dict[str, Any]:
                                 "met": all_swaps and all(s.get("raw_s") is not None
                                                          and s["raw_s"] - step <= TARGET_RESTORED_S for s in swaps)},
             "survivor_memory": {"target": TARGET_MEMORY, "value": worst, "judged_on": sorted(every),
-                                "met": bool(every) and all(g is not None and g <= TARGET_MEMORY
-                                                           for g in every.values())}}}
+                                "against": against,
+                                "met": bool(every) and set(judged) == set(every)
+                                and all(g is not None and g <= TARGET_MEMORY for g in judged.values())}}}
 
 
 def render(doc: dict[str, Any]) -> str:
@@ -318,12 +450,46 @@ def render(doc: dict[str, Any]) -> str:
     lines += ["", f"One normal step: {f(an['normal_step_s'])} s{how}. {rss} (swaps survived): "
               + ", ".join(f"{k} x{f(v, 3)} ({n.get(k, '?')})" for k, v in g.items())
               + f". Losses bit-identical to an uninterrupted run: {an['losses_identical']}.", "",
+              *_control_lines(doc, f),
               "Targets: " + "; ".join(f"{k} {'met' if t['met'] else 'NOT met'}" for k, t in an["targets"].items())
               + f" (restored at most {TARGET_RESTORED_S} s and next step at most one step + {TARGET_RESTORED_S} s "
               f"for every swap; the memory of the survivors of every swap, "
               f"{', '.join(an['targets']['survivor_memory'].get('judged_on') or []) or 'none'}, within "
-              f"{TARGET_MEMORY - 1:.0%})."]
+              f"{TARGET_MEMORY - 1:.0%} of "
+              f"{an['targets']['survivor_memory'].get('against') or 'its own RSS before the first swap'})."]
     return "\n".join(lines) + "\n"
+
+
+def _control_lines(doc: dict[str, Any], f: Callable[..., str]) -> list[str]:
+    """The control's paragraph: the job without kills over the same windows, and each survivor's parts of RSS."""
+    ctl, an = doc.get("control"), doc["analysis"]
+    if not ctl:
+        return []
+    mb = 2 ** 20
+
+    def parts(d: dict[str, Any], k: str) -> str:
+        return ", ".join(f"{name} {f((d.get(p) or {}).get(k, 0) / mb, 0)} MB"
+                         for p, name in (("rss_anon", "anonymous"), ("rss_shmem", "/dev/shm")))
+
+    judged = an["targets"]["survivor_memory"].get("judged_on") or []
+    growth = ", ".join(f"{k} x{f(v, 3)}" for k, v in (an.get("control_rss_growth") or {}).items() if k in judged)
+    each = "; ".join(f"{k} x{f(v, 3)} ({f(doc['run']['rss_end'][k] / mb, 0)} MB against "
+                     f"{f(ctl['rss_end'][k] / mb, 0)} MB; with kills {parts(doc['run'].get('parts_end') or {}, k)}, "
+                     f"without {parts(ctl.get('parts_end') or {}, k)})"
+                     for k, v in (an.get("survivor_rss_vs_control") or {}).items())
+    heap = an.get("survivor_heap_vs_control") or {}
+    ctl_heap = ctl.get("heap_end") or {}
+    heap_line = ("" if doc["run"].get("heap_end") is None else
+                 " The allocator's bytes in use (glibc's `mallinfo2`, `benchmarks/heap_probe/`) at the last step over "
+                 "the same worker's without kills (the judged figure): " + ("; ".join(
+                     f"{k} x{f(v, 3)} ({f(doc['run']['heap_end'][k] / mb, 0)} MB against {f(ctl_heap[k] / mb, 0)} "
+                     "MB)" for k, v in heap.items()) or "-") + "; over its own before the first kill it survived: "
+                 + (", ".join(f"{k} x{f(v, 3)}" for k, v in (an.get("survivor_heap_growth") or {}).items()
+                              if k in judged) or "-") + ".")
+    rss_judged = " (the judged figure)" if doc["run"].get("heap_end") is None else ""
+    return [f"Control: the same job under `deadpool-run` with its spare and no kills, sampled over the same windows "
+            f"by step. Its RSS growth over the same steps: {growth or '-'}. At the last step, each survivor's RSS over "
+            f"the same worker's without kills{rss_judged}: {each or '-'}.{heap_line}", ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -342,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-window-s", type=float, default=12.0,
                    help="the memory judgement's windows: each worker's median RSS over this long (a few steps) before "
                         "the first kill it survived and before the last step")
+    p.add_argument("--no-control", action="store_true",
+                   help="skip the memory's control run (the same job, no kills; ~2 min): the memory target is then "
+                        "judged on each survivor's own growth alone")
     add_output_args(p, "five_swaps")
     a = p.parse_args(argv)
     if a.render_only:
@@ -363,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         doc["run"] = run(a, scratch, logs)
         doc["reference_losses"] = reference(a, scratch, logs, doc["run"]["train_iters"])
+        if not a.no_control:
+            doc["control"] = control(a, scratch, logs, doc["run"]["swaps"], doc["run"]["train_iters"])
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     doc["wall_s"] = time.time() - t0

@@ -52,6 +52,9 @@ class Monitor:
         self.ds_shm: set[str] = set()
         self.cpu: list[tuple[float, float, float]] = [(time.time(), *system_cpu())]
         self.series: list[tuple[float, dict[str, int]]] = []  # (time, {label: rss bytes}) per sample
+        # (time, {label: {part: bytes}}) per sample, the parts of rss: anonymous memory (the heap, tensors) and the
+        # /dev/shm pages it touched (snapshot slots, replicas), which grow and shrink for different reasons
+        self.parts: list[tuple[float, dict[str, dict[str, int]]]] = []
         self.min_available: int | None = None
         self.low_memory: str | None = None
         self._last = 0.0
@@ -103,14 +106,17 @@ class Monitor:
         self._last = now
         rss_sum = 0
         rss: dict[str, int] = {}
+        parts: dict[str, dict[str, int]] = {}
         for label, pid in self.workers().items():
             mem = process_memory(pid)
             rss[label] = mem.get("rss", 0)
+            parts[label] = {k: mem.get(k, 0) for k in ("rss_anon", "rss_shmem", "rss_file")}
             rss_sum += mem.get("rss", 0)
             self.peak_hwm[label] = max(self.peak_hwm.get(label, 0), mem.get("hwm", 0))
             self.ds_shm |= mapped_files(pid, "/dev/shm/deepspeed_")
         self.peak_rss_sum = max(self.peak_rss_sum, rss_sum)
         self.series.append((now, rss))
+        self.parts.append((now, parts))
         avail = _mem_available()
         if avail is not None:
             self.min_available = avail if self.min_available is None else min(self.min_available, avail)
@@ -144,6 +150,10 @@ class Monitor:
         particular phase of a step (one sample's is that of the phase it fell in: activations, gathered parameters
         and buffers in flight come and go within a step)."""
         return window_median([r for ts, r in self.series if t0 <= ts <= t1])
+
+    def part_median(self, t0: float, t1: float, part: str) -> dict[str, int]:
+        """As ``rss_median``, of one part of RSS (``rss_anon``, ``rss_shmem``, ``rss_file``)."""
+        return window_median([{k: v[part] for k, v in r.items()} for ts, r in self.parts if t0 <= ts <= t1])
 
     def rss_max_after(self, t: float) -> dict[str, int]:
         out: dict[str, int] = {}

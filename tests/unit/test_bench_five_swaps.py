@@ -84,3 +84,77 @@ def test_memory_is_a_median_over_a_window_not_one_sample_at_some_phase_of_a_step
     doc["run"]["rss_window_s"] = 12.0
     doc["analysis"] = bench.analyse(doc)
     assert "median RSS over the 12 s before the last step" in bench.render(doc)
+
+
+def test_with_a_control_memory_is_judged_against_the_same_worker_without_kills():
+    """The window before the first kill holds the process's own warm-up; the run without kills, sampled over the same
+    steps, tells that apart from what the swaps leave: the judged figure is the survivor's RSS at the last step over
+    the same worker's without kills."""
+    doc = _doc(rss_end=1.08e9)  # grew 8% since the first kill
+    assert not bench.analyse(doc)["targets"]["survivor_memory"]["met"]
+    parts = {"rss_anon": {"node0.0": 0.7e9}, "rss_shmem": {"node0.0": 0.3e9}}
+    doc["control"] = {"at_kills": [{"node0.0": 1.0e9}] * 5, "rss_end": {"node0.0": 1.06e9},
+                      "parts_at_kills": [parts] * 5, "parts_end": parts}
+    an = bench.analyse(doc)
+    assert an["control_rss_growth"]["node0.0"] == 1.06
+    assert round(an["survivor_rss_vs_control"]["node0.0"], 4) == round(1.08 / 1.06, 4)
+    assert an["targets"]["survivor_memory"]["met"] and an["targets"]["survivor_memory"]["against"] == \
+        "the run without kills"
+    doc["control"]["rss_end"] = {"node0.0": 1.0e9}  # without kills it stayed flat: the 8% is the swaps'
+    assert not bench.analyse(doc)["targets"]["survivor_memory"]["met"]
+    doc["control"]["rss_end"] = {}  # the control lost the survivor's samples: not judged, not met
+    assert not bench.analyse(doc)["targets"]["survivor_memory"]["met"]
+    doc["control"]["rss_end"] = {"node0.0": 1.06e9}
+    doc["run"]["parts_end"] = parts
+    doc["analysis"] = bench.analyse(doc)
+    md = bench.render(doc)
+    assert "Control: the same job" in md and "node0.0 x1.019" in md and "anonymous 668 MB" in md
+    assert "within 5% of the run without kills" in md
+
+
+def test_with_the_allocator_probe_memory_is_judged_on_bytes_in_use_and_rss_is_reported_beside():
+    """RSS counts the free memory glibc keeps in its heap (hundreds of MB here, changing with the order of
+    allocations); the bytes in use are what a swap could leave alive."""
+    doc = _doc(rss_end=1.09e9)
+    doc["run"]["swaps"][0]["heap_before"] = {"node0.0": 2.40e9}
+    doc["run"]["heap_end"] = {"node0.0": 2.46e9}
+    doc["control"] = {"at_kills": [{"node0.0": 1.0e9}] * 5, "rss_end": {"node0.0": 1.0e9},
+                      "heap_end": {"node0.0": 2.43e9}}
+    an = bench.analyse(doc)
+    assert round(an["survivor_heap_vs_control"]["node0.0"], 4) == round(2.46 / 2.43, 4)
+    assert round(an["survivor_heap_growth"]["node0.0"], 3) == 1.025
+    assert an["survivor_rss_vs_control"]["node0.0"] == 1.09  # reported, not judged
+    mem = an["targets"]["survivor_memory"]
+    assert mem["met"] and mem["against"].startswith("the same worker's allocator bytes in use")
+    doc["run"]["heap_end"] = {"node0.0": 2.60e9}  # 7% more alive than without kills: a leak
+    assert not bench.analyse(doc)["targets"]["survivor_memory"]["met"]
+    doc["run"]["heap_end"] = {}  # the probe wrote nothing for the survivor: not judged, not met
+    assert not bench.analyse(doc)["targets"]["survivor_memory"]["met"]
+    doc["run"]["heap_end"] = {"node0.0": 2.46e9}
+    doc["analysis"] = bench.analyse(doc)
+    md = bench.render(doc)
+    assert "bytes in use (glibc's `mallinfo2`" in md and "node0.0 x1.012 (2346 MB against 2317 MB)" in md
+
+
+def test_heap_samples_in_a_window_by_worker(tmp_path):
+    (tmp_path / "node0.0.41.jsonl").write_text('{"t": 1, "live": 10}\n{"t": 2, "live": 30}\n{"t": 3, "live": 20}\n'
+                                                '{"t": 9, "live": 99}\n{"t": 4, "li')  # the last line cut by a kill
+    (tmp_path / "node1.0.42.jsonl").write_text('{"t": 8, "live": 5}\n')
+    heap = bench.read_heap(str(tmp_path))
+    assert bench.heap_window(heap, 1, 3) == {"node0.0": 20}
+    assert bench.heap_window(heap, 5, 9) == {"node0.0": 99, "node1.0": 5}
+    assert bench.read_heap(str(tmp_path / "none")) == {}
+
+
+def test_the_allocator_probe_runs_in_active_nodes_workers_only(tmp_path):
+    """A spare's warm parent refuses to fork beside another Python thread: the probe never starts in one."""
+    import subprocess
+
+    code = "import threading, time; time.sleep(0.3); print(sorted(t.name for t in threading.enumerate()))"
+    for wid in ("node0.0", "spare0.0", "join1.0"):
+        # the folder is made by the probe (the benchmark names one under its scratch directory)
+        env = {**os.environ, **bench.probe_env({"DEADPOOL_WORKER_ID": wid}, str(tmp_path / "heap"))}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+        assert ("bench-heap-probe" in out.stdout) == (wid == "node0.0"), (wid, out.stdout, out.stderr)
+    heap = bench.read_heap(str(tmp_path / "heap"))
+    assert list(heap) == ["node0.0"] and len(heap["node0.0"]) >= 1 and heap["node0.0"][0][1] > 0
