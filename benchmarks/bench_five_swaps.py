@@ -25,8 +25,9 @@ swap, against a control: the same job under ``deadpool-run`` with its spare and 
 by step (``--no-control`` skips it). The judged figure is glibc's bytes in use (``mallinfo2``, written once a second by
 ``heap_probe/sitecustomize.py`` in the active nodes' workers), not RSS: RSS also counts the free memory the allocator
 keeps in its heap (700-850 MB of a GPT small worker's 2 GB here), which comes and goes with the order of allocations,
-within a run and between two runs of the same job; RSS is reported beside it. A machine joins once the previous swap is over (its redone step completed): on this
-2-core host its start would otherwise compete with a recovery it is not part of. The losses against an
+within a run and between two runs of the same job; RSS is reported beside it. A machine joins once the previous swap
+is over (its redone step completed): on this 2-core host its start would otherwise compete with a recovery it is not
+part of. The losses against an
 uninterrupted run of the same script, bit for bit.
 
     python benchmarks/bench_five_swaps.py          # ~7 min on 2 cores (the control and the reference included)

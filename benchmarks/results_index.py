@@ -145,16 +145,16 @@ CURRENT: tuple[Current, ...] = (
             "1 spare; five SIGKILLs of the holder of rank 1, 2, 1, 2, 1 in turn (a different process and node each "
             "time), each spare replaced by a joining machine that builds ahead for rank 1, so two of five swaps take "
             "ranks the spare did not build for (relabelled in place) and rank 0's holder survives all five; per swap "
-            "how the spare took the ranks, kill -> restored and -> next step, each survivor's RSS from the first "
-            "kill it survived while training to the end and the swaps it survived, losses against an "
-            "uninterrupted run.",
+            "how the spare took the ranks, kill -> restored and -> next step; the memory of rank 0's holder, which "
+            "survives all five, against the same job run without kills over the same windows by step (its RSS, and "
+            "glibc's bytes in use from benchmarks/heap_probe/, the judged figure); losses against an uninterrupted "
+            "run.",
             companions=("five_swaps_any_node_logs",),
-            note="Kept as measured, stall included: swaps 1, 2, 4 and 5 took 0.76-0.87 s to restored, swap 3 60.51 s: "
-                 "rank 0, stopped by the launcher's notice while computing, reached the new generation's "
-                 "communicators only after the collective timeout (60 s), while the other survivor and the spare "
-                 "were there at once. The same stall in the run before this one (swap 4, not kept): two runs in "
-                 "three on the final code of two sessions. Its cause is not found; the workers' own logs carry no "
-                 "timestamps, and the run's timeline is not kept."),
+            note="One run of four on this code (2026-12-07): the next-step target was missed by one swap in two of "
+                 "them (archive five_swaps_any_node_rss_control, and this one), met for every swap in the other "
+                 "two (five_swaps_any_node_7aa236d, five_swaps_any_node_rss_control2). Survivor RSS against the run "
+                 "without kills in the three runs with a control: x1.065, x1.030, x1.009; bytes in use (this run "
+                 "only) x1.001."),
     Current("recovery_trainer", "trainer_recovery", "an unmodified HF Trainer job: hot-swap vs its own relaunch",
             "Issue 'the spare ready', part 3: scripts/examples/hf_trainer.py (GPT-2 of 2 layers, ZeRO-3 through "
             "Accelerate), 2 ranks + 1 spare under deadpool-run, a worker SIGKILLed mid step: the node the spare "
@@ -243,8 +243,8 @@ CURRENT: tuple[Current, ...] = (
             "Issue 44, the fallback: the same Megatron-Core job with `--layout pp2` (PP2 x DP2: node0 holds stage 0, "
             "node1 stage 1). The spare built for node1 cannot take stage 0 in place, so node0's loss starts it again "
             "from its script's first line, as a fresh child of its warm parent (rebuild/warm.py); against the "
-            "rebuild path (hot_swap.in_place: false) and relaunch + --load in the same run, 3 repeats, kinds "
-            "rotated.",
+            "rebuild path (hot_swap.in_place: false) and relaunch + --load in the same run, 6 repeats, kinds "
+            "rotated; the fallback judged against the rebuild path round by round, paired.",
             companions=("megatron_nodes_pp2_logs",)),
     Current("chaos", "chaos", "chaos campaign, 12 trials",
             "Chaos campaign: 12 seeded fault trials over ZeRO-1/2/3 and Megatron TP2 (kills in replication, "
@@ -327,6 +327,22 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "megatron_nodes_pp2_7aa236d": "the PP2 x DP2 run of the stop before, 3 rounds, judged on two medians: the warm "
+                                  "fallback 3.18 s against the rebuild path's 2.99 s (3.03-3.26 s against "
+                                  "2.97-3.00 s), slower in all three rounds",
+    "five_swaps_any_node_7aa236d": "the five swaps of the stop before, on the same deadpool_ext code as today's: "
+                                   "swaps 0.53-0.82 s, next step minus a quiet step 0.45-0.92 s, node0.0's RSS "
+                                   "x1.0501 over its own before the first kill (no control run then)",
+    "five_swaps_any_node_rss_control2": "the second run with the control, its allocator probe silent (its folder was "
+                                        "never made): node0.0's RSS x1.030 against the run without kills (2064 MB "
+                                        "against 2003 MB), x1.054 over its own before the first kill, the control's "
+                                        "own x1.044; swaps 0.47-0.76 s, every next step within a step + 1.0 s",
+    "five_swaps_any_node_rss_control": "the first run with the control (the job without kills, same windows), the "
+                                       "memory judged on RSS against it: node0.0 x1.065 (2165 MB against 2034 MB), "
+                                       "the control's own RSS x1.061 over the same steps; swap 4's next step 1.44 s "
+                                       "over a normal one (2.88 s, the steps around it 3.2-3.8 s). An in-process "
+                                       "probe then showed glibc holding 700-850 MB of free heap in both runs, the "
+                                       "bytes in use flat across the swaps: the run after judges those",
     "five_swaps_any_node_35b1656": "the first run with every kill after a quiet step and the memory on 12-s medians, "
                                    "on the stop-55 code: swaps 0.47-0.93 s; next step minus a quiet step 0.30-1.39 s "
                                    "(3 of 5 over the 1.0 s margin, the redone step up to 0.58 s slower than a quiet "
