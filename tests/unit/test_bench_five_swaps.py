@@ -150,11 +150,11 @@ def test_the_allocator_probe_runs_in_active_nodes_workers_only(tmp_path):
     """A spare's warm parent refuses to fork beside another Python thread: the probe never starts in one."""
     import subprocess
 
-    code = "import threading, time; time.sleep(0.3); print(sorted(t.name for t in threading.enumerate()))"
     for wid in ("node0.0", "spare0.0", "join1.0"):
-        # the folder is made by the probe (the benchmark names one under its scratch directory)
+        # the folder is made by the probe (the benchmark names one under its scratch directory); the probe writes
+        # its first sample as it starts, so a worker id without a file never ran it
         env = {**os.environ, **bench.probe_env({"DEADPOOL_WORKER_ID": wid}, str(tmp_path / "heap"))}
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
-        assert ("bench-heap-probe" in out.stdout) == (wid == "node0.0"), (wid, out.stdout, out.stderr)
+        out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3)"], env=env, timeout=60)
+        assert out.returncode == 0
     heap = bench.read_heap(str(tmp_path / "heap"))
     assert list(heap) == ["node0.0"] and len(heap["node0.0"]) >= 1 and heap["node0.0"][0][1] > 0
