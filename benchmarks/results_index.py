@@ -316,6 +316,13 @@ CURRENT: tuple[Current, ...] = (
             "modes alternated on fresh beds; the losses of both against an uninterrupted run.",
             note="two runs per mode, one shared the 2 cores with a test run (deadpool 15.2 vs 34.1 s): re-run for "
                  "a quiet spread"),
+    Current("slurm_preempt", "slurm_preempt", "preempted under a real Slurm, then requeued: drain vs relaunch",
+            "Issue 47, Measure: GPT small, ZeRO-3, 3 nodes x 1 process on the namespace Slurm bed; a job of partition "
+            "urgent (PreemptMode=REQUEUE) needing every node submitted after step 3: for deadpool-run (sbatch "
+            "--nodes 4, --save/--load) when the SIGTERM was heard and the newest step verified on tier 3, and for "
+            "both it and the relaunch (torchrun, a checkpoint every step, --requeue) the steps trained again, when "
+            "the requeued run started and logged its first step (Slurm's cred_expire, 120 s, holds it); losses of "
+            "both runs together against an uninterrupted run."),
     Current("REPORT", "report", "all of the above with figures",
             "Everything above in one page with figures, rendered from the current results by "
             "`python benchmarks/run_all.py --report-only` (no benchmark run).", md_only=True,
@@ -327,6 +334,9 @@ CURRENT: tuple[Current, ...] = (
 # Why the archived runs were kept, for the archive table of INDEX.md (stem -> reason). Stems not named here are
 # listed with the generic reason.
 ARCHIVE_NOTES: dict[str, str] = {
+    "slurm_preempt_first": "the first preemption run, one per mode: deadpool heard the SIGTERM at 1.37 s, step 4 "
+                           "verified on tier 3 at 5.75 s, none lost, the requeued run's first step at 162.75 s; the "
+                           "relaunch lost 1 step (its checkpoint of step 3 cut), first step at 140.92 s",
     "megatron_nodes_pp2_7aa236d": "the PP2 x DP2 run of the stop before, 3 rounds, judged on two medians: the warm "
                                   "fallback 3.18 s against the rebuild path's 2.99 s (3.03-3.26 s against "
                                   "2.97-3.00 s), slower in all three rounds",
