@@ -257,7 +257,7 @@ def test_no_spare_left_stops_with_clear_error(tmp_path, shm_root):
     ckpt = os.path.join(str(tmp_path), "ckpt")
     job = dprun_job(tmp_path, shm_root, spares=0, name="nospare")
     job = job.replace(args=(*job.args, "--save", ckpt, "--save-interval", "2"))
-    res, _, events, _ = run_dprun(tmp_path, job, faults=[(8, "node1.0", signal.SIGKILL)], name="nospare")
+    res, metrics, events, _ = run_dprun(tmp_path, job, faults=[(8, "node1.0", signal.SIGKILL)], name="nospare")
     assert res.returncode != 0
     stopped = [e for e in events if e.get("event") == "stopped"]
     assert stopped and "only 0 spare node(s) are left" in stopped[-1]["reason"] and "--spare-nodes" in \
@@ -269,8 +269,10 @@ def test_no_spare_left_stops_with_clear_error(tmp_path, shm_root):
     assert (f"steps {tier3 + 1}-{trained} trained since were in memory only" in stopped[-1]["reason"]) \
         == (trained > tier3), stopped[-1]
     # a base in flight at the stop may land after it, and the writer keeps the newest 2 (persist.keep_last): the
-    # named step or a newer one is on storage
-    assert any(os.path.exists(os.path.join(ckpt, version_tag(v), COMMIT)) for v in range(tier3, trained + 1)), \
+    # named step or a newer one is on storage. Newer than the heartbeat's trained step too: on a loaded host rank 0's
+    # last heartbeat can be steps behind its training (a full suite run: trained 5, tier 3 4, the bases of 6 and 8
+    # written, the base of 4 collected)
+    assert any(os.path.exists(os.path.join(ckpt, version_tag(v), COMMIT)) for v in range(tier3, max(metrics) + 1)), \
         (stopped[-1], os.listdir(ckpt))
 
 
