@@ -152,12 +152,13 @@ def one_run(mode: str, workdir: str, args: argparse.Namespace, tag: str, *, faul
         bed.close()
 
 
-def _med(vals: list[float]) -> str:
+def _med(vals: list[Any], d: int = 2) -> str:
+    """The median of ``vals`` (Nones left out) with each value in brackets, ``d`` decimals; "-" for none."""
     vals = [v for v in vals if v is not None]
     if not vals:
         return "-"
-    each = ", ".join(f"{v:.2f}" for v in vals)
-    return f"{statistics.median(vals):.2f} ({each})" if len(vals) > 1 else f"{vals[0]:.2f}"
+    each = ", ".join(f"{v:.{d}f}" for v in vals)
+    return f"{statistics.median(vals):.{d}f} ({each})" if len(vals) > 1 else f"{vals[0]:.{d}f}"
 
 
 def _state_at(run: dict[str, Any], prefix: str) -> float | None:
@@ -219,18 +220,24 @@ def render(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_doc_block(doc: dict[str, Any]) -> None:
-    with open(DOC) as fh:
+def replace_doc_block(path: str, begin: str, end: str, block: list[str]) -> None:
+    """Rewrite the lines between the markers ``begin`` and ``end`` of ``path`` with ``block`` (a rendered result,
+    never typed); one line naming the file and the markers when they are missing."""
+    with open(path) as fh:
         text = fh.read()
-    if DOC_BEGIN not in text or DOC_END not in text:
-        raise SystemExit(f"{DOC}: the markers {DOC_BEGIN!r} ... {DOC_END!r} are missing")
-    head, rest = text.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    block = [f"Measured {doc['machine'].get('time_utc')} (GPT {doc['size']}, git "
-             f"{(doc['machine'].get('git') or {}).get('commit', '')[:10]}; `benchmarks/results/{doc['name']}.md`):",
-             "", *table(doc)]
-    with open(DOC, "w") as fh:
-        fh.write(head + DOC_BEGIN + "\n" + "\n".join(block) + "\n" + DOC_END + tail)
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: the markers {begin!r} ... {end!r} are missing")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(path, "w") as fh:
+        fh.write(head + begin + "\n" + "\n".join(block) + "\n" + end + tail)
+
+
+def write_doc_block(doc: dict[str, Any]) -> None:
+    replace_doc_block(DOC, DOC_BEGIN, DOC_END, [
+        f"Measured {doc['machine'].get('time_utc')} (GPT {doc['size']}, git "
+        f"{(doc['machine'].get('git') or {}).get('commit', '')[:10]}; `benchmarks/results/{doc['name']}.md`):", "",
+        *table(doc)])
 
 
 def main(argv: list[str] | None = None) -> int:

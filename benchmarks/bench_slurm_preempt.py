@@ -48,7 +48,7 @@ if HERE not in sys.path:
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
-from bench_slurm import RELAUNCH_SCRIPT, records, write_config  # noqa: E402
+from bench_slurm import RELAUNCH_SCRIPT, _med, records, replace_doc_block, write_config  # noqa: E402
 from common import add_output_args, machine_info, render_only, save_result  # noqa: E402
 
 from deadpool_ext.testing.hosts import HostBed, missing_requirements  # noqa: E402
@@ -153,14 +153,6 @@ def one_run(mode: str, workdir: str, args: argparse.Namespace, tag: str, *, faul
         bed.close()
 
 
-def _med(vals: list[Any], d: int = 2) -> str:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return "-"
-    each = ", ".join(f"{v:.{d}f}" for v in vals)
-    return f"{statistics.median(vals):.{d}f} ({each})" if len(vals) > 1 else f"{vals[0]:.{d}f}"
-
-
 def table(doc: dict[str, Any]) -> list[str]:
     ref = doc["reference"]["losses"]
     lines = ["| mode | SIGTERM heard (s) | newest step verified on tier 3 (s) | steps trained | resumed after step | "
@@ -202,17 +194,10 @@ def render(doc: dict[str, Any]) -> str:
 
 def write_doc_block(doc: dict[str, Any]) -> None:
     """The measured block of docs/slurm.md, between its markers, rendered from ``doc`` (never typed)."""
-    with open(DOC) as fh:
-        text = fh.read()
-    if DOC_BEGIN not in text or DOC_END not in text:
-        raise SystemExit(f"{DOC}: the markers {DOC_BEGIN!r} ... {DOC_END!r} are missing")
-    head, rest = text.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    block = [f"Measured {doc['machine'].get('time_utc')} (GPT {doc['size']}, git "
-             f"{(doc['machine'].get('git') or {}).get('commit', '')[:10]}, cred_expire "
-             f"{doc.get('cred_expire_s') or 120} s; `benchmarks/results/{doc['name']}.md`):", "", *table(doc)]
-    with open(DOC, "w") as fh:
-        fh.write(head + DOC_BEGIN + "\n" + "\n".join(block) + "\n" + DOC_END + tail)
+    replace_doc_block(DOC, DOC_BEGIN, DOC_END, [
+        f"Measured {doc['machine'].get('time_utc')} (GPT {doc['size']}, git "
+        f"{(doc['machine'].get('git') or {}).get('commit', '')[:10]}, cred_expire {doc.get('cred_expire_s') or 120} "
+        f"s; `benchmarks/results/{doc['name']}.md`):", "", *table(doc)])
 
 
 def main(argv: list[str] | None = None) -> int:
